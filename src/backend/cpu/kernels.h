@@ -1,0 +1,96 @@
+// CPU reference kernels, templated on the scalar type: float is what training runs; double is what
+// the finite-difference tests run. Each layer is a forward/backward pair. Conventions:
+//  - all matrices row-major; activations are [N tokens, features];
+//  - backward functions OVERWRITE input gradients (dx, dq, ...) unless a flag says accumulate, and
+//    ACCUMULATE (+=) parameter gradients (dgain, dtable) so gradient accumulation is free;
+//  - no allocation inside a call except thread-local scratch reused across calls.
+// Explicit instantiations for float and double live in kernels.cpp.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace ladder::cpu {
+
+// C[M,N] = alpha * op(A) * op(B) + beta * C. op(A) is [M,K], op(B) is [K,N]. Row-major with
+// leading dimensions lda/ldb/ldc (OpenBLAS cblas_sgemm / cblas_dgemm).
+template <class T>
+void gemm(bool transA, bool transB, int M, int N, int K, T alpha, const T* A, int lda, const T* B,
+          int ldb, T beta, T* C, int ldc);
+
+// out[i,:] = table[ids[i],:]   (table [V,D], out [N,D])
+template <class T>
+void embedding_forward(T* out, const T* table, const int32_t* ids, int N, int D);
+// dtable[ids[i],:] += dout[i,:]  (deterministic regardless of thread count)
+template <class T>
+void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int N, int D);
+
+// RMSNorm over rows of length D: rstd[i] = 1/sqrt(mean(x_i^2) + eps); y = x * rstd * gain.
+// gain may be nullptr (non-parametric norm, gain 1). rstd [N] is saved for backward.
+template <class T>
+void rmsnorm_forward(T* y, T* rstd, const T* x, const T* gain, int N, int D, T eps);
+// dx = (overwrite, or += when accumulate_dx) gradient wrt x; dgain += gradient wrt gain (skipped
+// when gain/dgain are nullptr).
+template <class T>
+void rmsnorm_backward(T* dx, T* dgain, const T* dy, const T* x, const T* gain, const T* rstd, int N,
+                      int D, bool accumulate_dx);
+
+// Rotary embedding, rotate-half convention, in place on x [N_tok, nheads*hd]. Token t has position
+// t % S. Only the first rot_dims dims of each head rotate (rot_dims == hd: full RoPE; hd/2:
+// half-RoPE): pairs (i, i + rot_dims/2) for i < rot_dims/2 with frequency theta^(-2i/rot_dims).
+template <class T>
+void rope_forward(T* x, int N_tok, int S, int nheads, int hd, int rot_dims, T theta);
+// The adjoint (inverse rotation), in place on the gradient.
+template <class T>
+void rope_backward(T* dx, int N_tok, int S, int nheads, int hd, int rot_dims, T theta);
+
+// Causal multi-head attention with grouped KV heads, optional sliding window.
+//  q [B*S, H*hd], k and v [B*S, KV*hd], o [B*S, H*hd], lse [B, H, S] (log-sum-exp of the scaled
+//  scores of each query row, saved for backward). Query head h uses KV head h / (H/KV).
+//  Query i attends to keys j with j <= i and (window <= 0 or i - j < window).
+//  Scores are scale * q.k. Blocked over query rows, no S x S tensor in memory.
+struct AttnShape {
+  int B, S, H, KV, hd;
+  int window;  // <= 0: full causal
+  double scale;
+};
+template <class T>
+void attention_forward(T* o, T* lse, const T* q, const T* k, const T* v, const AttnShape& s);
+// dq, dk, dv OVERWRITTEN. Recomputes probabilities from q, k, lse.
+template <class T>
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
+                        const T* o, const T* lse, const AttnShape& s);
+
+// SwiGLU: h = silu(g) * u, elementwise over n values.
+template <class T>
+void swiglu_forward(T* h, const T* g, const T* u, size_t n);
+template <class T>
+void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n);
+
+// Softmax cross-entropy with optional z-loss, fused, IN PLACE: `logits` [N,V] is replaced by the
+// gradient of  grad_scale * sum_i (xent_i + z_coef * lse_i^2)  with respect to the logits.
+// Returns the sums over the N rows (in double) of xent_i and of lse_i^2.
+struct XentSums {
+  double xent = 0, lse_sq = 0;
+};
+template <class T>
+XentSums softmax_xent(T* logits, const int32_t* targets, int N, int V, T z_coef, T grad_scale);
+// Forward only (logits untouched): per-row losses written to `losses` [N] if not nullptr.
+template <class T>
+XentSums softmax_xent_forward(const T* logits, const int32_t* targets, int N, int V, T* losses);
+
+// Small vector helpers (OpenMP over elements).
+template <class T>
+void add_inplace(T* y, const T* x, size_t n);  // y += x
+template <class T>
+void scale_inplace(T* x, T s, size_t n);  // x *= s
+template <class T>
+double sum_squares(const T* x, size_t n);  // deterministic for a fixed thread count
+
+// AdamW on one tensor (decoupled weight decay, bias corrections passed in):
+//  m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+//  p -= lr * ( (m/bc1) / (sqrt(v/bc2) + eps) + wd * p )
+template <class T>
+void adamw_update(T* p, const T* g, T* m, T* v, size_t n, T lr, T b1, T b2, T eps, T wd, T bc1,
+                  T bc2);
+
+}  // namespace ladder::cpu
