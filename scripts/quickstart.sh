@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: install dependencies, build, prepare the built-in default corpus,
+# train the dense-tiny preset for a few minutes, sample from it, and say where everything is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$(nproc)"
+bash scripts/make-corpus.sh data/corpus/default.jsonl
+if [ ! -f data/default/meta.json ]; then
+  ./build/ladder data --input data/corpus/default.jsonl --out data/default --vocab 8192
+fi
+RUN=runs/dense-tiny
+if [ -d "$RUN/checkpoints" ]; then
+  ./build/ladder train configs/dense-tiny.yaml --run-dir "$RUN" --resume
+else
+  ./build/ladder train configs/dense-tiny.yaml --run-dir "$RUN"
+fi
+echo
+echo "== samples =="
+for p in "And God said" "The hacker" "A fortune:"; do
+  ./build/ladder sample "$RUN" --prompt "$p" --max-tokens 60 --temperature 0.8 --top-k 40
+  echo "--"
+done
+echo
+echo "metrics:     $RUN/metrics.jsonl  (one JSON object per line)"
+echo "checkpoints: $RUN/checkpoints/   (model.safetensors, optimizer state, loader state)"
+echo "benchmark:   ./build/ladder bench --torch"

@@ -1,0 +1,51 @@
+// The op interface the model is written against. The CPU backend (backend/cpu) implements it with
+// OpenBLAS + OpenMP and doubles as the reference a CUDA backend is tested against. Pointers are
+// device pointers of the backend; shapes and conventions are those of backend/cpu/kernels.h.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "backend/cpu/kernels.h"
+
+namespace ladder {
+
+using cpu::AttnShape;
+using cpu::XentSums;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
+                    const float* B, int ldb, float beta, float* C, int ldc) = 0;
+  virtual void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) = 0;
+  virtual void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int N, int D) = 0;
+  virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps) = 0;
+  virtual void rmsnorm_backward(float* dx, float* dgain, const float* dy, const float* x, const float* gain,
+                                const float* rstd, int N, int D, bool accumulate_dx) = 0;
+  virtual void rope_forward(float* x, int N_tok, int S, int nheads, int hd, int rot_dims, float theta) = 0;
+  virtual void rope_backward(float* dx, int N_tok, int S, int nheads, int hd, int rot_dims, float theta) = 0;
+  virtual void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                                 const AttnShape& s) = 0;
+  virtual void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                                  const float* k, const float* v, const float* o, const float* lse,
+                                  const AttnShape& s) = 0;
+  virtual void swiglu_forward(float* h, const float* g, const float* u, size_t n) = 0;
+  virtual void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) = 0;
+  virtual XentSums softmax_xent(float* logits, const int32_t* targets, int N, int V, float z_coef, float grad_scale) = 0;
+  virtual XentSums softmax_xent_forward(const float* logits, const int32_t* targets, int N, int V, float* losses) = 0;
+  virtual void add_inplace(float* y, const float* x, size_t n) = 0;
+  virtual void scale_inplace(float* x, float s, size_t n) = 0;
+  virtual double sum_squares(const float* x, size_t n) = 0;
+  virtual void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1,
+                            float b2, float eps, float wd, float bc1, float bc2) = 0;
+};
+
+// The CPU backend. `threads` <= 0: all cores. Sets the OpenMP and OpenBLAS thread counts.
+std::unique_ptr<Backend> make_cpu_backend(int threads);
+// The number of threads the CPU backend runs with.
+int cpu_threads();
+
+}  // namespace ladder

@@ -1,0 +1,76 @@
+// CpuBackend: forwards the op interface to the float instantiations of the CPU kernels.
+#include <omp.h>
+
+#include "backend/backend.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace ladder {
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+  void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+            int ldb, float beta, float* C, int ldc) override {
+    cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) override {
+    cpu::embedding_forward<float>(out, table, ids, N, D);
+  }
+  void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int N, int D) override {
+    cpu::embedding_backward<float>(dtable, dout, ids, N, D);
+  }
+  void rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps) override {
+    cpu::rmsnorm_forward<float>(y, rstd, x, gain, N, D, eps);
+  }
+  void rmsnorm_backward(float* dx, float* dgain, const float* dy, const float* x, const float* gain,
+                        const float* rstd, int N, int D, bool acc) override {
+    cpu::rmsnorm_backward<float>(dx, dgain, dy, x, gain, rstd, N, D, acc);
+  }
+  void rope_forward(float* x, int N_tok, int S, int nh, int hd, int rot, float theta) override {
+    cpu::rope_forward<float>(x, N_tok, S, nh, hd, rot, theta);
+  }
+  void rope_backward(float* dx, int N_tok, int S, int nh, int hd, int rot, float theta) override {
+    cpu::rope_backward<float>(dx, N_tok, S, nh, hd, rot, theta);
+  }
+  void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                         const AttnShape& s) override {
+    cpu::attention_forward<float>(o, lse, q, k, v, s);
+  }
+  void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                          const float* v, const float* o, const float* lse, const AttnShape& s) override {
+    cpu::attention_backward<float>(dq, dk, dv, dout, q, k, v, o, lse, s);
+  }
+  void swiglu_forward(float* h, const float* g, const float* u, size_t n) override {
+    cpu::swiglu_forward<float>(h, g, u, n);
+  }
+  void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) override {
+    cpu::swiglu_backward<float>(dg, du, dh, g, u, n);
+  }
+  XentSums softmax_xent(float* logits, const int32_t* t, int N, int V, float z, float gs) override {
+    return cpu::softmax_xent<float>(logits, t, N, V, z, gs);
+  }
+  XentSums softmax_xent_forward(const float* logits, const int32_t* t, int N, int V, float* losses) override {
+    return cpu::softmax_xent_forward<float>(logits, t, N, V, losses);
+  }
+  void add_inplace(float* y, const float* x, size_t n) override { cpu::add_inplace<float>(y, x, n); }
+  void scale_inplace(float* x, float s, size_t n) override { cpu::scale_inplace<float>(x, s, n); }
+  double sum_squares(const float* x, size_t n) override { return cpu::sum_squares<float>(x, n); }
+  void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2,
+                    float eps, float wd, float bc1, float bc2) override {
+    cpu::adamw_update<float>(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int threads) {
+  if (threads > 0) omp_set_num_threads(threads);
+  openblas_set_num_threads(cpu_threads());
+  return std::make_unique<CpuBackend>();
+}
+
+int cpu_threads() { return omp_get_max_threads(); }
+
+}  // namespace ladder

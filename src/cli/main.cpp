@@ -1,0 +1,109 @@
+// `ladder`: the one command. Verbs: data, train, sample, bench, config-doc.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include "core/error.h"
+#include "data/prepare.h"
+#include "model/config.h"
+#include "train/bench.h"
+#include "train/sampler.h"
+#include "train/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace ladder;
+
+int main(int argc, char** argv) {
+  CLI::App app{"Ladder: pretraining language models and measuring what each recipe change buys"};
+  app.require_subcommand(1);
+
+  // ladder data
+  auto* data = app.add_subcommand("data", "tokenize text (txt/jsonl, .gz/.zst) into token shards");
+  data::PrepareOptions dopt;
+  data->add_option("--input", dopt.inputs, "input files")->required()->check(CLI::ExistingFile);
+  data->add_option("--out", dopt.out_dir, "output directory")->required();
+  data->add_option("--vocab", dopt.vocab_size, "tokenizer vocabulary size")->capture_default_str();
+  data->add_option("--val-fraction", dopt.val_fraction, "fraction of documents held out")->capture_default_str();
+
+  // ladder train
+  auto* tr = app.add_subcommand("train", "train a model from a YAML config");
+  std::string train_cfg, run_dir;
+  std::vector<std::string> sets;
+  bool resume = false;
+  tr->add_option("config", train_cfg, "config YAML (e.g. configs/dense-tiny.yaml)")->required();
+  tr->add_option("--set", sets, "override a config key: key.path=value (repeatable)");
+  tr->add_option("--run-dir", run_dir, "run directory (default runs/<config name>)");
+  tr->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
+
+  // ladder sample
+  auto* sa = app.add_subcommand("sample", "generate text from a checkpoint");
+  std::string ckpt;
+  SampleOptions sopt;
+  sa->add_option("checkpoint", ckpt, "checkpoint directory, or a run directory (its latest checkpoint)")->required();
+  sa->add_option("--prompt", sopt.prompt, "text to continue");
+  sa->add_option("--temperature", sopt.temperature, "sampling temperature (0 = greedy)")->capture_default_str();
+  sa->add_option("--top-k", sopt.top_k, "sample among the k most likely tokens (0 = all)")->capture_default_str();
+  sa->add_option("--max-tokens", sopt.max_tokens, "tokens to generate")->capture_default_str();
+  sa->add_option("--seed", sopt.seed, "sampling seed")->capture_default_str();
+  sa->add_option("--threads", sopt.threads, "CPU threads (0 = all)");
+
+  // ladder bench
+  auto* be = app.add_subcommand("bench", "measure sgemm rate and training throughput (MFU) of a preset");
+  BenchOptions bopt;
+  bopt.config = fs::path(LADDER_SOURCE_DIR) / "configs" / "dense-small.yaml";
+  bool bjson = false;
+  be->add_option("--config", bopt.config, "preset YAML")->capture_default_str();
+  be->add_option("--set", bopt.overrides, "override a config key: key.path=value");
+  be->add_option("--steps", bopt.steps, "timed steps (median reported)")->capture_default_str();
+  be->add_flag("--torch", bopt.torch, "also time the independent PyTorch model on the same shapes");
+  be->add_flag("--json", bjson, "print one JSON object");
+
+  auto* doc = app.add_subcommand("config-doc", "print every config key, its type, default and meaning (Markdown)");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  try {
+    if (data->parsed()) {
+      data::prepare_data(dopt);
+    } else if (tr->parsed()) {
+      TrainOptions o;
+      o.cfg = load_config(train_cfg, sets);
+      o.run_dir = run_dir.empty() ? fs::path("runs") / fs::path(train_cfg).stem() : fs::path(run_dir);
+      o.resume = resume;
+      train(o);
+    } else if (sa->parsed()) {
+      std::cout << sample_text(ckpt, sopt) << std::endl;
+    } else if (be->parsed()) {
+      auto j = run_bench(bopt);
+      if (bjson) {
+        std::cout << j.dump() << std::endl;
+      } else {
+        fmt::print("config      {}\nthreads     {}\nsgemm       {:.1f} GFLOP/s (MFU denominator)\n"
+                   "train       {:.1f} GFLOP/s model FLOPs, {:.0f} tokens/s, step {:.3f} s (median of {})\n"
+                   "MFU         {:.1f}% of measured sgemm\n",
+                   j["config"].get<std::string>(), j["threads"].get<int>(), j["sgemm_gflops"].get<double>(),
+                   j["train_gflops"].get<double>(), j["tokens_per_s"].get<double>(), j["step_s_median"].get<double>(),
+                   j["steps_timed"].get<int>(), 100 * j["mfu"].get<double>());
+        if (j.contains("torch_tokens_per_s"))
+          fmt::print("PyTorch     {:.0f} tokens/s on the same model -> Ladder is {:.2f}x\n",
+                     j["torch_tokens_per_s"].get<double>(), j["speedup_vs_torch"].get<double>());
+      }
+    } else if (doc->parsed()) {
+      std::cout << schema_markdown();
+    }
+  } catch (const ladder::Error& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "\nerror: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "\nerror: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

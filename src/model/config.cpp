@@ -1,0 +1,279 @@
+#include "model/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <nlohmann/json.hpp>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <variant>
+
+#include "core/error.h"
+
+namespace ladder {
+namespace {
+
+using Ref = std::variant<int*, int64_t*, uint64_t*, double*, bool*, std::string*>;
+
+struct Field {
+  std::string key;
+  std::string doc;
+  std::function<Ref(Config&)> ref;
+};
+
+#define LADDER_FIELD(sec, name, doc) \
+  Field { #sec "." #name, doc, [](Config& c) -> Ref { return &c.sec.name; } }
+
+// The schema: every configuration key, in the order it is printed.
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = {
+      LADDER_FIELD(model, vocab_size, "vocabulary size; 0 = read from the data directory's meta.json"),
+      LADDER_FIELD(model, d_model, "residual width d"),
+      LADDER_FIELD(model, n_layers, "number of transformer blocks"),
+      LADDER_FIELD(model, n_heads, "query heads H"),
+      LADDER_FIELD(model, n_kv_heads, "key/value heads KV (GQA); 0 = n_heads; must divide n_heads"),
+      LADDER_FIELD(model, head_dim, "head dimension; 0 = d_model / n_heads"),
+      LADDER_FIELD(model, d_ff, "SwiGLU hidden size I; 0 = 4 * d_model"),
+      LADDER_FIELD(model, seq_len, "training sequence length S"),
+      LADDER_FIELD(model, rope_theta, "RoPE base"),
+      LADDER_FIELD(model, norm_eps, "RMSNorm epsilon"),
+      LADDER_FIELD(model, qk_norm, "RMSNorm (learned gain per head dim) on queries and keys"),
+      LADDER_FIELD(model, window, "sliding attention window in tokens; 0 = full causal"),
+      LADDER_FIELD(model, init_std, "init std (truncated normal, +-3 sigma); 0 = 0.5/sqrt(d_model)"),
+      LADDER_FIELD(model, z_loss, "final-logit z-loss coefficient (0 = off; recipe 1e-4)"),
+      LADDER_FIELD(optim, name, "optimizer: adamw"),
+      LADDER_FIELD(optim, lr, "peak learning rate"),
+      LADDER_FIELD(optim, beta1, "Adam beta1"),
+      LADDER_FIELD(optim, beta2, "Adam beta2"),
+      LADDER_FIELD(optim, eps, "Adam epsilon"),
+      LADDER_FIELD(optim, weight_decay, "decoupled weight decay of the matrix group (attention, MLP, LM head)"),
+      LADDER_FIELD(optim, embed_lr_mult, "learning-rate multiplier of the embedding group"),
+      LADDER_FIELD(optim, clip, "global gradient-norm clipping threshold; 0 = off"),
+      LADDER_FIELD(schedule, type, "learning-rate schedule: linear | cosine | wsd | constant"),
+      LADDER_FIELD(schedule, warmup, "linear warmup: < 1 = fraction of steps, >= 1 = steps"),
+      LADDER_FIELD(schedule, final_lr_frac, "learning rate at the last step, as a fraction of the peak"),
+      LADDER_FIELD(schedule, decay_frac, "wsd: fraction of the steps spent in the final decay"),
+      LADDER_FIELD(data, path, "data directory written by `ladder data` (relative paths: to the working directory)"),
+      LADDER_FIELD(run, steps, "optimizer steps"),
+      LADDER_FIELD(run, batch_size, "sequences per micro-batch"),
+      LADDER_FIELD(run, grad_accum, "micro-batches per optimizer step"),
+      LADDER_FIELD(run, seed, "seed of initialization and data order"),
+      LADDER_FIELD(run, eval_every, "validation every N steps (and at the end); 0 = only at the end"),
+      LADDER_FIELD(run, eval_batches, "validation batches per evaluation"),
+      LADDER_FIELD(run, ckpt_every, "checkpoint every N steps (and at the end); 0 = only at the end"),
+      LADDER_FIELD(run, keep_checkpoints, "how many most recent checkpoints to keep"),
+      LADDER_FIELD(run, log_every, "progress line and metrics every N steps"),
+      LADDER_FIELD(run, threads, "CPU threads; 0 = all cores"),
+      LADDER_FIELD(run, device, "cpu (cuda arrives with the CUDA backend)"),
+  };
+  return fields;
+}
+#undef LADDER_FIELD
+
+const Field* find_field(const std::string& key) {
+  for (auto& f : schema())
+    if (f.key == key) return &f;
+  return nullptr;
+}
+
+const char* type_name(const Ref& r) {
+  return std::visit(
+      [](auto* p) -> const char* {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, bool>) return "bool";
+        else if constexpr (std::is_same_v<T, double>) return "number";
+        else if constexpr (std::is_same_v<T, std::string>) return "string";
+        else return "integer";
+      },
+      r);
+}
+
+// Parses a scalar into the field; `where` prefixes errors ("cfg.yaml:12: model.d_model").
+void set_scalar(Config& c, const Field& f, const std::string& text, const std::string& where) {
+  Ref r = f.ref(c);
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        try {
+          YAML::Node n = YAML::Load(text);
+          if (!n.IsScalar()) throw YAML::Exception(YAML::Mark::null_mark(), "not a scalar");
+          if constexpr (std::is_same_v<T, std::string>) {
+            *p = n.as<std::string>();
+          } else if constexpr (std::is_same_v<T, bool>) {
+            *p = n.as<bool>();
+          } else if constexpr (std::is_same_v<T, double>) {
+            *p = n.as<double>();
+          } else {
+            // Integers may be written 1e6 or 1_000? Accept plain integers and exact floats.
+            double d = n.as<double>();
+            if (d != (double)(int64_t)d) throw YAML::Exception(YAML::Mark::null_mark(), "not an integer");
+            if constexpr (std::is_same_v<T, uint64_t>) {
+              if (d < 0) throw YAML::Exception(YAML::Mark::null_mark(), "negative");
+            }
+            *p = (T)(int64_t)d;
+          }
+        } catch (const YAML::Exception&) {
+          fail("{}: {} expects {}, got '{}'", where, f.key, type_name(r), text);
+        }
+      },
+      r);
+}
+
+std::string get_scalar(Config& c, const Field& f) {
+  return std::visit(
+      [](auto* p) -> std::string {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) return *p;
+        else if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
+        else if constexpr (std::is_same_v<T, double>) return fmt::format("{}", *p);
+        else return std::to_string(*p);
+      },
+      f.ref(c));
+}
+
+void walk(Config& c, const YAML::Node& node, const std::string& prefix, const std::string& file) {
+  for (auto it = node.begin(); it != node.end(); ++it) {
+    std::string k = it->first.as<std::string>();
+    std::string key = prefix.empty() ? k : prefix + "." + k;
+    const YAML::Node& v = it->second;
+    std::string where = fmt::format("{}:{}", file, it->first.Mark().line + 1);
+    if (v.IsMap()) {
+      bool known_section = false;
+      for (auto& f : schema())
+        if (f.key.rfind(key + ".", 0) == 0) known_section = true;
+      if (!known_section) fail("{}: unknown config section '{}'", where, key);
+      walk(c, v, key, file);
+    } else {
+      const Field* f = find_field(key);
+      if (!f) fail("{}: unknown config key '{}' (see docs/config.md for the keys)", where, key);
+      if (!v.IsScalar()) fail("{}: {} expects a {}, got a list or empty value", where, key, type_name(f->ref(c)));
+      set_scalar(c, *f, v.Scalar(), where);
+    }
+  }
+}
+
+}  // namespace
+
+void apply_override(Config& c, const std::string& kv) {
+  auto eq = kv.find('=');
+  if (eq == std::string::npos || eq == 0) fail("--set {}: expected key.path=value", kv);
+  std::string key = kv.substr(0, eq), val = kv.substr(eq + 1);
+  const Field* f = find_field(key);
+  if (!f) fail("--set {}: unknown config key '{}' (see docs/config.md)", kv, key);
+  set_scalar(c, *f, val, "--set");
+}
+
+Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides) {
+  Config c;
+  c.source = file.string();
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(file.string());
+  } catch (const YAML::BadFile&) {
+    fail("{}: cannot read config file", file.string());
+  } catch (const YAML::ParserException& e) {
+    fail("{}:{}:{}: malformed YAML: {}", file.string(), e.mark.line + 1, e.mark.column + 1, e.msg);
+  }
+  if (root.IsNull()) {
+    // empty file: all defaults
+  } else if (!root.IsMap()) {
+    fail("{}: expected a mapping of sections (model, optim, schedule, data, run) at the top level", file.string());
+  } else {
+    walk(c, root, "", file.string());
+  }
+  for (auto& o : overrides) apply_override(c, o);
+  return c;
+}
+
+void validate(const Config& c) {
+  const auto& m = c.model;
+  auto where = c.source.empty() ? std::string("config") : c.source;
+  auto pos = [&](const char* key, int64_t v) {
+    if (v <= 0) fail("{}: {} must be > 0, got {}", where, key, v);
+  };
+  pos("model.d_model", m.d_model);
+  pos("model.n_layers", m.n_layers);
+  pos("model.n_heads", m.n_heads);
+  pos("model.seq_len", m.seq_len);
+  if (m.n_kv_heads < 0) fail("{}: model.n_kv_heads must be >= 0, got {}", where, m.n_kv_heads);
+  if (m.head_dim == 0 && m.d_model % m.n_heads != 0)
+    fail("{}: model.n_heads ({}) must divide model.d_model ({}) when model.head_dim is 0", where, m.n_heads, m.d_model);
+  if (m.n_heads % m.kv_heads() != 0)
+    fail("{}: model.n_kv_heads ({}) must divide model.n_heads ({})", where, m.kv_heads(), m.n_heads);
+  if (m.hd() % 2 != 0) fail("{}: head dimension must be even for RoPE, got {}", where, m.hd());
+  if (m.head_dim < 0 || m.d_ff < 0 || m.window < 0 || m.vocab_size < 0)
+    fail("{}: model.head_dim, model.d_ff, model.window and model.vocab_size must be >= 0", where);
+  if (m.norm_eps <= 0) fail("{}: model.norm_eps must be > 0", where);
+  if (m.init_std < 0 || m.z_loss < 0) fail("{}: model.init_std and model.z_loss must be >= 0", where);
+  if (c.optim.name != "adamw") fail("{}: optim.name '{}' is not known (expected: adamw)", where, c.optim.name);
+  if (c.optim.lr < 0) fail("{}: optim.lr must be >= 0", where);
+  if (!(c.optim.beta1 >= 0 && c.optim.beta1 < 1 && c.optim.beta2 >= 0 && c.optim.beta2 < 1))
+    fail("{}: optim.beta1 and optim.beta2 must be in [0, 1)", where);
+  if (c.optim.clip < 0) fail("{}: optim.clip must be >= 0", where);
+  const auto& s = c.schedule;
+  if (s.type != "linear" && s.type != "cosine" && s.type != "wsd" && s.type != "constant")
+    fail("{}: schedule.type '{}' is not known (expected linear, cosine, wsd or constant)", where, s.type);
+  if (s.warmup < 0) fail("{}: schedule.warmup must be >= 0", where);
+  if (s.final_lr_frac < 0 || s.final_lr_frac > 1) fail("{}: schedule.final_lr_frac must be in [0, 1]", where);
+  if (s.decay_frac < 0 || s.decay_frac > 1) fail("{}: schedule.decay_frac must be in [0, 1]", where);
+  pos("run.steps", c.run.steps);
+  pos("run.batch_size", c.run.batch_size);
+  pos("run.grad_accum", c.run.grad_accum);
+  pos("run.log_every", c.run.log_every);
+  if (c.run.eval_every < 0 || c.run.ckpt_every < 0 || c.run.eval_batches < 0 || c.run.threads < 0)
+    fail("{}: run.eval_every, run.ckpt_every, run.eval_batches and run.threads must be >= 0", where);
+  if (c.run.keep_checkpoints < 1) fail("{}: run.keep_checkpoints must be >= 1", where);
+  if (c.run.device != "cpu")
+    fail("{}: run.device '{}' is not available in this build (expected cpu; the CUDA backend is not built)", where, c.run.device);
+}
+
+std::string to_yaml(const Config& cin) {
+  Config c = cin;
+  std::ostringstream out;
+  std::string section;
+  for (auto& f : schema()) {
+    auto dot = f.key.find('.');
+    std::string sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
+    if (sec != section) {
+      out << sec << ":\n";
+      section = sec;
+    }
+    std::string v = get_scalar(c, f);
+    bool is_str = std::holds_alternative<std::string*>(f.ref(c));
+    out << "  " << name << ": " << (is_str ? "\"" + v + "\"" : v) << "\n";
+  }
+  return out.str();
+}
+
+nlohmann::json to_json(const Config& cin) {
+  Config c = cin;
+  nlohmann::json j;
+  for (auto& f : schema()) {
+    auto dot = f.key.find('.');
+    std::visit([&](auto* p) { j[f.key.substr(0, dot)][f.key.substr(dot + 1)] = *p; }, f.ref(c));
+  }
+  return j;
+}
+
+Config from_json(const nlohmann::json& j, const std::string& source) {
+  Config c;
+  c.source = source;
+  for (auto& f : schema()) {
+    auto dot = f.key.find('.');
+    auto sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
+    if (!j.contains(sec) || !j[sec].contains(name)) fail("{}: config is missing key {}", source, f.key);
+    std::visit([&](auto* p) { *p = j[sec][name].get<std::remove_pointer_t<decltype(p)>>(); }, f.ref(c));
+  }
+  return c;
+}
+
+std::string schema_markdown() {
+  Config c;
+  std::ostringstream out;
+  out << "| key | type | default | meaning |\n|---|---|---|---|\n";
+  for (auto& f : schema())
+    out << "| `" << f.key << "` | " << type_name(f.ref(c)) << " | `" << get_scalar(c, f) << "` | " << f.doc << " |\n";
+  return out.str();
+}
+
+}  // namespace ladder

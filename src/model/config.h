@@ -1,0 +1,91 @@
+// The run configuration: one schema (config.cpp) is the single source of truth for every key, its
+// type, default and meaning. YAML files and --set overrides go through it; unknown keys are errors.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace ladder {
+
+struct ModelConfig {
+  int vocab_size = 0;  // 0: taken from the data directory's meta.json
+  int d_model = 256;
+  int n_layers = 4;
+  int n_heads = 4;
+  int n_kv_heads = 0;  // 0: = n_heads (no grouping)
+  int head_dim = 0;    // 0: d_model / n_heads
+  int d_ff = 0;        // 0: 4 * d_model (RECIPE.md: dense MLP hidden 4*d)
+  int seq_len = 256;
+  double rope_theta = 500000.0;
+  double norm_eps = 1e-6;
+  bool qk_norm = true;
+  int window = 0;          // sliding window on every layer; 0 = full causal
+  double init_std = 0.0;   // 0: 0.5/sqrt(d_model) (RECIPE.md), truncated at +-3 sigma
+  double z_loss = 0.0;     // final-logit z-loss coefficient (recipe: 1e-4)
+
+  int kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
+  int hd() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
+  int ff() const { return d_ff > 0 ? d_ff : 4 * d_model; }
+};
+
+struct OptimConfig {
+  std::string name = "adamw";
+  double lr = 3e-3;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weight_decay = 0.1;  // applied to matrices only (attention, MLP, LM head)
+  double embed_lr_mult = 1.0;  // learning-rate multiplier of the embedding group
+  double clip = 1.0;           // global grad-norm clip; 0 = off
+};
+
+struct ScheduleConfig {
+  std::string type = "linear";  // linear | cosine | wsd | constant
+  double warmup = 0.1;          // < 1: fraction of steps; >= 1: number of steps
+  double final_lr_frac = 0.0;   // lr at the last step, as a fraction of the peak
+  double decay_frac = 0.2;      // wsd: fraction of steps spent decaying at the end
+};
+
+struct DataConfig {
+  std::string path = "data/default";
+};
+
+struct RunConfig {
+  int64_t steps = 1000;
+  int batch_size = 8;  // sequences per micro-batch
+  int grad_accum = 1;  // micro-batches per optimizer step
+  uint64_t seed = 1;
+  int64_t eval_every = 100;
+  int eval_batches = 4;
+  int64_t ckpt_every = 500;
+  int keep_checkpoints = 2;
+  int64_t log_every = 10;
+  int threads = 0;  // 0: all cores
+  std::string device = "cpu";
+};
+
+struct Config {
+  ModelConfig model;
+  OptimConfig optim;
+  ScheduleConfig schedule;
+  DataConfig data;
+  RunConfig run;
+  std::string source;  // file it was read from (for error messages)
+};
+
+// Loads a YAML file (missing keys keep their defaults), then applies "key.path=value" overrides.
+// Errors name the file, line and key.
+Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides = {});
+// Applies one "key.path=value" override.
+void apply_override(Config& cfg, const std::string& kv);
+// Shape checks (heads divide d, kv heads divide heads, ...); errors name the field.
+void validate(const Config& cfg);
+// The resolved config as YAML text (every key) and as JSON.
+std::string to_yaml(const Config& cfg);
+nlohmann::json to_json(const Config& cfg);
+Config from_json(const nlohmann::json& j, const std::string& source);
+// Markdown table of every key, type, default and meaning (docs/config.md is generated from it).
+std::string schema_markdown();
+
+}  // namespace ladder

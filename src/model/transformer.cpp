@@ -1,0 +1,259 @@
+#include "model/transformer.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/rng.h"
+
+namespace ladder {
+
+const char* role_name(Role r) {
+  switch (r) {
+    case Role::Embedding: return "embedding";
+    case Role::AttnMatrix: return "attention";
+    case Role::MlpMatrix: return "mlp";
+    case Role::Head: return "lm_head";
+    case Role::NormGain: return "norm";
+  }
+  return "?";
+}
+
+void Transformer::add_param(const std::string& name, Role role, std::vector<int64_t> shape) {
+  Param p;
+  p.name = name;
+  p.role = role;
+  p.shape = std::move(shape);
+  p.numel = 1;
+  for (auto s : p.shape) p.numel *= size_t(s);
+  params_.push_back(std::move(p));
+}
+
+Param& Transformer::param(const std::string& name) {
+  for (auto& p : params_)
+    if (p.name == name) return p;
+  fail("model has no parameter named '{}'", name);
+}
+
+Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
+    : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(batch * cfg.seq_len), be_(be) {
+  LADDER_ASSERT(cfg.vocab_size > 0);
+  const int64_t d = cfg.d_model, V = cfg.vocab_size, H = cfg.n_heads, KV = cfg.kv_heads(), hd = cfg.hd(),
+                I = cfg.ff();
+  // Parameters, in a fixed order (the safetensors file and the optimizer state follow it).
+  add_param("model.embed_tokens.weight", Role::Embedding, {V, d});
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    auto pre = fmt::format("model.layers.{}.", l);
+    add_param(pre + "input_layernorm.weight", Role::NormGain, {d});
+    add_param(pre + "self_attn.q_proj.weight", Role::AttnMatrix, {H * hd, d});
+    add_param(pre + "self_attn.k_proj.weight", Role::AttnMatrix, {KV * hd, d});
+    add_param(pre + "self_attn.v_proj.weight", Role::AttnMatrix, {KV * hd, d});
+    add_param(pre + "self_attn.o_proj.weight", Role::AttnMatrix, {d, H * hd});
+    if (cfg.qk_norm) {
+      add_param(pre + "self_attn.q_norm.weight", Role::NormGain, {hd});
+      add_param(pre + "self_attn.k_norm.weight", Role::NormGain, {hd});
+    }
+    add_param(pre + "post_attention_layernorm.weight", Role::NormGain, {d});
+    add_param(pre + "mlp.gate_proj.weight", Role::MlpMatrix, {I, d});
+    add_param(pre + "mlp.up_proj.weight", Role::MlpMatrix, {I, d});
+    add_param(pre + "mlp.down_proj.weight", Role::MlpMatrix, {d, I});
+  }
+  add_param("model.norm.weight", Role::NormGain, {d});
+  add_param("lm_head.weight", Role::Head, {V, d});
+
+  size_t pbytes = 0;
+  for (auto& p : params_) {
+    pbytes += Arena::padded(p.numel);
+    n_params_ += p.numel;
+  }
+  params_arena_.reserve(pbytes);
+  grads_arena_.reserve(pbytes);
+  for (auto& p : params_) {
+    p.w = params_arena_.alloc(p.numel);
+    p.g = grads_arena_.alloc(p.numel);
+  }
+
+  // Activation plan: every saved tensor of every layer, plus backward scratch, in one arena.
+  const size_t N = N_;
+  chunk_rows_ = int(std::clamp<int64_t>((4 << 20) / V, 64, N));
+  struct Req { float** ptr; size_t n; };
+  std::vector<Req> reqs;
+  layers_.resize(cfg.n_layers);
+  size_t pi = 1;
+  for (auto& L : layers_) {
+    L.ln1 = &params_[pi++];
+    L.wq = &params_[pi++];
+    L.wk = &params_[pi++];
+    L.wv = &params_[pi++];
+    L.wo = &params_[pi++];
+    L.qn = cfg.qk_norm ? &params_[pi++] : nullptr;
+    L.kn = cfg.qk_norm ? &params_[pi++] : nullptr;
+    L.ln2 = &params_[pi++];
+    L.wg = &params_[pi++];
+    L.wu = &params_[pi++];
+    L.wd = &params_[pi++];
+    reqs.insert(reqs.end(), {{&L.x, N * d}, {&L.h1, N * d}, {&L.r1, N}, {&L.q, N * H * hd},
+                             {&L.k, N * KV * hd}, {&L.v, N * KV * hd}, {&L.o, N * H * hd},
+                             {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d}, {&L.r2, N},
+                             {&L.gate, N * I}, {&L.up, N * I}, {&L.act, N * I}});
+    if (cfg.qk_norm) {
+      reqs.insert(reqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}, {&L.qrs, N * H}, {&L.krs, N * KV}});
+    } else {
+      L.qrs = L.krs = nullptr;
+      reqs.insert(reqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}});
+    }
+  }
+  embed_ = &params_[0];
+  norm_f_ = &params_[pi++];
+  head_ = &params_[pi++];
+  reqs.insert(reqs.end(), {{&x_final_, N * d}, {&hf_, N * d}, {&rf_, N}, {&logits_, size_t(chunk_rows_) * V},
+                           {&d_res_, N * d}, {&d_h_, N * d}, {&d_q_, N * H * hd}, {&d_k_, N * KV * hd},
+                           {&d_v_, N * KV * hd}, {&d_qn_, N * H * hd}, {&d_kn_, N * KV * hd},
+                           {&d_o_, N * H * hd}, {&d_gate_, N * I}, {&d_up_, N * I}, {&d_act_, N * I}});
+  size_t abytes = 0;
+  for (auto& r : reqs) abytes += Arena::padded(r.n);
+  acts_arena_.reserve(abytes);
+  for (auto& r : reqs) *r.ptr = acts_arena_.alloc(r.n);
+}
+
+void Transformer::init(uint64_t seed) {
+  const double std = cfg_.init_std > 0 ? cfg_.init_std : 0.5 / std::sqrt(double(cfg_.d_model));
+  for (auto& p : params_) {
+    if (p.role == Role::NormGain) {
+      std::fill(p.w, p.w + p.numel, 1.0f);
+      continue;
+    }
+    Philox rng(seed, stream_id(p.name));
+    float* w = p.w;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < int64_t(p.numel); ++i) w[i] = float(std * rng.trunc_normal(uint64_t(i)));
+  }
+}
+
+void Transformer::zero_grad() { grads_arena_.zero(); }
+
+AttnShape Transformer::attn_shape() const {
+  return AttnShape{B_, S_, cfg_.n_heads, cfg_.kv_heads(), cfg_.hd(), cfg_.window, 1.0 / std::sqrt(double(cfg_.hd()))};
+}
+
+void Transformer::forward(const int32_t* inputs) {
+  const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd(), I = cfg_.ff();
+  const int Hd = H * hd, KVd = KV * hd;
+  const float eps = float(cfg_.norm_eps), theta = float(cfg_.rope_theta);
+  for (int i = 0; i < N; ++i)
+    if (inputs[i] < 0 || inputs[i] >= cfg_.vocab_size)
+      fail("token id {} at position {} is outside the vocabulary [0, {})", inputs[i], i, cfg_.vocab_size);
+  be_.embedding_forward(layers_[0].x, embed_->w, inputs, N, d);
+  const AttnShape as = attn_shape();
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& L = layers_[l];
+    be_.rmsnorm_forward(L.h1, L.r1, L.x, L.ln1->w, N, d, eps);
+    be_.gemm(false, true, N, Hd, d, 1.f, L.h1, d, L.wq->w, d, 0.f, L.q, Hd);
+    be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wk->w, d, 0.f, L.k, KVd);
+    be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wv->w, d, 0.f, L.v, KVd);
+    if (cfg_.qk_norm) {
+      be_.rmsnorm_forward(L.qr, L.qrs, L.q, L.qn->w, N * H, hd, eps);
+      be_.rmsnorm_forward(L.kr, L.krs, L.k, L.kn->w, N * KV, hd, eps);
+    } else {
+      std::memcpy(L.qr, L.q, sizeof(float) * size_t(N) * Hd);
+      std::memcpy(L.kr, L.k, sizeof(float) * size_t(N) * KVd);
+    }
+    be_.rope_forward(L.qr, N, S_, H, hd, hd, theta);
+    be_.rope_forward(L.kr, N, S_, KV, hd, hd, theta);
+    be_.attention_forward(L.o, L.lse, L.qr, L.kr, L.v, as);
+    std::memcpy(L.mid, L.x, sizeof(float) * size_t(N) * d);
+    be_.gemm(false, true, N, d, Hd, 1.f, L.o, Hd, L.wo->w, Hd, 1.f, L.mid, d);
+    be_.rmsnorm_forward(L.h2, L.r2, L.mid, L.ln2->w, N, d, eps);
+    be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wg->w, d, 0.f, L.gate, I);
+    be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wu->w, d, 0.f, L.up, I);
+    be_.swiglu_forward(L.act, L.gate, L.up, size_t(N) * I);
+    float* next = l + 1 < layers_.size() ? layers_[l + 1].x : x_final_;
+    std::memcpy(next, L.mid, sizeof(float) * size_t(N) * d);
+    be_.gemm(false, true, N, d, I, 1.f, L.act, I, L.wd->w, I, 1.f, next, d);
+  }
+  be_.rmsnorm_forward(hf_, rf_, x_final_, norm_f_->w, N, d, eps);
+}
+
+LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale) {
+  const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd(), I = cfg_.ff();
+  const int V = cfg_.vocab_size, Hd = H * hd, KVd = KV * hd;
+  const float theta = float(cfg_.rope_theta);
+  forward(inputs);
+
+  // LM head and loss, in row chunks: the full [N, V] logits never exist. Each chunk's logits are
+  // turned into their gradient in place and immediately consumed by the two head GEMMs.
+  LossSums sums;
+  sums.tokens = N;
+  for (int r0 = 0; r0 < N; r0 += chunk_rows_) {
+    const int rows = std::min(chunk_rows_, N - r0);
+    be_.gemm(false, true, rows, V, d, 1.f, hf_ + size_t(r0) * d, d, head_->w, d, 0.f, logits_, V);
+    XentSums s = be_.softmax_xent(logits_, targets + r0, rows, V, float(cfg_.z_loss), grad_scale);
+    sums.xent += s.xent;
+    sums.lse_sq += s.lse_sq;
+    be_.gemm(false, false, rows, d, V, 1.f, logits_, V, head_->w, d, 0.f, d_h_ + size_t(r0) * d, d);
+    be_.gemm(true, false, V, d, rows, 1.f, logits_, V, hf_ + size_t(r0) * d, d, 1.f, head_->g, d);
+  }
+  be_.rmsnorm_backward(d_res_, norm_f_->g, d_h_, x_final_, norm_f_->w, rf_, N, d, false);
+
+  const AttnShape as = attn_shape();
+  for (int l = int(layers_.size()) - 1; l >= 0; --l) {
+    Layer& L = layers_[l];
+    // MLP: next = mid + down(silu(gate(h2)) * up(h2)); d_res holds d(next).
+    be_.gemm(false, false, N, I, d, 1.f, d_res_, d, L.wd->w, I, 0.f, d_act_, I);
+    be_.gemm(true, false, d, I, N, 1.f, d_res_, d, L.act, I, 1.f, L.wd->g, I);
+    be_.swiglu_backward(d_gate_, d_up_, d_act_, L.gate, L.up, size_t(N) * I);
+    be_.gemm(false, false, N, d, I, 1.f, d_gate_, I, L.wg->w, d, 0.f, d_h_, d);
+    be_.gemm(false, false, N, d, I, 1.f, d_up_, I, L.wu->w, d, 1.f, d_h_, d);
+    be_.gemm(true, false, I, d, N, 1.f, d_gate_, I, L.h2, d, 1.f, L.wg->g, d);
+    be_.gemm(true, false, I, d, N, 1.f, d_up_, I, L.h2, d, 1.f, L.wu->g, d);
+    be_.rmsnorm_backward(d_res_, L.ln2->g, d_h_, L.mid, L.ln2->w, L.r2, N, d, true);  // d_res = d(mid)
+    // Attention: mid = x + o_proj(attn(rope(norm(q)), rope(norm(k)), v)).
+    be_.gemm(false, false, N, Hd, d, 1.f, d_res_, d, L.wo->w, Hd, 0.f, d_o_, Hd);
+    be_.gemm(true, false, d, Hd, N, 1.f, d_res_, d, L.o, Hd, 1.f, L.wo->g, Hd);
+    be_.attention_backward(d_qn_, d_kn_, d_v_, d_o_, L.qr, L.kr, L.v, L.o, L.lse, as);
+    be_.rope_backward(d_qn_, N, S_, H, hd, hd, theta);
+    be_.rope_backward(d_kn_, N, S_, KV, hd, hd, theta);
+    float *dq = d_qn_, *dk = d_kn_;
+    if (cfg_.qk_norm) {
+      be_.rmsnorm_backward(d_q_, L.qn->g, d_qn_, L.q, L.qn->w, L.qrs, N * H, hd, false);
+      be_.rmsnorm_backward(d_k_, L.kn->g, d_kn_, L.k, L.kn->w, L.krs, N * KV, hd, false);
+      dq = d_q_;
+      dk = d_k_;
+    }
+    be_.gemm(false, false, N, d, Hd, 1.f, dq, Hd, L.wq->w, d, 0.f, d_h_, d);
+    be_.gemm(false, false, N, d, KVd, 1.f, dk, KVd, L.wk->w, d, 1.f, d_h_, d);
+    be_.gemm(false, false, N, d, KVd, 1.f, d_v_, KVd, L.wv->w, d, 1.f, d_h_, d);
+    be_.gemm(true, false, Hd, d, N, 1.f, dq, Hd, L.h1, d, 1.f, L.wq->g, d);
+    be_.gemm(true, false, KVd, d, N, 1.f, dk, KVd, L.h1, d, 1.f, L.wk->g, d);
+    be_.gemm(true, false, KVd, d, N, 1.f, d_v_, KVd, L.h1, d, 1.f, L.wv->g, d);
+    be_.rmsnorm_backward(d_res_, L.ln1->g, d_h_, L.x, L.ln1->w, L.r1, N, d, true);  // d_res = d(x)
+  }
+  be_.embedding_backward(embed_->g, d_res_, inputs, N, d);
+  return sums;
+}
+
+LossSums Transformer::forward_loss(const int32_t* inputs, const int32_t* targets) {
+  const int N = N_, d = cfg_.d_model, V = cfg_.vocab_size;
+  forward(inputs);
+  LossSums sums;
+  sums.tokens = N;
+  for (int r0 = 0; r0 < N; r0 += chunk_rows_) {
+    const int rows = std::min(chunk_rows_, N - r0);
+    be_.gemm(false, true, rows, V, d, 1.f, hf_ + size_t(r0) * d, d, head_->w, d, 0.f, logits_, V);
+    XentSums s = be_.softmax_xent_forward(logits_, targets + r0, rows, V, nullptr);
+    sums.xent += s.xent;
+    sums.lse_sq += s.lse_sq;
+  }
+  return sums;
+}
+
+void Transformer::forward_logits(const int32_t* inputs, float* logits) {
+  const int d = cfg_.d_model, V = cfg_.vocab_size;
+  forward(inputs);
+  be_.gemm(false, true, N_, V, d, 1.f, hf_, d, head_->w, d, 0.f, logits, V);
+}
+
+}  // namespace ladder

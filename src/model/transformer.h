@@ -1,0 +1,98 @@
+// The dense decoder-only transformer (RECIPE.md section 2, dense baseline): token embedding;
+// pre-norm blocks RMSNorm -> GQA attention (QK-norm, RoPE, causal, optional window) -> RMSNorm ->
+// SwiGLU MLP; final RMSNorm; untied LM head; cross-entropy with optional final-logit z-loss.
+//
+// Memory is planned once: parameters, gradients and saved activations live in three arenas sized
+// from the config and the micro-batch shape. forward_backward() allocates nothing.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/arena.h"
+#include "model/config.h"
+
+namespace ladder {
+
+// What a tensor is; optimizer groups are derived from it.
+enum class Role { Embedding, AttnMatrix, MlpMatrix, Head, NormGain };
+const char* role_name(Role r);
+
+struct Param {
+  std::string name;            // Hugging Face style, e.g. model.layers.3.self_attn.q_proj.weight
+  Role role;
+  std::vector<int64_t> shape;  // Linear weights are [out_features, in_features]
+  size_t numel = 0;
+  float* w = nullptr;          // weights (params arena)
+  float* g = nullptr;          // gradient (grads arena)
+};
+
+struct LossSums {
+  double xent = 0, lse_sq = 0;  // sums over tokens
+  int64_t tokens = 0;
+};
+
+class Transformer {
+ public:
+  // `batch` sequences of cfg.seq_len tokens per forward pass.
+  Transformer(const ModelConfig& cfg, int batch, Backend& be);
+
+  const ModelConfig& config() const { return cfg_; }
+  int batch() const { return B_; }
+  std::vector<Param>& params() { return params_; }
+  const std::vector<Param>& params() const { return params_; }
+  Param& param(const std::string& name);
+  size_t num_params() const { return n_params_; }
+  float* weights() { return params_arena_.base() ? reinterpret_cast<float*>(params_arena_.base()) : nullptr; }
+
+  // Truncated-normal init (std cfg.init_std or 0.5/sqrt(d), +-3 sigma) of every matrix and the
+  // embedding; norm gains = 1. Each tensor's values depend only on (seed, tensor name).
+  void init(uint64_t seed);
+  void zero_grad();
+
+  // Forward and backward of one micro-batch [batch, seq_len]. Gradients ACCUMULATE into the grads
+  // arena, scaled by grad_scale (1 / total tokens of the optimizer step gives mean-loss gradients).
+  LossSums forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale);
+  // Forward only: loss sums (evaluation).
+  LossSums forward_loss(const int32_t* inputs, const int32_t* targets);
+  // Forward only: writes all logits [batch*seq_len, vocab] to `logits`.
+  void forward_logits(const int32_t* inputs, float* logits);
+
+  size_t activation_bytes() const { return acts_arena_.capacity(); }
+
+ private:
+  struct Layer {
+    Param *ln1, *wq, *wk, *wv, *wo, *qn, *kn, *ln2, *wg, *wu, *wd;
+    // saved activations
+    float *x;            // block input (residual stream) [N,d]
+    float *h1, *r1;      // ln1 out [N,d], rstd [N]
+    float *q, *k, *v;    // raw projections [N,H*hd], [N,KV*hd], [N,KV*hd]
+    float *qr, *kr;      // after qk-norm and RoPE (attention inputs)
+    float *qrs, *krs;    // qk-norm rstd [N*H], [N*KV]
+    float *o, *lse;      // attention output [N,H*hd], lse [B,H,S]
+    float *mid;          // x + attn [N,d]
+    float *h2, *r2;      // ln2 out, rstd
+    float *gate, *up, *act;  // [N,I]
+  };
+
+  void add_param(const std::string& name, Role role, std::vector<int64_t> shape);
+  void forward(const int32_t* inputs);  // fills saved activations up to the final norm
+  AttnShape attn_shape() const;
+
+  ModelConfig cfg_;
+  int B_, S_, N_;
+  Backend& be_;
+  std::vector<Param> params_;
+  size_t n_params_ = 0;
+  Arena params_arena_, grads_arena_, acts_arena_;
+  std::vector<Layer> layers_;
+  Param *embed_ = nullptr, *norm_f_ = nullptr, *head_ = nullptr;
+  // activations of the final part and scratch for backward
+  float *x_final_, *hf_, *rf_, *logits_;
+  int chunk_rows_;
+  float *d_res_, *d_h_, *d_q_, *d_k_, *d_v_, *d_qn_, *d_kn_, *d_o_, *d_gate_, *d_up_, *d_act_;
+  std::vector<int32_t> ids_;
+};
+
+}  // namespace ladder

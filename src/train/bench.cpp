@@ -1,0 +1,87 @@
+#include "train/bench.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/rng.h"
+#include "model/flops.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+#include "train/machine.h"
+#include "train/trainer.h"
+
+namespace ladder {
+
+nlohmann::json torch_model_json(const Config& c) {
+  const auto& m = c.model;
+  return {{"vocab_size", m.vocab_size}, {"d_model", m.d_model},      {"n_layers", m.n_layers},
+          {"n_heads", m.n_heads},       {"n_kv_heads", m.kv_heads()}, {"head_dim", m.hd()},
+          {"d_ff", m.ff()},             {"seq_len", m.seq_len},       {"rope_theta", m.rope_theta},
+          {"norm_eps", m.norm_eps},     {"window", m.window},         {"qk_norm", m.qk_norm},
+          {"z_loss", m.z_loss},         {"batch_size", c.run.batch_size}};
+}
+
+nlohmann::json run_bench(const BenchOptions& opt) {
+  Config cfg = load_config(opt.config, opt.overrides);
+  if (cfg.model.vocab_size == 0) cfg.model.vocab_size = 8192;  // synthetic tokens: no data directory needed
+  validate(cfg);
+  auto be = make_cpu_backend(cfg.run.threads);
+  const double peak = sgemm_gflops();
+  Transformer model(cfg.model, cfg.run.batch_size, *be);
+  model.init(cfg.run.seed);
+  auto optimizer = make_optimizer(cfg.optim, model, *be);
+  const int N = cfg.run.batch_size * cfg.model.seq_len;
+  std::vector<int32_t> in(N), tgt(N);
+  Philox rng(cfg.run.seed, stream_id("bench"));
+  for (int i = 0; i < N; ++i) {
+    in[i] = int32_t(rng.u64(2 * i) % uint64_t(cfg.model.vocab_size));
+    tgt[i] = int32_t(rng.u64(2 * i + 1) % uint64_t(cfg.model.vocab_size));
+  }
+  std::vector<double> times;
+  for (int s = 0; s < opt.steps + 2; ++s) {
+    auto t0 = std::chrono::steady_clock::now();
+    train_step(cfg, s, model, *optimizer, *be, [&](int32_t*, int32_t*) {}, in.data(), tgt.data());
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s >= 2) times.push_back(dt);
+  }
+  std::sort(times.begin(), times.end());
+  const double step_s = times[times.size() / 2];
+  const double tps = double(N) * cfg.run.grad_accum / step_s;
+  const auto fpt = flops_per_token(cfg.model);
+  const double train_gflops = tps * fpt.train(true) / 1e9;
+  nlohmann::json j = {{"config", opt.config.string()},  {"threads", cpu_threads()},
+                      {"sgemm_gflops", peak},           {"train_gflops", train_gflops},
+                      {"tokens_per_s", tps},            {"mfu", train_gflops / peak},
+                      {"step_s_median", step_s},        {"steps_timed", opt.steps},
+                      {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total}};
+  if (opt.torch) {
+    auto tmp = std::filesystem::temp_directory_path() / fmt::format("ladder-bench-{}.json", ::getpid());
+    write_file_atomic(tmp, torch_model_json(cfg).dump());
+    std::string cmd = fmt::format("/usr/bin/python3 {}/scripts/bench-torch.py --config-json {} --steps {} --threads {}",
+                                  LADDER_SOURCE_DIR, tmp.string(), opt.steps, cpu_threads());
+    std::string out;
+    if (FILE* p = popen(cmd.c_str(), "r")) {
+      char buf[4096];
+      while (fgets(buf, sizeof buf, p)) out += buf;
+      int rc = pclose(p);
+      std::filesystem::remove(tmp);
+      if (rc != 0) fail("PyTorch benchmark failed ({}): {}", cmd, out);
+    }
+    auto pos = out.rfind("{");
+    if (pos == std::string::npos) fail("PyTorch benchmark printed no JSON: {}", out);
+    auto tj = nlohmann::json::parse(out.substr(pos));
+    double ttps = tj.at("tokens_per_s").get<double>();
+    j["torch_tokens_per_s"] = ttps;
+    j["speedup_vs_torch"] = tps / ttps;
+  }
+  return j;
+}
+
+}  // namespace ladder

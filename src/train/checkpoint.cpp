@@ -1,0 +1,133 @@
+#include "train/checkpoint.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace ladder {
+
+fs::path checkpoint_dir(const fs::path& run_dir, int64_t step) {
+  return run_dir / "checkpoints" / fmt::format("step_{:08d}", step);
+}
+
+void save_weights(const fs::path& file, const Transformer& model) {
+  std::vector<TensorRef> t;
+  for (auto& p : model.params()) t.push_back({p.name, DType::F32, p.shape, p.w});
+  save_safetensors(file, t, {{"format", "pt"}, {"producer", "ladder"}});
+}
+
+void load_weights(const fs::path& file, Transformer& model) {
+  auto st = SafeTensors::open(file);
+  for (auto& p : model.params()) st.read_f32(p.name, p.shape, p.w);
+  for (auto& n : st.names()) {
+    bool known = false;
+    for (auto& p : model.params()) known |= p.name == n;
+    if (!known) fail("{}: tensor '{}' is not a parameter of this model (config mismatch?)", file.string(), n);
+  }
+}
+
+static std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& run_dir) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  fs::path dir = run_dir / "checkpoints";
+  if (!fs::is_directory(dir)) return out;
+  for (auto& e : fs::directory_iterator(dir)) {
+    auto name = e.path().filename().string();
+    if (!e.is_directory() || name.rfind("step_", 0) != 0) continue;
+    try {
+      out.emplace_back(std::stoll(name.substr(5)), e.path());
+    } catch (...) {
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, const Transformer& model,
+                         Optimizer& opt, const fs::path& tokenizer_model, int keep) {
+  fs::path final_dir = checkpoint_dir(run_dir, st.step);
+  fs::path tmp = final_dir.parent_path() / fmt::format(".partial_{}_{}", final_dir.filename().string(), ::getpid());
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  if (ec) fail("{}: cannot create checkpoint directory: {}", tmp.string(), ec.message());
+
+  save_weights(tmp / "model.safetensors", model);
+  std::vector<TensorRef> os;
+  for (auto& s : opt.state()) os.push_back({s.name, DType::F32, s.shape, s.data});
+  save_safetensors(tmp / "optimizer.safetensors", os, {{"optimizer_steps", std::to_string(opt.steps_taken())}});
+  nlohmann::json j = {{"format_version", kCheckpointVersion}, {"step", st.step},
+                      {"tokens_seen", st.tokens_seen},       {"threads", st.threads},
+                      {"optimizer_steps", opt.steps_taken()}, {"elapsed_s", st.elapsed_s},
+                      {"loader", st.loader},                 {"config", st.config}};
+  write_file_atomic(tmp / "state.json", j.dump(2));
+  if (!tokenizer_model.empty() && fs::exists(tokenizer_model))
+    write_file_atomic(tmp / "tokenizer.model", read_file(tokenizer_model));
+  fsync_dir(tmp);
+  if (fs::exists(final_dir)) fs::remove_all(final_dir);  // a stale copy of the same step
+  fs::rename(tmp, final_dir, ec);
+  if (ec) fail("{}: cannot rename checkpoint into place: {}", final_dir.string(), ec.message());
+  fsync_dir(final_dir.parent_path());
+
+  auto all = list_checkpoints(run_dir);
+  for (size_t i = 0; i + size_t(keep) < all.size(); ++i) fs::remove_all(all[i].second, ec);
+  return final_dir;
+}
+
+std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
+  auto all = list_checkpoints(run_dir);
+  if (all.empty()) return std::nullopt;
+  return all.back().second;
+}
+
+fs::path resolve_checkpoint(const fs::path& path) {
+  if (fs::exists(path / "state.json")) return path;
+  if (auto c = latest_checkpoint(path)) return *c;
+  fail("{}: not a checkpoint directory (no state.json) nor a run directory with checkpoints/step_*", path.string());
+}
+
+CheckpointState read_checkpoint_state(const fs::path& dir) {
+  fs::path f = dir / "state.json";
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(f));
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: corrupt checkpoint state (not valid JSON: {})", f.string(), e.what());
+  }
+  if (!j.is_object() || !j.contains("format_version"))
+    fail("{}: corrupt checkpoint state (no format_version)", f.string());
+  if (j["format_version"] != kCheckpointVersion)
+    fail("{}: checkpoint format_version {} is not supported (expected {})", f.string(), j["format_version"].dump(),
+         kCheckpointVersion);
+  CheckpointState st;
+  try {
+    st.step = j.at("step").get<int64_t>();
+    st.tokens_seen = j.at("tokens_seen").get<int64_t>();
+    st.threads = j.at("threads").get<int>();
+    st.elapsed_s = j.at("elapsed_s").get<double>();
+    st.loader = j.at("loader");
+    st.config = j.at("config");
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: corrupt checkpoint state: {}", f.string(), e.what());
+  }
+  return st;
+}
+
+void load_checkpoint_weights(const fs::path& dir, Transformer& model, Optimizer* opt) {
+  load_weights(dir / "model.safetensors", model);
+  if (!opt) return;
+  fs::path f = dir / "optimizer.safetensors";
+  auto st = SafeTensors::open(f);
+  for (auto& s : opt->state()) st.read_f32(s.name, s.shape, s.data);
+  auto it = st.metadata().find("optimizer_steps");
+  if (it == st.metadata().end()) fail("{}: missing metadata 'optimizer_steps'", f.string());
+  opt->set_steps_taken(std::stoll(it->second));
+}
+
+}  // namespace ladder

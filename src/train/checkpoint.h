@@ -1,0 +1,53 @@
+// Checkpoint layout (version 1), one directory per step under RUN_DIR/checkpoints/:
+//   step_00000100/model.safetensors      weights, Hugging Face tensor names, F32
+//   step_00000100/optimizer.safetensors  optimizer state tensors (exp_avg.<name>, exp_avg_sq.<name>)
+//   step_00000100/state.json             format_version, step, resolved config, data-loader state,
+//                                        tokens seen, thread count, the optimizer's step counter
+//   step_00000100/tokenizer.model        copy of the tokenizer, so `ladder sample` needs nothing else
+// The directory is assembled under a temporary name, every file fsynced, then renamed: a directory
+// named step_* is always complete. RNG state is not stored: randomness is counter-based.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/config.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+
+namespace ladder {
+
+constexpr int kCheckpointVersion = 1;
+
+struct CheckpointState {
+  int64_t step = 0;          // optimizer steps completed
+  int64_t tokens_seen = 0;
+  int threads = 0;
+  nlohmann::json loader;     // data-loader state after `step` steps
+  nlohmann::json config;     // resolved config
+  double elapsed_s = 0;      // training wall time so far
+};
+
+std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
+// Writes a checkpoint atomically; prunes all but the newest `keep` complete ones.
+std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const CheckpointState& st,
+                                      const Transformer& model, Optimizer& opt,
+                                      const std::filesystem::path& tokenizer_model, int keep);
+// The newest complete checkpoint directory of a run, if any.
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
+// Resolves a path given by a user: a checkpoint directory, or a run directory (-> its latest).
+std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
+// Reads state.json (validated).
+CheckpointState read_checkpoint_state(const std::filesystem::path& ckpt_dir);
+// Loads weights (and optimizer state when opt != nullptr); every tensor's name, dtype and shape
+// must match the model: errors name the file and tensor.
+void load_checkpoint_weights(const std::filesystem::path& ckpt_dir, Transformer& model, Optimizer* opt);
+
+// Saves / loads just the weights as one safetensors file.
+void save_weights(const std::filesystem::path& file, const Transformer& model);
+void load_weights(const std::filesystem::path& file, Transformer& model);
+
+}  // namespace ladder

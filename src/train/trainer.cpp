@@ -1,0 +1,262 @@
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/fileio.h"
+#include "data/loader.h"
+#include "model/flops.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+#include "train/checkpoint.h"
+#include "train/machine.h"
+#include "train/metrics.h"
+
+namespace fs = std::filesystem;
+
+namespace ladder {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void on_signal(int) { g_stop = true; }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Refuses to resume with a config that would make the continuation a different run.
+void check_resume_compatible(const Config& cur, const nlohmann::json& saved, const fs::path& ckpt) {
+  nlohmann::json now = to_json(cur);
+  for (const char* sec : {"model", "data"})
+    for (auto& [k, v] : now[sec].items())
+      if (!saved.contains(sec) || saved[sec][k] != v)
+        fail("{}: cannot resume: {}.{} is {} in the checkpoint but {} now", (ckpt / "state.json").string(), sec, k,
+             saved.contains(sec) ? saved[sec].value(k, nlohmann::json()).dump() : "missing", v.dump());
+  for (const char* k : {"batch_size", "grad_accum", "seed"})
+    if (saved["run"][k] != now["run"][k])
+      fail("{}: cannot resume: run.{} is {} in the checkpoint but {} now", (ckpt / "state.json").string(), k,
+           saved["run"][k].dump(), now["run"][k].dump());
+}
+
+}  // namespace
+
+StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimizer& opt, Backend& be,
+                     const BatchFn& next_batch, int32_t* inputs, int32_t* targets) {
+  const int N = model.batch() * cfg.model.seq_len;
+  const int accum = cfg.run.grad_accum;
+  model.zero_grad();
+  double xent = 0, lse_sq = 0;
+  int64_t ntok = 0;
+  const float grad_scale = 1.0f / float(int64_t(N) * accum);
+  for (int micro = 0; micro < accum; ++micro) {
+    next_batch(inputs, targets);
+    LossSums s = model.forward_backward(inputs, targets, grad_scale);
+    xent += s.xent;
+    lse_sq += s.lse_sq;
+    ntok += s.tokens;
+  }
+  // (data parallel: the all-reduce of the contiguous gradient arena goes here)
+  StepStats st;
+  st.grad_norm = grad_norm(model, be);
+  if (cfg.optim.clip > 0 && st.grad_norm > cfg.optim.clip)
+    scale_grads(model, be, float(cfg.optim.clip / (st.grad_norm + 1e-6)));
+  st.lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, cfg.run.steps);
+  opt.step(st.lr);
+  st.loss = xent / double(ntok);
+  st.lse_sq = lse_sq / double(ntok);
+  st.tokens = ntok;
+  return st;
+}
+
+fs::path resolve_data(Config& cfg) {
+  fs::path dir = cfg.data.path;
+  data::DataMeta meta = data::read_meta(dir);
+  if (cfg.model.vocab_size == 0) {
+    cfg.model.vocab_size = meta.vocab_size;
+  } else if (cfg.model.vocab_size < meta.vocab_size) {
+    fail("{}: model.vocab_size is {} but the data in {} uses a vocabulary of {}", cfg.source, cfg.model.vocab_size,
+         dir.string(), meta.vocab_size);
+  }
+  return dir;
+}
+
+TrainSummary train(const TrainOptions& opt) {
+  Config cfg = opt.cfg;
+  validate(cfg);
+  fs::path data_dir = resolve_data(cfg);
+  const fs::path run_dir = opt.run_dir;
+  const auto& rc = cfg.run;
+
+  // Never overwrite a run by accident.
+  auto latest = latest_checkpoint(run_dir);
+  if (latest && !opt.resume)
+    fail("{}: the run directory already holds checkpoints; pass --resume to continue it or choose another --run-dir",
+         run_dir.string());
+
+  auto be = make_cpu_backend(rc.threads);
+  const int threads = cpu_threads();
+  Transformer model(cfg.model, rc.batch_size, *be);
+  auto optimizer = make_optimizer(cfg.optim, model, *be);
+  // Data-parallel slot: rank/world come from the launcher when MPI arrives; one rank for now.
+  const int rank = 0, world = 1;
+  data::DataLoader train_loader(data_dir, "train", cfg.model.seq_len, rc.batch_size, rc.seed, true, rank, world);
+  data::DataLoader val_loader(data_dir, "val", cfg.model.seq_len, rc.batch_size, rc.seed, false, rank, world);
+
+  int64_t start_step = 0, tokens_seen = 0;
+  double elapsed_prev = 0;
+  if (opt.resume && latest) {
+    CheckpointState st = read_checkpoint_state(*latest);
+    check_resume_compatible(cfg, st.config, *latest);
+    load_checkpoint_weights(*latest, model, optimizer.get());
+    train_loader.restore(st.loader);
+    start_step = st.step;
+    tokens_seen = st.tokens_seen;
+    elapsed_prev = st.elapsed_s;
+    if (st.threads != threads && !opt.quiet)
+      fmt::print("note: checkpoint was written with {} threads, resuming with {}: losses may differ in the last bits\n",
+                 st.threads, threads);
+    if (!opt.quiet) fmt::print("resuming from {} (step {})\n", latest->string(), start_step);
+  } else {
+    model.init(rc.seed);
+  }
+  if (start_step >= rc.steps) {
+    if (!opt.quiet) fmt::print("{}: run already complete at step {} (raise run.steps to continue)\n", run_dir.string(), start_step);
+    TrainSummary done;
+    done.start_step = done.end_step = start_step;
+    return done;
+  }
+  fs::create_directories(run_dir);
+  write_file_atomic(run_dir / "config.yaml", to_yaml(cfg));
+  MetricsWriter metrics(run_dir / "metrics.jsonl", /*append=*/start_step > 0);
+  if (start_step > 0) metrics.truncate_after_step(start_step);
+
+  const FlopsPerToken fpt = flops_per_token(cfg.model);
+  const ParamCount pc = count_params(cfg.model);
+  const double peak = sgemm_gflops();
+  const int64_t tokens_per_step = int64_t(rc.batch_size) * rc.grad_accum * cfg.model.seq_len;
+  if (!opt.quiet) {
+    fmt::print("resolved config ({}):\n{}", cfg.source, to_yaml(cfg));
+    fmt::print("parameters: {} total ({} non-embedding); FLOPs/token: {} forward without head, {} training with head\n",
+               human_count(double(pc.total)), human_count(double(pc.non_embedding())),
+               human_count(fpt.forward(false)), human_count(fpt.train(true)));
+    fmt::print("activations: {:.1f} MiB planned; {} threads; sgemm {:.1f} GFLOP/s (MFU denominator); "
+               "{} tokens/step; run dir {}\n",
+               model.activation_bytes() / 1048576.0, threads, peak, tokens_per_step, run_dir.string());
+  }
+
+  const int N = rc.batch_size * cfg.model.seq_len;
+  std::vector<int32_t> inputs(N), targets(N);
+  const fs::path tokenizer = data_dir / "tokenizer.model";
+  TrainSummary sum;
+  sum.start_step = start_step;
+  std::vector<double> rates, mfus;
+
+  auto evaluate = [&](int64_t step) {
+    if (rc.eval_batches == 0) return;
+    val_loader.reset();
+    double xent = 0;
+    int64_t n = 0;
+    for (int b = 0; b < rc.eval_batches; ++b) {
+      val_loader.next(inputs.data(), targets.data());
+      LossSums s = model.forward_loss(inputs.data(), targets.data());
+      xent += s.xent;
+      n += s.tokens;
+    }
+    double vl = xent / double(n);
+    sum.val_losses.emplace_back(step, vl);
+    metrics.write({{"step", step}, {"val_loss", vl}, {"tokens", tokens_seen}});
+    if (!opt.quiet) fmt::print("{}step {} | val_loss {:.4f}\n", isatty(1) ? "\r\033[K" : "", step, vl);
+  };
+  auto elapsed_total = [&, t0 = std::chrono::steady_clock::now()] {
+    return elapsed_prev + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  auto checkpoint = [&](int64_t step) {
+    CheckpointState st{step, tokens_seen, threads, train_loader.state(), to_json(cfg), elapsed_total()};
+    sum.last_checkpoint = save_checkpoint(run_dir, st, model, *optimizer, tokenizer, rc.keep_checkpoints);
+  };
+
+  g_stop = false;
+  auto old_int = std::signal(SIGINT, on_signal);
+  auto old_term = std::signal(SIGTERM, on_signal);
+  const bool tty = isatty(1);
+  double interval_s = 0;
+  int64_t interval_tokens = 0;
+  int64_t step = start_step;
+  bool killed = false;
+  while (step < rc.steps) {
+    auto t0 = std::chrono::steady_clock::now();
+    StepStats ss = train_step(cfg, step, model, *optimizer, *be,
+                              [&](int32_t* in, int32_t* tg) { train_loader.next(in, tg); }, inputs.data(), targets.data());
+    ++step;
+    const int64_t ntok = ss.tokens;
+    const double gnorm = ss.grad_norm, lr = ss.lr, lse_sq = ss.lse_sq * double(ntok);
+    tokens_seen += ntok;
+    const double loss = ss.loss;
+    if (!std::isfinite(loss)) fail("training diverged: loss is {} at step {} (lower optim.lr?)", loss, step);
+    sum.losses.emplace_back(step, loss);
+
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    interval_s += dt;
+    interval_tokens += ntok;
+    const bool log_now = step % rc.log_every == 0 || step == rc.steps;
+    if (log_now) {
+      const double tps = interval_tokens / interval_s;
+      const double mfu = tps * fpt.train(true) / (peak * 1e9);
+      rates.push_back(tps);
+      mfus.push_back(mfu);
+      nlohmann::json line = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", gnorm},
+                             {"tokens_per_s", tps}, {"mfu", mfu}, {"tokens", tokens_seen},
+                             {"elapsed_s", elapsed_total()}};
+      if (cfg.model.z_loss > 0) line["lse_sq"] = lse_sq / double(ntok);
+      metrics.write(line);
+      if (!opt.quiet) {
+        ProgressInfo pi{step, rc.steps, loss, lr, gnorm, tps, mfu, elapsed_total(),
+                        (rc.steps - step) * (interval_s / double(interval_tokens) * tokens_per_step), ""};
+        fmt::print("{}{}{}", tty ? "\r\033[K" : "", format_progress(pi), tty ? "" : "\n");
+        std::fflush(stdout);
+      }
+      interval_s = 0;
+      interval_tokens = 0;
+    }
+    if (rc.eval_every > 0 && step % rc.eval_every == 0 && step != rc.steps) evaluate(step);
+    if (opt.stop_after >= 0 && step >= opt.stop_after) {  // simulated kill (tests)
+      killed = true;
+      break;
+    }
+    if (rc.ckpt_every > 0 && step % rc.ckpt_every == 0 && step != rc.steps) checkpoint(step);
+    if (g_stop) {
+      checkpoint(step);
+      if (!opt.quiet) fmt::print("\ninterrupted: checkpoint written at step {}; continue with --resume\n", step);
+      break;
+    }
+  }
+  std::signal(SIGINT, old_int);
+  std::signal(SIGTERM, old_term);
+  sum.end_step = step;
+  if (step == rc.steps && !killed) {
+    evaluate(step);
+    checkpoint(step);
+  }
+  sum.tokens_per_s = median(rates);
+  sum.mfu = median(mfus);
+  if (!opt.quiet) {
+    if (tty) fmt::print("\n");
+    fmt::print("done: {} steps, median {:.0f} tokens/s, MFU {:.1f}%; metrics {}; checkpoints {}\n", step,
+               sum.tokens_per_s, 100 * sum.mfu, (run_dir / "metrics.jsonl").string(),
+               (run_dir / "checkpoints").string());
+  }
+  return sum;
+}
+
+}  // namespace ladder

@@ -1,0 +1,55 @@
+// The training loop: data -> forward/backward (with gradient accumulation) -> [gradient all-reduce
+// slot] -> clip -> optimizer -> metrics, validation, checkpoints.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <utility>
+#include <vector>
+
+#include <functional>
+
+#include "backend/backend.h"
+#include "model/config.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+
+namespace ladder {
+
+struct TrainOptions {
+  Config cfg;
+  std::filesystem::path run_dir;
+  bool resume = false;
+  bool quiet = false;           // no progress output (tests)
+  int64_t stop_after = -1;      // testing: return after this many steps as if killed (no final checkpoint)
+};
+
+struct TrainSummary {
+  std::vector<std::pair<int64_t, double>> losses;      // (step, training loss) of every step run here
+  std::vector<std::pair<int64_t, double>> val_losses;  // (step, validation loss)
+  int64_t start_step = 0, end_step = 0;
+  double tokens_per_s = 0, mfu = 0;  // medians over the run
+  std::filesystem::path last_checkpoint;
+};
+
+TrainSummary train(const TrainOptions& opt);
+
+// One optimizer step: zero grads; grad_accum micro-batches (each fetched by next_batch into
+// inputs/targets) forward+backward; [data-parallel all-reduce slot]; global-norm clip; scheduled lr;
+// optimizer update. `step` is the 0-based index of this step. The trainer, the benchmark and the
+// parity tests all run exactly this function.
+struct StepStats {
+  double loss = 0;      // mean cross-entropy over the step's tokens
+  double lse_sq = 0;    // mean logsumexp^2 (what the z-loss penalizes)
+  double grad_norm = 0; // before clipping
+  double lr = 0;
+  int64_t tokens = 0;
+};
+using BatchFn = std::function<void(int32_t* inputs, int32_t* targets)>;
+StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimizer& opt, Backend& be,
+                     const BatchFn& next_batch, int32_t* inputs, int32_t* targets);
+
+// Sets the vocabulary from the data directory's meta.json when model.vocab_size is 0 and checks it
+// otherwise. Returns the data directory.
+std::filesystem::path resolve_data(Config& cfg);
+
+}  // namespace ladder
