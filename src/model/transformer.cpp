@@ -18,6 +18,11 @@ const char* role_name(Role r) {
     case Role::MlpMatrix: return "mlp";
     case Role::Head: return "lm_head";
     case Role::NormGain: return "norm";
+    case Role::Router: return "router";
+    case Role::ExpertMatrix: return "expert";
+    case Role::SharedExpert: return "shared_expert";
+    case Role::AttnGate: return "attn_gate";
+    case Role::GatedNormMatrix: return "gated_norm";
   }
   return "?";
 }

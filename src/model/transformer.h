@@ -15,14 +15,25 @@
 
 namespace ladder {
 
-// What a tensor is; optimizer groups are derived from it.
-enum class Role { Embedding, AttnMatrix, MlpMatrix, Head, NormGain };
+// What a tensor is; optimizer groups are derived from it (RECIPE.md section 3).
+enum class Role {
+  Embedding,        // input token embedding
+  AttnMatrix,       // q/k/v/o projections
+  MlpMatrix,        // dense SwiGLU gate/up/down
+  Head,             // LM head
+  NormGain,         // RMSNorm / QK-norm gains (1-D)
+  Router,           // MoE router d -> E (fp32)
+  ExpertMatrix,     // routed expert gate/up/down, stored [E, out, in]: one matrix per expert
+  SharedExpert,     // always-on shared expert gate/up/down
+  AttnGate,         // per-head output gate W_g
+  GatedNormMatrix,  // GatedNorm W_down / W_up
+};
 const char* role_name(Role r);
 
 struct Param {
   std::string name;            // Hugging Face style, e.g. model.layers.3.self_attn.q_proj.weight
   Role role;
-  std::vector<int64_t> shape;  // Linear weights are [out_features, in_features]
+  std::vector<int64_t> shape;  // Linear weights are [out_features, in_features]; experts [E, out, in]
   size_t numel = 0;
   float* w = nullptr;          // weights (params arena)
   float* g = nullptr;          // gradient (grads arena)

@@ -17,9 +17,14 @@ std::vector<ParamGroup> default_groups(std::vector<Param>& params, const OptimCo
     switch (p.role) {
       case Role::AttnMatrix:
       case Role::MlpMatrix:
-      case Role::Head: g[0].params.push_back(&p); break;
+      case Role::Head:
+      case Role::ExpertMatrix:
+      case Role::SharedExpert:
+      case Role::GatedNormMatrix: g[0].params.push_back(&p); break;
       case Role::Embedding: g[1].params.push_back(&p); break;
-      case Role::NormGain: g[2].params.push_back(&p); break;
+      case Role::NormGain:
+      case Role::Router:
+      case Role::AttnGate: g[2].params.push_back(&p); break;
     }
   }
   return g;

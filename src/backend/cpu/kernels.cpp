@@ -602,16 +602,22 @@ void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n
 
 namespace {
 
-// Row max and log-sum-exp; the sum is carried in double so vocabularies of 10^5 stay exact to
-// float rounding for the float instantiation.
+// Row max and log-sum-exp. Partial sums over 512-wide chunks are in T (a vectorizable loop; mixing
+// float terms into a double accumulator defeats GCC's vectorizer), and the chunks add up in double,
+// so vocabularies of 10^5 stay exact to float rounding.
 template <class T>
 inline T row_lse(const T* x, int V) {
   T mx = x[0];
 #pragma omp simd reduction(max : mx)
   for (int j = 1; j < V; ++j) mx = x[j] > mx ? x[j] : mx;
   double sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int j = 0; j < V; ++j) sum += double(kexp(x[j] - mx));
+  for (int j0 = 0; j0 < V; j0 += 512) {
+    const int j1 = std::min(V, j0 + 512);
+    T part = 0;
+#pragma omp simd reduction(+ : part)
+    for (int j = j0; j < j1; ++j) part += kexp(x[j] - mx);
+    sum += double(part);
+  }
   return T(double(mx) + std::log(sum));
 }
 
