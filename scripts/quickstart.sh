@@ -8,7 +8,7 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$(nproc)"
 bash scripts/make-corpus.sh data/corpus/default.jsonl
 if [ ! -f data/default/meta.json ]; then
-  ./build/ladder data --input data/corpus/default.jsonl --out data/default --vocab 8192
+  ./build/ladder data --input data/corpus/default.jsonl --out data/default --vocab 8192 --val-fraction 0.02
 fi
 RUN=runs/dense-tiny
 if [ -d "$RUN/checkpoints" ]; then

@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
   be->add_option("--steps", bopt.steps, "timed steps (median reported)")->capture_default_str();
   be->add_flag("--torch", bopt.torch, "also time the independent PyTorch model on the same shapes");
   be->add_flag("--json", bjson, "print one JSON object");
+  be->add_flag("--profile", bopt.profile, "time every backend op and print each one's share of the step");
 
   auto* doc = app.add_subcommand("config-doc", "print every config key, its type, default and meaning (Markdown)");
 
@@ -89,6 +90,13 @@ int main(int argc, char** argv) {
                    j["config"].get<std::string>(), j["threads"].get<int>(), j["sgemm_gflops"].get<double>(),
                    j["train_gflops"].get<double>(), j["tokens_per_s"].get<double>(), j["step_s_median"].get<double>(),
                    j["steps_timed"].get<int>(), 100 * j["mfu"].get<double>());
+        if (j.contains("profile")) {
+          fmt::print("profile (share of the timed steps, ms/step, GFLOP/s for GEMMs):\n");
+          for (auto& [op, t] : j["profile"].items())
+            fmt::print("  {:<16} {:5.1f}%  {:8.1f} ms  {}\n", op, 100 * t["share"].get<double>(),
+                       t["ms_per_step"].get<double>(),
+                       t["gflops"].get<double>() > 0 ? fmt::format("{:.1f} GFLOP/s", t["gflops"].get<double>()) : "");
+        }
         if (j.contains("torch_tokens_per_s"))
           fmt::print("PyTorch     {:.0f} tokens/s on the same model -> Ladder is {:.2f}x\n",
                      j["torch_tokens_per_s"].get<double>(), j["speedup_vs_torch"].get<double>());

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/profiling_backend.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/rng.h"
@@ -32,7 +33,13 @@ nlohmann::json run_bench(const BenchOptions& opt) {
   Config cfg = load_config(opt.config, opt.overrides);
   if (cfg.model.vocab_size == 0) cfg.model.vocab_size = 8192;  // synthetic tokens: no data directory needed
   validate(cfg);
-  auto be = make_cpu_backend(cfg.run.threads);
+  std::unique_ptr<Backend> be = make_cpu_backend(cfg.run.threads);
+  ProfilingBackend* prof = nullptr;
+  if (opt.profile) {
+    auto p = make_profiling_backend(std::move(be));
+    prof = p.get();
+    be = std::move(p);
+  }
   const double peak = sgemm_gflops();
   Transformer model(cfg.model, cfg.run.batch_size, *be);
   model.init(cfg.run.seed);
@@ -50,6 +57,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
     train_step(cfg, s, model, *optimizer, *be, [&](int32_t*, int32_t*) {}, in.data(), tgt.data());
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= 2) times.push_back(dt);
+    if (s == 1 && prof) prof->reset();  // profile only the timed steps
   }
   std::sort(times.begin(), times.end());
   const double step_s = times[times.size() / 2];
@@ -61,6 +69,15 @@ nlohmann::json run_bench(const BenchOptions& opt) {
                       {"tokens_per_s", tps},            {"mfu", train_gflops / peak},
                       {"step_s_median", step_s},        {"steps_timed", opt.steps},
                       {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total}};
+  if (prof) {
+    double total = 0;
+    for (auto& t : times) total += t;
+    nlohmann::json p = nlohmann::json::object();
+    for (auto& [op, t] : prof->times())
+      p[op] = {{"share", t.seconds / total}, {"ms_per_step", 1e3 * t.seconds / opt.steps}, {"calls", t.calls},
+               {"gflops", t.flops > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
+    j["profile"] = p;
+  }
   if (opt.torch) {
     auto tmp = std::filesystem::temp_directory_path() / fmt::format("ladder-bench-{}.json", ::getpid());
     write_file_atomic(tmp, torch_model_json(cfg).dump());

@@ -15,6 +15,7 @@ struct BenchOptions {
   std::vector<std::string> overrides;
   int steps = 5;                 // timed steps (after 2 warm-up steps); the median is reported
   bool torch = false;            // also time scripts/bench-torch.py on the same model
+  bool profile = false;          // time every backend op; adds "profile" to the result
 };
 
 nlohmann::json run_bench(const BenchOptions& opt);

@@ -111,7 +111,9 @@ TrainSummary train(const TrainOptions& opt) {
   // Data-parallel slot: rank/world come from the launcher when MPI arrives; one rank for now.
   const int rank = 0, world = 1;
   data::DataLoader train_loader(data_dir, "train", cfg.model.seq_len, rc.batch_size, rc.seed, true, rank, world);
-  data::DataLoader val_loader(data_dir, "val", cfg.model.seq_len, rc.batch_size, rc.seed, false, rank, world);
+  // Validation reads the same fixed, shuffled subset of windows at every evaluation (reset() returns
+  // to its start): a sample spread over the whole split rather than its first documents.
+  data::DataLoader val_loader(data_dir, "val", cfg.model.seq_len, rc.batch_size, /*seed=*/0, true, rank, world);
 
   int64_t start_step = 0, tokens_seen = 0;
   double elapsed_prev = 0;

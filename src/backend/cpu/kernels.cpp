@@ -20,7 +20,9 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef LADDER_WIDE
+// GCC vectorizes with 256-bit registers on AVX-512 parts unless told otherwise; the exp-heavy loops
+// (softmax, attention, SwiGLU) run 1.2-2x faster at 512 bits. A no-op without AVX-512.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #pragma GCC target("prefer-vector-width=512")
 #endif
 
@@ -493,12 +495,13 @@ void attention_forward(T* o, T* lse, const T* q, const T* k, const T* v, const A
   const int nqb = (s.S + kQB - 1) / kQB;
   const int BH = s.B * s.H;
   const int ntask = nqb * BH;
-  // Causal cost grows with the query block index: hand out the late (expensive) blocks first so
-  // dynamic scheduling ends with cheap tasks and the threads finish together.
+  // Consecutive tasks walk the query blocks of one head, so that head's K and V stay in cache
+  // (measured ~25% faster than interleaving heads); within a head the late, more expensive causal
+  // blocks go first.
 #pragma omp parallel for schedule(dynamic, 1) if (attn_parallel(s))
   for (int t = 0; t < ntask; ++t) {
-    const int qblk = nqb - 1 - t / BH;
-    const int bh = t % BH;
+    const int bh = t / nqb;
+    const int qblk = nqb - 1 - t % nqb;
     const int b = bh / s.H, h = bh % s.H;
     const int i0 = qblk * kQB, i1 = std::min(s.S, i0 + kQB);
     attn_fwd_block(o, lse, q, k, v, s, b, h, i0, i1);

@@ -1,0 +1,28 @@
+// A Backend decorator that times every op (wall clock, by op name and GEMM shape class), for
+// `ladder bench --profile`: where a training step's time goes, measured, before optimizing.
+#pragma once
+#include <map>
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+
+namespace ladder {
+
+struct OpTime {
+  double seconds = 0;
+  double flops = 0;  // for GEMMs
+  long calls = 0;
+};
+
+class ProfilingBackend;
+// Wraps `inner`; the returned backend forwards every op and records its time.
+std::unique_ptr<ProfilingBackend> make_profiling_backend(std::unique_ptr<Backend> inner);
+
+class ProfilingBackend : public Backend {
+ public:
+  virtual const std::map<std::string, OpTime>& times() const = 0;
+  virtual void reset() = 0;
+};
+
+}  // namespace ladder
