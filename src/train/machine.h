@@ -4,7 +4,8 @@
 
 namespace ladder {
 
-// Median GFLOP/s of a large square-ish sgemm on the current thread count. `use_cache`: read/write the cache.
+// Median GFLOP/s of a training-shaped sgemm on the current thread count. `use_cache`: return the
+// cached value if there is one. A fresh measurement always refreshes the cache.
 double sgemm_gflops(bool use_cache = true);
 
 }  // namespace ladder
