@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "data/prepare.h"
 #include "model/config.h"
+#include "optim/optimizer.h"
 #include "train/bench.h"
 #include "train/sampler.h"
 #include "train/trainer.h"
@@ -35,6 +36,8 @@ int main(int argc, char** argv) {
   tr->add_option("--set", sets, "override a config key: key.path=value (repeatable)");
   tr->add_option("--run-dir", run_dir, "run directory (default runs/<config name>)");
   tr->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
+  bool dry_run = false;
+  tr->add_flag("--dry-run", dry_run, "print every tensor with its optimizer group and learning rate, then exit");
 
   // ladder sample
   auto* sa = app.add_subcommand("sample", "generate text from a checkpoint");
@@ -73,6 +76,20 @@ int main(int argc, char** argv) {
     } else if (tr->parsed()) {
       TrainOptions o;
       o.cfg = load_config(train_cfg, sets);
+      if (dry_run) {
+        // The vocabulary comes from the data directory; without one the table still says everything
+        // but the embedding and head shapes.
+        if (o.cfg.model.vocab_size == 0) {
+          try {
+            resolve_data(o.cfg);
+          } catch (const ladder::Error& e) {
+            o.cfg.model.vocab_size = 8192;
+            fmt::print("note: vocabulary unknown ({}); shapes below use vocab_size 8192\n", e.what());
+          }
+        }
+        std::cout << dry_run_report(o.cfg);
+        return 0;
+      }
       o.run_dir = run_dir.empty() ? fs::path("runs") / fs::path(train_cfg).stem() : fs::path(run_dir);
       o.resume = resume;
       train(o);
