@@ -105,6 +105,15 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
   std::visit(
       [&](auto* p) {
         using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          // Strings are taken as written (YAML has already unquoted a file's scalar; re-parsing
+          // would turn a glob like *.q_proj.weight into an alias); --set may quote them.
+          std::string v = text;
+          if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front())
+            v = v.substr(1, v.size() - 2);
+          *p = v;
+          return;
+        }
         try {
           YAML::Node n = YAML::Load(text);
           if (!n.IsScalar()) throw YAML::Exception(YAML::Mark::null_mark(), "not a scalar");
