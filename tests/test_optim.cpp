@@ -265,6 +265,11 @@ std::vector<double> singular_values(const T* x, int r, int c) {
   return ev;
 }
 
+// RECIPE.md section 3's coefficients, restated here (not taken from the kernel) so that a wrong
+// coefficient in the kernel fails this test.
+const double kRecipeNs[5][3] = {{4.0848, -6.8946, 2.9270}, {3.9505, -6.3029, 2.6377}, {3.7418, -5.5913, 2.3037},
+                                {2.8769, -3.1427, 1.2046}, {2.8366, -3.0525, 1.2012}};
+
 // The same iteration evaluated naively in double: no syrk, no transposition trick (the tall case
 // is transposed explicitly, as the recipe writes it).
 std::vector<double> ns5_double(const std::vector<float>& in, int r, int c) {
@@ -280,7 +285,7 @@ std::vector<double> ns5_double(const std::vector<float>& in, int r, int c) {
       if (tall) X[size_t(j) * n + i] = v;
       else X[size_t(i) * n + j] = v;
     }
-  for (auto& co : cpu::kNsCoeffs) {
+  for (auto& co : kRecipeNs) {
     std::vector<double> A(size_t(m) * m, 0), P(size_t(m) * m, 0), Y(size_t(m) * n, 0);
     for (int i = 0; i < m; ++i)
       for (int j = 0; j < m; ++j)
@@ -307,7 +312,7 @@ std::vector<double> ns5_double(const std::vector<float>& in, int r, int c) {
 
 // The scalar map the 5 steps apply to each normalized singular value.
 double ns5_scalar(double s) {
-  for (auto& co : cpu::kNsCoeffs) s = co[0] * s + co[1] * s * s * s + co[2] * s * s * s * s * s;
+  for (auto& co : kRecipeNs) s = co[0] * s + co[1] * s * s * s + co[2] * s * s * s * s * s;
   return s;
 }
 
