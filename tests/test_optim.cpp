@@ -148,8 +148,8 @@ TEST(Optim, EveryOptimizerMatchesPyTorchOverSeveralSteps) {
     size_t compared = 0;
     for (auto& p : models[k].params) {
       auto w = ref.get_f32("w." + p.name);
-      // fp32 on both sides; Newton-Schulz (large a_k) amplifies rounding the most.
-      EXPECT_LT(test::rel_err(p.w, w.data(), p.numel), 2e-5) << presets[k] << " " << p.name;
+      // fp32 on both sides: measured worst 2.6e-7 (docs/benchmarks-optim.md).
+      EXPECT_LT(test::rel_err(p.w, w.data(), p.numel), 5e-6) << presets[k] << " " << p.name;
       ++compared;
     }
     for (auto& s : opts[k]->state()) {
@@ -158,7 +158,7 @@ TEST(Optim, EveryOptimizerMatchesPyTorchOverSeveralSteps) {
       size_t n = 1;
       for (auto d : s.shape) n *= size_t(d);
       ASSERT_EQ(v.size(), n) << s.name;
-      EXPECT_LT(test::rel_err(s.data, v.data(), n), 2e-5) << presets[k] << " " << s.name;
+      EXPECT_LT(test::rel_err(s.data, v.data(), n), 5e-6) << presets[k] << " " << s.name;
       ++compared;
     }
     // the reference's state names are exactly ours
@@ -339,7 +339,7 @@ TEST(Optim, NewtonSchulzSingularValuesLieInTheDesignedBand) {
     be->newton_schulz5(y.data(), sh.r, sh.c);
     // 1. against the float64 evaluation of the same iteration
     auto yd = ns5_double(x, sh.r, sh.c);
-    EXPECT_LT(test::rel_err(y.data(), yd.data(), y.size()), 1e-5) << sh.r << "x" << sh.c;
+    EXPECT_LT(test::rel_err(y.data(), yd.data(), y.size()), 5e-6) << sh.r << "x" << sh.c;
     // 2. each singular value went through the scalar polynomial map
     auto sout = singular_values(y.data(), sh.r, sh.c);
     std::vector<double> want;
