@@ -9,6 +9,7 @@
 #include "model/config.h"
 #include "optim/optimizer.h"
 #include "train/bench.h"
+#include "train/optim_bench.h"
 #include "train/sampler.h"
 #include "train/trainer.h"
 
@@ -61,6 +62,8 @@ int main(int argc, char** argv) {
   be->add_option("--steps", bopt.steps, "timed steps (median reported)")->capture_default_str();
   be->add_flag("--torch", bopt.torch, "also time the independent PyTorch model on the same shapes");
   be->add_flag("--json", bjson, "print one JSON object");
+  bool boptim = false;
+  be->add_flag("--optim", boptim, "time the optimizer step's share of a step for each optimizer, and Newton-Schulz per matrix");
 
   auto* doc = app.add_subcommand("config-doc", "print every config key, its type, default and meaning (Markdown)");
 
@@ -95,6 +98,9 @@ int main(int argc, char** argv) {
       train(o);
     } else if (sa->parsed()) {
       std::cout << sample_text(ckpt, sopt) << std::endl;
+    } else if (be->parsed() && boptim) {
+      auto j = run_optim_bench(bopt);
+      std::cout << (bjson ? j.dump() + "\n" : format_optim_bench(j));
     } else if (be->parsed()) {
       auto j = run_bench(bopt);
       if (bjson) {
