@@ -481,3 +481,36 @@ TEST(Optim, BadGroupConfigurationsGiveOneClearLine) {
 
 }  // namespace
 }  // namespace ladder
+
+namespace ladder {
+namespace {
+
+// `ladder train --dry-run` prints every tensor's group, optimizer and lr and trains nothing; a bad
+// group configuration is one "error:" line.
+TEST(OptimCli, DryRunPrintsEveryTensorAndBadGroupsGiveOneLine) {
+  test::TempDir d("dryrun");
+  const std::string cfg = std::string(LADDER_SOURCE_DIR) + "/configs/dense-tiny-muonh.yaml";
+  auto run = [&](const std::string& extra) {
+    std::string cmd = fmt::format("{}/ladder train {} --run-dir {} --dry-run {} >{} 2>{}", LADDER_BINARY_DIR, cfg,
+                                  (d.path / "run").string(), extra, (d.path / "out").string(), (d.path / "err").string());
+    return std::system(cmd.c_str());
+  };
+  ASSERT_EQ(run(""), 0) << read_file(d.path / "err");
+  const std::string out = read_file(d.path / "out");
+  for (const char* want : {"model.layers.0.self_attn.q_proj.weight", "attention", "muonh", "lm_head.weight", "adamh",
+                           "model.embed_tokens.weight", "adam.embedding", "warmup 2 of 200", "grad clip off"})
+    EXPECT_NE(out.find(want), std::string::npos) << want << "\n" << out;
+  // one line per tensor: 4 layers x 11, embedding, final norm (lm_head checked above)
+  size_t lines = 0;
+  for (size_t p = out.find("model."); p != std::string::npos; p = out.find("\nmodel.", p + 1)) ++lines;
+  EXPECT_EQ(lines, 4u * 11 + 2);
+  EXPECT_FALSE(std::filesystem::exists(d.path / "run"));
+  EXPECT_NE(run("--set optim.muon_params=role:norm"), 0);
+  const std::string err = read_file(d.path / "err");
+  EXPECT_NE(err.find("error: optim.muon_params: "), std::string::npos) << err;
+  EXPECT_NE(err.find("is a vector"), std::string::npos) << err;
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 2) << err;  // the blank line the CLI prints, then the error
+}
+
+}  // namespace
+}  // namespace ladder
