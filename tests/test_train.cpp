@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/rng.h"
+#include "core/safetensors.h"
 #include "data/prepare.h"
 #include "model/flops.h"
 #include "optim/schedule.h"
@@ -112,6 +113,44 @@ TEST_F(TrainTest, ResumeGivesBitIdenticalLosses) {
   }
   ASSERT_EQ(steps.size(), 12u);
   for (int i = 0; i < 12; ++i) EXPECT_EQ(steps[i], i + 1);
+}
+
+// The MuonH recipe (momentum buffers, Adam moments, hyperball radii) resumes bit for bit too.
+TEST_F(TrainTest, MuonHResumeGivesBitIdenticalLosses) {
+  Config c = tiny();
+  c.optim.name = "muonh";
+  c.optim.adam_lr = "0.005";
+  c.optim.adamh_lr = c.optim.muonh_lr = "0.02";
+  c.optim.clip = 0;
+  c.schedule.warmup = 0.01;
+  c.schedule.final_lr_frac = 0.05;
+  c.run.steps = 8;
+  c.run.eval_every = 0;
+  fs::path a = dir->path / "run-muonh-a", b = dir->path / "run-muonh-b";
+  TrainSummary full = run(c, a);
+  ASSERT_EQ(full.losses.size(), 8u);
+  EXPECT_LT(full.losses.back().second, full.losses.front().second);
+  run(c, b, false, 5);  // "killed" after step 5; newest checkpoint is step 4
+  TrainSummary rest = run(c, b, true);
+  ASSERT_EQ(rest.start_step, 4);
+  ASSERT_EQ(rest.losses.size(), 4u);
+  for (size_t i = 0; i < rest.losses.size(); ++i)
+    EXPECT_EQ(rest.losses[i].second, full.losses[4 + i].second) << "step " << rest.losses[i].first;
+  EXPECT_EQ(read_file(checkpoint_dir(a, 8) / "model.safetensors"), read_file(checkpoint_dir(b, 8) / "model.safetensors"));
+  EXPECT_EQ(read_file(checkpoint_dir(a, 8) / "optimizer.safetensors"),
+            read_file(checkpoint_dir(b, 8) / "optimizer.safetensors"));
+  // The radii are in the checkpoint, and the weights are on their spheres.
+  auto opt = SafeTensors::open(checkpoint_dir(a, 8) / "optimizer.safetensors");
+  auto w = SafeTensors::open(checkpoint_dir(a, 8) / "model.safetensors");
+  for (const char* n : {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"}) {
+    ASSERT_TRUE(opt.has(std::string("radius.") + n)) << n;
+    const float R = opt.get_f32(std::string("radius.") + n)[0];
+    double ss = 0;
+    for (float x : w.get_f32(n)) ss += double(x) * x;
+    EXPECT_NEAR(std::sqrt(ss), R, 1e-5 * R) << n;
+  }
+  EXPECT_TRUE(opt.has("momentum.model.layers.0.self_attn.q_proj.weight"));
+  EXPECT_TRUE(opt.has("exp_avg.model.embed_tokens.weight"));
 }
 
 TEST_F(TrainTest, LossFallsAndMetricsHaveTheFields) {

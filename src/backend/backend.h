@@ -8,6 +8,7 @@
 #include <string>
 
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/optim_kernels.h"
 
 namespace ladder {
 
@@ -41,6 +42,17 @@ class Backend {
   virtual double sum_squares(const float* x, size_t n) = 0;
   virtual void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1,
                             float b2, float eps, float wd, float bc1, float bc2) = 0;
+  // The recipe's optimizers (backend/cpu/optim_kernels.h has the contracts). Norms come back as
+  // double sums of squares so the hyperball projection is taken in double.
+  virtual double adam_moments(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1,
+                              float bc2, float eps) = 0;
+  virtual double adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
+                            float alpha) = 0;
+  virtual void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) = 0;
+  virtual double axpy_sumsq(float* w, const float* x, size_t n, float alpha) = 0;
+  // Muon's orthogonalization of one row-major [rows, cols] matrix, in place (normalization + the 5
+  // Newton-Schulz steps); the backend owns the workspace.
+  virtual void newton_schulz5(float* X, int rows, int cols) = 0;
 };
 
 // The CPU backend. `threads` <= 0: all cores. Sets the OpenMP and OpenBLAS thread counts.

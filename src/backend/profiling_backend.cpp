@@ -84,6 +84,23 @@ class Profiler final : public ProfilingBackend {
                     float wd, float bc1, float bc2) override {
     timed("optimizer", 0, [&] { b_->adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2); });
   }
+  double adam_moments(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1, float bc2,
+                      float eps) override {
+    return timed("optimizer", 0, [&] { return b_->adam_moments(m, v, g, n, b1, b2, bc1, bc2, eps); });
+  }
+  double adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
+                    float alpha) override {
+    return timed("optimizer", 0, [&] { return b_->adam_apply(w, m, v, n, bc1, bc2, eps, alpha); });
+  }
+  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) override {
+    timed("optimizer", 0, [&] { b_->muon_momentum(B, D, G, n, mu); });
+  }
+  double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
+    return timed("optimizer", 0, [&] { return b_->axpy_sumsq(w, x, n, alpha); });
+  }
+  void newton_schulz5(float* X, int rows, int cols) override {
+    timed("newton-schulz", 0, [&] { b_->newton_schulz5(X, rows, cols); });
+  }
 
  private:
   std::unique_ptr<Backend> b_;

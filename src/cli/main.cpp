@@ -7,7 +7,9 @@
 #include "core/error.h"
 #include "data/prepare.h"
 #include "model/config.h"
+#include "optim/optimizer.h"
 #include "train/bench.h"
+#include "train/optim_bench.h"
 #include "train/sampler.h"
 #include "train/trainer.h"
 
@@ -35,6 +37,8 @@ int main(int argc, char** argv) {
   tr->add_option("--set", sets, "override a config key: key.path=value (repeatable)");
   tr->add_option("--run-dir", run_dir, "run directory (default runs/<config name>)");
   tr->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
+  bool dry_run = false;
+  tr->add_flag("--dry-run", dry_run, "print every tensor with its optimizer group and learning rate, then exit");
 
   // ladder sample
   auto* sa = app.add_subcommand("sample", "generate text from a checkpoint");
@@ -59,6 +63,8 @@ int main(int argc, char** argv) {
   be->add_flag("--torch", bopt.torch, "also time the independent PyTorch model on the same shapes");
   be->add_flag("--json", bjson, "print one JSON object");
   be->add_flag("--profile", bopt.profile, "time every backend op and print each one's share of the step");
+  bool boptim = false;
+  be->add_flag("--optim", boptim, "time the optimizer step's share of a step for each optimizer, and Newton-Schulz per matrix");
 
   auto* doc = app.add_subcommand("config-doc", "print every config key, its type, default and meaning (Markdown)");
 
@@ -74,11 +80,28 @@ int main(int argc, char** argv) {
     } else if (tr->parsed()) {
       TrainOptions o;
       o.cfg = load_config(train_cfg, sets);
+      if (dry_run) {
+        // The vocabulary comes from the data directory; without one the table still says everything
+        // but the embedding and head shapes.
+        if (o.cfg.model.vocab_size == 0) {
+          try {
+            resolve_data(o.cfg);
+          } catch (const ladder::Error& e) {
+            o.cfg.model.vocab_size = 8192;
+            fmt::print("note: vocabulary unknown ({}); shapes below use vocab_size 8192\n", e.what());
+          }
+        }
+        std::cout << dry_run_report(o.cfg);
+        return 0;
+      }
       o.run_dir = run_dir.empty() ? fs::path("runs") / fs::path(train_cfg).stem() : fs::path(run_dir);
       o.resume = resume;
       train(o);
     } else if (sa->parsed()) {
       std::cout << sample_text(ckpt, sopt) << std::endl;
+    } else if (be->parsed() && boptim) {
+      auto j = run_optim_bench(bopt);
+      std::cout << (bjson ? j.dump() + "\n" : format_optim_bench(j));
     } else if (be->parsed()) {
       auto j = run_bench(bopt);
       if (bjson) {

@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <nlohmann/json.hpp>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -41,7 +42,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, window, "sliding attention window in tokens; 0 = full causal"),
       LADDER_FIELD(model, init_std, "init std (truncated normal, +-3 sigma); 0 = 0.5/sqrt(d_model)"),
       LADDER_FIELD(model, z_loss, "final-logit z-loss coefficient (0 = off; recipe 1e-4)"),
-      LADDER_FIELD(optim, name, "optimizer: adamw"),
+      LADDER_FIELD(optim, name, "optimizer preset: adamw | adam | adamh | muon | muonh (which tensors each optimizer gets: docs/optimizers.md)"),
       LADDER_FIELD(optim, lr, "peak learning rate"),
       LADDER_FIELD(optim, beta1, "Adam beta1"),
       LADDER_FIELD(optim, beta2, "Adam beta2"),
@@ -49,6 +50,16 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(optim, weight_decay, "decoupled weight decay of the matrix group (attention, MLP, LM head)"),
       LADDER_FIELD(optim, embed_lr_mult, "learning-rate multiplier of the embedding group"),
       LADDER_FIELD(optim, clip, "global gradient-norm clipping threshold; 0 = off"),
+      LADDER_FIELD(optim, adam_lr, "peak lr of the adam groups: a number, `auto` (RECIPE.md's fitted heuristic) or empty = optim.lr"),
+      LADDER_FIELD(optim, adamh_lr, "peak lr of the adamh groups (angular step): a number, `auto` (13/3 adam_lr, cap 0.05) or empty = optim.lr"),
+      LADDER_FIELD(optim, muon_lr, "peak lr of the muon groups: a number or empty = optim.lr (no published heuristic)"),
+      LADDER_FIELD(optim, muonh_lr, "peak lr of the muonh groups (angular step): a number, `auto` (as adamh: our assumption) or empty = optim.lr"),
+      LADDER_FIELD(optim, muon_momentum, "Muon/MuonH Nesterov momentum coefficient (recipe 0.95)"),
+      LADDER_FIELD(optim, adamw_params, "tensors moved to adamw: comma-separated `role:<role>` or name globs (`*.q_proj.weight`)"),
+      LADDER_FIELD(optim, adam_params, "tensors moved to adam (selectors as optim.adamw_params)"),
+      LADDER_FIELD(optim, adamh_params, "tensors moved to adamh (selectors as optim.adamw_params)"),
+      LADDER_FIELD(optim, muon_params, "tensors moved to muon (selectors as optim.adamw_params)"),
+      LADDER_FIELD(optim, muonh_params, "tensors moved to muonh (selectors as optim.adamw_params)"),
       LADDER_FIELD(schedule, type, "learning-rate schedule: linear | cosine | wsd | constant"),
       LADDER_FIELD(schedule, warmup, "linear warmup: < 1 = fraction of steps, >= 1 = steps"),
       LADDER_FIELD(schedule, final_lr_frac, "learning rate at the last step, as a fraction of the peak"),
@@ -94,6 +105,15 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
   std::visit(
       [&](auto* p) {
         using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          // Strings are taken as written (YAML has already unquoted a file's scalar; re-parsing
+          // would turn a glob like *.q_proj.weight into an alias); --set may quote them.
+          std::string v = text;
+          if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front())
+            v = v.substr(1, v.size() - 2);
+          *p = v;
+          return;
+        }
         try {
           YAML::Node n = YAML::Load(text);
           if (!n.IsScalar()) throw YAML::Exception(YAML::Mark::null_mark(), "not a scalar");
@@ -205,7 +225,19 @@ void validate(const Config& c) {
     fail("{}: model.head_dim, model.d_ff, model.window and model.vocab_size must be >= 0", where);
   if (m.norm_eps <= 0) fail("{}: model.norm_eps must be > 0", where);
   if (m.init_std < 0 || m.z_loss < 0) fail("{}: model.init_std and model.z_loss must be >= 0", where);
-  if (c.optim.name != "adamw") fail("{}: optim.name '{}' is not known (expected: adamw)", where, c.optim.name);
+  if (c.optim.name != "adamw" && c.optim.name != "adam" && c.optim.name != "adamh" && c.optim.name != "muon" &&
+      c.optim.name != "muonh")
+    fail("{}: optim.name: unknown optimizer '{}' (expected adamw, adam, adamh, muon or muonh)", where, c.optim.name);
+  for (auto [key, v] : {std::pair{"optim.adam_lr", &c.optim.adam_lr}, std::pair{"optim.adamh_lr", &c.optim.adamh_lr},
+                        std::pair{"optim.muon_lr", &c.optim.muon_lr}, std::pair{"optim.muonh_lr", &c.optim.muonh_lr}}) {
+    if (v->empty() || *v == "auto") continue;
+    char* end = nullptr;
+    const double x = std::strtod(v->c_str(), &end);
+    if (end == v->c_str() || *end != '\0' || !(x >= 0))
+      fail("{}: {} expects a learning rate >= 0, `auto` or empty (= optim.lr), got '{}'", where, key, *v);
+  }
+  if (!(c.optim.muon_momentum >= 0 && c.optim.muon_momentum < 1))
+    fail("{}: optim.muon_momentum must be in [0, 1), got {}", where, c.optim.muon_momentum);
   if (c.optim.lr < 0) fail("{}: optim.lr must be >= 0", where);
   if (!(c.optim.beta1 >= 0 && c.optim.beta1 < 1 && c.optim.beta2 >= 0 && c.optim.beta2 < 1))
     fail("{}: optim.beta1 and optim.beta2 must be in [0, 1)", where);

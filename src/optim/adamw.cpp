@@ -1,4 +1,5 @@
-// AdamW: bias-corrected Adam with decoupled weight decay (Loshchilov & Hutter), per group.
+// AdamW's default grouping and the gradient-norm helpers. The optimizers themselves (adamw, adam,
+// adamh, muon, muonh) are in optimizers.cpp.
 #include <cmath>
 
 #include "core/error.h"
@@ -28,68 +29,6 @@ std::vector<ParamGroup> default_groups(std::vector<Param>& params, const OptimCo
     }
   }
   return g;
-}
-
-namespace {
-
-class AdamW final : public Optimizer {
- public:
-  AdamW(const OptimConfig& oc, Transformer& model, Backend& be) : oc_(oc), be_(be) {
-    groups_ = default_groups(model.params(), oc);
-    size_t bytes = 0;
-    for (auto& p : model.params()) bytes += Arena::padded(p.numel);
-    m_arena_.reserve(bytes);
-    v_arena_.reserve(bytes);
-    for (auto& p : model.params()) {
-      Slot s{&p, m_arena_.alloc(p.numel), v_arena_.alloc(p.numel)};
-      slots_.push_back(s);
-    }
-  }
-
-  void step(double lr) override {
-    ++t_;
-    const double bc1 = 1.0 - std::pow(oc_.beta1, double(t_)), bc2 = 1.0 - std::pow(oc_.beta2, double(t_));
-    for (auto& g : groups_) {
-      for (Param* p : g.params) {
-        Slot& s = slot(p);
-        be_.adamw_update(p->w, p->g, s.m, s.v, p->numel, float(lr * g.lr_mult), float(oc_.beta1),
-                         float(oc_.beta2), float(oc_.eps), float(g.weight_decay), float(bc1), float(bc2));
-      }
-    }
-  }
-  int64_t steps_taken() const override { return t_; }
-  void set_steps_taken(int64_t t) override { t_ = t; }
-  std::vector<StateTensor> state() override {
-    std::vector<StateTensor> out;
-    for (auto& s : slots_) out.push_back({"exp_avg." + s.p->name, s.p->shape, s.m});
-    for (auto& s : slots_) out.push_back({"exp_avg_sq." + s.p->name, s.p->shape, s.v});
-    return out;
-  }
-  const std::vector<ParamGroup>& groups() const override { return groups_; }
-
- private:
-  struct Slot {
-    Param* p;
-    float *m, *v;
-  };
-  Slot& slot(Param* p) {
-    for (auto& s : slots_)
-      if (s.p == p) return s;
-    LADDER_ASSERT(false);
-  }
-  OptimConfig oc_;
-  Backend& be_;
-  std::vector<ParamGroup> groups_;
-  std::vector<Slot> slots_;
-  Arena m_arena_, v_arena_;
-  int64_t t_ = 0;
-};
-
-}  // namespace
-
-std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, Transformer& model, Backend& be) {
-  if (oc.name == "adamw") return std::make_unique<AdamW>(oc, model, be);
-  fail("optim.name: unknown optimizer '{}' (expected adamw)", oc.name);
 }
 
 double grad_norm(Transformer& model, Backend& be) {

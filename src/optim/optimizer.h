@@ -14,10 +14,13 @@
 namespace ladder {
 
 struct ParamGroup {
-  std::string name;  // "matrices", "embedding", "norms"
+  std::string name;  // "matrices", "embedding", "norms" (adamw); else the optimizer's name
   std::vector<Param*> params;
   double lr_mult = 1.0;
   double weight_decay = 0.0;
+  std::string optimizer = "adamw";  // adamw | adam | adamh | muon | muonh (RECIPE.md section 3)
+  double lr = 0;                    // peak learning rate before lr_mult and the schedule
+  std::string lr_from;              // where lr came from, for --dry-run ("optim.lr", "auto: ...")
 };
 
 // Default AdamW grouping: matrices (attention, MLP, LM head) decay; embeddings and norm gains do not.
@@ -41,7 +44,35 @@ class Optimizer {
   virtual const std::vector<ParamGroup>& groups() const = 0;
 };
 
+// What the recipe's `auto` learning rates are computed from (RECIPE.md section 3 heuristics).
+struct RunShape {
+  double total_tokens = 0;     // T: run.steps * tokens per step
+  double tokens_per_step = 0;  // batch * grad_accum * seq_len
+  int d_model = 0;
+};
+RunShape run_shape(const Config& cfg);
+// RECIPE.md's fitted heuristics (fitted on their data; not laws for tiny models):
+// adam_lr = 1.63 * T^-0.2813 * d^-0.3678 * sqrt(B), B = tokens per step / 4096.
+double auto_adam_lr(const RunShape& rs);
+// adamh_lr = 13/3 * adam_lr, capped at 0.05.
+double adamh_lr_from_adam(double adam_lr);
+
+// The parameter groups of a config: the preset of optim.name (RECIPE.md section 3; table in
+// docs/optimizers.md), then the tensors claimed by optim.<optimizer>_params moved. Bad input (a
+// selector matching nothing, a tensor claimed twice, a vector in a Muon or hyperball group, an
+// `auto` lr without a run shape) throws ladder::Error with one line naming the key.
+std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& params, const RunShape& rs);
+
+// `auto` learning rates need the run's size, hence the Config overload; the OptimConfig one (kept
+// for existing callers) rejects `auto` with a clear error.
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, Transformer& model, Backend& be);
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be);
+std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, std::vector<Param>& params, Backend& be,
+                                          const RunShape& rs = {});
+
+// `ladder train --dry-run`: every tensor with its role, shape, group, optimizer and peak learning
+// rate, then the groups and the schedule. Builds the model's parameter list only (no training).
+std::string dry_run_report(const Config& cfg);
 
 // Global L2 norm of all gradients (deterministic).
 double grad_norm(Transformer& model, Backend& be);

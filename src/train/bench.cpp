@@ -43,7 +43,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
   const double peak = sgemm_gflops(/*use_cache=*/false);  // measured in this run: the ratio's denominator
   Transformer model(cfg.model, cfg.run.batch_size, *be);
   model.init(cfg.run.seed);
-  auto optimizer = make_optimizer(cfg.optim, model, *be);
+  auto optimizer = make_optimizer(cfg, model, *be);
   const int N = cfg.run.batch_size * cfg.model.seq_len;
   std::vector<int32_t> in(N), tgt(N);
   Philox rng(cfg.run.seed, stream_id("bench"));

@@ -107,7 +107,7 @@ TrainSummary train(const TrainOptions& opt) {
   auto be = make_cpu_backend(rc.threads);
   const int threads = cpu_threads();
   Transformer model(cfg.model, rc.batch_size, *be);
-  auto optimizer = make_optimizer(cfg.optim, model, *be);
+  auto optimizer = make_optimizer(cfg, model, *be);  // the whole config: `auto` lrs need the run size
   // Data-parallel slot: rank/world come from the launcher when MPI arrives; one rank for now.
   const int rank = 0, world = 1;
   data::DataLoader train_loader(data_dir, "train", cfg.model.seq_len, rc.batch_size, rc.seed, true, rank, world);

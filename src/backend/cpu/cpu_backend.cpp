@@ -1,6 +1,8 @@
 // CpuBackend: forwards the op interface to the float instantiations of the CPU kernels.
 #include <omp.h>
 
+#include <vector>
+
 #include "backend/backend.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -61,6 +63,29 @@ class CpuBackend final : public Backend {
                     float eps, float wd, float bc1, float bc2) override {
     cpu::adamw_update<float>(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
   }
+  double adam_moments(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1, float bc2,
+                      float eps) override {
+    return cpu::adam_moments<float>(m, v, g, n, b1, b2, bc1, bc2, eps);
+  }
+  double adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
+                    float alpha) override {
+    return cpu::adam_apply<float>(w, m, v, n, bc1, bc2, eps, alpha);
+  }
+  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) override {
+    cpu::muon_momentum<float>(B, D, G, n, mu);
+  }
+  double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
+    return cpu::axpy_sumsq<float>(w, x, n, alpha);
+  }
+  void newton_schulz5(float* X, int rows, int cols) override {
+    // Grown to the largest matrix seen, never shrunk: steady-state steps allocate nothing.
+    const size_t need = cpu::ns_work_size(rows, cols);
+    if (ns_work_.size() < need) ns_work_.resize(need);
+    cpu::newton_schulz5<float>(X, rows, cols, ns_work_.data());
+  }
+
+ private:
+  std::vector<float> ns_work_;
 };
 
 }  // namespace

@@ -1,0 +1,466 @@
+// The recipe's optimizers (RECIPE.md section 3) over parameter groups: adamw, adam, adamh, muon and
+// muonh, one per group, all in one Optimizer so that the trainer steps, checkpoints and resumes
+// them as one.
+//
+// Storage convention: Linear weights are stored [out_features, in_features] (y = x W^T), expert
+// tensors [E, out, in]. So a matrix's rows are its fan-out and its columns its fan-in; Muon's
+// scale sqrt(max(1, fan_out/fan_in)) is sqrt(max(1, rows/cols)) here.
+//
+// Hyperball optimizers (adamh, muonh) keep one radius R = ||W0||_F per matrix (per expert for
+// [E, out, in] tensors), taken from the weights at the first step (the trainer initializes or
+// loads the weights before stepping), stored as state "radius.<name>" so a resume uses the same R.
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "core/error.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+
+namespace ladder {
+namespace {
+
+enum class Kind { AdamW, Adam, AdamH, Muon, MuonH };
+constexpr const char* kKindNames[] = {"adamw", "adam", "adamh", "muon", "muonh"};
+const char* kind_name(Kind k) { return kKindNames[int(k)]; }
+bool hyperball(Kind k) { return k == Kind::AdamH || k == Kind::MuonH; }
+bool is_muon(Kind k) { return k == Kind::Muon || k == Kind::MuonH; }
+bool adam_family(Kind k) { return k == Kind::AdamW || k == Kind::Adam || k == Kind::AdamH; }
+
+Kind parse_kind(const std::string& s) {
+  for (int i = 0; i < 5; ++i)
+    if (s == kKindNames[i]) return Kind(i);
+  fail("optim.name: unknown optimizer '{}' (expected adamw, adam, adamh, muon or muonh)", s);
+}
+
+// The hidden matrices of RECIPE.md section 3: attention, experts (routed and shared), GatedNorm.
+// The dense baseline's MLP matrices sit with them (they are what the experts replace).
+bool hidden_matrix(Role r) {
+  return r == Role::AttnMatrix || r == Role::MlpMatrix || r == Role::ExpertMatrix || r == Role::SharedExpert ||
+         r == Role::GatedNormMatrix;
+}
+
+// The presets. muonh is the recipe's table (hidden matrices -> MuonH; LM head -> AdamH;
+// embeddings, router, gates, norms -> Adam); adamh is the same with AdamH on the hidden matrices
+// (the recipe's AdamH list: attention, GatedNorm, LM head, routed and shared experts); muon is the
+// common Muon split (hidden matrices -> Muon, everything else incl. the head -> Adam).
+Kind preset_kind(Kind preset, Role r) {
+  switch (preset) {
+    case Kind::AdamW: return Kind::AdamW;
+    case Kind::Adam: return Kind::Adam;
+    case Kind::AdamH: return hidden_matrix(r) || r == Role::Head ? Kind::AdamH : Kind::Adam;
+    case Kind::Muon: return hidden_matrix(r) ? Kind::Muon : Kind::Adam;
+    case Kind::MuonH: return hidden_matrix(r) ? Kind::MuonH : r == Role::Head ? Kind::AdamH : Kind::Adam;
+  }
+  return Kind::Adam;
+}
+
+// AdamW decays matrices only (as default_groups).
+bool decayed(Role r) { return hidden_matrix(r) || r == Role::Head; }
+
+const std::string& params_key(const OptimConfig& oc, Kind k) {
+  switch (k) {
+    case Kind::AdamW: return oc.adamw_params;
+    case Kind::Adam: return oc.adam_params;
+    case Kind::AdamH: return oc.adamh_params;
+    case Kind::Muon: return oc.muon_params;
+    case Kind::MuonH: return oc.muonh_params;
+  }
+  return oc.adamw_params;
+}
+
+std::vector<std::string> split_selectors(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  auto flush = [&] {
+    auto a = cur.find_first_not_of(" \t"), b = cur.find_last_not_of(" \t");
+    if (a != std::string::npos) out.push_back(cur.substr(a, b - a + 1));
+    cur.clear();
+  };
+  for (char ch : s) {
+    if (ch == ',') flush();
+    else cur += ch;
+  }
+  flush();
+  return out;
+}
+
+bool selector_matches(const std::string& sel, const Param& p) {
+  if (sel.rfind("role:", 0) == 0) return sel.substr(5) == role_name(p.role);
+  return fnmatch(sel.c_str(), p.name.c_str(), 0) == 0;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+constexpr Role kAllRoles[] = {Role::Embedding, Role::AttnMatrix,   Role::MlpMatrix, Role::Head,
+                              Role::NormGain,  Role::Router,       Role::ExpertMatrix, Role::SharedExpert,
+                              Role::AttnGate,  Role::GatedNormMatrix};
+
+double parse_lr(const std::string& key, const std::string& v) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() || *end != '\0' || !(x >= 0))
+    fail("{}: expects a learning rate >= 0, `auto` or empty (= optim.lr), got '{}'", key, v);
+  return x;
+}
+
+// Resolves one optimizer's peak lr from its key ("" = optim.lr, a number, or "auto").
+struct Lr {
+  double value;
+  std::string from;
+};
+Lr resolve_lr(const OptimConfig& oc, Kind k, const RunShape& rs) {
+  auto key_value = [&](Kind kk) -> const std::string& {
+    switch (kk) {
+      case Kind::Adam: return oc.adam_lr;
+      case Kind::AdamH: return oc.adamh_lr;
+      case Kind::Muon: return oc.muon_lr;
+      default: return oc.muonh_lr;
+    }
+  };
+  auto need_shape = [&](const char* key) {
+    if (rs.total_tokens <= 0 || rs.d_model <= 0)
+      fail("optim.{}: `auto` needs the run's size (run.steps, run.batch_size, model.seq_len); this optimizer "
+           "was built without it",
+           key);
+  };
+  auto adam = [&]() -> Lr {
+    if (oc.adam_lr.empty()) return {oc.lr, "optim.lr"};
+    if (oc.adam_lr == "auto") {
+      need_shape("adam_lr");
+      return {auto_adam_lr(rs),
+              fmt::format("auto: 1.63 T^-0.2813 d^-0.3678 sqrt(B), T={:.3g}, d={}, B={:.3g} (heuristic)",
+                          rs.total_tokens, rs.d_model, rs.tokens_per_step / 4096.0)};
+    }
+    return {parse_lr("optim.adam_lr", oc.adam_lr), "optim.adam_lr"};
+  };
+  if (k == Kind::AdamW) return {oc.lr, "optim.lr"};
+  if (k == Kind::Adam) return adam();
+  const std::string& v = key_value(k);
+  const std::string key = std::string(kind_name(k)) + "_lr";
+  if (v.empty()) return {oc.lr, "optim.lr"};
+  if (v != "auto") return {parse_lr("optim." + key, v), "optim." + key};
+  if (k == Kind::Muon)
+    fail("optim.muon_lr: `auto` is not available: RECIPE.md publishes no heuristic for plain Muon (give a number)");
+  // adamh: the recipe's 13/3 * adam_lr (cap 0.05). muonh: the same angular step size, our assumption
+  // (the recipe gives no separate MuonH heuristic; both are relative steps on the same sphere).
+  Lr a = adam();
+  return {adamh_lr_from_adam(a.value),
+          fmt::format("auto: min(0.05, 13/3 * adam_lr {:.4g}){} (heuristic)", a.value,
+                      k == Kind::MuonH ? ", as adamh" : "")};
+}
+
+// One tensor under its optimizer, with views into the state arenas.
+struct Slot {
+  Param* p = nullptr;
+  Kind kind = Kind::AdamW;
+  int group = 0;
+  float *m = nullptr, *v = nullptr;  // Adam moments
+  float* mom = nullptr;              // Muon momentum buffer B
+  float* radius = nullptr;           // hyperball radii, one per matrix
+  int64_t nmat = 1;                  // matrices in the tensor (E for [E, out, in])
+  int rows = 0, cols = 0;            // of one matrix
+  size_t mat_numel() const { return size_t(rows) * size_t(cols); }
+};
+
+class RecipeOptimizer final : public Optimizer {
+ public:
+  RecipeOptimizer(const OptimConfig& oc, std::vector<Param>& params, Backend& be, const RunShape& rs)
+      : oc_(oc), be_(be) {
+    groups_ = plan_groups(oc, params, rs);
+    // Slots in parameter order (state files then read in model order).
+    std::map<const Param*, int> group_of;
+    for (size_t gi = 0; gi < groups_.size(); ++gi)
+      for (Param* p : groups_[gi].params) group_of[p] = int(gi);
+    size_t adam_bytes = 0, mom_bytes = 0, rad_bytes = 0, max_muon = 0;
+    for (auto& p : params) {
+      Slot s;
+      s.p = &p;
+      s.group = group_of.at(&p);
+      s.kind = parse_kind(groups_[s.group].optimizer);
+      if (p.shape.size() == 3) {
+        s.nmat = p.shape[0];
+        s.rows = int(p.shape[1]);
+        s.cols = int(p.shape[2]);
+      } else if (p.shape.size() == 2) {
+        s.rows = int(p.shape[0]);
+        s.cols = int(p.shape[1]);
+      }
+      if (adam_family(s.kind)) adam_bytes += Arena::padded(p.numel);
+      if (is_muon(s.kind)) {
+        mom_bytes += Arena::padded(p.numel);
+        max_muon = std::max(max_muon, s.mat_numel());
+      }
+      if (hyperball(s.kind)) rad_bytes += Arena::padded(size_t(s.nmat));
+      slots_.push_back(s);
+    }
+    m_arena_.reserve(adam_bytes);
+    v_arena_.reserve(adam_bytes);
+    mom_arena_.reserve(mom_bytes);
+    rad_arena_.reserve(rad_bytes);
+    for (auto& s : slots_) {
+      if (adam_family(s.kind)) {
+        s.m = m_arena_.alloc(s.p->numel);
+        s.v = v_arena_.alloc(s.p->numel);
+      }
+      if (is_muon(s.kind)) s.mom = mom_arena_.alloc(s.p->numel);
+      if (hyperball(s.kind)) s.radius = rad_arena_.alloc(size_t(s.nmat));
+    }
+    // Muon's direction D of one matrix at a time (the momentum buffer must survive the step).
+    scratch_.assign(max_muon, 0.0f);
+    for (auto& g : groups_)
+      if (g.lr != oc_.lr && oc_.lr <= 0)
+        fail("optim.lr must be > 0 when a group has its own learning rate ({}: {}): the schedule scales every "
+             "group's lr by the fraction of optim.lr it gives",
+             g.name, g.lr_from);
+  }
+
+  void step(double lr) override {
+    if (t_ == 0) take_radii();
+    ++t_;
+    const double b1 = oc_.beta1, b2 = oc_.beta2;
+    const double bc1 = 1.0 - std::pow(b1, double(t_)), bc2 = 1.0 - std::pow(b2, double(t_));
+    for (auto& s : slots_) {
+      const ParamGroup& g = groups_[s.group];
+      // The schedule hands us optim.lr * multiplier; each group keeps that fraction of its own lr.
+      const double glr = (g.lr == oc_.lr ? lr : g.lr * (lr / oc_.lr)) * g.lr_mult;
+      Param& p = *s.p;
+      switch (s.kind) {
+        case Kind::AdamW:
+        case Kind::Adam:
+          be_.adamw_update(p.w, p.g, s.m, s.v, p.numel, float(glr), float(b1), float(b2), float(oc_.eps),
+                           float(g.weight_decay), float(bc1), float(bc2));
+          break;
+        case Kind::AdamH: {
+          const size_t mn = s.mat_numel();
+          for (int64_t e = 0; e < s.nmat; ++e) {
+            const size_t off = size_t(e) * mn;
+            const double uu = be_.adam_moments(s.m + off, s.v + off, p.g + off, mn, float(b1), float(b2),
+                                               float(bc1), float(bc2), float(oc_.eps));
+            const double R = s.radius[e];
+            const double alpha = -glr * R / std::max(std::sqrt(uu), 1e-10);
+            const double ww = be_.adam_apply(p.w + off, s.m + off, s.v + off, mn, float(bc1), float(bc2),
+                                             float(oc_.eps), float(alpha));
+            be_.scale_inplace(p.w + off, float(R / std::sqrt(ww)), mn);
+          }
+          break;
+        }
+        case Kind::Muon:
+        case Kind::MuonH: {
+          const size_t mn = s.mat_numel();
+          // Muon scale in terms of fan-out (rows) and fan-in (cols): see the storage note on top.
+          const double scale = std::sqrt(std::max(1.0, double(s.rows) / double(s.cols)));
+          for (int64_t e = 0; e < s.nmat; ++e) {
+            const size_t off = size_t(e) * mn;
+            float* D = scratch_.data();
+            be_.muon_momentum(s.mom + off, D, p.g + off, mn, float(oc_.muon_momentum));
+            be_.newton_schulz5(D, s.rows, s.cols);
+            if (s.kind == Kind::Muon) {
+              be_.axpy_sumsq(p.w + off, D, mn, float(-glr * scale));
+            } else {
+              const double R = s.radius[e];
+              const double xx = be_.sum_squares(D, mn);
+              const double alpha = -glr * R / std::max(std::sqrt(xx), 1e-10);
+              const double ww = be_.axpy_sumsq(p.w + off, D, mn, float(alpha));
+              be_.scale_inplace(p.w + off, float(R / std::sqrt(ww)), mn);
+            }
+          }
+          break;
+        }
+      }
+    }
+  }
+  int64_t steps_taken() const override { return t_; }
+  void set_steps_taken(int64_t t) override { t_ = t; }
+  std::vector<StateTensor> state() override {
+    std::vector<StateTensor> out;
+    for (auto& s : slots_)
+      if (s.m) out.push_back({"exp_avg." + s.p->name, s.p->shape, s.m});
+    for (auto& s : slots_)
+      if (s.v) out.push_back({"exp_avg_sq." + s.p->name, s.p->shape, s.v});
+    for (auto& s : slots_)
+      if (s.mom) out.push_back({"momentum." + s.p->name, s.p->shape, s.mom});
+    for (auto& s : slots_)
+      if (s.radius) out.push_back({"radius." + s.p->name, {s.nmat}, s.radius});
+    return out;
+  }
+  const std::vector<ParamGroup>& groups() const override { return groups_; }
+
+ private:
+  // R = ||W0||_F per matrix, stored in float and used as stored, so a resumed run sees the same R.
+  void take_radii() {
+    for (auto& s : slots_) {
+      if (!s.radius) continue;
+      const size_t mn = s.mat_numel();
+      for (int64_t e = 0; e < s.nmat; ++e) {
+        const double r = std::sqrt(be_.sum_squares(s.p->w + size_t(e) * mn, mn));
+        if (!(r > 0))
+          fail("{}: ||W0||_F is {} at the first step{}; a hyperball optimizer ({}) keeps ||W|| = ||W0||, so it "
+               "cannot train a zero-initialized matrix (assign it to adam)",
+               s.p->name, r, s.nmat > 1 ? fmt::format(" (expert {})", e) : "", kind_name(s.kind));
+        s.radius[e] = float(r);
+      }
+    }
+  }
+
+  OptimConfig oc_;
+  Backend& be_;
+  std::vector<ParamGroup> groups_;
+  std::vector<Slot> slots_;
+  Arena m_arena_, v_arena_, mom_arena_, rad_arena_;
+  std::vector<float> scratch_;
+  int64_t t_ = 0;
+};
+
+}  // namespace
+
+RunShape run_shape(const Config& cfg) {
+  RunShape rs;
+  rs.tokens_per_step = double(cfg.run.batch_size) * cfg.run.grad_accum * cfg.model.seq_len;
+  rs.total_tokens = rs.tokens_per_step * double(cfg.run.steps);
+  rs.d_model = cfg.model.d_model;
+  return rs;
+}
+
+double auto_adam_lr(const RunShape& rs) {
+  const double B = rs.tokens_per_step / 4096.0;  // batch in 4096-token sequences
+  return 1.63 * std::pow(rs.total_tokens, -0.2813) * std::pow(double(rs.d_model), -0.3678) * std::sqrt(B);
+}
+
+double adamh_lr_from_adam(double adam_lr) { return std::min(0.05, 13.0 / 3.0 * adam_lr); }
+
+std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& params, const RunShape& rs) {
+  const Kind preset = parse_kind(oc.name);
+  // 1. The preset.
+  std::vector<Kind> kind(params.size());
+  for (size_t i = 0; i < params.size(); ++i) kind[i] = preset_kind(preset, params[i].role);
+  // 2. Overrides: each optim.<opt>_params claims tensors; a tensor claimed by two keys is an error,
+  // and so is a selector that matches nothing (a typo would otherwise silently change nothing).
+  std::vector<int> claimed_by(params.size(), -1);
+  for (int k = 0; k < 5; ++k) {
+    const std::string key = std::string("optim.") + kKindNames[k] + "_params";
+    for (const std::string& sel : split_selectors(params_key(oc, Kind(k)))) {
+      if (sel.rfind("role:", 0) == 0) {
+        bool known = false;
+        for (Role r : kAllRoles) known |= sel.substr(5) == role_name(r);
+        if (!known) {
+          std::string roles;
+          for (Role r : kAllRoles) roles += std::string(roles.empty() ? "" : ", ") + role_name(r);
+          fail("{}: unknown role '{}' in '{}' (roles: {})", key, sel.substr(5), sel, roles);
+        }
+      }
+      bool any = false;
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (!selector_matches(sel, params[i])) continue;
+        any = true;
+        if (claimed_by[i] >= 0 && claimed_by[i] != k)
+          fail("{}: '{}' is also claimed by optim.{}_params (a tensor belongs to exactly one group)", key,
+               params[i].name, kKindNames[claimed_by[i]]);
+        claimed_by[i] = k;
+        kind[i] = Kind(k);
+      }
+      if (!any) fail("{}: selector '{}' matches no parameter of this model", key, sel);
+    }
+  }
+  // 3. Muon and the hyperball work on matrices: a vector there is a configuration error.
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    if (!(is_muon(kind[i]) || hyperball(kind[i]))) continue;
+    const std::string who = claimed_by[i] >= 0 ? fmt::format("optim.{}_params", kKindNames[claimed_by[i]])
+                                               : fmt::format("optim.name={}", oc.name);
+    if (p.shape.size() < 2)
+      fail("{}: '{}' is a vector (shape {}); {} needs matrices (2-D, or [E, out, in] experts): give it to adam", who,
+           p.name, shape_str(p.shape), kind_name(kind[i]));
+    if (p.shape.size() > 3)
+      fail("{}: '{}' has shape {}; {} takes 2-D matrices or [E, out, in] expert stacks", who, p.name,
+           shape_str(p.shape), kind_name(kind[i]));
+  }
+  // 4. Groups: by optimizer; AdamW keeps its three groups (matrices decay, embedding, the rest),
+  // other optimizers split off the embedding only for optim.embed_lr_mult.
+  std::vector<ParamGroup> groups;
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < params.size(); ++i) {
+    Param& p = params[i];
+    const Kind k = kind[i];
+    std::string name;
+    if (k == Kind::AdamW)
+      name = p.role == Role::Embedding ? "embedding" : decayed(p.role) ? "matrices" : "norms";
+    else
+      name = std::string(kind_name(k)) + (p.role == Role::Embedding ? ".embedding" : "");
+    auto it = index.find(name);
+    if (it == index.end()) {
+      ParamGroup g;
+      g.name = name;
+      g.optimizer = kind_name(k);
+      Lr lr = resolve_lr(oc, k, rs);
+      g.lr = lr.value;
+      g.lr_from = lr.from;
+      g.lr_mult = p.role == Role::Embedding ? oc.embed_lr_mult : 1.0;
+      g.weight_decay = k == Kind::AdamW && decayed(p.role) ? oc.weight_decay : 0.0;
+      it = index.emplace(name, groups.size()).first;
+      groups.push_back(std::move(g));
+    }
+    groups[it->second].params.push_back(&p);
+  }
+  return groups;
+}
+
+std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, std::vector<Param>& params, Backend& be,
+                                          const RunShape& rs) {
+  return std::make_unique<RecipeOptimizer>(oc, params, be, rs);
+}
+
+std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, Transformer& model, Backend& be) {
+  RunShape rs;
+  rs.d_model = model.config().d_model;  // no token budget: `auto` lrs fail with a clear line
+  return make_optimizer(oc, model.params(), be, rs);
+}
+
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be) {
+  return make_optimizer(cfg.optim, model.params(), be, run_shape(cfg));
+}
+
+std::string dry_run_report(const Config& cfg) {
+  validate(cfg);
+  // Only the parameter list is needed: a backend that is never called and a batch of one.
+  auto be = make_cpu_backend(1);
+  Transformer model(cfg.model, 1, *be);
+  auto groups = plan_groups(cfg.optim, model.params(), run_shape(cfg));
+  std::map<const Param*, const ParamGroup*> of;
+  for (auto& g : groups)
+    for (Param* p : g.params) of[p] = &g;
+  std::ostringstream o;
+  o << fmt::format("optimizer preset: {} ({})\n", cfg.optim.name, cfg.source);
+  o << fmt::format("{:<48} {:<14} {:<14} {:<16} {:<10} {:>10}\n", "tensor", "role", "shape", "group", "optimizer",
+                   "peak lr");
+  for (auto& p : model.params()) {
+    const ParamGroup& g = *of.at(&p);
+    o << fmt::format("{:<48} {:<14} {:<14} {:<16} {:<10} {:>10.4g}\n", p.name, role_name(p.role), shape_str(p.shape),
+                     g.name, g.optimizer, g.lr * g.lr_mult);
+  }
+  o << "groups:\n";
+  for (auto& g : groups) {
+    size_t n = 0;
+    for (Param* p : g.params) n += p->numel;
+    o << fmt::format("  {:<16} {:<6} {:>3} tensors {:>11} values  lr {:.4g}{} ({}){}\n", g.name, g.optimizer,
+                     g.params.size(), n, g.lr * g.lr_mult, g.lr_mult != 1.0 ? fmt::format(" (x{})", g.lr_mult) : "",
+                     g.lr_from, g.weight_decay > 0 ? fmt::format(", weight decay {}", g.weight_decay) : "");
+  }
+  const auto& s = cfg.schedule;
+  o << fmt::format("schedule: {}, warmup {} of {} steps, final lr {}x peak; grad clip {}; z-loss {}\n", s.type,
+                   warmup_steps(s, cfg.run.steps), cfg.run.steps, s.final_lr_frac,
+                   cfg.optim.clip > 0 ? fmt::format("{}", cfg.optim.clip) : std::string("off"),
+                   cfg.model.z_loss > 0 ? fmt::format("{}", cfg.model.z_loss) : std::string("off"));
+  return o.str();
+}
+
+}  // namespace ladder
