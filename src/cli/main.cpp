@@ -89,6 +89,8 @@ int main(int argc, char** argv) {
                    j["config"].get<std::string>(), j["threads"].get<int>(), j["sgemm_gflops"].get<double>(),
                    j["train_gflops"].get<double>(), j["tokens_per_s"].get<double>(), j["step_s_median"].get<double>(),
                    j["steps_timed"].get<int>(), 100 * j["mfu"].get<double>());
+        fmt::print("params      {} total, {} active per token\n", j["params"].get<int64_t>(),
+                   j["params_active"].get<int64_t>());
         if (j.contains("torch_tokens_per_s"))
           fmt::print("PyTorch     {:.0f} tokens/s on the same model -> Ladder is {:.2f}x\n",
                      j["torch_tokens_per_s"].get<double>(), j["speedup_vs_torch"].get<double>());
