@@ -36,7 +36,7 @@ nlohmann::json torch_model_json(const Config& c) {
              return ls;
            }()},
           {"moe_normalized", m.moe_normalized()}, {"moe_route_scale", m.moe_route_scale},
-          {"router_z_loss", m.router_z_loss}};
+          {"moe_balance", m.moe_quantile_balance()}, {"router_z_loss", m.router_z_loss}};
 }
 
 nlohmann::json run_bench(const BenchOptions& opt) {
