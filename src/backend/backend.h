@@ -21,6 +21,10 @@ class Backend {
   virtual std::string name() const = 0;
   virtual void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
                     const float* B, int ldb, float beta, float* C, int ldc) = 0;
+  // Grouped GEMM over per-expert row blocks (see cpu::grouped_gemm for the two shapes).
+  virtual void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
+                            float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB,
+                            float beta, float* C, int ldc, size_t strideC) = 0;
   virtual void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) = 0;
   virtual void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int N, int D) = 0;
   virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps) = 0;

@@ -36,6 +36,13 @@ class Profiler final : public ProfilingBackend {
     std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
     timed(op, 2.0 * M * N * K, [&] { b_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   }
+  void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
+                    const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C, int ldc,
+                    size_t strideC) override {
+    timed("grouped gemm", 0, [&] {
+      b_->grouped_gemm(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc, strideC);
+    });
+  }
   void embedding_forward(float* o, const float* t, const int32_t* ids, int N, int D) override {
     timed("embedding", 0, [&] { b_->embedding_forward(o, t, ids, N, D); });
   }

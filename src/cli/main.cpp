@@ -113,6 +113,8 @@ int main(int argc, char** argv) {
                    j["config"].get<std::string>(), j["threads"].get<int>(), j["sgemm_gflops"].get<double>(),
                    j["train_gflops"].get<double>(), j["tokens_per_s"].get<double>(), j["step_s_median"].get<double>(),
                    j["steps_timed"].get<int>(), 100 * j["mfu"].get<double>());
+        fmt::print("params      {} total, {} active per token\n", j["params"].get<int64_t>(),
+                   j["params_active"].get<int64_t>());
         if (j.contains("profile")) {
           fmt::print("profile (share of the timed steps, ms/step, GFLOP/s for GEMMs):\n");
           for (auto& [op, t] : j["profile"].items())

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <cstdlib>
 #include <functional>
+#include <algorithm>
 #include <map>
 #include <sstream>
 #include <variant>
@@ -42,6 +43,16 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, window, "sliding attention window in tokens; 0 = full causal"),
       LADDER_FIELD(model, init_std, "init std (truncated normal, +-3 sigma); 0 = 0.5/sqrt(d_model)"),
       LADDER_FIELD(model, z_loss, "final-logit z-loss coefficient (0 = off; recipe 1e-4)"),
+      LADDER_FIELD(model, moe_experts, "MoE: routed experts E; 0 = dense MLPs (RECIPE.md section 2, MoE V1 block)"),
+      LADDER_FIELD(model, moe_top_k, "MoE: routed experts per token K (recipe 4); 1 <= K <= E"),
+      LADDER_FIELD(model, moe_expert_ff, "MoE: routed expert SwiGLU hidden I; 0 = ceil(d/2/128)*128"),
+      LADDER_FIELD(model, moe_shared_expert, "MoE: one always-on shared SwiGLU expert"),
+      LADDER_FIELD(model, moe_shared_ff, "MoE: shared expert hidden size; 0 = d_model"),
+      LADDER_FIELD(model, moe_layers, "MoE: which layers get a MoE block: all, or comma-separated indices (e.g. \"1,3\")"),
+      LADDER_FIELD(model, moe_combine, "MoE combine weights: sigmoid (V1, unnormalized) | normalized (scale*sig/sum over top-K)"),
+      LADDER_FIELD(model, moe_route_scale, "MoE: factor of the normalized combine weights (recipe 2.5)"),
+      LADDER_FIELD(model, moe_balance, "MoE selection-bias balancing: quantile | none; empty = quantile when MoE is on"),
+      LADDER_FIELD(model, router_z_loss, "router z-loss coefficient, mean over tokens and MoE layers (0 = off; recipe 1e-3)"),
       LADDER_FIELD(optim, name, "optimizer preset: adamw | adam | adamh | muon | muonh (which tensors each optimizer gets: docs/optimizers.md)"),
       LADDER_FIELD(optim, lr, "peak learning rate"),
       LADDER_FIELD(optim, beta1, "Adam beta1"),
@@ -172,7 +183,78 @@ void walk(Config& c, const YAML::Node& node, const std::string& prefix, const st
   }
 }
 
+// Parses model.moe_layers into a per-layer mask; errors name the field.
+std::vector<bool> moe_layer_mask(const ModelConfig& m, const std::string& where) {
+  std::vector<bool> mask(size_t(std::max(m.n_layers, 0)), false);
+  if (m.moe_layers == "all") {
+    std::fill(mask.begin(), mask.end(), true);
+    return mask;
+  }
+  std::stringstream ss(m.moe_layers);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    int l = -1;
+    try {
+      l = std::stoi(item, &used);
+    } catch (...) {
+      used = 0;
+    }
+    while (used < item.size() && item[used] == ' ') ++used;
+    if (used == 0 || used != item.size())
+      fail("{}: model.moe_layers expects \"all\" or comma-separated layer indices, got '{}'", where, m.moe_layers);
+    if (l < 0 || l >= m.n_layers)
+      fail("{}: model.moe_layers names layer {} but the model has layers 0..{}", where, l, m.n_layers - 1);
+    mask[size_t(l)] = true;
+  }
+  return mask;
+}
+
+void validate_moe(const Config& c, const std::string& where) {
+  const auto& m = c.model;
+  if (m.moe_experts < 0) fail("{}: model.moe_experts must be >= 0 (0 = dense), got {}", where, m.moe_experts);
+  if (m.router_z_loss < 0) fail("{}: model.router_z_loss must be >= 0, got {}", where, m.router_z_loss);
+  if (m.moe_balance != "" && m.moe_balance != "quantile" && m.moe_balance != "none")
+    fail("{}: model.moe_balance '{}' is not known (expected quantile or none)", where, m.moe_balance);
+  if (m.moe_combine != "sigmoid" && m.moe_combine != "normalized")
+    fail("{}: model.moe_combine '{}' is not known (expected sigmoid or normalized)", where, m.moe_combine);
+  if (!m.moe()) {
+    // Settings that only mean something with a MoE block are errors, not silently ignored.
+    if (m.moe_balance == "quantile")
+      fail("{}: model.moe_balance is 'quantile' but model.moe_experts is 0 (no MoE block to balance)", where);
+    if (m.router_z_loss > 0)
+      fail("{}: model.router_z_loss is {} but model.moe_experts is 0 (no router)", where, m.router_z_loss);
+    return;
+  }
+  if (m.moe_top_k < 1) fail("{}: model.moe_top_k must be >= 1, got {}", where, m.moe_top_k);
+  if (m.moe_top_k > m.moe_experts)
+    fail("{}: model.moe_top_k ({}) must be <= model.moe_experts ({})", where, m.moe_top_k, m.moe_experts);
+  if (m.moe_expert_ff < 0) fail("{}: model.moe_expert_ff must be >= 0 (0 = ceil(d/2/128)*128), got {}", where, m.moe_expert_ff);
+  if (m.moe_shared_ff < 0) fail("{}: model.moe_shared_ff must be >= 0 (0 = d_model), got {}", where, m.moe_shared_ff);
+  // One expert matrix is indexed with int offsets by the kernels.
+  if (int64_t(m.expert_ff()) * m.d_model * m.moe_experts >= (int64_t(1) << 31))
+    fail("{}: model.moe_expert_ff ({}) x model.d_model ({}) x model.moe_experts ({}) does not fit one expert tensor "
+         "(< 2^31 elements)", where, m.expert_ff(), m.d_model, m.moe_experts);
+  if (!(m.moe_route_scale > 0)) fail("{}: model.moe_route_scale must be > 0, got {}", where, m.moe_route_scale);
+  auto mask = moe_layer_mask(m, where);
+  if (std::find(mask.begin(), mask.end(), true) == mask.end())
+    fail("{}: model.moe_layers '{}' selects no layer", where, m.moe_layers);
+}
+
 }  // namespace
+
+bool ModelConfig::is_moe_layer(int l) const {
+  if (!moe()) return false;
+  if (moe_layers == "all") return true;
+  auto mask = moe_layer_mask(*this, "config");
+  return l >= 0 && l < int(mask.size()) && mask[size_t(l)];
+}
+
+int ModelConfig::n_moe_layers() const {
+  int n = 0;
+  for (int l = 0; l < n_layers; ++l) n += is_moe_layer(l);
+  return n;
+}
 
 void apply_override(Config& c, const std::string& kv) {
   auto eq = kv.find('=');
@@ -225,6 +307,7 @@ void validate(const Config& c) {
     fail("{}: model.head_dim, model.d_ff, model.window and model.vocab_size must be >= 0", where);
   if (m.norm_eps <= 0) fail("{}: model.norm_eps must be > 0", where);
   if (m.init_std < 0 || m.z_loss < 0) fail("{}: model.init_std and model.z_loss must be >= 0", where);
+  validate_moe(c, where);
   if (c.optim.name != "adamw" && c.optim.name != "adam" && c.optim.name != "adamh" && c.optim.name != "muon" &&
       c.optim.name != "muonh")
     fail("{}: optim.name: unknown optimizer '{}' (expected adamw, adam, adamh, muon or muonh)", where, c.optim.name);

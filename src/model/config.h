@@ -25,10 +25,29 @@ struct ModelConfig {
   int window = 0;          // sliding window on every layer; 0 = full causal
   double init_std = 0.0;   // 0: 0.5/sqrt(d_model) (RECIPE.md), truncated at +-3 sigma
   double z_loss = 0.0;     // final-logit z-loss coefficient (recipe: 1e-4)
+  // MoE V1 block (RECIPE.md section 2; src/model/moe.h). moe_experts = 0: every MLP is dense.
+  int moe_experts = 0;             // routed experts E
+  int moe_top_k = 4;               // active routed experts per token K
+  int moe_expert_ff = 0;           // routed expert hidden I; 0: ceil(d/2/128)*128
+  bool moe_shared_expert = true;   // always-on shared SwiGLU expert
+  int moe_shared_ff = 0;           // shared expert hidden; 0: d_model
+  std::string moe_layers = "all";  // "all" or comma-separated layer indices, e.g. "1,3"
+  std::string moe_combine = "sigmoid";  // sigmoid (V1) | normalized (w = scale*sig/sum_topK sig)
+  double moe_route_scale = 2.5;    // factor of the normalized combine weights
+  std::string moe_balance = "";    // "" = quantile when MoE is on; quantile | none
+  double router_z_loss = 0.0;      // router z-loss coefficient (recipe: 1e-3), averaged over MoE layers
 
   int kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int hd() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
   int ff() const { return d_ff > 0 ? d_ff : 4 * d_model; }
+  bool moe() const { return moe_experts > 0; }
+  int expert_ff() const { return moe_expert_ff > 0 ? moe_expert_ff : (d_model / 2 + 127) / 128 * 128; }
+  int shared_ff() const { return !moe_shared_expert ? 0 : moe_shared_ff > 0 ? moe_shared_ff : d_model; }
+  bool moe_normalized() const { return moe_combine == "normalized"; }
+  bool moe_quantile_balance() const { return moe() && moe_balance != "none"; }
+  // Whether layer l's MLP is a MoE block (parses moe_layers; validate() reports bad lists).
+  bool is_moe_layer(int l) const;
+  int n_moe_layers() const;
 };
 
 struct OptimConfig {

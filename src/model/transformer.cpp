@@ -44,7 +44,7 @@ Param& Transformer::param(const std::string& name) {
 }
 
 Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
-    : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(batch * cfg.seq_len), be_(be) {
+    : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(batch * cfg.seq_len), be_(be), ops_{&be} {
   LADDER_ASSERT(cfg.vocab_size > 0);
   const int64_t d = cfg.d_model, V = cfg.vocab_size, H = cfg.n_heads, KV = cfg.kv_heads(), hd = cfg.hd(),
                 I = cfg.ff();
@@ -62,9 +62,28 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
       add_param(pre + "self_attn.k_norm.weight", Role::NormGain, {hd});
     }
     add_param(pre + "post_attention_layernorm.weight", Role::NormGain, {d});
-    add_param(pre + "mlp.gate_proj.weight", Role::MlpMatrix, {I, d});
-    add_param(pre + "mlp.up_proj.weight", Role::MlpMatrix, {I, d});
-    add_param(pre + "mlp.down_proj.weight", Role::MlpMatrix, {d, I});
+    if (cfg.is_moe_layer(l)) {
+      const int64_t E = cfg.moe_experts, Ie = cfg.expert_ff(), Is = cfg.shared_ff();
+      add_param(pre + "mlp.gate.weight", Role::Router, {E, d});
+      add_param(pre + "mlp.experts.gate_proj.weight", Role::ExpertMatrix, {E, Ie, d});
+      add_param(pre + "mlp.experts.up_proj.weight", Role::ExpertMatrix, {E, Ie, d});
+      add_param(pre + "mlp.experts.down_proj.weight", Role::ExpertMatrix, {E, d, Ie});
+      if (Is > 0) {
+        add_param(pre + "mlp.shared_expert.gate_proj.weight", Role::SharedExpert, {Is, d});
+        add_param(pre + "mlp.shared_expert.up_proj.weight", Role::SharedExpert, {Is, d});
+        add_param(pre + "mlp.shared_expert.down_proj.weight", Role::SharedExpert, {d, Is});
+      }
+      Param b;
+      b.name = pre + "mlp.gate.e_score_correction_bias";
+      b.role = Role::Router;
+      b.shape = {E};
+      b.numel = size_t(E);
+      buffers_.push_back(std::move(b));
+    } else {
+      add_param(pre + "mlp.gate_proj.weight", Role::MlpMatrix, {I, d});
+      add_param(pre + "mlp.up_proj.weight", Role::MlpMatrix, {I, d});
+      add_param(pre + "mlp.down_proj.weight", Role::MlpMatrix, {d, I});
+    }
   }
   add_param("model.norm.weight", Role::NormGain, {d});
   add_param("lm_head.weight", Role::Head, {V, d});
@@ -80,6 +99,10 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     p.w = params_arena_.alloc(p.numel);
     p.g = grads_arena_.alloc(p.numel);
   }
+  size_t bbytes = 0;
+  for (auto& b : buffers_) bbytes += Arena::padded(b.numel);
+  buffers_arena_.reserve(bbytes);
+  for (auto& b : buffers_) b.w = buffers_arena_.alloc(b.numel);  // zero: the arena starts zeroed
 
   // Activation plan: every saved tensor of every layer, plus backward scratch, in one arena.
   const size_t N = N_;
@@ -87,8 +110,11 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   struct Req { float** ptr; size_t n; };
   std::vector<Req> reqs;
   layers_.resize(cfg.n_layers);
-  size_t pi = 1;
-  for (auto& L : layers_) {
+  size_t pi = 1, bi = 0;
+  const MoeDims md = moe_dims();
+  int moe_index = 0;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& L = layers_[l];
     L.ln1 = &params_[pi++];
     L.wq = &params_[pi++];
     L.wk = &params_[pi++];
@@ -97,13 +123,33 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     L.qn = cfg.qk_norm ? &params_[pi++] : nullptr;
     L.kn = cfg.qk_norm ? &params_[pi++] : nullptr;
     L.ln2 = &params_[pi++];
-    L.wg = &params_[pi++];
-    L.wu = &params_[pi++];
-    L.wd = &params_[pi++];
     reqs.insert(reqs.end(), {{&L.x, N * d}, {&L.h1, N * d}, {&L.r1, N}, {&L.q, N * H * hd},
                              {&L.k, N * KV * hd}, {&L.v, N * KV * hd}, {&L.o, N * H * hd},
-                             {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d}, {&L.r2, N},
-                             {&L.gate, N * I}, {&L.up, N * I}, {&L.act, N * I}});
+                             {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d}, {&L.r2, N}});
+    if (cfg.is_moe_layer(int(l))) {
+      L.moe = true;
+      L.moe_index = moe_index++;
+      L.router = &params_[pi++];
+      L.eg = &params_[pi++];
+      L.eu = &params_[pi++];
+      L.ed = &params_[pi++];
+      if (cfg.shared_ff() > 0) {
+        L.sg = &params_[pi++];
+        L.su = &params_[pi++];
+        L.sd = &params_[pi++];
+      }
+      L.bias = &buffers_[bi++];
+      L.wg = L.wu = L.wd = nullptr;
+      L.gate = L.up = L.act = nullptr;
+      // MoE arrays are float or int32: 4 bytes either way, so they come from the same arena.
+      for (auto& [ptr, bytes] : moe_act_requests<float>(md, L.ma))
+        reqs.push_back({reinterpret_cast<float**>(ptr), bytes / sizeof(float)});
+    } else {
+      L.wg = &params_[pi++];
+      L.wu = &params_[pi++];
+      L.wd = &params_[pi++];
+      reqs.insert(reqs.end(), {{&L.gate, N * I}, {&L.up, N * I}, {&L.act, N * I}});
+    }
     if (cfg.qk_norm) {
       reqs.insert(reqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}, {&L.qrs, N * H}, {&L.krs, N * KV}});
     } else {
@@ -111,13 +157,23 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
       reqs.insert(reqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}});
     }
   }
+  const size_t Idense = moe_index == cfg.n_layers ? 0 : size_t(I);  // dense MLP scratch, if any dense layer
   embed_ = &params_[0];
   norm_f_ = &params_[pi++];
   head_ = &params_[pi++];
   reqs.insert(reqs.end(), {{&x_final_, N * d}, {&hf_, N * d}, {&rf_, N}, {&logits_, size_t(chunk_rows_) * V},
                            {&d_res_, N * d}, {&d_h_, N * d}, {&d_q_, N * H * hd}, {&d_k_, N * KV * hd},
                            {&d_v_, N * KV * hd}, {&d_qn_, N * H * hd}, {&d_kn_, N * KV * hd},
-                           {&d_o_, N * H * hd}, {&d_gate_, N * I}, {&d_up_, N * I}, {&d_act_, N * I}});
+                           {&d_o_, N * H * hd}, {&d_gate_, N * Idense}, {&d_up_, N * Idense},
+                           {&d_act_, N * Idense}});
+  if (moe_index > 0) {
+    for (auto& [ptr, bytes] : moe_scratch_requests<float>(md, ms_))
+      reqs.push_back({reinterpret_cast<float**>(ptr), bytes / sizeof(float)});
+    moe_lse_sq_.assign(size_t(moe_index), 0.0);
+    stats_lse_sq_.assign(size_t(moe_index), 0.0);
+    balance_vals_.resize(size_t(moe_index));
+    load_.assign(size_t(moe_index), std::vector<int64_t>(size_t(cfg.moe_experts), 0));
+  }
   size_t abytes = 0;
   for (auto& r : reqs) abytes += Arena::padded(r.n);
   acts_arena_.reserve(abytes);
@@ -136,15 +192,94 @@ void Transformer::init(uint64_t seed) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < int64_t(p.numel); ++i) w[i] = float(std * rng.trunc_normal(uint64_t(i)));
   }
+  for (auto& b : buffers_) std::fill(b.w, b.w + b.numel, 0.0f);  // MoE selection bias starts at 0
 }
 
 void Transformer::zero_grad() { grads_arena_.zero(); }
+
+MoeDims Transformer::moe_dims() const {
+  MoeDims D;
+  D.N = N_;
+  D.d = cfg_.d_model;
+  D.E = cfg_.moe_experts;
+  D.K = cfg_.moe_top_k;
+  D.I = cfg_.expert_ff();
+  D.Is = cfg_.shared_ff();
+  D.normalized = cfg_.moe_normalized();
+  D.route_scale = cfg_.moe_route_scale;
+  return D;
+}
+
+MoeWeights<float> Transformer::moe_weights(const Layer& L) const {
+  MoeWeights<float> W;
+  W.router = L.router->w;
+  W.bias = L.bias->w;
+  W.wg = L.eg->w;
+  W.wu = L.eu->w;
+  W.wd = L.ed->w;
+  if (L.sg) {
+    W.sg = L.sg->w;
+    W.su = L.su->w;
+    W.sd = L.sd->w;
+  }
+  return W;
+}
+
+double Transformer::router_z_sum() const {
+  if (!(cfg_.router_z_loss > 0) || moe_lse_sq_.empty()) return 0;
+  double s = 0;
+  for (double v : moe_lse_sq_) s += v;
+  return cfg_.router_z_loss / double(moe_lse_sq_.size()) * s;
+}
+
+std::vector<double> Transformer::balance_beta() {
+  const int E = cfg_.moe_experts, K = cfg_.moe_top_k;
+  std::vector<double> beta;
+  if (!cfg_.moe_quantile_balance() || K >= E || balance_tokens_ == 0) return beta;
+  beta.resize(balance_vals_.size() * size_t(E));
+  for (size_t m = 0; m < balance_vals_.size(); ++m)
+    moe_quantile_beta(balance_vals_[m].data(), balance_tokens_, E, K, beta.data() + m * E);
+  return beta;
+}
+
+void Transformer::apply_balance(const std::vector<double>& beta) {
+  balance_tokens_ = 0;
+  for (auto& v : balance_vals_) v.clear();  // keeps the capacity: no allocation in later steps
+  if (beta.empty()) return;
+  const int E = cfg_.moe_experts;
+  LADDER_ASSERT(beta.size() == balance_vals_.size() * size_t(E));
+  for (auto& L : layers_)
+    if (L.moe) moe_bias_from_beta<float>(beta.data() + size_t(L.moe_index) * E, E, L.bias->w);
+}
+
+std::vector<MoeLayerStats> Transformer::take_moe_stats() {
+  std::vector<MoeLayerStats> out;
+  for (auto& L : layers_) {
+    if (!L.moe) continue;
+    auto& ld = load_[size_t(L.moe_index)];
+    MoeLayerStats st;
+    st.layer = int(&L - layers_.data());
+    if (stats_tokens_ > 0) {
+      st.load_min = double(*std::min_element(ld.begin(), ld.end()));
+      st.load_max = double(*std::max_element(ld.begin(), ld.end()));
+      double sum = 0;
+      for (auto c : ld) sum += double(c);
+      st.load_mean = sum / double(ld.size());
+      st.lse_sq = stats_lse_sq_[size_t(L.moe_index)] / double(stats_tokens_);
+    }
+    std::fill(ld.begin(), ld.end(), 0);
+    stats_lse_sq_[size_t(L.moe_index)] = 0;
+    out.push_back(st);
+  }
+  stats_tokens_ = 0;
+  return out;
+}
 
 AttnShape Transformer::attn_shape() const {
   return AttnShape{B_, S_, cfg_.n_heads, cfg_.kv_heads(), cfg_.hd(), cfg_.window, 1.0 / std::sqrt(double(cfg_.hd()))};
 }
 
-void Transformer::forward(const int32_t* inputs) {
+void Transformer::forward(const int32_t* inputs, bool training) {
   const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd(), I = cfg_.ff();
   const int Hd = H * hd, KVd = KV * hd;
   const float eps = float(cfg_.norm_eps), theta = float(cfg_.rope_theta);
@@ -172,12 +307,32 @@ void Transformer::forward(const int32_t* inputs) {
     std::memcpy(L.mid, L.x, sizeof(float) * size_t(N) * d);
     be_.gemm(false, true, N, d, Hd, 1.f, L.o, Hd, L.wo->w, Hd, 1.f, L.mid, d);
     be_.rmsnorm_forward(L.h2, L.r2, L.mid, L.ln2->w, N, d, eps);
+    float* next = l + 1 < layers_.size() ? layers_[l + 1].x : x_final_;
+    std::memcpy(next, L.mid, sizeof(float) * size_t(N) * d);
+    if (L.moe) {
+      const MoeDims md = moe_dims();
+      const size_t mi = size_t(L.moe_index);
+      moe_lse_sq_[mi] = moe_forward<float>(ops_, md, moe_weights(L), L.ma, L.h2, next);
+      if (training) {
+        for (int e = 0; e < md.E; ++e) load_[mi][size_t(e)] += L.ma.offsets[e + 1] - L.ma.offsets[e];
+        stats_lse_sq_[mi] += moe_lse_sq_[mi];
+        if (cfg_.moe_quantile_balance() && md.K < md.E) {
+          auto& vals = balance_vals_[mi];
+          const size_t at = vals.size();
+          vals.resize(at + size_t(N) * md.E);
+          moe_balance_values<float>(md, L.ma, L.bias->w, vals.data() + at);
+        }
+      }
+      continue;
+    }
     be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wg->w, d, 0.f, L.gate, I);
     be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wu->w, d, 0.f, L.up, I);
     be_.swiglu_forward(L.act, L.gate, L.up, size_t(N) * I);
-    float* next = l + 1 < layers_.size() ? layers_[l + 1].x : x_final_;
-    std::memcpy(next, L.mid, sizeof(float) * size_t(N) * d);
     be_.gemm(false, true, N, d, I, 1.f, L.act, I, L.wd->w, I, 1.f, next, d);
+  }
+  if (training && !layers_.empty() && cfg_.moe()) {
+    stats_tokens_ += N;
+    if (cfg_.moe_quantile_balance()) balance_tokens_ += N;
   }
   be_.rmsnorm_forward(hf_, rf_, x_final_, norm_f_->w, N, d, eps);
 }
@@ -186,12 +341,13 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
   const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd(), I = cfg_.ff();
   const int V = cfg_.vocab_size, Hd = H * hd, KVd = KV * hd;
   const float theta = float(cfg_.rope_theta);
-  forward(inputs);
+  forward(inputs, /*training=*/true);
 
   // LM head and loss, in row chunks: the full [N, V] logits never exist. Each chunk's logits are
   // turned into their gradient in place and immediately consumed by the two head GEMMs.
   LossSums sums;
   sums.tokens = N;
+  sums.router_z = router_z_sum();
   for (int r0 = 0; r0 < N; r0 += chunk_rows_) {
     const int rows = std::min(chunk_rows_, N - r0);
     be_.gemm(false, true, rows, V, d, 1.f, hf_ + size_t(r0) * d, d, head_->w, d, 0.f, logits_, V);
@@ -206,6 +362,13 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
   const AttnShape as = attn_shape();
   for (int l = int(layers_.size()) - 1; l >= 0; --l) {
     Layer& L = layers_[l];
+    if (L.moe) {
+      // MoE: next = mid + MoE(h2); d_h = d(h2).
+      MoeGrads<float> G{L.router->g, L.eg->g, L.eu->g, L.ed->g, L.sg ? L.sg->g : nullptr,
+                        L.su ? L.su->g : nullptr, L.sd ? L.sd->g : nullptr};
+      const float z_scale = float(cfg_.router_z_loss / double(moe_lse_sq_.size())) * grad_scale;
+      moe_backward<float>(ops_, moe_dims(), moe_weights(L), G, L.ma, ms_, L.h2, d_res_, d_h_, z_scale);
+    } else {
     // MLP: next = mid + down(silu(gate(h2)) * up(h2)); d_res holds d(next).
     be_.gemm(false, false, N, I, d, 1.f, d_res_, d, L.wd->w, I, 0.f, d_act_, I);
     be_.gemm(true, false, d, I, N, 1.f, d_res_, d, L.act, I, 1.f, L.wd->g, I);
@@ -214,6 +377,7 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
     be_.gemm(false, false, N, d, I, 1.f, d_up_, I, L.wu->w, d, 1.f, d_h_, d);
     be_.gemm(true, false, I, d, N, 1.f, d_gate_, I, L.h2, d, 1.f, L.wg->g, d);
     be_.gemm(true, false, I, d, N, 1.f, d_up_, I, L.h2, d, 1.f, L.wu->g, d);
+    }
     be_.rmsnorm_backward(d_res_, L.ln2->g, d_h_, L.mid, L.ln2->w, L.r2, N, d, true);  // d_res = d(mid)
     // Attention: mid = x + o_proj(attn(rope(norm(q)), rope(norm(k)), v)).
     be_.gemm(false, false, N, Hd, d, 1.f, d_res_, d, L.wo->w, Hd, 0.f, d_o_, Hd);
@@ -245,6 +409,7 @@ LossSums Transformer::forward_loss(const int32_t* inputs, const int32_t* targets
   forward(inputs);
   LossSums sums;
   sums.tokens = N;
+  sums.router_z = router_z_sum();
   for (int r0 = 0; r0 < N; r0 += chunk_rows_) {
     const int rows = std::min(chunk_rows_, N - r0);
     be_.gemm(false, true, rows, V, d, 1.f, hf_ + size_t(r0) * d, d, head_->w, d, 0.f, logits_, V);

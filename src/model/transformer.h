@@ -12,6 +12,7 @@
 #include "backend/backend.h"
 #include "core/arena.h"
 #include "model/config.h"
+#include "model/moe.h"
 
 namespace ladder {
 
@@ -41,7 +42,18 @@ struct Param {
 
 struct LossSums {
   double xent = 0, lse_sq = 0;  // sums over tokens
+  // router z-loss term summed over tokens: router_z_loss / MoE layers * sum_l sum_i lse(s_il)^2,
+  // so the training loss is (xent + z_loss * lse_sq + router_z) / tokens
+  double router_z = 0;
   int64_t tokens = 0;
+};
+
+// Per MoE layer, since the last Transformer::take_moe_stats(): tokens per expert over the training
+// forwards (min/max/mean over experts, each token counted K times) and mean logsumexp(s)^2.
+struct MoeLayerStats {
+  int layer = 0;
+  double load_min = 0, load_max = 0, load_mean = 0;
+  double lse_sq = 0;
 };
 
 class Transformer {
@@ -72,6 +84,21 @@ class Transformer {
 
   size_t activation_bytes() const { return acts_arena_.capacity(); }
 
+  // Non-trained state saved with the weights (the MoE selection biases
+  // model.layers.N.mlp.gate.e_score_correction_bias [E]): not in params(), no gradient, no
+  // optimizer state. `g` is nullptr.
+  std::vector<Param>& buffers() { return buffers_; }
+  const std::vector<Param>& buffers() const { return buffers_; }
+
+  // Quantile balancing of the MoE selection bias (RECIPE.md section 2), once per optimizer step,
+  // from the tokens of every training forward since the previous update. balance_beta() returns
+  // beta of every MoE layer ([n_moe_layers * E], empty when balancing is off); data-parallel ranks
+  // average it, then apply_balance() sets bias = -(beta - mean(beta)) and forgets the tokens.
+  std::vector<double> balance_beta();
+  void apply_balance(const std::vector<double>& beta);
+  // Expert load and router z statistics per MoE layer since the previous call (resets them).
+  std::vector<MoeLayerStats> take_moe_stats();
+
  private:
   struct Layer {
     Param *ln1, *wq, *wk, *wv, *wo, *qn, *kn, *ln2, *wg, *wu, *wd;
@@ -85,10 +112,20 @@ class Transformer {
     float *mid;          // x + attn [N,d]
     float *h2, *r2;      // ln2 out, rstd
     float *gate, *up, *act;  // [N,I]
+    // MoE block (moe == true: wg/wu/wd are nullptr)
+    bool moe = false;
+    int moe_index = -1;  // among the MoE layers
+    Param *router = nullptr, *eg = nullptr, *eu = nullptr, *ed = nullptr, *sg = nullptr, *su = nullptr, *sd = nullptr;
+    Param* bias = nullptr;  // buffer
+    MoeActs<float> ma;
   };
 
   void add_param(const std::string& name, Role role, std::vector<int64_t> shape);
-  void forward(const int32_t* inputs);  // fills saved activations up to the final norm
+  // Fills saved activations up to the final norm. training: record MoE load and balancing data.
+  void forward(const int32_t* inputs, bool training = false);
+  MoeDims moe_dims() const;
+  MoeWeights<float> moe_weights(const Layer& L) const;
+  double router_z_sum() const;  // router z term of the last forward, summed over tokens
   AttnShape attn_shape() const;
 
   ModelConfig cfg_;
@@ -104,6 +141,17 @@ class Transformer {
   int chunk_rows_;
   float *d_res_, *d_h_, *d_q_, *d_k_, *d_v_, *d_qn_, *d_kn_, *d_o_, *d_gate_, *d_up_, *d_act_;
   std::vector<int32_t> ids_;
+  // MoE state
+  std::vector<Param> buffers_;
+  Arena buffers_arena_;
+  BackendOps ops_;
+  MoeScratch<float> ms_;
+  std::vector<double> moe_lse_sq_;                // per MoE layer: sum of lse^2 of the last forward
+  std::vector<std::vector<float>> balance_vals_;  // per MoE layer: [tokens, E] of s - alpha
+  int64_t balance_tokens_ = 0;
+  std::vector<std::vector<int64_t>> load_;        // per MoE layer: tokens per expert since last stats
+  std::vector<double> stats_lse_sq_;
+  int64_t stats_tokens_ = 0;
 };
 
 }  // namespace ladder

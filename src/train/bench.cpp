@@ -26,7 +26,18 @@ nlohmann::json torch_model_json(const Config& c) {
           {"n_heads", m.n_heads},       {"n_kv_heads", m.kv_heads()}, {"head_dim", m.hd()},
           {"d_ff", m.ff()},             {"seq_len", m.seq_len},       {"rope_theta", m.rope_theta},
           {"norm_eps", m.norm_eps},     {"window", m.window},         {"qk_norm", m.qk_norm},
-          {"z_loss", m.z_loss},         {"batch_size", c.run.batch_size}};
+          {"z_loss", m.z_loss},         {"batch_size", c.run.batch_size},
+          // MoE block (tests/reference/ref_moe.py); moe_experts 0 = dense
+          {"moe_experts", m.moe_experts}, {"moe_top_k", m.moe_top_k}, {"moe_expert_ff", m.expert_ff()},
+          {"moe_shared_ff", m.moe() ? m.shared_ff() : 0},
+          {"moe_layers", [&] {
+             std::vector<int> ls;
+             for (int l = 0; l < m.n_layers; ++l)
+               if (m.is_moe_layer(l)) ls.push_back(l);
+             return ls;
+           }()},
+          {"moe_normalized", m.moe_normalized()}, {"moe_route_scale", m.moe_route_scale},
+          {"moe_balance", m.moe_quantile_balance()}, {"router_z_loss", m.router_z_loss}};
 }
 
 nlohmann::json run_bench(const BenchOptions& opt) {
@@ -68,7 +79,8 @@ nlohmann::json run_bench(const BenchOptions& opt) {
                       {"sgemm_gflops", peak},           {"train_gflops", train_gflops},
                       {"tokens_per_s", tps},            {"mfu", train_gflops / peak},
                       {"step_s_median", step_s},        {"steps_timed", opt.steps},
-                      {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total}};
+                      {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total},
+                      {"params_active", count_params(cfg.model).active}};
   if (prof) {
     double total = 0;
     for (auto& t : times) total += t;

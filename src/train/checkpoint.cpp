@@ -20,15 +20,18 @@ fs::path checkpoint_dir(const fs::path& run_dir, int64_t step) {
 void save_weights(const fs::path& file, const Transformer& model) {
   std::vector<TensorRef> t;
   for (auto& p : model.params()) t.push_back({p.name, DType::F32, p.shape, p.w});
+  for (auto& b : model.buffers()) t.push_back({b.name, DType::F32, b.shape, b.w});  // MoE selection biases
   save_safetensors(file, t, {{"format", "pt"}, {"producer", "ladder"}});
 }
 
 void load_weights(const fs::path& file, Transformer& model) {
   auto st = SafeTensors::open(file);
   for (auto& p : model.params()) st.read_f32(p.name, p.shape, p.w);
+  for (auto& b : model.buffers()) st.read_f32(b.name, b.shape, b.w);
   for (auto& n : st.names()) {
     bool known = false;
     for (auto& p : model.params()) known |= p.name == n;
+    for (auto& b : model.buffers()) known |= b.name == n;
     if (!known) fail("{}: tensor '{}' is not a parameter of this model (config mismatch?)", file.string(), n);
   }
 }

@@ -56,7 +56,7 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
   const int N = model.batch() * cfg.model.seq_len;
   const int accum = cfg.run.grad_accum;
   model.zero_grad();
-  double xent = 0, lse_sq = 0;
+  double xent = 0, lse_sq = 0, router_z = 0;
   int64_t ntok = 0;
   const float grad_scale = 1.0f / float(int64_t(N) * accum);
   for (int micro = 0; micro < accum; ++micro) {
@@ -64,10 +64,17 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
     LossSums s = model.forward_backward(inputs, targets, grad_scale);
     xent += s.xent;
     lse_sq += s.lse_sq;
+    router_z += s.router_z;
     ntok += s.tokens;
   }
   // (data parallel: the all-reduce of the contiguous gradient arena goes here)
+  // MoE quantile balancing, once per step from the step's tokens (data parallel: average beta over
+  // the ranks between the two calls). The bias has no gradient, so its place relative to the
+  // optimizer update does not matter; the next step's selection uses the new bias.
+  model.apply_balance(model.balance_beta());
   StepStats st;
+  st.moe = model.take_moe_stats();
+  st.router_z = router_z / double(ntok);
   st.grad_norm = grad_norm(model, be);
   if (cfg.optim.clip > 0 && st.grad_norm > cfg.optim.clip)
     scale_grads(model, be, float(cfg.optim.clip / (st.grad_norm + 1e-6)));
@@ -149,6 +156,12 @@ TrainSummary train(const TrainOptions& opt) {
   const int64_t tokens_per_step = int64_t(rc.batch_size) * rc.grad_accum * cfg.model.seq_len;
   if (!opt.quiet) {
     fmt::print("resolved config ({}):\n{}", cfg.source, to_yaml(cfg));
+    if (cfg.model.moe())
+      fmt::print("MoE: {} of {} layers, E={} K={} expert hidden {} shared hidden {}, combine {}; "
+                 "parameters {} total, {} active per token\n",
+                 cfg.model.n_moe_layers(), cfg.model.n_layers, cfg.model.moe_experts, cfg.model.moe_top_k,
+                 cfg.model.expert_ff(), cfg.model.shared_ff(), cfg.model.moe_combine, human_count(double(pc.total)),
+                 human_count(double(pc.active)));
     fmt::print("parameters: {} total ({} non-embedding); FLOPs/token: {} forward without head, {} training with head\n",
                human_count(double(pc.total)), human_count(double(pc.non_embedding())),
                human_count(fpt.forward(false)), human_count(fpt.train(true)));
@@ -221,10 +234,29 @@ TrainSummary train(const TrainOptions& opt) {
                              {"tokens_per_s", tps}, {"mfu", mfu}, {"tokens", tokens_seen},
                              {"elapsed_s", elapsed_total()}};
       if (cfg.model.z_loss > 0) line["lse_sq"] = lse_sq / double(ntok);
+      std::string extra;
+      if (!ss.moe.empty()) {
+        // Per MoE layer: tokens per expert (min/max/mean over experts) and mean logsumexp^2 of the
+        // router; the progress line shows the worst layer's max/mean and min/mean load.
+        nlohmann::json layers = nlohmann::json::array();
+        double worst_max = 0, worst_min = 1e300;
+        for (auto& m : ss.moe) {
+          layers.push_back({{"layer", m.layer}, {"load_min", m.load_min}, {"load_max", m.load_max},
+                            {"load_mean", m.load_mean}, {"router_lse_sq", m.lse_sq}});
+          if (m.load_mean > 0) {
+            worst_max = std::max(worst_max, m.load_max / m.load_mean);
+            worst_min = std::min(worst_min, m.load_min / m.load_mean);
+          }
+        }
+        line["moe"] = layers;
+        line["router_z_loss"] = ss.router_z;
+        extra = fmt::format("load {:.2f}-{:.2f}x", worst_min, worst_max);
+        if (cfg.model.router_z_loss > 0) extra += fmt::format(" rz {:.2e}", ss.router_z);
+      }
       metrics.write(line);
       if (!opt.quiet) {
         ProgressInfo pi{step, rc.steps, loss, lr, gnorm, tps, mfu, elapsed_total(),
-                        (rc.steps - step) * (interval_s / double(interval_tokens) * tokens_per_step), ""};
+                        (rc.steps - step) * (interval_s / double(interval_tokens) * tokens_per_step), extra};
         fmt::print("{}{}{}", tty ? "\r\033[K" : "", format_progress(pi), tty ? "" : "\n");
         std::fflush(stdout);
       }

@@ -43,6 +43,8 @@ struct StepStats {
   double grad_norm = 0; // before clipping
   double lr = 0;
   int64_t tokens = 0;
+  double router_z = 0;              // mean router z-loss term (already weighted by its coefficient)
+  std::vector<MoeLayerStats> moe;   // per MoE layer: expert load and mean logsumexp^2 of this step
 };
 using BatchFn = std::function<void(int32_t* inputs, int32_t* targets)>;
 StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimizer& opt, Backend& be,

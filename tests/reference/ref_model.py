@@ -18,6 +18,8 @@ from typing import Dict, Optional
 
 import torch
 
+import ref_moe
+
 Params = Dict[str, torch.Tensor]
 
 
@@ -39,6 +41,15 @@ class ModelConfig:
     qk_norm: bool = False
     z_loss: float = 0.0
     rope_dims: Optional[int] = None  # None -> head_dim (full RoPE); head_dim//2 = half RoPE
+    # MoE V1 block (ref_moe.py); moe_experts = 0: dense MLPs
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    moe_expert_ff: int = 0
+    moe_shared_ff: int = 0
+    moe_layers: Optional[list] = None
+    moe_normalized: bool = False
+    moe_route_scale: float = 1.0
+    router_z_loss: float = 0.0
 
     @classmethod
     def from_dict(cls, d):
@@ -89,6 +100,9 @@ def param_shapes(cfg: ModelConfig):
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if ref_moe.is_moe_layer(cfg, i):
+            shapes.update(ref_moe.moe_param_shapes(cfg, p + "mlp."))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (I, d)
         shapes[p + "mlp.up_proj.weight"] = (I, d)
         shapes[p + "mlp.down_proj.weight"] = (d, I)
@@ -199,24 +213,28 @@ def mlp(x, params: Params, prefix):
     return linear(torch.nn.functional.silu(gate) * up, params[prefix + "down_proj.weight"])
 
 
-def block(x, params: Params, layer, cfg: ModelConfig, cos, sin, mask):
+def block(x, params: Params, layer, cfg: ModelConfig, cos, sin, mask, buffers=None, aux=None):
     """Pre-norm decoder block: h = x + Attn(RMSNorm(x)); out = h + MLP(RMSNorm(h))."""
     p = f"model.layers.{layer}."
     h = x + attention(rms_norm(x, params[p + "input_layernorm.weight"], cfg.norm_eps),
                       params, p + "self_attn.", cfg, cos, sin, mask)
+    if ref_moe.is_moe_layer(cfg, layer):
+        return h + ref_moe.moe_mlp(rms_norm(h, params[p + "post_attention_layernorm.weight"], cfg.norm_eps),
+                                   params, p + "mlp.", cfg, buffers[p + "mlp." + ref_moe.BIAS], aux)
     return h + mlp(rms_norm(h, params[p + "post_attention_layernorm.weight"], cfg.norm_eps),
                    params, p + "mlp.")
 
 
-def forward(params: Params, cfg: ModelConfig, inputs):
-    """inputs: int64 [B, S] token ids -> logits [B, S, V]."""
+def forward(params: Params, cfg: ModelConfig, inputs, buffers=None, aux=None):
+    """inputs: int64 [B, S] token ids -> logits [B, S, V]. MoE models need `buffers` (the selection
+    biases); `aux` (a dict) collects router scores and z-loss terms (ref_moe.py)."""
     B, S = inputs.shape
     dtype = params["model.embed_tokens.weight"].dtype
     x = params["model.embed_tokens.weight"][inputs]            # [B, S, d]
     cos, sin = rope_cos_sin(S, cfg.rope_dims, cfg.rope_theta, dtype)
     mask = attention_mask(S, cfg.window)
     for layer in range(cfg.n_layers):
-        x = block(x, params, layer, cfg, cos, sin, mask)
+        x = block(x, params, layer, cfg, cos, sin, mask, buffers, aux)
     x = rms_norm(x, params["model.norm.weight"], cfg.norm_eps)
     return linear(x, params["lm_head.weight"])
 

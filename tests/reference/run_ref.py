@@ -37,6 +37,12 @@ def load_params(d, cfg, dtype):
     return params
 
 
+def load_buffers(d, dtype):
+    """The MoE selection biases (not trained; absent in dense models)."""
+    tensors, _ = st.load_torch(os.path.join(d, "model.safetensors"))
+    return {k: v.to(dtype) for k, v in tensors.items() if k.endswith(rm.ref_moe.BIAS)}
+
+
 def load_tokens(path):
     tensors, _ = st.load_torch(path)
     return tensors["inputs"].long(), tensors["targets"].long()
@@ -53,8 +59,9 @@ def cmd_forward_backward(args):
     for p in params.values():
         p.requires_grad_(True)
 
-    logits = rm.forward(params, cfg, inputs)
-    loss = rm.loss_fn(logits, targets, cfg.z_loss)
+    aux = {}
+    logits = rm.forward(params, cfg, inputs, load_buffers(args.dir, dtype), aux)
+    loss = rm.loss_fn(logits, targets, cfg.z_loss) + rm.ref_moe.router_z_loss(cfg, aux)
     loss.backward()
 
     out = {"logits": logits.detach().reshape(-1, cfg.vocab_size),
@@ -78,14 +85,21 @@ def cmd_train(args):
         raise SystemExit(f"batches.safetensors holds {inputs.shape[0]} batches < --steps {args.steps}")
 
     opt = rm.AdamW(params, oc)
+    buffers = load_buffers(args.dir, torch.float32)
+    balance = cfg.moe_experts > 0 and raw.get("moe_balance", False) and cfg.moe_top_k < cfg.moe_experts
     losses, grad_norms, lrs = [], [], []
     for step in range(args.steps):
         for p in params.values():
             p.requires_grad_(True)
             p.grad = None
-        logits = rm.forward(params, cfg, inputs[step])
-        loss = rm.loss_fn(logits, targets[step], cfg.z_loss)
+        aux = {}
+        logits = rm.forward(params, cfg, inputs[step], buffers, aux)
+        loss = rm.loss_fn(logits, targets[step], cfg.z_loss) + rm.ref_moe.router_z_loss(cfg, aux)
         loss.backward()
+        if balance:  # quantile balancing from this step's tokens, once per step
+            for layer, scores in zip(cfg.moe_layers, aux["router_scores"]):
+                name = f"model.layers.{layer}.mlp." + rm.ref_moe.BIAS
+                buffers[name] = rm.ref_moe.quantile_bias(scores, buffers[name], cfg.moe_top_k)
         grads = {k: p.grad for k, p in params.items()}
         norm = rm.clip_grads(grads, oc.clip)
         lr = rm.lr_at(step, oc)
@@ -100,8 +114,9 @@ def cmd_train(args):
 
     with open(os.path.join(args.dir, "ref_train.json"), "w") as f:
         json.dump({"losses": losses, "grad_norms": grad_norms, "lrs": lrs}, f, indent=1)
-    st.save_torch(os.path.join(args.dir, "ref_final.safetensors"),
-                  {k: v.detach() for k, v in params.items()})
+    final = {k: v.detach() for k, v in params.items()}
+    final.update(buffers)
+    st.save_torch(os.path.join(args.dir, "ref_final.safetensors"), final)
 
 
 def cmd_init(args):

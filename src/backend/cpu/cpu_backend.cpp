@@ -17,6 +17,11 @@ class CpuBackend final : public Backend {
             int ldb, float beta, float* C, int ldc) override {
     cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
+  void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* offsets, int M, int N, int K, float alpha,
+                    const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C,
+                    int ldc, size_t strideC) override {
+    cpu::grouped_gemm<float>(rows_out, tb, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc, strideC);
+  }
   void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) override {
     cpu::embedding_forward<float>(out, table, ids, N, D);
   }

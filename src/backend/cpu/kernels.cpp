@@ -103,6 +103,45 @@ void gemm(bool transA, bool transB, int M, int N, int K, T alpha, const T* A, in
   }
 }
 
+template <class T>
+void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, T alpha,
+                  const T* A, int lda, const T* B, int ldb, size_t strideB, T beta, T* C, int ldc,
+                  size_t strideC) {
+  auto one = [&](int e) {
+    const int r0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+    if (rows_out) {
+      if (rows > 0)
+        gemm<T>(false, transB, rows, N, K, alpha, A + size_t(r0) * lda, lda, B + size_t(e) * strideB, ldb, beta,
+                C + size_t(r0) * ldc, ldc);
+    } else {
+      T* Ce = C + size_t(e) * strideC;
+      if (rows > 0) {
+        gemm<T>(true, false, M, N, rows, alpha, A + size_t(r0) * lda, lda, B + size_t(r0) * ldb, ldb, beta, Ce, ldc);
+      } else if (beta != T(1)) {  // an expert with no tokens: C_e = beta * C_e, as a gemm with K = 0 would
+        for (int i = 0; i < M; ++i)
+          for (int j = 0; j < N; ++j) Ce[size_t(i) * ldc + j] = beta == T(0) ? T(0) : beta * Ce[size_t(i) * ldc + j];
+      }
+    }
+  };
+  // Many small groups: one expert per thread at a time (a gemm inside an OpenMP region runs on one
+  // thread in the OpenMP build of OpenBLAS), biggest first so the tail is short. Few groups: each
+  // gemm gets every thread.
+  const int nt = omp_in_parallel() ? 1 : omp_get_max_threads();
+  if (nt > 1 && E >= 2 * nt) {
+    thread_local std::vector<int> order;
+    order.resize(size_t(E));
+    for (int e = 0; e < E; ++e) order[size_t(e)] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return offsets[a + 1] - offsets[a] > offsets[b + 1] - offsets[b];
+    });
+    const int* ord = order.data();
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int i = 0; i < E; ++i) one(ord[i]);
+  } else {
+    for (int e = 0; e < E; ++e) one(e);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding
 
@@ -744,6 +783,8 @@ void adamw_update(T* p, const T* g, T* m, T* v, size_t n, T lr, T b1, T b2, T ep
   template void attention_forward<T>(T*, T*, const T*, const T*, const T*, const AttnShape&);      \
   template void attention_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*,          \
                                       const T*, const T*, const AttnShape&);                       \
+  template void grouped_gemm<T>(bool, bool, int, const int32_t*, int, int, int, T, const T*, int, const T*, int, \
+                                size_t, T, T*, int, size_t);                                       \
   template void swiglu_forward<T>(T*, const T*, const T*, size_t);                                 \
   template void swiglu_backward<T>(T*, T*, const T*, const T*, const T*, size_t);                  \
   template XentSums softmax_xent<T>(T*, const int32_t*, int, int, T, T);                           \

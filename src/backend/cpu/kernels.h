@@ -17,6 +17,19 @@ template <class T>
 void gemm(bool transA, bool transB, int M, int N, int K, T alpha, const T* A, int lda, const T* B,
           int ldb, T beta, T* C, int ldc);
 
+// Grouped GEMM over E groups of rows (the MoE's per-expert blocks after the counting sort): group e
+// owns rows [offsets[e], offsets[e+1]) of the row-blocked operands. Two shapes:
+//  - rows_out = true:  C[rows_e, :N] = alpha * A[rows_e, :K] * op(B_e) + beta * C[rows_e]
+//                      (B_e = B + e*strideB is [N,K] when transB, else [K,N]);
+//  - rows_out = false: C_e[M, N] = alpha * A[rows_e, :M]^T * B[rows_e, :N] + beta * C_e
+//                      (C_e = C + e*strideC; the weight gradient of an expert, summed over its rows).
+// Each group is one gemm; groups run in parallel (single-threaded gemms) when there are enough of
+// them, else one after another with a threaded gemm. Deterministic for any thread count.
+template <class T>
+void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, T alpha,
+                  const T* A, int lda, const T* B, int ldb, size_t strideB, T beta, T* C, int ldc,
+                  size_t strideC);
+
 // out[i,:] = table[ids[i],:]   (table [V,D], out [N,D])
 template <class T>
 void embedding_forward(T* out, const T* table, const int32_t* ids, int N, int D);

@@ -1,0 +1,154 @@
+// The MoE V1 block (RECIPE.md section 2): an fp32 router d -> E, top-K selection on (score + bias)
+// with the bias outside the gradient, sigmoid combine weights (unnormalized, or normalized over the
+// K selected and scaled), E routed SwiGLU experts run dropless, plus an optional always-on shared
+// SwiGLU expert; router z-loss; quantile balancing of the selection bias.
+//
+// Dispatch: the N*K (token, slot) pairs are counting-sorted by expert (stable, so rows of one expert
+// stay in token order), the input rows are gathered into that order, and each expert's contiguous
+// block goes through one GEMM per matrix (Backend::grouped_gemm). Outputs are scattered back to
+// their tokens weighted by the combine weights. Nothing is dropped: every token reaches its K
+// experts whatever the load.
+//
+// The math is templated on the scalar type T and on an "ops" object that supplies gemm,
+// grouped_gemm and swiglu: the model runs it in float through the Backend (BackendOps); the
+// finite-difference tests run it in double through the CPU kernels (KernelOps<double>). Routing,
+// the counting sort, gather and scatter are plain loops here (a CUDA backend will want them as ops).
+//
+// Tensor layout (safetensors names, layer N):
+//   model.layers.N.mlp.gate.weight                       [E, d]   router (Role::Router)
+//   model.layers.N.mlp.gate.e_score_correction_bias      [E]      selection bias: a buffer, not a
+//                                                                 parameter (no gradient, no optimizer
+//                                                                 state), saved in checkpoints
+//   model.layers.N.mlp.experts.{gate,up}_proj.weight     [E, I, d] routed experts (Role::ExpertMatrix)
+//   model.layers.N.mlp.experts.down_proj.weight          [E, d, I]  expert e's matrix is slice e
+//   model.layers.N.mlp.shared_expert.{gate,up}_proj.weight [I_s, d] (Role::SharedExpert)
+//   model.layers.N.mlp.shared_expert.down_proj.weight    [d, I_s]
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/kernels.h"
+
+namespace ladder {
+
+struct MoeDims {
+  int N = 0;                  // tokens
+  int d = 0, E = 0, K = 0;    // width, routed experts, experts per token
+  int I = 0;                  // routed expert hidden
+  int Is = 0;                 // shared expert hidden; 0 = no shared expert
+  bool normalized = false;    // combine = scale * sig / (sum_topK sig + 1e-9) instead of sig
+  double route_scale = 1.0;   // the scale of the normalized combine
+};
+
+template <class T>
+struct MoeWeights {
+  const T* router = nullptr;                            // [E, d]
+  const T* bias = nullptr;                              // [E]
+  const T *wg = nullptr, *wu = nullptr, *wd = nullptr;  // [E, I, d], [E, I, d], [E, d, I]
+  const T *sg = nullptr, *su = nullptr, *sd = nullptr;  // [Is, d], [Is, d], [d, Is]
+};
+
+// Parameter gradients; ACCUMULATED (+=) like every parameter gradient of the model.
+template <class T>
+struct MoeGrads {
+  T *router = nullptr, *wg = nullptr, *wu = nullptr, *wd = nullptr, *sg = nullptr, *su = nullptr, *sd = nullptr;
+};
+
+// Saved activations of one block.
+template <class T>
+struct MoeActs {
+  T* logits = nullptr;         // [N, E] router scores s (unbiased)
+  T* lse = nullptr;            // [N] logsumexp(s_i) (router z-loss)
+  int32_t* expert = nullptr;   // [N*K] slot i*K+k -> k-th selected expert of token i (best first)
+  T* comb = nullptr;           // [N*K] combine weight of each slot
+  int32_t* row = nullptr;      // [N*K] slot -> row in the expert-sorted order
+  int32_t* slot = nullptr;     // [N*K] row -> slot (token = slot / K)
+  int32_t* offsets = nullptr;  // [E+1] expert e owns rows [offsets[e], offsets[e+1])
+  T* xs = nullptr;             // [N*K, d] input rows in expert-sorted order
+  T *g = nullptr, *u = nullptr, *a = nullptr;  // [N*K, I] gate, up, silu(gate)*up
+  T* y = nullptr;              // [N*K, d] expert outputs, unweighted
+  T *sgate = nullptr, *sup = nullptr, *sact = nullptr;  // [N, Is] shared expert
+};
+
+// Backward scratch (one set serves every block).
+template <class T>
+struct MoeScratch {
+  T* dy = nullptr;                              // [N*K, d]
+  T *dg = nullptr, *du = nullptr, *da = nullptr;  // [N*K, I]
+  T* dx = nullptr;                              // [N*K, d]
+  T* ds = nullptr;                              // [N, E]
+  T *dsg = nullptr, *dsu = nullptr, *dsa = nullptr;  // [N, Is]
+  T* dcomb = nullptr;                           // [N*K]
+};
+
+// (pointer to fill, bytes) for every array of MoeActs / MoeScratch, for an arena or a test to fill.
+template <class T>
+std::vector<std::pair<void**, size_t>> moe_act_requests(const MoeDims& D, MoeActs<T>& a);
+template <class T>
+std::vector<std::pair<void**, size_t>> moe_scratch_requests(const MoeDims& D, MoeScratch<T>& s);
+
+// Forward: out += MoE(h). h [N, d]. Returns sum over tokens of logsumexp(s_i)^2.
+template <class T, class Ops>
+double moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>& A, const T* h, T* out);
+
+// Backward of out += MoE(h) given dout = dL/dout: dh OVERWRITTEN with dL/dh, parameter gradients
+// accumulated. z_scale multiplies the gradient of sum_i logsumexp(s_i)^2 (router z-loss coefficient
+// / MoE layers * the loss's per-token scale); 0 = no z-loss. The gradient reaches the router through
+// the combine weights (and their normalization) and the z-loss; the selection itself is piecewise
+// constant and has none.
+template <class T, class Ops>
+void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T>& G, const MoeActs<T>& A,
+                  MoeScratch<T>& S, const T* h, const T* dout, T* dh, T z_scale);
+
+// Quantile balancing (RECIPE.md section 2), in two halves so data-parallel ranks can average beta
+// in between:
+//  - moe_balance_values: for the N tokens of a forward, vals[i, j] = s_ij - alpha_i with alpha_i the
+//    (K+1)-th largest BIASED score of token i and s_ij the unbiased score (requires K < E);
+//  - moe_quantile_beta: beta_j = the max(1, floor(T*K/E))-th largest of vals[:, j] over the T
+//    tokens of the step;
+//  - moe_bias_from_beta: bias = -(beta - mean(beta)).
+template <class T>
+void moe_balance_values(const MoeDims& D, const MoeActs<T>& A, const T* bias, float* vals);
+void moe_quantile_beta(const float* vals, int64_t T, int E, int K, double* beta);
+template <class T>
+void moe_bias_from_beta(const double* beta, int E, T* bias);
+
+// gemm / grouped_gemm / swiglu through the templated CPU kernels (any T).
+template <class T>
+struct KernelOps {
+  void gemm(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
+            int ldc) {
+    cpu::gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* off, int M, int N, int K, T alpha, const T* A,
+                    int lda, const T* B, int ldb, size_t sB, T beta, T* C, int ldc, size_t sC) {
+    cpu::grouped_gemm<T>(rows_out, tb, E, off, M, N, K, alpha, A, lda, B, ldb, sB, beta, C, ldc, sC);
+  }
+  void swiglu_forward(T* h, const T* g, const T* u, size_t n) { cpu::swiglu_forward<T>(h, g, u, n); }
+  void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) {
+    cpu::swiglu_backward<T>(dg, du, dh, g, u, n);
+  }
+};
+
+// The same through a Backend (float): what the model uses.
+struct BackendOps {
+  Backend* be;
+  void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+            float beta, float* C, int ldc) {
+    be->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* off, int M, int N, int K, float alpha,
+                    const float* A, int lda, const float* B, int ldb, size_t sB, float beta, float* C, int ldc,
+                    size_t sC) {
+    be->grouped_gemm(rows_out, tb, E, off, M, N, K, alpha, A, lda, B, ldb, sB, beta, C, ldc, sC);
+  }
+  void swiglu_forward(float* h, const float* g, const float* u, size_t n) { be->swiglu_forward(h, g, u, n); }
+  void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) {
+    be->swiglu_backward(dg, du, dh, g, u, n);
+  }
+};
+
+}  // namespace ladder
