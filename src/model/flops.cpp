@@ -20,12 +20,14 @@ ParamCount count_params(const ModelConfig& m) {
   int64_t per_layer = 2 * d                              // input / post-attention norm gains
                       + d * H * hd + 2 * d * KV * hd     // q, k, v
                       + H * hd * d                       // o
-                      + (m.qk_norm ? 2 * hd : 0)         // q_norm, k_norm gains
+                      + (m.learned_qk_gain() ? 2 * hd : 0)  // q_norm, k_norm gains
+                      + (m.attn_gate ? H * d : 0)        // per-head output gate
+                      + 2 * 2 * d * m.gated_norm_rank    // GatedNorm after both block norms
                       + 3 * d * I;                       // gate, up, down
   ParamCount p;
   p.embedding = V * d;
   p.head = V * d;
-  p.total = p.embedding + p.head + d + m.n_layers * per_layer;
+  p.total = p.embedding + p.head + d + 2 * d * m.gated_norm_rank + m.n_layers * per_layer;
   return p;
 }
 

@@ -25,12 +25,18 @@ nlohmann::json torch_model_json(const Config& c) {
           {"n_heads", m.n_heads},       {"n_kv_heads", m.kv_heads()}, {"head_dim", m.hd()},
           {"d_ff", m.ff()},             {"seq_len", m.seq_len},       {"rope_theta", m.rope_theta},
           {"norm_eps", m.norm_eps},     {"window", m.window},         {"qk_norm", m.qk_norm},
-          {"z_loss", m.z_loss},         {"batch_size", c.run.batch_size}};
+          {"z_loss", m.z_loss},         {"batch_size", c.run.batch_size},
+          // attention/norm recipe switches (tests/reference/ref_attn.py)
+          {"rope_dims", m.rope_dims()}, {"qk_norm_gain", m.qk_norm_gain}, {"q_scale", m.q_scale},
+          {"long_every", m.long_every}, {"last_layer_long", m.last_layer_long}, {"pko", m.pko},
+          {"eod_id", m.eod_id},         {"xsa", m.xsa},               {"attn_gate", m.attn_gate},
+          {"gated_norm_rank", m.gated_norm_rank}};
 }
 
 nlohmann::json run_bench(const BenchOptions& opt) {
   Config cfg = load_config(opt.config, opt.overrides);
   if (cfg.model.vocab_size == 0) cfg.model.vocab_size = 8192;  // synthetic tokens: no data directory needed
+  if (cfg.model.eod_id < 0) cfg.model.eod_id = 2;  // the tokenizer's </s> (docs/data.md); PKO needs one
   validate(cfg);
   auto be = make_cpu_backend(cfg.run.threads);
   const double peak = sgemm_gflops();
