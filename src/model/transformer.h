@@ -73,6 +73,9 @@ class Transformer {
   void forward_logits(const int32_t* inputs, float* logits);
 
   size_t activation_bytes() const { return acts_arena_.capacity(); }
+  // The keys layer l's attention read in the last forward pass (after PKO, QK-norm and RoPE),
+  // [batch*seq_len, KV*hd]; for tests and inspection.
+  const float* attention_keys(int l) const { return layers_.at(l).kr; }
 
  private:
   // GatedNorm after an RMSNorm: out = n * s, s = sigmoid(W_up silu(W_down n)), n the RMSNorm output.
