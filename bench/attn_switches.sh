@@ -9,6 +9,7 @@ ROUNDS=${1:-3}
 STEPS=${2:-3}
 LADDER=${LADDER:-./build/ladder}
 BATCH=${BATCH:-8}  # sequences of 512 tokens per step (dense-small: 8)
+# THREADS=1 with the reported step_cpu_s_median is the most stable measure on a shared machine.
 declare -A V
 V[baseline]=""
 V[half_rope]="model.half_rope=true"
@@ -24,7 +25,7 @@ for r in $(seq "$ROUNDS"); do
   for name in $ORDER; do
     sets=()
     for kv in ${V[$name]}; do sets+=(--set "$kv"); done
-    json=$("$LADDER" bench --config configs/dense-small.yaml --steps "$STEPS" --json --set run.batch_size="$BATCH" "${sets[@]}" | tail -1)
+    json=$(OMP_WAIT_POLICY=passive "$LADDER" bench --config configs/dense-small.yaml --steps "$STEPS" --json --set run.batch_size="$BATCH" --set run.threads="${THREADS:-0}" "${sets[@]}" | tail -1)
     echo "{\"variant\":\"$name\",\"round\":$r,\"result\":$json}"
   done
 done
