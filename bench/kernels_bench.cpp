@@ -106,6 +106,7 @@ void BM_AttentionBwd(benchmark::State& st) {
       ->Args({8, 512, 8, 2, 64, 0})                                                                \
       ->Args({8, 512, 8, 2, 64, 128})                                                              \
       ->Args({2, 2048, 8, 2, 64, 0})                                                               \
+      ->Args({2, 2048, 8, 2, 64, 512}) /* short layer: should cost ~window/causal-average */       \
       ->ArgNames({"B", "S", "H", "KV", "hd", "win"})                                               \
       ->UseRealTime()                                                                              \
       ->Unit(benchmark::kMillisecond)

@@ -44,6 +44,23 @@ class Backend {
   virtual void add_inplace(float* y, const float* x, size_t n) = 0;
   virtual void scale_inplace(float* x, float s, size_t n) = 0;
   virtual double sum_squares(const float* x, size_t n) = 0;
+  // Recipe switches in attention and norms (contracts in backend/cpu/kernels.h).
+  virtual void pko_shift_forward(float* out, const float* k, const uint8_t* reset, int N_tok, int nkv, int hd,
+                                 int from_dim) = 0;
+  virtual void pko_shift_backward(float* dk, const float* dout, const uint8_t* reset, int N_tok, int nkv, int hd,
+                                  int from_dim) = 0;
+  virtual void xsa_forward(float* z, const float* y, const float* v, int N_tok, int H, int KV, int hd) = 0;
+  virtual void xsa_backward(float* dy, float* dv, const float* dz, const float* y, const float* v, int N_tok, int H,
+                            int KV, int hd) = 0;
+  virtual void head_gate_forward(float* out, float* factor, const float* x, const float* logit, int N_tok, int H,
+                                 int hd) = 0;
+  virtual void head_gate_backward(float* dx, float* dlogit, const float* dout, const float* x, const float* factor,
+                                  int N_tok, int H, int hd) = 0;
+  virtual void silu_forward(float* a, const float* u, size_t n) = 0;
+  virtual void silu_backward(float* du, const float* da, const float* u, size_t n) = 0;
+  virtual void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) = 0;
+  virtual void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
+                                     bool accumulate_dx) = 0;
   virtual void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1,
                             float b2, float eps, float wd, float bc1, float bc2) = 0;
   // The recipe's optimizers (backend/cpu/optim_kernels.h has the contracts). Norms come back as

@@ -91,6 +91,39 @@ class Profiler final : public ProfilingBackend {
                     float wd, float bc1, float bc2) override {
     timed("optimizer", 0, [&] { b_->adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2); });
   }
+  void pko_shift_forward(float* out, const float* k, const uint8_t* r, int N, int nkv, int hd, int from) override {
+    timed("attn switches", 0, [&] { b_->pko_shift_forward(out, k, r, N, nkv, hd, from); });
+  }
+  void pko_shift_backward(float* dk, const float* d, const uint8_t* r, int N, int nkv, int hd, int from) override {
+    timed("attn switches", 0, [&] { b_->pko_shift_backward(dk, d, r, N, nkv, hd, from); });
+  }
+  void xsa_forward(float* z, const float* y, const float* v, int N, int H, int KV, int hd) override {
+    timed("attn switches", 0, [&] { b_->xsa_forward(z, y, v, N, H, KV, hd); });
+  }
+  void xsa_backward(float* dy, float* dv, const float* dz, const float* y, const float* v, int N, int H, int KV,
+                    int hd) override {
+    timed("attn switches", 0, [&] { b_->xsa_backward(dy, dv, dz, y, v, N, H, KV, hd); });
+  }
+  void head_gate_forward(float* out, float* f, const float* x, const float* l, int N, int H, int hd) override {
+    timed("attn switches", 0, [&] { b_->head_gate_forward(out, f, x, l, N, H, hd); });
+  }
+  void head_gate_backward(float* dx, float* dl, const float* d, const float* x, const float* f, int N, int H,
+                          int hd) override {
+    timed("attn switches", 0, [&] { b_->head_gate_backward(dx, dl, d, x, f, N, H, hd); });
+  }
+  void silu_forward(float* a, const float* u, size_t n) override {
+    timed("gated norm", 0, [&] { b_->silu_forward(a, u, n); });
+  }
+  void silu_backward(float* du, const float* da, const float* u, size_t n) override {
+    timed("gated norm", 0, [&] { b_->silu_backward(du, da, u, n); });
+  }
+  void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) override {
+    timed("gated norm", 0, [&] { b_->sigmoid_gate_forward(y, g, x, n); });
+  }
+  void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
+                             bool acc) override {
+    timed("gated norm", 0, [&] { b_->sigmoid_gate_backward(dx, dg, dy, x, s, n, acc); });
+  }
   double adam_moments(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1, float bc2,
                       float eps) override {
     return timed("optimizer", 0, [&] { return b_->adam_moments(m, v, g, n, b1, b2, bc1, bc2, eps); });

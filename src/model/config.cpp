@@ -53,6 +53,16 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, moe_route_scale, "MoE: factor of the normalized combine weights (recipe 2.5)"),
       LADDER_FIELD(model, moe_balance, "MoE selection-bias balancing: quantile | none; empty = quantile when MoE is on"),
       LADDER_FIELD(model, router_z_loss, "router z-loss coefficient, mean over tokens and MoE layers (0 = off; recipe 1e-3)"),
+      LADDER_FIELD(model, half_rope, "RoPE on head dims [0, hd/2) only (hd/4 frequencies, rotate-half pairs); [hd/2, hd) carry no position. Needs head_dim % 4 == 0 (PKO rung: with rope_theta 1e4)"),
+      LADDER_FIELD(model, qk_norm_gain, "with qk_norm: true = learned gain per head dim (dense baseline); false = non-parametric RMSNorm (recipe V1)"),
+      LADDER_FIELD(model, q_scale, "queries are multiplied by this after QK-norm and RoPE (recipe V1: 1.3); 1 = off"),
+      LADDER_FIELD(model, long_every, "long/short layers: 0 = off (every layer uses model.window); P > 0 = layer i is long (full causal) iff i % P == P-1, the others are short (sliding model.window, which must then be >= 1; recipe: 4)"),
+      LADDER_FIELD(model, last_layer_long, "the last layer is long (full causal) too (PKO rung)"),
+      LADDER_FIELD(model, pko, "partial key offset on long layers: the RoPE-free key half [hd/2, hd) is the previous token's (zero at position 0 and after model.eod_id); needs half_rope and a long layer"),
+      LADDER_FIELD(model, eod_id, "end-of-document token id (PKO document starts); -1 = the data directory's meta.json eod_id"),
+      LADDER_FIELD(model, xsa, "exclusive self attention: per head z = y - (y.v/||v||^2) v, v the token's own value vector"),
+      LADDER_FIELD(model, attn_gate, "per-head attention output gate 2*sigmoid(h W_g), h the block's normed attention input, W_g [H, d] zero at init"),
+      LADDER_FIELD(model, gated_norm_rank, "GatedNorm x*sigmoid(W_up SiLU(W_down x)) after each d-wide RMSNorm (block norms and final norm) with this rank; 0 = off (recipe V1: 128)"),
       LADDER_FIELD(optim, name, "optimizer preset: adamw | adam | adamh | muon | muonh (which tensors each optimizer gets: docs/optimizers.md)"),
       LADDER_FIELD(optim, lr, "peak learning rate"),
       LADDER_FIELD(optim, beta1, "Adam beta1"),
@@ -287,6 +297,27 @@ Config load_config(const std::filesystem::path& file, const std::vector<std::str
   return c;
 }
 
+void validate_attention_switches(const ModelConfig& m, const std::string& where) {
+  if (!(m.q_scale > 0)) fail("{}: model.q_scale must be > 0, got {}", where, m.q_scale);
+  if (m.long_every < 0) fail("{}: model.long_every must be >= 0, got {}", where, m.long_every);
+  if (m.long_every > 0 && m.window < 1)
+    fail("{}: model.long_every = {} makes short layers with a sliding window, so model.window must be >= 1, got {}",
+         where, m.long_every, m.window);
+  if (m.gated_norm_rank < 0) fail("{}: model.gated_norm_rank must be >= 0, got {}", where, m.gated_norm_rank);
+  if (m.eod_id < -1) fail("{}: model.eod_id must be a token id or -1 (take it from the data), got {}", where, m.eod_id);
+  if (m.vocab_size > 0 && m.eod_id >= m.vocab_size)
+    fail("{}: model.eod_id {} is outside the vocabulary [0, {})", where, m.eod_id, m.vocab_size);
+  if (m.pko) {
+    if (!m.half_rope)
+      fail("{}: model.pko shifts the RoPE-free half of each key, which needs model.half_rope: true", where);
+    bool any_long = false;
+    for (int l = 0; l < m.n_layers; ++l) any_long = any_long || m.is_long_layer(l);
+    if (!any_long)
+      fail("{}: model.pko applies to long layers only, but none of the {} layers is long (model.long_every = {}, "
+           "model.last_layer_long = {})", where, m.n_layers, m.long_every, m.last_layer_long);
+  }
+}
+
 void validate(const Config& c) {
   const auto& m = c.model;
   auto where = c.source.empty() ? std::string("config") : c.source;
@@ -302,12 +333,16 @@ void validate(const Config& c) {
     fail("{}: model.n_heads ({}) must divide model.d_model ({}) when model.head_dim is 0", where, m.n_heads, m.d_model);
   if (m.n_heads % m.kv_heads() != 0)
     fail("{}: model.n_kv_heads ({}) must divide model.n_heads ({})", where, m.kv_heads(), m.n_heads);
+  if (m.half_rope && m.hd() % 4 != 0)
+    fail("{}: model.half_rope rotates head dims [0, hd/2) in pairs, so the head dimension must be a multiple of 4, got {}",
+         where, m.hd());
   if (m.hd() % 2 != 0) fail("{}: head dimension must be even for RoPE, got {}", where, m.hd());
   if (m.head_dim < 0 || m.d_ff < 0 || m.window < 0 || m.vocab_size < 0)
     fail("{}: model.head_dim, model.d_ff, model.window and model.vocab_size must be >= 0", where);
   if (m.norm_eps <= 0) fail("{}: model.norm_eps must be > 0", where);
   if (m.init_std < 0 || m.z_loss < 0) fail("{}: model.init_std and model.z_loss must be >= 0", where);
   validate_moe(c, where);
+  validate_attention_switches(m, where);
   if (c.optim.name != "adamw" && c.optim.name != "adam" && c.optim.name != "adamh" && c.optim.name != "muon" &&
       c.optim.name != "muonh")
     fail("{}: optim.name: unknown optimizer '{}' (expected adamw, adam, adamh, muon or muonh)", where, c.optim.name);

@@ -36,6 +36,17 @@ struct ModelConfig {
   double moe_route_scale = 2.5;    // factor of the normalized combine weights
   std::string moe_balance = "";    // "" = quantile when MoE is on; quantile | none
   double router_z_loss = 0.0;      // router z-loss coefficient (recipe: 1e-3), averaged over MoE layers
+  // Recipe switches in attention and norms (RECIPE.md section 2; all off in the dense baseline).
+  bool half_rope = false;      // RoPE on head dims [0, hd/2) only
+  bool qk_norm_gain = true;    // QK-norm with a learned gain; false: non-parametric (recipe V1)
+  double q_scale = 1.0;        // queries *= q_scale after RoPE (recipe V1: 1.3)
+  int long_every = 0;          // > 0: layer i is long (full causal) iff i % long_every == long_every-1
+  bool last_layer_long = false;  // the last layer is long as well (PKO rung)
+  bool pko = false;            // partial key offset on long layers
+  int eod_id = -1;             // end-of-document token (PKO document starts); -1: from the data
+  bool xsa = false;            // exclusive self attention
+  bool attn_gate = false;      // per-head output gate 2*sigmoid(h W_g), W_g zero at init
+  int gated_norm_rank = 0;     // GatedNorm after each d-wide RMSNorm; 0 = off (recipe V1: 128)
 
   int kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int hd() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
@@ -48,6 +59,13 @@ struct ModelConfig {
   // Whether layer l's MLP is a MoE block (parses moe_layers; validate() reports bad lists).
   bool is_moe_layer(int l) const;
   int n_moe_layers() const;
+  // Long layers attend full-causal (and are where PKO applies); the others use `window`.
+  bool is_long_layer(int l) const {
+    return (long_every > 0 && l % long_every == long_every - 1) || (last_layer_long && l == n_layers - 1);
+  }
+  int layer_window(int l) const { return is_long_layer(l) ? 0 : window; }
+  int rope_dims() const { return half_rope ? hd() / 2 : hd(); }
+  bool learned_qk_gain() const { return qk_norm && qk_norm_gain; }
 };
 
 struct OptimConfig {
@@ -107,6 +125,8 @@ Config load_config(const std::filesystem::path& file, const std::vector<std::str
 void apply_override(Config& cfg, const std::string& kv);
 // Shape checks (heads divide d, kv heads divide heads, ...); errors name the field.
 void validate(const Config& cfg);
+// The checks of the attention/norm recipe switches (part of validate()); `where` prefixes errors.
+void validate_attention_switches(const ModelConfig& m, const std::string& where);
 // The resolved config as YAML text (every key) and as JSON.
 std::string to_yaml(const Config& cfg);
 nlohmann::json to_json(const Config& cfg);

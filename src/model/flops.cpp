@@ -23,8 +23,9 @@ ParamCount count_params(const ModelConfig& m) {
   int64_t per_layer = 2 * d                              // input / post-attention norm gains
                       + d * H * hd + 2 * d * KV * hd     // q, k, v
                       + H * hd * d                       // o
-                      + (m.qk_norm ? 2 * hd : 0)         // q_norm, k_norm gains
-                      ;
+                      + (m.learned_qk_gain() ? 2 * hd : 0)  // q_norm, k_norm gains
+                      + (m.attn_gate ? H * d : 0)           // per-head output gate
+                      + 2 * 2 * d * m.gated_norm_rank;      // GatedNorm after both block norms
   const int64_t E = m.moe_experts, K = m.moe_top_k, Ie = m.expert_ff(), Is = m.shared_ff();
   const int64_t Lmoe = m.n_moe_layers();
   const int64_t dense_mlp = 3 * d * I;                                 // gate, up, down
@@ -33,7 +34,8 @@ ParamCount count_params(const ModelConfig& m) {
   ParamCount p;
   p.embedding = V * d;
   p.head = V * d;
-  const int64_t base = p.embedding + p.head + d + m.n_layers * per_layer + (m.n_layers - Lmoe) * dense_mlp;
+  const int64_t base = p.embedding + p.head + d + 2 * d * m.gated_norm_rank  // final norm (+ GatedNorm)
+                       + m.n_layers * per_layer + (m.n_layers - Lmoe) * dense_mlp;
   p.total = base + Lmoe * moe_total;
   p.active = base + Lmoe * moe_active;
   return p;

@@ -46,22 +46,34 @@ Param& Transformer::param(const std::string& name) {
 Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(batch * cfg.seq_len), be_(be), ops_{&be} {
   LADDER_ASSERT(cfg.vocab_size > 0);
+  if (cfg.pko && cfg.eod_id < 0)
+    fail("model.pko zeroes the shifted key half at document starts, but no end-of-document token is known: "
+         "set model.eod_id or train on a data directory whose meta.json has eod_id");
   const int64_t d = cfg.d_model, V = cfg.vocab_size, H = cfg.n_heads, KV = cfg.kv_heads(), hd = cfg.hd(),
-                I = cfg.ff();
+                I = cfg.ff(), R = cfg.gated_norm_rank;
+  // GatedNorm's two matrices sit under the norm they follow (".gated_norm.{down,up}_proj.weight").
+  auto add_gated_norm = [&](const std::string& norm) {
+    if (R == 0) return;
+    add_param(norm + ".gated_norm.down_proj.weight", Role::GatedNormMatrix, {R, d});
+    add_param(norm + ".gated_norm.up_proj.weight", Role::GatedNormMatrix, {d, R});
+  };
   // Parameters, in a fixed order (the safetensors file and the optimizer state follow it).
   add_param("model.embed_tokens.weight", Role::Embedding, {V, d});
   for (int l = 0; l < cfg.n_layers; ++l) {
     auto pre = fmt::format("model.layers.{}.", l);
     add_param(pre + "input_layernorm.weight", Role::NormGain, {d});
+    add_gated_norm(pre + "input_layernorm");
     add_param(pre + "self_attn.q_proj.weight", Role::AttnMatrix, {H * hd, d});
     add_param(pre + "self_attn.k_proj.weight", Role::AttnMatrix, {KV * hd, d});
     add_param(pre + "self_attn.v_proj.weight", Role::AttnMatrix, {KV * hd, d});
     add_param(pre + "self_attn.o_proj.weight", Role::AttnMatrix, {d, H * hd});
-    if (cfg.qk_norm) {
+    if (cfg.learned_qk_gain()) {
       add_param(pre + "self_attn.q_norm.weight", Role::NormGain, {hd});
       add_param(pre + "self_attn.k_norm.weight", Role::NormGain, {hd});
     }
+    if (cfg.attn_gate) add_param(pre + "self_attn.attn_gate.weight", Role::AttnGate, {H, d});
     add_param(pre + "post_attention_layernorm.weight", Role::NormGain, {d});
+    add_gated_norm(pre + "post_attention_layernorm");
     if (cfg.is_moe_layer(l)) {
       const int64_t E = cfg.moe_experts, Ie = cfg.expert_ff(), Is = cfg.shared_ff();
       add_param(pre + "mlp.gate.weight", Role::Router, {E, d});
@@ -86,6 +98,7 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     }
   }
   add_param("model.norm.weight", Role::NormGain, {d});
+  add_gated_norm("model.norm");
   add_param("lm_head.weight", Role::Head, {V, d});
 
   size_t pbytes = 0;
@@ -113,16 +126,30 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   size_t pi = 1, bi = 0;
   const MoeDims md = moe_dims();
   int moe_index = 0;
-  for (size_t l = 0; l < layers_.size(); ++l) {
+  // GatedNorm: parameters and saved activations of one norm site.
+  auto plan_gated_norm = [&](GatedNormActs& gn) {
+    if (R == 0) return;
+    gn.down = &params_[pi++];
+    gn.up = &params_[pi++];
+    reqs.insert(reqs.end(), {{&gn.n, N * d}, {&gn.u, N * R}, {&gn.a, N * R}, {&gn.s, N * d}});
+  };
+  for (int l = 0; l < cfg.n_layers; ++l) {
     Layer& L = layers_[l];
     L.ln1 = &params_[pi++];
+    plan_gated_norm(L.gn1);
     L.wq = &params_[pi++];
     L.wk = &params_[pi++];
     L.wv = &params_[pi++];
     L.wo = &params_[pi++];
-    L.qn = cfg.qk_norm ? &params_[pi++] : nullptr;
-    L.kn = cfg.qk_norm ? &params_[pi++] : nullptr;
+    L.qn = cfg.learned_qk_gain() ? &params_[pi++] : nullptr;
+    L.kn = cfg.learned_qk_gain() ? &params_[pi++] : nullptr;
+    L.wgate = cfg.attn_gate ? &params_[pi++] : nullptr;
     L.ln2 = &params_[pi++];
+    plan_gated_norm(L.gn2);
+    L.window = cfg.layer_window(l);
+    if (cfg.pko && cfg.is_long_layer(l)) reqs.push_back({&L.ks, N * KV * hd});
+    if (cfg.xsa) reqs.push_back({&L.z, N * H * hd});
+    if (cfg.attn_gate) reqs.insert(reqs.end(), {{&L.ga, N * H}, {&L.gf, N * H}, {&L.og, N * H * hd}});
     reqs.insert(reqs.end(), {{&L.x, N * d}, {&L.h1, N * d}, {&L.r1, N}, {&L.q, N * H * hd},
                              {&L.k, N * KV * hd}, {&L.v, N * KV * hd}, {&L.o, N * H * hd},
                              {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d}, {&L.r2, N}});
@@ -160,7 +187,13 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   const size_t Idense = moe_index == cfg.n_layers ? 0 : size_t(I);  // dense MLP scratch, if any dense layer
   embed_ = &params_[0];
   norm_f_ = &params_[pi++];
+  plan_gated_norm(gnf_);
   head_ = &params_[pi++];
+  LADDER_ASSERT(pi == params_.size());
+  if (cfg.xsa) reqs.push_back({&d_vx_, N * KV * hd});
+  if (cfg.attn_gate) reqs.push_back({&d_ga_, N * H});
+  if (R > 0) reqs.insert(reqs.end(), {{&d_gn_, N * d}, {&d_gs_, N * d}, {&d_gr_, N * R}});
+  if (cfg.pko) resets_.assign(N, 0);
   reqs.insert(reqs.end(), {{&x_final_, N * d}, {&hf_, N * d}, {&rf_, N}, {&logits_, size_t(chunk_rows_) * V},
                            {&d_res_, N * d}, {&d_h_, N * d}, {&d_q_, N * H * hd}, {&d_k_, N * KV * hd},
                            {&d_v_, N * KV * hd}, {&d_qn_, N * H * hd}, {&d_kn_, N * KV * hd},
@@ -185,6 +218,10 @@ void Transformer::init(uint64_t seed) {
   for (auto& p : params_) {
     if (p.role == Role::NormGain) {
       std::fill(p.w, p.w + p.numel, 1.0f);
+      continue;
+    }
+    if (p.role == Role::AttnGate) {  // RECIPE.md: W_g zero at init, so every gate starts at 2*sigmoid(0) = 1
+      std::fill(p.w, p.w + p.numel, 0.0f);
       continue;
     }
     Philox rng(seed, stream_id(p.name));
@@ -275,38 +312,102 @@ std::vector<MoeLayerStats> Transformer::take_moe_stats() {
   return out;
 }
 
-AttnShape Transformer::attn_shape() const {
-  return AttnShape{B_, S_, cfg_.n_heads, cfg_.kv_heads(), cfg_.hd(), cfg_.window, 1.0 / std::sqrt(double(cfg_.hd()))};
+// The query scale (q *= q_scale after RoPE) is folded into the score scale: the same scores,
+// without another pass over q.
+AttnShape Transformer::attn_shape(int window) const {
+  return AttnShape{B_, S_, cfg_.n_heads, cfg_.kv_heads(), cfg_.hd(), window, cfg_.q_scale / std::sqrt(double(cfg_.hd()))};
+}
+
+// Order on every layer (RECIPE.md, PKO rung): [PKO shift of the raw keys, long layers only] ->
+// QK-norm -> RoPE (half-RoPE: dims [0, hd/2)) -> q *= q_scale -> attention (window on short
+// layers) -> [XSA] -> [per-head gate 2*sigmoid(h1 W_g)] -> o_proj. The gate reads h1, the block's
+// normed attention input (after GatedNorm when on), as in the recipe's x W_g.
+void Transformer::attn_forward(Layer& L) {
+  const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd();
+  const int Hd = H * hd, KVd = KV * hd, rot = cfg_.rope_dims();
+  const float eps = float(cfg_.norm_eps), theta = float(cfg_.rope_theta);
+  be_.gemm(false, true, N, Hd, d, 1.f, L.h1, d, L.wq->w, d, 0.f, L.q, Hd);
+  be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wk->w, d, 0.f, L.k, KVd);
+  be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wv->w, d, 0.f, L.v, KVd);
+  const float* k = L.k;
+  if (L.ks) {
+    be_.pko_shift_forward(L.ks, L.k, resets_.data(), N, KV, hd, hd / 2);
+    k = L.ks;
+  }
+  if (cfg_.qk_norm) {
+    be_.rmsnorm_forward(L.qr, L.qrs, L.q, L.qn ? L.qn->w : nullptr, N * H, hd, eps);
+    be_.rmsnorm_forward(L.kr, L.krs, k, L.kn ? L.kn->w : nullptr, N * KV, hd, eps);
+  } else {
+    std::memcpy(L.qr, L.q, sizeof(float) * size_t(N) * Hd);
+    std::memcpy(L.kr, k, sizeof(float) * size_t(N) * KVd);
+  }
+  be_.rope_forward(L.qr, N, S_, H, hd, rot, theta);
+  be_.rope_forward(L.kr, N, S_, KV, hd, rot, theta);
+  be_.attention_forward(L.o, L.lse, L.qr, L.kr, L.v, attn_shape(L.window));
+  L.oin = L.o;
+  if (cfg_.xsa) {
+    be_.xsa_forward(L.z, L.o, L.v, N, H, KV, hd);
+    L.oin = L.z;
+  }
+  if (L.wgate) {
+    be_.gemm(false, true, N, H, d, 1.f, L.h1, d, L.wgate->w, d, 0.f, L.ga, H);
+    be_.head_gate_forward(L.og, L.gf, L.oin, L.ga, N, H, hd);
+    L.oin = L.og;
+  }
+  std::memcpy(L.mid, L.x, sizeof(float) * size_t(N) * d);
+  be_.gemm(false, true, N, d, Hd, 1.f, L.oin, Hd, L.wo->w, Hd, 1.f, L.mid, d);
+}
+
+void Transformer::attn_backward(Layer& L) {
+  const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd();
+  const int Hd = H * hd, KVd = KV * hd, rot = cfg_.rope_dims();
+  const float theta = float(cfg_.rope_theta);
+  // d_o_ = d(o_proj input); the switches then turn it, in place, into d(attention output).
+  be_.gemm(false, false, N, Hd, d, 1.f, d_res_, d, L.wo->w, Hd, 0.f, d_o_, Hd);
+  be_.gemm(true, false, d, Hd, N, 1.f, d_res_, d, L.oin, Hd, 1.f, L.wo->g, Hd);
+  if (L.wgate) {
+    be_.head_gate_backward(d_o_, d_ga_, d_o_, cfg_.xsa ? L.z : L.o, L.gf, N, H, hd);
+    be_.gemm(true, false, H, d, N, 1.f, d_ga_, H, L.h1, d, 1.f, L.wgate->g, d);
+  }
+  if (cfg_.xsa) be_.xsa_backward(d_o_, d_vx_, d_o_, L.o, L.v, N, H, KV, hd);
+  be_.attention_backward(d_qn_, d_kn_, d_v_, d_o_, L.qr, L.kr, L.v, L.o, L.lse, attn_shape(L.window));
+  if (cfg_.xsa) be_.add_inplace(d_v_, d_vx_, size_t(N) * KVd);
+  be_.rope_backward(d_qn_, N, S_, H, hd, rot, theta);
+  be_.rope_backward(d_kn_, N, S_, KV, hd, rot, theta);
+  float *dq = d_qn_, *dk = d_kn_;
+  if (cfg_.qk_norm) {
+    be_.rmsnorm_backward(d_q_, L.qn ? L.qn->g : nullptr, d_qn_, L.q, L.qn ? L.qn->w : nullptr, L.qrs, N * H, hd, false);
+    be_.rmsnorm_backward(d_k_, L.kn ? L.kn->g : nullptr, d_kn_, L.ks ? L.ks : L.k, L.kn ? L.kn->w : nullptr, L.krs,
+                         N * KV, hd, false);
+    dq = d_q_;
+    dk = d_k_;
+  }
+  if (L.ks) {  // through the shift, into the other (now free) key-gradient buffer
+    float* dst = dk == d_k_ ? d_kn_ : d_k_;
+    be_.pko_shift_backward(dst, dk, resets_.data(), N, KV, hd, hd / 2);
+    dk = dst;
+  }
+  be_.gemm(false, false, N, d, Hd, 1.f, dq, Hd, L.wq->w, d, 0.f, d_h_, d);
+  be_.gemm(false, false, N, d, KVd, 1.f, dk, KVd, L.wk->w, d, 1.f, d_h_, d);
+  be_.gemm(false, false, N, d, KVd, 1.f, d_v_, KVd, L.wv->w, d, 1.f, d_h_, d);
+  if (L.wgate) be_.gemm(false, false, N, d, H, 1.f, d_ga_, H, L.wgate->w, d, 1.f, d_h_, d);
+  be_.gemm(true, false, Hd, d, N, 1.f, dq, Hd, L.h1, d, 1.f, L.wq->g, d);
+  be_.gemm(true, false, KVd, d, N, 1.f, dk, KVd, L.h1, d, 1.f, L.wk->g, d);
+  be_.gemm(true, false, KVd, d, N, 1.f, d_v_, KVd, L.h1, d, 1.f, L.wv->g, d);
 }
 
 void Transformer::forward(const int32_t* inputs, bool training) {
-  const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd(), I = cfg_.ff();
-  const int Hd = H * hd, KVd = KV * hd;
-  const float eps = float(cfg_.norm_eps), theta = float(cfg_.rope_theta);
+  const int N = N_, d = cfg_.d_model, I = cfg_.ff();
   for (int i = 0; i < N; ++i)
     if (inputs[i] < 0 || inputs[i] >= cfg_.vocab_size)
       fail("token id {} at position {} is outside the vocabulary [0, {})", inputs[i], i, cfg_.vocab_size);
   be_.embedding_forward(layers_[0].x, embed_->w, inputs, N, d);
-  const AttnShape as = attn_shape();
+  if (cfg_.pko) compute_resets(inputs);
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& L = layers_[l];
-    be_.rmsnorm_forward(L.h1, L.r1, L.x, L.ln1->w, N, d, eps);
-    be_.gemm(false, true, N, Hd, d, 1.f, L.h1, d, L.wq->w, d, 0.f, L.q, Hd);
-    be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wk->w, d, 0.f, L.k, KVd);
-    be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wv->w, d, 0.f, L.v, KVd);
-    if (cfg_.qk_norm) {
-      be_.rmsnorm_forward(L.qr, L.qrs, L.q, L.qn->w, N * H, hd, eps);
-      be_.rmsnorm_forward(L.kr, L.krs, L.k, L.kn->w, N * KV, hd, eps);
-    } else {
-      std::memcpy(L.qr, L.q, sizeof(float) * size_t(N) * Hd);
-      std::memcpy(L.kr, L.k, sizeof(float) * size_t(N) * KVd);
-    }
-    be_.rope_forward(L.qr, N, S_, H, hd, hd, theta);
-    be_.rope_forward(L.kr, N, S_, KV, hd, hd, theta);
-    be_.attention_forward(L.o, L.lse, L.qr, L.kr, L.v, as);
-    std::memcpy(L.mid, L.x, sizeof(float) * size_t(N) * d);
-    be_.gemm(false, true, N, d, Hd, 1.f, L.o, Hd, L.wo->w, Hd, 1.f, L.mid, d);
-    be_.rmsnorm_forward(L.h2, L.r2, L.mid, L.ln2->w, N, d, eps);
+    norm_forward(L.h1, L.r1, L.x, L.ln1, L.gn1);
+    attn_forward(L);
+    norm_forward(L.h2, L.r2, L.mid, L.ln2, L.gn2);
     float* next = l + 1 < layers_.size() ? layers_[l + 1].x : x_final_;
     std::memcpy(next, L.mid, sizeof(float) * size_t(N) * d);
     if (L.moe) {
@@ -334,13 +435,12 @@ void Transformer::forward(const int32_t* inputs, bool training) {
     stats_tokens_ += N;
     if (cfg_.moe_quantile_balance()) balance_tokens_ += N;
   }
-  be_.rmsnorm_forward(hf_, rf_, x_final_, norm_f_->w, N, d, eps);
+  norm_forward(hf_, rf_, x_final_, norm_f_, gnf_);
 }
 
 LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale) {
-  const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd(), I = cfg_.ff();
-  const int V = cfg_.vocab_size, Hd = H * hd, KVd = KV * hd;
-  const float theta = float(cfg_.rope_theta);
+  const int N = N_, d = cfg_.d_model, I = cfg_.ff();
+  const int V = cfg_.vocab_size;
   forward(inputs, /*training=*/true);
 
   // LM head and loss, in row chunks: the full [N, V] logits never exist. Each chunk's logits are
@@ -357,9 +457,8 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
     be_.gemm(false, false, rows, d, V, 1.f, logits_, V, head_->w, d, 0.f, d_h_ + size_t(r0) * d, d);
     be_.gemm(true, false, V, d, rows, 1.f, logits_, V, hf_ + size_t(r0) * d, d, 1.f, head_->g, d);
   }
-  be_.rmsnorm_backward(d_res_, norm_f_->g, d_h_, x_final_, norm_f_->w, rf_, N, d, false);
+  norm_backward(d_res_, d_h_, x_final_, norm_f_, rf_, gnf_, false);
 
-  const AttnShape as = attn_shape();
   for (int l = int(layers_.size()) - 1; l >= 0; --l) {
     Layer& L = layers_[l];
     if (L.moe) {
@@ -378,27 +477,9 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
     be_.gemm(true, false, I, d, N, 1.f, d_gate_, I, L.h2, d, 1.f, L.wg->g, d);
     be_.gemm(true, false, I, d, N, 1.f, d_up_, I, L.h2, d, 1.f, L.wu->g, d);
     }
-    be_.rmsnorm_backward(d_res_, L.ln2->g, d_h_, L.mid, L.ln2->w, L.r2, N, d, true);  // d_res = d(mid)
-    // Attention: mid = x + o_proj(attn(rope(norm(q)), rope(norm(k)), v)).
-    be_.gemm(false, false, N, Hd, d, 1.f, d_res_, d, L.wo->w, Hd, 0.f, d_o_, Hd);
-    be_.gemm(true, false, d, Hd, N, 1.f, d_res_, d, L.o, Hd, 1.f, L.wo->g, Hd);
-    be_.attention_backward(d_qn_, d_kn_, d_v_, d_o_, L.qr, L.kr, L.v, L.o, L.lse, as);
-    be_.rope_backward(d_qn_, N, S_, H, hd, hd, theta);
-    be_.rope_backward(d_kn_, N, S_, KV, hd, hd, theta);
-    float *dq = d_qn_, *dk = d_kn_;
-    if (cfg_.qk_norm) {
-      be_.rmsnorm_backward(d_q_, L.qn->g, d_qn_, L.q, L.qn->w, L.qrs, N * H, hd, false);
-      be_.rmsnorm_backward(d_k_, L.kn->g, d_kn_, L.k, L.kn->w, L.krs, N * KV, hd, false);
-      dq = d_q_;
-      dk = d_k_;
-    }
-    be_.gemm(false, false, N, d, Hd, 1.f, dq, Hd, L.wq->w, d, 0.f, d_h_, d);
-    be_.gemm(false, false, N, d, KVd, 1.f, dk, KVd, L.wk->w, d, 1.f, d_h_, d);
-    be_.gemm(false, false, N, d, KVd, 1.f, d_v_, KVd, L.wv->w, d, 1.f, d_h_, d);
-    be_.gemm(true, false, Hd, d, N, 1.f, dq, Hd, L.h1, d, 1.f, L.wq->g, d);
-    be_.gemm(true, false, KVd, d, N, 1.f, dk, KVd, L.h1, d, 1.f, L.wk->g, d);
-    be_.gemm(true, false, KVd, d, N, 1.f, d_v_, KVd, L.h1, d, 1.f, L.wv->g, d);
-    be_.rmsnorm_backward(d_res_, L.ln1->g, d_h_, L.x, L.ln1->w, L.r1, N, d, true);  // d_res = d(x)
+    norm_backward(d_res_, d_h_, L.mid, L.ln2, L.r2, L.gn2, true);  // d_res = d(mid)
+    attn_backward(L);                                              // d_h = d(h1)
+    norm_backward(d_res_, d_h_, L.x, L.ln1, L.r1, L.gn1, true);    // d_res = d(x)
   }
   be_.embedding_backward(embed_->g, d_res_, inputs, N, d);
   return sums;

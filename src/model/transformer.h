@@ -1,6 +1,8 @@
 // The dense decoder-only transformer (RECIPE.md section 2, dense baseline): token embedding;
 // pre-norm blocks RMSNorm -> GQA attention (QK-norm, RoPE, causal, optional window) -> RMSNorm ->
 // SwiGLU MLP; final RMSNorm; untied LM head; cross-entropy with optional final-logit z-loss.
+// Recipe switches (off in the dense baseline): half-RoPE, non-parametric QK-norm with a query scale,
+// long/short layers, partial key offset, XSA, per-head output gate, GatedNorm (see config.cpp).
 //
 // Memory is planned once: parameters, gradients and saved activations live in three arenas sized
 // from the config and the micro-batch shape. forward_backward() allocates nothing.
@@ -83,6 +85,9 @@ class Transformer {
   void forward_logits(const int32_t* inputs, float* logits);
 
   size_t activation_bytes() const { return acts_arena_.capacity(); }
+  // The keys layer l's attention read in the last forward pass (after PKO, QK-norm and RoPE),
+  // [batch*seq_len, KV*hd]; for tests and inspection.
+  const float* attention_keys(int l) const { return layers_.at(l).kr; }
 
   // Non-trained state saved with the weights (the MoE selection biases
   // model.layers.N.mlp.gate.e_score_correction_bias [E]): not in params(), no gradient, no
@@ -100,8 +105,22 @@ class Transformer {
   std::vector<MoeLayerStats> take_moe_stats();
 
  private:
+  // GatedNorm after an RMSNorm: out = n * s, s = sigmoid(W_up silu(W_down n)), n the RMSNorm output.
+  // All nullptr when model.gated_norm_rank is 0.
+  struct GatedNormActs {
+    Param *down = nullptr, *up = nullptr;  // [r, d], [d, r]
+    float *n = nullptr, *u = nullptr, *a = nullptr, *s = nullptr;  // [N,d], [N,r], [N,r], [N,d]
+  };
   struct Layer {
     Param *ln1, *wq, *wk, *wv, *wo, *qn, *kn, *ln2, *wg, *wu, *wd;
+    // attention/norm recipe switches (nullptr when off)
+    Param* wgate = nullptr;  // per-head output gate [H, d]
+    GatedNormActs gn1, gn2;  // after input_layernorm / post_attention_layernorm
+    int window = 0;          // 0: full causal (long layers)
+    float* ks = nullptr;     // PKO-shifted raw keys [N,KV*hd] (long layers with model.pko)
+    float* z = nullptr;      // XSA output [N,H*hd]
+    float *ga = nullptr, *gf = nullptr, *og = nullptr;  // gate logits and factors [N,H], gated output
+    const float* oin = nullptr;  // what o_proj reads: o, z or og
     // saved activations
     float *x;            // block input (residual stream) [N,d]
     float *h1, *r1;      // ln1 out [N,d], rstd [N]
@@ -126,7 +145,18 @@ class Transformer {
   MoeDims moe_dims() const;
   MoeWeights<float> moe_weights(const Layer& L) const;
   double router_z_sum() const;  // router z term of the last forward, summed over tokens
-  AttnShape attn_shape() const;
+  // Attention sublayer: L.mid = L.x + o_proj(attention(L.h1)); backward reads d(mid) from d_res_
+  // and leaves d(h1) in d_h_ (overwritten), parameter gradients accumulated.
+  void attn_forward(Layer& L);
+  void attn_backward(Layer& L);
+  // RMSNorm followed by GatedNorm when gn.down is set (model/attn_switches.cpp). Backward writes
+  // (or adds, when accumulate_dx) d(x) into dx from dout.
+  void norm_forward(float* out, float* rstd, const float* x, const Param* gain, GatedNormActs& gn);
+  void norm_backward(float* dx, const float* dout, const float* x, Param* gain, const float* rstd,
+                     GatedNormActs& gn, bool accumulate_dx);
+  // PKO reset flags from the token ids: position 0 of each sequence and every token after eod_id.
+  void compute_resets(const int32_t* inputs);
+  AttnShape attn_shape(int window) const;
 
   ModelConfig cfg_;
   int B_, S_, N_;
@@ -140,6 +170,11 @@ class Transformer {
   float *x_final_, *hf_, *rf_, *logits_;
   int chunk_rows_;
   float *d_res_, *d_h_, *d_q_, *d_k_, *d_v_, *d_qn_, *d_kn_, *d_o_, *d_gate_, *d_up_, *d_act_;
+  // switch scratch (nullptr when unused)
+  GatedNormActs gnf_;                         // GatedNorm after the final norm
+  float *d_vx_ = nullptr, *d_ga_ = nullptr;   // XSA's d(v) [N,KV*hd]; gate logits' gradient [N,H]
+  float *d_gn_ = nullptr, *d_gs_ = nullptr, *d_gr_ = nullptr;  // GatedNorm [N,d], [N,d], [N,r]
+  std::vector<uint8_t> resets_;               // PKO: [N] sequence/document starts
   std::vector<int32_t> ids_;
   // MoE state
   std::vector<Param> buffers_;

@@ -95,6 +95,13 @@ fs::path resolve_data(Config& cfg) {
     fail("{}: model.vocab_size is {} but the data in {} uses a vocabulary of {}", cfg.source, cfg.model.vocab_size,
          dir.string(), meta.vocab_size);
   }
+  // The end-of-document token of the data's tokenizer (PKO's document starts).
+  if (cfg.model.eod_id < 0) {
+    cfg.model.eod_id = meta.eod_id;
+  } else if (cfg.model.eod_id != meta.eod_id) {
+    fail("{}: model.eod_id is {} but the tokenizer of {} ends documents with token {}", cfg.source, cfg.model.eod_id,
+         dir.string(), meta.eod_id);
+  }
   return dir;
 }
 

@@ -19,6 +19,7 @@ from typing import Dict, Optional
 import torch
 
 import ref_moe
+import ref_attn as ra
 
 Params = Dict[str, torch.Tensor]
 
@@ -50,6 +51,16 @@ class ModelConfig:
     moe_normalized: bool = False
     moe_route_scale: float = 1.0
     router_z_loss: float = 0.0
+    # attention/norm recipe switches: see ref_attn.py
+    qk_norm_gain: bool = True
+    q_scale: float = 1.0
+    long_every: int = 0
+    last_layer_long: bool = False
+    pko: bool = False
+    eod_id: int = -1
+    xsa: bool = False
+    attn_gate: bool = False
+    gated_norm_rank: int = 0
 
     @classmethod
     def from_dict(cls, d):
@@ -58,6 +69,11 @@ class ModelConfig:
         cfg.qk_norm = bool(cfg.qk_norm)
         cfg.window = int(cfg.window or 0)
         cfg.z_loss = float(cfg.z_loss or 0.0)
+        cfg.qk_norm_gain, cfg.pko = bool(cfg.qk_norm_gain), bool(cfg.pko)
+        cfg.last_layer_long, cfg.xsa, cfg.attn_gate = bool(cfg.last_layer_long), bool(cfg.xsa), bool(cfg.attn_gate)
+        if cfg.pko:
+            assert cfg.eod_id >= 0, "pko needs eod_id (document starts)"
+            assert cfg.rope_dims == cfg.head_dim // 2, "pko shifts the RoPE-free half: needs half-RoPE"
         if cfg.rope_dims is None or cfg.rope_dims == 0:
             cfg.rope_dims = cfg.head_dim
         assert cfg.n_heads % cfg.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads"
@@ -96,7 +112,8 @@ def param_shapes(cfg: ModelConfig):
         shapes[p + "self_attn.k_proj.weight"] = (KV * hd, d)
         shapes[p + "self_attn.v_proj.weight"] = (KV * hd, d)
         shapes[p + "self_attn.o_proj.weight"] = (d, H * hd)
-        if cfg.qk_norm:
+        shapes.update(ra.extra_shapes(cfg, i))
+        if cfg.qk_norm and cfg.qk_norm_gain:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
@@ -107,6 +124,7 @@ def param_shapes(cfg: ModelConfig):
         shapes[p + "mlp.up_proj.weight"] = (I, d)
         shapes[p + "mlp.down_proj.weight"] = (d, I)
     shapes["model.norm.weight"] = (d,)
+    shapes.update(ra.extra_shapes(cfg, None))
     shapes["lm_head.weight"] = (V, d)
     return shapes
 
@@ -213,16 +231,20 @@ def mlp(x, params: Params, prefix):
     return linear(torch.nn.functional.silu(gate) * up, params[prefix + "down_proj.weight"])
 
 
-def block(x, params: Params, layer, cfg: ModelConfig, cos, sin, mask, buffers=None, aux=None):
-    """Pre-norm decoder block: h = x + Attn(RMSNorm(x)); out = h + MLP(RMSNorm(h))."""
+def block(x, params: Params, layer, cfg: ModelConfig, cos, sin, mask, inputs=None, buffers=None, aux=None):
+    """Pre-norm decoder block: h = x + Attn(RMSNorm(x)); out = h + MLP(RMSNorm(h)).
+    (RMSNorm includes GatedNorm and Attn the recipe switches when configured: ref_attn.py; the MLP
+    is the MoE block on MoE layers: ref_moe.py.)"""
     p = f"model.layers.{layer}."
-    h = x + attention(rms_norm(x, params[p + "input_layernorm.weight"], cfg.norm_eps),
-                      params, p + "self_attn.", cfg, cos, sin, mask)
+    a_in = ra.norm(x, params, p + "input_layernorm", cfg)
+    if ra.enabled(cfg):
+        h = x + ra.attention(a_in, params, p + "self_attn.", cfg, layer, inputs, cos, sin)
+    else:
+        h = x + attention(a_in, params, p + "self_attn.", cfg, cos, sin, mask)
+    m_in = ra.norm(h, params, p + "post_attention_layernorm", cfg)
     if ref_moe.is_moe_layer(cfg, layer):
-        return h + ref_moe.moe_mlp(rms_norm(h, params[p + "post_attention_layernorm.weight"], cfg.norm_eps),
-                                   params, p + "mlp.", cfg, buffers[p + "mlp." + ref_moe.BIAS], aux)
-    return h + mlp(rms_norm(h, params[p + "post_attention_layernorm.weight"], cfg.norm_eps),
-                   params, p + "mlp.")
+        return h + ref_moe.moe_mlp(m_in, params, p + "mlp.", cfg, buffers[p + "mlp." + ref_moe.BIAS], aux)
+    return h + mlp(m_in, params, p + "mlp.")
 
 
 def forward(params: Params, cfg: ModelConfig, inputs, buffers=None, aux=None):
@@ -234,8 +256,8 @@ def forward(params: Params, cfg: ModelConfig, inputs, buffers=None, aux=None):
     cos, sin = rope_cos_sin(S, cfg.rope_dims, cfg.rope_theta, dtype)
     mask = attention_mask(S, cfg.window)
     for layer in range(cfg.n_layers):
-        x = block(x, params, layer, cfg, cos, sin, mask, buffers, aux)
-    x = rms_norm(x, params["model.norm.weight"], cfg.norm_eps)
+        x = block(x, params, layer, cfg, cos, sin, mask, inputs, buffers, aux)
+    x = ra.norm(x, params, "model.norm", cfg)
     return linear(x, params["lm_head.weight"])
 
 

@@ -64,6 +64,37 @@ class CpuBackend final : public Backend {
   void add_inplace(float* y, const float* x, size_t n) override { cpu::add_inplace<float>(y, x, n); }
   void scale_inplace(float* x, float s, size_t n) override { cpu::scale_inplace<float>(x, s, n); }
   double sum_squares(const float* x, size_t n) override { return cpu::sum_squares<float>(x, n); }
+  void pko_shift_forward(float* out, const float* k, const uint8_t* reset, int n, int nkv, int hd, int from) override {
+    cpu::pko_shift_forward<float>(out, k, reset, n, nkv, hd, from);
+  }
+  void pko_shift_backward(float* dk, const float* dout, const uint8_t* reset, int n, int nkv, int hd, int from) override {
+    cpu::pko_shift_backward<float>(dk, dout, reset, n, nkv, hd, from);
+  }
+  void xsa_forward(float* z, const float* y, const float* v, int n, int H, int KV, int hd) override {
+    cpu::xsa_forward<float>(z, y, v, n, H, KV, hd);
+  }
+  void xsa_backward(float* dy, float* dv, const float* dz, const float* y, const float* v, int n, int H, int KV,
+                    int hd) override {
+    cpu::xsa_backward<float>(dy, dv, dz, y, v, n, H, KV, hd);
+  }
+  void head_gate_forward(float* out, float* f, const float* x, const float* logit, int n, int H, int hd) override {
+    cpu::head_gate_forward<float>(out, f, x, logit, n, H, hd);
+  }
+  void head_gate_backward(float* dx, float* dlogit, const float* dout, const float* x, const float* f, int n, int H,
+                          int hd) override {
+    cpu::head_gate_backward<float>(dx, dlogit, dout, x, f, n, H, hd);
+  }
+  void silu_forward(float* a, const float* u, size_t n) override { cpu::silu_forward<float>(a, u, n); }
+  void silu_backward(float* du, const float* da, const float* u, size_t n) override {
+    cpu::silu_backward<float>(du, da, u, n);
+  }
+  void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) override {
+    cpu::sigmoid_gate_forward<float>(y, g, x, n);
+  }
+  void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
+                             bool acc) override {
+    cpu::sigmoid_gate_backward<float>(dx, dg, dy, x, s, n, acc);
+  }
   void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2,
                     float eps, float wd, float bc1, float bc2) override {
     cpu::adamw_update<float>(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2);

@@ -106,4 +106,49 @@ template <class T>
 void adamw_update(T* p, const T* g, T* m, T* v, size_t n, T lr, T b1, T b2, T eps, T wd, T bc1,
                   T bc2);
 
+// ---------------------------------------------------------------------------------------------
+// Recipe switches in attention and norms (RECIPE.md section 2); code in attn_switch_kernels.cpp.
+
+// Partial key offset. k, out [N_tok, nkv*hd]; token t = b*S + p. out = k, except that dims
+// [from_dim, hd) of every head of token t hold token t-1's, or zero where reset[t] != 0. The caller
+// sets reset[t] at position 0 of each sequence and at every document start, so nothing crosses a
+// sequence or a document.
+template <class T>
+void pko_shift_forward(T* out, const T* k, const uint8_t* reset, int N_tok, int nkv, int hd, int from_dim);
+// The adjoint: dk (OVERWRITTEN) from dout; dims [from_dim, hd) of token t get dout of token t+1
+// (zero when t+1 is a reset or past the end).
+template <class T>
+void pko_shift_backward(T* dk, const T* dout, const uint8_t* reset, int N_tok, int nkv, int hd, int from_dim);
+
+// Exclusive self attention: per query head, z = y - (y.v / (v.v + kXsaEps)) v, with v the token's
+// own value vector of the head's KV group (h / (H/KV)). y, z [N_tok, H*hd], v [N_tok, KV*hd].
+constexpr double kXsaEps = 1e-12;  // only keeps an all-zero value vector finite
+template <class T>
+void xsa_forward(T* z, const T* y, const T* v, int N_tok, int H, int KV, int hd);
+// dy and dv OVERWRITTEN (dv sums the G heads of a group); dy may alias dz.
+template <class T>
+void xsa_backward(T* dy, T* dv, const T* dz, const T* y, const T* v, int N_tok, int H, int KV, int hd);
+
+// Per-head output gate: factor[t,h] = 2*sigmoid(logit[t,h]) (saved), out = x * factor per head.
+// x, out [N_tok, H*hd]; logit, factor [N_tok, H]. out may alias x.
+template <class T>
+void head_gate_forward(T* out, T* factor, const T* x, const T* logit, int N_tok, int H, int hd);
+// dx OVERWRITTEN (may alias dout), dlogit OVERWRITTEN.
+template <class T>
+void head_gate_backward(T* dx, T* dlogit, const T* dout, const T* x, const T* factor, int N_tok, int H, int hd);
+
+// Elementwise pieces of GatedNorm y = x * sigmoid(W_up SiLU(W_down x)):
+// a = silu(u);  du = da * silu'(u) (OVERWRITTEN, may alias da).
+template <class T>
+void silu_forward(T* a, const T* u, size_t n);
+template <class T>
+void silu_backward(T* du, const T* da, const T* u, size_t n);
+// g := sigmoid(g) in place (saved for backward), y = x * g.
+template <class T>
+void sigmoid_gate_forward(T* y, T* g, const T* x, size_t n);
+// From dy and the saved sigmoid s: dg = dy * x * s * (1 - s) (OVERWRITTEN), dx = dy * s
+// (OVERWRITTEN, or += when accumulate_dx). dx may alias dy when not accumulating.
+template <class T>
+void sigmoid_gate_backward(T* dx, T* dg, const T* dy, const T* x, const T* s, size_t n, bool accumulate_dx);
+
 }  // namespace ladder::cpu

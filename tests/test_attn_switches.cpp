@@ -1,0 +1,486 @@
+// Tests of the attention and norm recipe switches (RECIPE.md section 2): partial key offset,
+// long/short (sliding-window) layers, XSA, the per-head output gate, GatedNorm, half-RoPE and the
+// fixed query scale. Kernels are checked on hand-built inputs and against central finite
+// differences in double; the model with every switch on against the independent PyTorch reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/rng.h"
+#include "core/safetensors.h"
+#include "model/transformer.h"
+#include "train/bench.h"
+#include "train/checkpoint.h"
+#include "test_util.h"
+
+namespace ladder {
+namespace {
+
+using Vec = std::vector<double>;
+
+Vec randn(size_t n, uint64_t seed, double stddev = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> d(0.0, stddev);
+  Vec v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+double dot(const Vec& a, const Vec& b) {
+  long double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += (long double)a[i] * b[i];
+  return double(s);
+}
+
+// Central differences of loss() with respect to every element of x, against grad. An element's
+// error is relative to max(|fd|, 1e-3 * max|grad|) so near-zero gradients are not held to noise.
+void check_grad(Vec& x, const Vec& grad, const std::function<double()>& loss, const std::string& what,
+                double tol = 1e-6) {
+  ASSERT_EQ(x.size(), grad.size());
+  double gmax = 0;
+  for (double g : grad) gmax = std::max(gmax, std::abs(g));
+  const double floor = std::max(1e-3 * gmax, 1e-10), eps = 1e-6;
+  double worst = 0;
+  size_t wi = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double save = x[i];
+    x[i] = save + eps;
+    const double lp = loss();
+    x[i] = save - eps;
+    const double lm = loss();
+    x[i] = save;
+    const double fd = (lp - lm) / (2 * eps);
+    const double err = std::abs(fd - grad[i]) / std::max(std::abs(fd), floor);
+    if (err > worst) worst = err, wi = i;
+  }
+  EXPECT_LT(worst, tol) << what << ": worst element " << wi << " analytic " << grad[wi];
+  EXPECT_GT(gmax, 0) << what << ": all-zero gradient proves nothing";
+}
+
+void expect_error(const std::function<void()>& f, std::initializer_list<std::string> needles) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing '" << *needles.begin() << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << "error should be one line: " << msg;
+    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Partial key offset
+
+TEST(AttnSwitchKernels, PkoShiftsTheRopeFreeHalfOnHandBuiltKeys) {
+  const int N = 12, KV = 2, hd = 8, half = 4;  // two sequences of 6 tokens
+  Vec k(size_t(N) * KV * hd), out(k.size(), -1.0);
+  for (int t = 0; t < N; ++t)
+    for (int h = 0; h < KV; ++h)
+      for (int c = 0; c < hd; ++c) k[(size_t(t) * KV + h) * hd + c] = 100.0 * t + 10.0 * h + c + 1;
+  // sequence starts at 0 and 6; documents start at 3 and 10 (tokens 2 and 9 were end-of-document)
+  std::vector<uint8_t> reset(N, 0);
+  for (int t : {0, 3, 6, 10}) reset[t] = 1;
+  cpu::pko_shift_forward(out.data(), k.data(), reset.data(), N, KV, hd, half);
+  for (int t = 0; t < N; ++t)
+    for (int h = 0; h < KV; ++h)
+      for (int c = 0; c < hd; ++c) {
+        const size_t i = (size_t(t) * KV + h) * hd + c;
+        double want = k[i];  // RoPE half: untouched
+        if (c >= half) want = reset[t] ? 0.0 : k[i - size_t(KV) * hd];  // previous token's, same head
+        EXPECT_EQ(out[i], want) << "t " << t << " head " << h << " dim " << c;
+      }
+}
+
+TEST(AttnSwitchKernels, PkoShiftGradientMatchesFiniteDifferences) {
+  const int N = 10, KV = 2, hd = 8;
+  std::vector<uint8_t> reset(N, 0);
+  for (int t : {0, 4, 5}) reset[t] = 1;
+  Vec k = randn(size_t(N) * KV * hd, 1), R = randn(k.size(), 2), out(k.size()), dk(k.size());
+  cpu::pko_shift_backward(dk.data(), R.data(), reset.data(), N, KV, hd, hd / 2);
+  check_grad(k, dk, [&] {
+    cpu::pko_shift_forward(out.data(), k.data(), reset.data(), N, KV, hd, hd / 2);
+    return dot(out, R);
+  }, "pko dk");
+}
+
+// ---------------------------------------------------------------------------------------------
+// XSA
+
+TEST(AttnSwitchKernels, XsaOutputIsOrthogonalToTheOwnValueVector) {
+  const int N = 7, H = 6, KV = 2, hd = 16;  // GQA: heads 0-2 read KV head 0, heads 3-5 KV head 1
+  Vec y = randn(size_t(N) * H * hd, 3), v = randn(size_t(N) * KV * hd, 4), z(y.size());
+  cpu::xsa_forward(z.data(), y.data(), v.data(), N, H, KV, hd);
+  std::vector<float> yf(y.begin(), y.end()), vf(v.begin(), v.end()), zf(y.size());
+  cpu::xsa_forward(zf.data(), yf.data(), vf.data(), N, H, KV, hd);
+  for (int t = 0; t < N; ++t)
+    for (int h = 0; h < H; ++h) {
+      const double* zr = &z[(size_t(t) * H + h) * hd];
+      const float* zfr = &zf[(size_t(t) * H + h) * hd];
+      const double* vr = &v[(size_t(t) * KV + h / (H / KV)) * hd];
+      double zv = 0, zfv = 0, zz = 0, vv = 0, other = 0;
+      for (int c = 0; c < hd; ++c) {
+        zv += zr[c] * vr[c];
+        zfv += double(zfr[c]) * vr[c];
+        zz += zr[c] * zr[c];
+        vv += vr[c] * vr[c];
+        // against the other KV head's value: not orthogonal in general (the right v was used)
+        other += zr[c] * v[(size_t(t) * KV + (1 - h / (H / KV))) * hd + c];
+      }
+      const double scale = std::sqrt(zz * vv);
+      EXPECT_LT(std::abs(zv), 1e-12 * scale) << "t " << t << " h " << h;
+      EXPECT_LT(std::abs(zfv), 1e-5 * scale) << "float, t " << t << " h " << h;
+      EXPECT_GT(std::abs(other), 1e-3 * scale) << "t " << t << " h " << h;
+    }
+}
+
+TEST(AttnSwitchKernels, XsaGradientMatchesFiniteDifferences) {
+  const int N = 3, H = 4, KV = 2, hd = 5;
+  Vec y = randn(size_t(N) * H * hd, 5), v = randn(size_t(N) * KV * hd, 6), R = randn(y.size(), 7);
+  Vec z(y.size()), dy(y.size()), dv(v.size());
+  cpu::xsa_backward(dy.data(), dv.data(), R.data(), y.data(), v.data(), N, H, KV, hd);
+  auto loss = [&] {
+    cpu::xsa_forward(z.data(), y.data(), v.data(), N, H, KV, hd);
+    return dot(z, R);
+  };
+  check_grad(y, dy, loss, "xsa dy");
+  check_grad(v, dv, loss, "xsa dv");
+  // In place (dy aliasing dz), as the model calls it.
+  Vec inplace = R, dv2(v.size());
+  cpu::xsa_backward(inplace.data(), dv2.data(), inplace.data(), y.data(), v.data(), N, H, KV, hd);
+  EXPECT_EQ(inplace, dy);
+  EXPECT_EQ(dv2, dv);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-head output gate
+
+TEST(AttnSwitchKernels, ZeroGateLogitGivesFactorExactlyOne) {
+  const int N = 4, H = 3, hd = 8;
+  Vec xd = randn(size_t(N) * H * hd, 8);
+  std::vector<float> x(xd.begin(), xd.end()), out(x.size()), logit(size_t(N) * H, 0.f), f(logit.size());
+  cpu::head_gate_forward(out.data(), f.data(), x.data(), logit.data(), N, H, hd);
+  for (float fi : f) EXPECT_EQ(fi, 1.0f);
+  EXPECT_EQ(out, x);
+}
+
+TEST(AttnSwitchKernels, HeadGateGradientMatchesFiniteDifferences) {
+  const int N = 3, H = 4, hd = 5;
+  Vec x = randn(size_t(N) * H * hd, 9), logit = randn(size_t(N) * H, 10), R = randn(x.size(), 11);
+  Vec out(x.size()), f(logit.size()), dx(x.size()), dl(logit.size());
+  cpu::head_gate_forward(out.data(), f.data(), x.data(), logit.data(), N, H, hd);
+  cpu::head_gate_backward(dx.data(), dl.data(), R.data(), x.data(), f.data(), N, H, hd);
+  auto loss = [&] {
+    Vec ff(logit.size());
+    cpu::head_gate_forward(out.data(), ff.data(), x.data(), logit.data(), N, H, hd);
+    return dot(out, R);
+  };
+  check_grad(x, dx, loss, "gate dx");
+  check_grad(logit, dl, loss, "gate dlogit");
+}
+
+// ---------------------------------------------------------------------------------------------
+// GatedNorm elementwise pieces
+
+TEST(AttnSwitchKernels, GatedNormPiecesMatchFiniteDifferences) {
+  const size_t n = 40;
+  Vec u = randn(n, 12, 2.0), R = randn(n, 13), a(n), du(n);
+  cpu::silu_backward(du.data(), R.data(), u.data(), n);
+  check_grad(u, du, [&] {
+    cpu::silu_forward(a.data(), u.data(), n);
+    return dot(a, R);
+  }, "silu");
+
+  Vec x = randn(n, 14), g = randn(n, 15, 2.0), y(n), s = g, dx(n, 0.5), dg(n);
+  cpu::sigmoid_gate_forward(y.data(), s.data(), x.data(), n);  // s := sigmoid(g)
+  cpu::sigmoid_gate_backward(dx.data(), dg.data(), R.data(), x.data(), s.data(), n, false);
+  auto loss = [&] {
+    Vec gg = g;
+    cpu::sigmoid_gate_forward(y.data(), gg.data(), x.data(), n);
+    return dot(y, R);
+  };
+  check_grad(x, dx, loss, "sigmoid gate dx");
+  check_grad(g, dg, loss, "sigmoid gate dg");
+  // accumulate_dx adds to what is there
+  Vec acc(n, 1.0), dg2(n);
+  cpu::sigmoid_gate_backward(acc.data(), dg2.data(), R.data(), x.data(), s.data(), n, true);
+  for (size_t i = 0; i < n; ++i) EXPECT_NEAR(acc[i], 1.0 + dx[i], 1e-15);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model level
+
+ModelConfig small_model() {
+  ModelConfig m;
+  m.vocab_size = 40;
+  m.d_model = 16;
+  m.n_layers = 1;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.head_dim = 8;
+  m.d_ff = 32;
+  m.seq_len = 16;
+  m.rope_theta = 10000;
+  m.init_std = 0.3;
+  return m;
+}
+
+std::vector<float> logits_of(Transformer& model, const std::vector<int32_t>& in) {
+  std::vector<float> out(in.size() * size_t(model.config().vocab_size));
+  model.forward_logits(in.data(), out.data());
+  return out;
+}
+
+std::vector<int32_t> tokens(size_t n, int V, uint64_t seed) {
+  Philox r(seed, stream_id("switch-tokens"));
+  std::vector<int32_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = int32_t(r.u64(i) % uint64_t(V));
+  return t;
+}
+
+// Largest change of position i's logits when token j is replaced.
+double influence(Transformer& model, const std::vector<int32_t>& in, int i, int j) {
+  const int V = model.config().vocab_size;
+  auto base = logits_of(model, in);
+  auto changed = in;
+  changed[j] = (in[j] + 7) % V;
+  auto l2 = logits_of(model, changed);
+  double m = 0;
+  for (int c = 0; c < V; ++c) m = std::max(m, double(std::abs(l2[size_t(i) * V + c] - base[size_t(i) * V + c])));
+  return m;
+}
+
+TEST(AttnSwitchModel, LongAndShortLayersFollowThePeriod) {
+  ModelConfig m = small_model();
+  m.n_layers = 8;
+  m.long_every = 4;
+  m.window = 3;
+  std::vector<int> want = {3, 3, 3, 0, 3, 3, 3, 0};
+  for (int l = 0; l < 8; ++l) EXPECT_EQ(m.layer_window(l), want[l]) << "layer " << l;
+  m.n_layers = 6;
+  m.last_layer_long = true;  // layer 5 joins layer 3
+  for (int l = 0; l < 6; ++l) EXPECT_EQ(m.is_long_layer(l), l == 3 || l == 5) << "layer " << l;
+}
+
+// One short layer with window W: position i sees tokens i-W+1..i and nothing before; the same layer
+// made long sees back to position 0.
+TEST(AttnSwitchModel, SlidingWindowEdgesAreExactOnShortLayersAndLongLayersSeeEverything) {
+  auto be = make_cpu_backend(0);
+  ModelConfig m = small_model();
+  m.long_every = 2;  // the only layer (0) is short
+  m.window = 4;
+  Transformer shortm(m, 1, *be);
+  shortm.init(3);
+  auto in = tokens(m.seq_len, m.vocab_size, 4);
+  const int i = 10, W = m.window;
+  EXPECT_EQ(influence(shortm, in, i, i - W), 0.0) << "token just outside the window leaked in";
+  EXPECT_EQ(influence(shortm, in, i, 0), 0.0);
+  EXPECT_GT(influence(shortm, in, i, i - W + 1), 1e-4) << "oldest token inside the window has no effect";
+  EXPECT_EQ(influence(shortm, in, i, i + 1), 0.0) << "not causal";
+
+  m.last_layer_long = true;  // the same layer, long: full causal
+  Transformer longm(m, 1, *be);
+  longm.init(3);
+  EXPECT_GT(influence(longm, in, i, 0), 1e-4);
+  EXPECT_GT(influence(longm, in, i, i - W), 1e-4);
+  EXPECT_EQ(influence(longm, in, i, i + 1), 0.0);
+}
+
+TEST(AttnSwitchModel, WindowAtLeastTheSequenceEqualsFullCausal) {
+  auto be = make_cpu_backend(0);
+  ModelConfig m = small_model();
+  m.n_layers = 2;
+  Transformer full(m, 2, *be);
+  full.init(5);
+  auto in = tokens(size_t(2) * m.seq_len, m.vocab_size, 6);
+  const auto ref = logits_of(full, in);
+  for (int w : {m.seq_len, m.seq_len + 9}) {
+    ModelConfig mw = m;
+    mw.window = w;
+    mw.long_every = 2;  // layer 0 short with window w, layer 1 long
+    Transformer tw(mw, 2, *be);
+    tw.init(5);
+    EXPECT_EQ(logits_of(tw, in), ref) << "window " << w;
+  }
+}
+
+// PKO on the long layer only: layer 0 (short) sees exactly the keys it would see without PKO; on
+// layer 1 (long) the RoPE-free half of each key is the previous token's, zero at sequence and
+// document starts. QK-norm is off so the keys' second half is the raw projection.
+TEST(AttnSwitchModel, PkoShiftsKeysOnLongLayersOnlyAndResetsAtDocumentStarts) {
+  auto be = make_cpu_backend(0);
+  ModelConfig m = small_model();
+  m.n_layers = 2;
+  m.n_kv_heads = 2;
+  m.qk_norm = false;
+  m.half_rope = true;
+  m.long_every = 2;
+  m.window = 5;
+  m.eod_id = 2;
+  const int B = 2, S = m.seq_len, KV = 2, hd = m.head_dim, N = B * S;
+  auto in = tokens(N, m.vocab_size, 8);
+  for (auto& t : in) t = t == 2 ? 3 : t;
+  in[4] = in[20] = in[S - 1] = 2;  // documents start at 5 and S+5; S-1's eod is followed by a new row
+  Transformer off(m, B, *be);
+  off.init(9);
+  m.pko = true;
+  Transformer on(m, B, *be);
+  on.init(9);
+  logits_of(off, in);
+  logits_of(on, in);
+  const size_t row = size_t(KV) * hd;
+  for (size_t i = 0; i < N * row; ++i)
+    ASSERT_EQ(on.attention_keys(0)[i], off.attention_keys(0)[i]) << "short layer changed at " << i;
+  const float* kon = on.attention_keys(1);
+  const float* koff = off.attention_keys(1);
+  int zeroed = 0;
+  for (int t = 0; t < N; ++t) {
+    const bool start = t % S == 0 || in[t - 1] == 2;
+    zeroed += start;
+    for (int g = 0; g < KV; ++g)
+      for (int c = 0; c < hd; ++c) {
+        const size_t i = size_t(t) * row + size_t(g) * hd + c;
+        const float want = c < hd / 2 ? koff[i] : (start ? 0.f : koff[i - row]);
+        ASSERT_EQ(kon[i], want) << "t " << t << " kv head " << g << " dim " << c;
+      }
+  }
+  EXPECT_EQ(zeroed, 4);  // rows 0 and 1 start, documents at 5 and S+5
+}
+
+TEST(AttnSwitchModel, ZeroInitializedGateChangesNothing) {
+  auto be = make_cpu_backend(0);
+  ModelConfig m = small_model();
+  m.n_layers = 2;
+  Transformer plain(m, 1, *be);
+  plain.init(12);
+  m.attn_gate = true;
+  Transformer gated(m, 1, *be);
+  gated.init(12);
+  auto& w = gated.param("model.layers.1.self_attn.attn_gate.weight");
+  EXPECT_EQ(w.role, Role::AttnGate);
+  for (size_t i = 0; i < w.numel; ++i) ASSERT_EQ(w.w[i], 0.f);
+  auto in = tokens(m.seq_len, m.vocab_size, 13);
+  EXPECT_EQ(logits_of(gated, in), logits_of(plain, in));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: one clear line each.
+
+TEST(AttnSwitchConfig, BadInputGivesOneClearError) {
+  auto check = [](auto edit, std::initializer_list<std::string> needles) {
+    Config c;
+    c.source = "cfg.yaml";
+    c.model.d_model = 64;
+    c.model.n_heads = 4;
+    c.model.n_layers = 4;
+    edit(c.model);
+    expect_error([&] { validate(c); }, needles);
+  };
+  check([](ModelConfig& m) { m.half_rope = true, m.head_dim = 7; }, {"cfg.yaml", "model.half_rope", "multiple of 4", "7"});
+  check([](ModelConfig& m) { m.half_rope = true, m.head_dim = 6; }, {"model.half_rope", "6"});
+  check([](ModelConfig& m) { m.long_every = 4, m.window = 0; }, {"model.long_every", "model.window must be >= 1"});
+  check([](ModelConfig& m) { m.long_every = 4, m.window = -3; }, {"model.window"});
+  check([](ModelConfig& m) { m.half_rope = true, m.pko = true, m.window = 8; },
+        {"model.pko", "none of the 4 layers is long"});
+  check([](ModelConfig& m) { m.half_rope = true, m.pko = true, m.long_every = 8, m.window = 8; },
+        {"model.pko", "long"});
+  check([](ModelConfig& m) { m.pko = true, m.long_every = 4, m.window = 8; }, {"model.pko", "model.half_rope"});
+  check([](ModelConfig& m) { m.gated_norm_rank = -1; }, {"model.gated_norm_rank"});
+  check([](ModelConfig& m) { m.q_scale = 0; }, {"model.q_scale"});
+  // The document-start rule with no end-of-document token.
+  auto be = make_cpu_backend(0);
+  ModelConfig m = small_model();
+  m.n_layers = 2;
+  m.half_rope = true;
+  m.pko = true;
+  m.long_every = 2;
+  m.window = 4;
+  expect_error([&] { Transformer t(m, 1, *be); }, {"model.pko", "end-of-document", "model.eod_id"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parity with the PyTorch reference, every switch on at once.
+
+class AttnSwitchParity : public ::testing::TestWithParam<bool> {};
+
+TEST_P(AttnSwitchParity, AllSwitchesOnMatchPyTorch) {
+  Config c;
+  c.source = "parity";
+  auto& m = c.model;
+  m.vocab_size = 96;
+  m.d_model = 32;
+  m.n_layers = 3;  // short, long (period 2), long (last)
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  m.head_dim = 8;
+  m.d_ff = 64;
+  m.seq_len = 16;
+  m.rope_theta = 10000;
+  m.init_std = 0.2;
+  m.qk_norm = true;
+  m.qk_norm_gain = GetParam();
+  m.q_scale = 1.3;
+  m.half_rope = true;
+  m.window = 5;
+  m.long_every = 2;
+  m.last_layer_long = true;
+  m.pko = true;
+  m.eod_id = 3;
+  m.xsa = true;
+  m.attn_gate = true;
+  m.gated_norm_rank = 4;
+  c.run.batch_size = 3;
+  validate(c);
+  test::TempDir dir("attn-switch-parity");
+  auto be = make_cpu_backend(0);
+  Transformer model(m, c.run.batch_size, *be);
+  model.init(21);
+  // Non-zero gates (and norm gains) so that the gate's forward path is exercised too.
+  for (auto& p : model.params()) {
+    if (p.role != Role::AttnGate && p.role != Role::NormGain) continue;
+    Philox r(5, stream_id(p.name));
+    for (size_t i = 0; i < p.numel; ++i) p.w[i] += float(0.3 * r.trunc_normal(i));
+  }
+  const int B = c.run.batch_size, S = m.seq_len, V = m.vocab_size, N = B * S;
+  auto inputs = tokens(N, V, 22), targets = tokens(N, V, 23);
+  for (int i : {6, 11, 20, 33, 47}) inputs[i] = 3;  // document boundaries inside rows
+  write_file_atomic(dir.path / "config.json", torch_model_json(c).dump(2));
+  save_weights(dir.path / "model.safetensors", model);
+  save_safetensors(dir.path / "batch.safetensors", {{"inputs", DType::I32, {B, S}, inputs.data()},
+                                                    {"targets", DType::I32, {B, S}, targets.data()}});
+  ASSERT_EQ(test::run_reference("forward-backward --dir " + dir.path.string()), 0) << "PyTorch reference failed";
+  auto ref = SafeTensors::open(dir.path / "ref_out.safetensors");
+
+  std::vector<float> logits(size_t(N) * V);
+  model.forward_logits(inputs.data(), logits.data());
+  auto ref_logits = ref.get_f32("logits");
+  ASSERT_EQ(ref_logits.size(), logits.size());
+  EXPECT_LT(test::rel_err(logits.data(), ref_logits.data(), logits.size()), 2e-6);
+
+  model.zero_grad();
+  LossSums s = model.forward_backward(inputs.data(), targets.data(), 1.0f / float(N));
+  EXPECT_NEAR(s.xent / N, ref.get_f32("loss")[0], 1e-5 * s.xent / N);
+  int gates = 0, gated_norms = 0;
+  for (auto& p : model.params()) {
+    auto g = ref.get_f32("grad." + p.name);
+    ASSERT_EQ(g.size(), p.numel) << p.name;
+    EXPECT_GT(std::sqrt(be->sum_squares(p.g, p.numel)), 1e-8) << p.name;
+    EXPECT_LT(test::rel_err(p.g, g.data(), p.numel), 5e-5) << p.name;
+    gates += p.role == Role::AttnGate;
+    gated_norms += p.role == Role::GatedNormMatrix;
+  }
+  EXPECT_EQ(gates, 3);
+  EXPECT_EQ(gated_norms, 2 * (2 * 3 + 1));
+}
+
+INSTANTIATE_TEST_SUITE_P(QkNorm, AttnSwitchParity, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "LearnedGain" : "NonParametric"; });
+
+}  // namespace
+}  // namespace ladder
