@@ -35,6 +35,8 @@ int main(int argc, char** argv) {
   tr->add_option("--set", sets, "override a config key: key.path=value (repeatable)");
   tr->add_option("--run-dir", run_dir, "run directory (default runs/<config name>)");
   tr->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
+  std::string train_device;
+  tr->add_option("--device", train_device, "cpu | cuda (same as --set run.device=...)");
 
   // ladder sample
   auto* sa = app.add_subcommand("sample", "generate text from a checkpoint");
@@ -59,6 +61,8 @@ int main(int argc, char** argv) {
   be->add_flag("--torch", bopt.torch, "also time the independent PyTorch model on the same shapes");
   be->add_flag("--json", bjson, "print one JSON object");
   be->add_flag("--profile", bopt.profile, "time every backend op and print each one's share of the step");
+  std::string bench_device;
+  be->add_option("--device", bench_device, "cpu | cuda (same as --set run.device=...)");
 
   auto* doc = app.add_subcommand("config-doc", "print every config key, its type, default and meaning (Markdown)");
 
@@ -73,6 +77,7 @@ int main(int argc, char** argv) {
       data::prepare_data(dopt);
     } else if (tr->parsed()) {
       TrainOptions o;
+      if (!train_device.empty()) sets.push_back("run.device=" + train_device);
       o.cfg = load_config(train_cfg, sets);
       o.run_dir = run_dir.empty() ? fs::path("runs") / fs::path(train_cfg).stem() : fs::path(run_dir);
       o.resume = resume;
@@ -80,6 +85,7 @@ int main(int argc, char** argv) {
     } else if (sa->parsed()) {
       std::cout << sample_text(ckpt, sopt) << std::endl;
     } else if (be->parsed()) {
+      if (!bench_device.empty()) bopt.overrides.push_back("run.device=" + bench_device);
       auto j = run_bench(bopt);
       if (bjson) {
         std::cout << j.dump() << std::endl;

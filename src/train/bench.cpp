@@ -33,6 +33,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
   Config cfg = load_config(opt.config, opt.overrides);
   if (cfg.model.vocab_size == 0) cfg.model.vocab_size = 8192;  // synthetic tokens: no data directory needed
   validate(cfg);
+  check_run_device(cfg.run.device);
   std::unique_ptr<Backend> be = make_cpu_backend(cfg.run.threads);
   ProfilingBackend* prof = nullptr;
   if (opt.profile) {
