@@ -6,6 +6,7 @@
 // Without a GPU each test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -122,7 +123,9 @@ TEST_F(CudaKernels, GemmFp32AllTransposes) {
     const std::string what = fmt::format("gemm ta={} tb={} {}x{}x{} b={} off={}", int(c.ta), int(c.tb), c.M, c.N,
                                          c.K, c.beta, c.offset);
     SCOPED_TRACE(what);
-    const int lda = (c.ta ? c.M : c.K) + c.pad, ldb = (c.tb ? c.K : c.N) + c.pad, ldc = c.N + c.pad;
+    // Leading dimensions at least 1 (BLAS rejects 0, which K = 0 would give).
+    const int lda = std::max(1, (c.ta ? c.M : c.K) + c.pad), ldb = std::max(1, (c.tb ? c.K : c.N) + c.pad),
+              ldc = c.N + c.pad;
     const int arows = c.ta ? c.K : c.M, brows = c.tb ? c.N : c.K;
     const size_t na = size_t(arows) * lda + c.offset, nb = size_t(brows) * ldb + c.offset,
                  nc = size_t(c.M) * ldc + c.offset;
