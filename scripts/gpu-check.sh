@@ -65,7 +65,8 @@ fi
 log "GPU tests (log: tests.log)"
 timeout 300 "$BIN/ladder_cuda_tests" --gtest_color=no >"$OUT/tests.log" 2>&1
 TEST_RC=$?
-grep -E "^\[  (FAILED|PASSED|SKIPPED) " "$OUT/tests.log" | sort -u | head -n 30
+grep -E "^\[  (FAILED|PASSED)  \]" "$OUT/tests.log" | sort -u | head -n 20
+echo "skipped: $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log")"
 grep -B1 -A3 "Failure" "$OUT/tests.log" | head -n 40
 
 # ---- 3. benchmark -------------------------------------------------------------------------------
@@ -98,3 +99,4 @@ grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
 echo "benchmark: exit $BENCH_RC"
 sed -n '/^| what/,$p' "$OUT/bench.log"
 [ "$BENCH_RC" = 0 ] || tail -n 5 "$OUT/bench.log"
+[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
