@@ -81,4 +81,11 @@ std::unique_ptr<Backend> make_cpu_backend(int threads);
 // The number of threads the CPU backend runs with.
 int cpu_threads();
 
+// The CUDA backend (backend/cuda, docs/cuda.md): pointers are device pointers. Fails with one
+// clear line when this build has no CUDA, no device is found, or it is older than sm_80.
+std::unique_ptr<Backend> make_cuda_backend(bool tf32 = false);
+// Checks run.device before a model is built: "cpu" passes; "cuda" probes the device (the errors
+// above), then fails, because the model does not run on device memory yet (docs/cuda.md).
+void check_run_device(const std::string& device);
+
 }  // namespace ladder

@@ -39,6 +39,8 @@ int main(int argc, char** argv) {
   tr->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
   bool dry_run = false;
   tr->add_flag("--dry-run", dry_run, "print every tensor with its optimizer group and learning rate, then exit");
+  std::string train_device;
+  tr->add_option("--device", train_device, "cpu | cuda (same as --set run.device=...)");
 
   // ladder sample
   auto* sa = app.add_subcommand("sample", "generate text from a checkpoint");
@@ -65,6 +67,8 @@ int main(int argc, char** argv) {
   be->add_flag("--profile", bopt.profile, "time every backend op and print each one's share of the step");
   bool boptim = false;
   be->add_flag("--optim", boptim, "time the optimizer step's share of a step for each optimizer, and Newton-Schulz per matrix");
+  std::string bench_device;
+  be->add_option("--device", bench_device, "cpu | cuda (same as --set run.device=...)");
 
   auto* doc = app.add_subcommand("config-doc", "print every config key, its type, default and meaning (Markdown)");
 
@@ -79,6 +83,7 @@ int main(int argc, char** argv) {
       data::prepare_data(dopt);
     } else if (tr->parsed()) {
       TrainOptions o;
+      if (!train_device.empty()) sets.push_back("run.device=" + train_device);
       o.cfg = load_config(train_cfg, sets);
       if (dry_run) {
         // The vocabulary comes from the data directory; without one the table still says everything
@@ -103,6 +108,7 @@ int main(int argc, char** argv) {
       auto j = run_optim_bench(bopt);
       std::cout << (bjson ? j.dump() + "\n" : format_optim_bench(j));
     } else if (be->parsed()) {
+      if (!bench_device.empty()) bopt.overrides.push_back("run.device=" + bench_device);
       auto j = run_bench(bopt);
       if (bjson) {
         std::cout << j.dump() << std::endl;

@@ -96,7 +96,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(run, keep_checkpoints, "how many most recent checkpoints to keep"),
       LADDER_FIELD(run, log_every, "progress line and metrics every N steps"),
       LADDER_FIELD(run, threads, "CPU threads; 0 = all cores"),
-      LADDER_FIELD(run, device, "cpu (cuda arrives with the CUDA backend)"),
+      LADDER_FIELD(run, device, "cpu or cuda (cuda: needs a build with -DLADDER_CUDA=ON; the model does not run on it yet, docs/cuda.md)"),
   };
   return fields;
 }
@@ -373,8 +373,14 @@ void validate(const Config& c) {
   if (c.run.eval_every < 0 || c.run.ckpt_every < 0 || c.run.eval_batches < 0 || c.run.threads < 0)
     fail("{}: run.eval_every, run.ckpt_every, run.eval_batches and run.threads must be >= 0", where);
   if (c.run.keep_checkpoints < 1) fail("{}: run.keep_checkpoints must be >= 1", where);
-  if (c.run.device != "cpu")
-    fail("{}: run.device '{}' is not available in this build (expected cpu; the CUDA backend is not built)", where, c.run.device);
+#ifdef LADDER_HAVE_CUDA
+  if (c.run.device != "cpu" && c.run.device != "cuda")
+    fail("{}: run.device '{}' is not known (expected cpu or cuda)", where, c.run.device);
+#else
+  if (c.run.device == "cuda")
+    fail("{}: run.device 'cuda': this build lacks CUDA (configure with -DLADDER_CUDA=ON)", where);
+  if (c.run.device != "cpu") fail("{}: run.device '{}' is not known (expected cpu)", where, c.run.device);
+#endif
 }
 
 std::string to_yaml(const Config& cin) {

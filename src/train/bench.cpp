@@ -51,6 +51,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
   if (cfg.model.vocab_size == 0) cfg.model.vocab_size = 8192;  // synthetic tokens: no data directory needed
   if (cfg.model.eod_id < 0) cfg.model.eod_id = 2;  // the tokenizer's </s> (docs/data.md); PKO needs one
   validate(cfg);
+  check_run_device(cfg.run.device);
   std::unique_ptr<Backend> be = make_cpu_backend(cfg.run.threads);
   ProfilingBackend* prof = nullptr;
   if (opt.profile) {

@@ -118,6 +118,7 @@ TrainSummary train(const TrainOptions& opt) {
     fail("{}: the run directory already holds checkpoints; pass --resume to continue it or choose another --run-dir",
          run_dir.string());
 
+  check_run_device(rc.device);
   auto be = make_cpu_backend(rc.threads);
   const int threads = cpu_threads();
   Transformer model(cfg.model, rc.batch_size, *be);

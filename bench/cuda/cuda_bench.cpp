@@ -1,0 +1,160 @@
+// GPU micro-benchmark (scripts/gpu-check.sh runs it): the cuBLASLt GEMM ceiling in fp32, TF32 and
+// bf16 (fp32 accumulation) at 4096^3 and 8192^3, a device-to-device copy for the bandwidth ceiling,
+// and the fp32 flash attention forward/backward at d=1024-like shapes. Random data (never zeros),
+// warm-up first, CUDA events around each repetition, the median reported. Prints a table last.
+//   ladder_cuda_bench [--quick]     (--quick: 4096^3 GEMMs and one attention shape only)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/kernels.cuh"
+#include "backend/cuda/lt_gemm.h"
+
+using namespace ladder;
+using namespace ladder::cuda;
+
+namespace {
+
+struct Row {
+  std::string what, shape;
+  double ms, rate;
+  const char* unit;
+};
+
+// Median milliseconds of `reps` timed runs of fn after `warm` untimed ones.
+double time_ms(cudaStream_t st, int warm, int reps, const std::function<void()>& fn) {
+  for (int i = 0; i < warm; ++i) fn();
+  LADDER_CUDA_CHECK(cudaStreamSynchronize(st));
+  cudaEvent_t a, b;
+  LADDER_CUDA_CHECK(cudaEventCreate(&a));
+  LADDER_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    LADDER_CUDA_CHECK(cudaEventRecord(a, st));
+    fn();
+    LADDER_CUDA_CHECK(cudaEventRecord(b, st));
+    LADDER_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    LADDER_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  try {
+    const DeviceInfo dev = probe_device();
+    std::printf("device: %s, sm_%d%d, %d SMs, %.1f GiB\n", dev.name.c_str(), dev.cc_major, dev.cc_minor,
+                dev.sm_count, dev.total_mem / 1073741824.0);
+    auto be = make_backend();
+    cudaStream_t st = be->stream();
+    std::vector<Row> rows;
+
+    // Copy bandwidth: 2 GiB device to device, bytes read + written.
+    {
+      const size_t n = size_t(512) << 20;  // floats
+      DeviceBuffer<float> a(n, "copy src"), b(n, "copy dst");
+      LADDER_CUDA_CHECK(k::fill_uniform(a.data(), n, 1, -1.f, 1.f, st));
+      const double ms = time_ms(st, 2, 10, [&] { copy_d2d_async(b.data(), a.data(), n * 4, st); });
+      rows.push_back({"d2d copy", "2 GiB", ms, 2.0 * n * 4 / (ms * 1e-3) / 1e12, "TB/s"});
+      std::printf("%-22s %-26s %9.3f ms %8.2f TB/s\n", "d2d copy", "2 GiB", ms, rows.back().rate);
+    }
+
+    // GEMM ceiling: C[n,n] = A[n,n] B[n,n]^T (the model's x W^T form).
+    LtGemm lt(st);
+    std::vector<int> sizes = quick ? std::vector<int>{4096} : std::vector<int>{4096, 8192};
+    for (int n : sizes) {
+      const size_t nn = size_t(n) * n;
+      DeviceBuffer<float> A(nn, "gemm A"), B(nn, "gemm B"), C(nn, "gemm C");
+      DeviceBuffer<uint16_t> Ah(nn, "gemm A bf16"), Bh(nn, "gemm B bf16"), Ch(nn, "gemm C bf16");
+      LADDER_CUDA_CHECK(k::fill_uniform(A.data(), nn, 2, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(B.data(), nn, 3, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::f32_to_bf16(Ah.data(), A.data(), nn, st));
+      LADDER_CUDA_CHECK(k::f32_to_bf16(Bh.data(), B.data(), nn, st));
+      const double flop = 2.0 * n * double(n) * n;
+      const std::string shape = std::to_string(n) + "^3";
+      struct V {
+        const char* name;
+        GemmType t;
+        const void *a, *b;
+        void* c;
+        bool cb;
+      } vs[] = {{"gemm fp32", GemmType::F32, A.data(), B.data(), C.data(), false},
+                {"gemm tf32", GemmType::TF32, A.data(), B.data(), C.data(), false},
+                {"gemm bf16 (fp32 acc)", GemmType::BF16, Ah.data(), Bh.data(), Ch.data(), true}};
+      for (auto& v : vs) {
+        const int reps = n >= 8192 ? 10 : 20;
+        const double ms = time_ms(st, 3, reps, [&] {
+          lt.run(v.t, false, true, n, n, n, 1.f, v.a, n, v.b, n, 0.f, v.c, n, v.cb);
+        });
+        rows.push_back({v.name, shape, ms, flop / (ms * 1e-3) / 1e12, "TFLOP/s"});
+        std::printf("%-22s %-26s %9.3f ms %8.1f TFLOP/s\n", v.name, shape.c_str(), ms, rows.back().rate);
+      }
+    }
+
+    // Attention, fp32 flash kernels: d_model 1024 as 16 heads x 64, causal; GQA and a window too.
+    struct A {
+      int B, S, H, KV, hd, W;
+    };
+    std::vector<A> shapes = {{8, 2048, 16, 16, 64, 0}};
+    if (!quick) {
+      shapes.push_back({8, 2048, 16, 4, 64, 0});
+      shapes.push_back({8, 2048, 16, 4, 64, 512});
+      shapes.push_back({4, 2048, 8, 8, 128, 0});
+    }
+    for (const auto& a : shapes) {
+      const AttnShape s{a.B, a.S, a.H, a.KV, a.hd, a.W, 1.0 / std::sqrt(double(a.hd))};
+      const size_t nq = size_t(a.B) * a.S * a.H * a.hd, nk = size_t(a.B) * a.S * a.KV * a.hd;
+      DeviceBuffer<float> q(nq), k(nk), v(nk), o(nq), lse(size_t(a.B) * a.H * a.S), dout(nq), dq(nq), dk(nk),
+          dv(nk);
+      LADDER_CUDA_CHECK(k::fill_uniform(q.data(), nq, 4, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(k.data(), nk, 5, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(v.data(), nk, 6, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(dout.data(), nq, 7, -1.f, 1.f, st));
+      // Visible (query, key) pairs, counted exactly: causal with an optional window.
+      double pairs = 0;
+      for (int i = 0; i < a.S; ++i) pairs += a.W > 0 ? std::min(i + 1, a.W) : i + 1;
+      const double fwd_flop = 4.0 * a.B * a.H * pairs * a.hd;  // QK^T and PV
+      char shape[96];
+      std::snprintf(shape, sizeof shape, "B%d S%d H%d KV%d hd%d W%d", a.B, a.S, a.H, a.KV, a.hd, a.W);
+      const double fms = time_ms(st, 2, 5, [&] {
+        be->attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), s);
+      });
+      rows.push_back({"attn fwd fp32", shape, fms, fwd_flop / (fms * 1e-3) / 1e12, "TFLOP/s"});
+      std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", "attn fwd fp32", shape, fms, rows.back().rate);
+      // Backward: 2.5x the forward's FLOPs by the usual count (5 products against 2); the kernels
+      // recompute P twice, so the hardware does more.
+      const double bms = time_ms(st, 2, 5, [&] {
+        be->attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), o.data(),
+                               lse.data(), s);
+      });
+      rows.push_back({"attn bwd fp32", shape, bms, 2.5 * fwd_flop / (bms * 1e-3) / 1e12, "TFLOP/s"});
+      std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", "attn bwd fp32", shape, bms, rows.back().rate);
+    }
+    be->synchronize();
+
+    std::printf("\n| what | shape | ms (median) | rate |\n|---|---|---|---|\n");
+    for (auto& r : rows)
+      std::printf("| %s | %s | %.3f | %.2f %s |\n", r.what.c_str(), r.shape.c_str(), r.ms, r.rate, r.unit);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The GPU session's one script (an H200 with 16 cores; docs/cuda.md): builds for sm_90, runs the
+# GPU tests, runs the micro-benchmark, writes logs under $OUT and prints a short table last.
+# Budget: under 8 minutes (each step has its own timeout).
+#
+# Build: on the GPU machine (-DCMAKE_CUDA_ARCHITECTURES=90, -j16) when its image has this
+# project's CPU dependencies; otherwise the prebuilt gpu-bundle/ from scripts/gpu-prepare.sh
+# (carried with the call). Which one ran is printed.
+#   GPU_CHECK_BUILD=0      skip the device build, use gpu-bundle/ directly (saves ~1-2 minutes)
+#   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+log() { echo "[gpu-check +$(($(date +%s) - T0))s] $*"; }
+
+{
+  date -u
+  echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi
+  nvcc --version
+  cmake --version
+  nproc
+  cat /etc/os-release
+} >"$OUT/env.log" 2>&1
+log "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi failed')"
+
+# ---- 1. build -----------------------------------------------------------------------------------
+BIN=""
+if [ "${GPU_CHECK_BUILD:-1}" != 0 ] && command -v nvcc >/dev/null && command -v cmake >/dev/null; then
+  gen=""
+  command -v ninja >/dev/null && gen="-G Ninja"
+  log "building for sm_90 on the device (log: build.log)"
+  if timeout 60 cmake -S . -B build-gpu $gen -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DLADDER_TESTS=ON >"$OUT/build.log" 2>&1 &&
+    timeout 300 cmake --build build-gpu -j 16 --target ladder_cuda_tests ladder_cuda_bench >>"$OUT/build.log" 2>&1; then
+    BIN=build-gpu
+    log "built on the device"
+  else
+    log "device build failed (last lines of build.log follow); falling back to gpu-bundle/"
+    tail -n 4 "$OUT/build.log"
+  fi
+fi
+if [ -z "$BIN" ]; then
+  if [ ! -x gpu-bundle/ladder_cuda_tests ]; then
+    echo "gpu-check: no device build and no gpu-bundle/ (run scripts/gpu-prepare.sh first and carry gpu-bundle)"
+    exit 1
+  fi
+  BIN=gpu-bundle
+  cat gpu-bundle/BUILD_INFO
+  export LD_LIBRARY_PATH="$PWD/gpu-bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+# cuBLASLt 13: the toolkit's, else one shipped in Python wheels (PyTorch's).
+if ldd "$BIN/ladder_cuda_tests" | grep -q "libcublasLt.so.13 => not found"; then
+  lt=$(find /usr/local /usr/lib /opt -name 'libcublasLt.so.13' 2>/dev/null | head -n 1)
+  [ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt"):${LD_LIBRARY_PATH:-}" && log "cuBLASLt from $(dirname "$lt")"
+fi
+if ldd "$BIN/ladder_cuda_tests" | grep "not found"; then
+  echo "gpu-check: libraries above not found on this machine"
+  exit 1
+fi
+
+# ---- 2. GPU tests -------------------------------------------------------------------------------
+log "GPU tests (log: tests.log)"
+timeout 300 "$BIN/ladder_cuda_tests" --gtest_color=no >"$OUT/tests.log" 2>&1
+TEST_RC=$?
+grep -E "^\[  (FAILED|PASSED)  \]" "$OUT/tests.log" | sort -u | head -n 20
+echo "skipped: $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log")"
+grep -B1 -A3 "Failure" "$OUT/tests.log" | head -n 40
+
+# ---- 3. benchmark -------------------------------------------------------------------------------
+log "benchmark (log: bench.log)"
+timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
+BENCH_RC=$?
+
+# ---- 4. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
+SAN_RC=skipped
+if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 300 ]; then
+  log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
+  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*'
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
+    >"$OUT/sanitizer.log" 2>&1
+  SAN_RC=$?
+  timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
+    --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*' >>"$OUT/sanitizer.log" 2>&1
+  SAN_RC="$SAN_RC/$?"
+  tail -n 3 "$OUT/sanitizer.log"
+fi
+
+# ---- 5. the table, last -------------------------------------------------------------------------
+echo
+echo "== gpu-check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), build: $BIN, $(($(date +%s) - T0)) s =="
+echo "GPU tests: exit $TEST_RC; $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep -c '^\[  FAILED  \] CudaKernels\|^\[  FAILED  \] CudaProbe' "$OUT/tests.log") failed; sanitizer exit: $SAN_RC"
+echo "largest relative error per op (vs the CPU kernels):"
+grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
+  op = $5; for (i = 6; i <= NF && $i !~ /^[0-9.]+e[-+][0-9]+$/; ++i) if ($i !~ /=|[0-9]x[0-9]/) op = op " " $i;
+  v = $i + 0; if (!(op in mx) || v > mx[op]) mx[op] = v } END { for (o in mx) printf "  %-26s %.2e\n", o, mx[o] }' | sort
+echo "benchmark: exit $BENCH_RC"
+sed -n '/^| what/,$p' "$OUT/bench.log"
+[ "$BENCH_RC" = 0 ] || tail -n 5 "$OUT/bench.log"
+[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Run on a machine WITHOUT a GPU, before a GPU session (docs/cuda.md): builds the CUDA test and
+# benchmark binaries for sm_90 and packs them, with the non-CUDA shared libraries they load
+# (OpenBLAS, fmt, OpenMP, ...), into gpu-bundle/ (git-ignored). The GPU session names gpu-bundle in
+# the device tool's `carry`; scripts/gpu-check.sh uses it when it cannot build on the GPU machine
+# (whose image may lack this project's CPU dependencies). About 6 minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+B=${GPU_PREP_BUILD_DIR:-build-sm90}
+if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDACXX=/usr/local/cuda/bin/nvcc
+fi
+# LADDER_NATIVE=OFF: AVX2+FMA only, so the host code also runs on the GPU machine's processor.
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DLADDER_NATIVE=OFF -DLADDER_TESTS=ON >/dev/null
+cmake --build "$B" -j "${JOBS:-2}" --target ladder_cuda_tests ladder_cuda_bench
+rm -rf gpu-bundle
+mkdir -p gpu-bundle/lib
+cp "$B/ladder_cuda_tests" "$B/ladder_cuda_bench" gpu-bundle/
+# Bundle every resolved library except the C/C++ runtime (the GPU machine's own, newer ones) and
+# CUDA's (the driver there must be used; cuBLASLt comes from the toolkit there).
+skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libnvidia)'
+for bin in gpu-bundle/ladder_cuda_tests gpu-bundle/ladder_cuda_bench; do
+  ldd "$bin" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+done | sort -u | while read -r name path; do
+  if ! [[ $name =~ $skip ]]; then cp -L "$path" "gpu-bundle/lib/$name"; fi
+done
+{
+  echo "commit $(git rev-parse HEAD)"
+  echo "dirty $(git status --porcelain --untracked-files=no | wc -l) tracked files changed"
+  echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(nvcc --version 2>/dev/null | tail -1)"
+} > gpu-bundle/BUILD_INFO
+ls -la gpu-bundle gpu-bundle/lib
+du -sh gpu-bundle

@@ -1,0 +1,260 @@
+// CudaBackend: the op interface on the GPU. Kernels live in ops.cu and attention.cu, GEMMs in
+// lt_gemm.cpp; this file owns the stream, the scratch buffers and the error reporting.
+#include "backend/cuda/cuda_backend.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/kernels.cuh"
+#include "backend/cuda/lt_gemm.h"
+
+namespace ladder {
+namespace cuda {
+
+namespace {
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v && std::string(v) != "0";
+}
+
+std::string probe_error() {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fmt::format("--device cuda: no CUDA device found (cudaGetDeviceCount: {})", cudaGetErrorString(e));
+  }
+  if (count == 0) return "--device cuda: no CUDA device found (cudaGetDeviceCount: 0 devices)";
+  cudaDeviceProp prop{};
+  const cudaError_t ep = cudaGetDeviceProperties(&prop, 0);
+  if (ep != cudaSuccess)
+    return fmt::format("--device cuda: cannot read device 0 (cudaGetDeviceProperties: {})", cudaGetErrorString(ep));
+  if (prop.major < 8)
+    return fmt::format("--device cuda: {} has compute capability {}.{}; the CUDA backend needs 8.0 or newer "
+                       "(A100, H100, H200, ...)", prop.name, prop.major, prop.minor);
+  // Does this binary carry code the device can run? (sm_80/sm_90 machine code and their PTX.)
+  cudaFuncAttributes attr{};
+  const cudaError_t ef = k::probe_kernel_attributes(&attr);
+  if (ef != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fmt::format("--device cuda: this build has no kernels for {} (sm_{}{}): {}; rebuild with "
+                       "-DCMAKE_CUDA_ARCHITECTURES={}{}", prop.name, prop.major, prop.minor, cudaGetErrorString(ef),
+                       prop.major, prop.minor);
+  }
+  return "";
+}
+
+class CudaBackendImpl final : public CudaBackend {
+ public:
+  CudaBackendImpl(const DeviceInfo& info, CudaOptions opt) : info_(info), opt_(opt) {
+    LADDER_CUDA_CHECK(cudaSetDevice(info.index));
+    // A blocking stream: the synchronous copies of device_memory.h (legacy default stream) order
+    // with it, so host code can copy results without an explicit synchronize.
+    LADDER_CUDA_CHECK(cudaStreamCreate(&st_));
+    gemm_ = std::make_unique<LtGemm>(st_);
+    sums_ = DeviceBuffer<double>(2, "reduction result");
+    LADDER_CUDA_CHECK(cudaMallocHost(&host_sums_, 2 * sizeof(double)));
+    sync_each_ = env_flag("LADDER_CUDA_SYNC");
+  }
+  ~CudaBackendImpl() override {
+    gemm_.reset();
+    if (host_sums_) cudaFreeHost(host_sums_);
+    if (st_) cudaStreamDestroy(st_);
+  }
+
+  std::string name() const override { return opt_.tf32 ? "cuda-tf32" : "cuda"; }
+  cudaStream_t stream() const override { return st_; }
+  const DeviceInfo& device() const override { return info_; }
+  bool tf32() const override { return opt_.tf32; }
+  void synchronize() override { LADDER_CUDA_CHECK(cudaStreamSynchronize(st_)); }
+
+  void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+            float beta, float* C, int ldc) override {
+    gemm_->run(opt_.tf32 ? GemmType::TF32 : GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    post("gemm");
+  }
+
+  void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) override {
+    check(k::embedding_forward(out, table, ids, N, D, st_), "embedding_forward");
+  }
+  void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int N, int D) override {
+    const size_t need = k::embedding_backward_scratch_bytes(N);
+    emb_scratch_.reserve(need, "embedding backward scratch");
+    check(k::embedding_backward(dtable, dout, ids, N, D, emb_scratch_.data(), emb_scratch_.bytes(), st_),
+          "embedding_backward");
+  }
+
+  void rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps) override {
+    check(k::rmsnorm_forward(y, rstd, x, gain, N, D, eps, st_), "rmsnorm_forward");
+  }
+  void rmsnorm_backward(float* dx, float* dgain, const float* dy, const float* x, const float* gain,
+                        const float* rstd, int N, int D, bool acc) override {
+    float_scratch_.reserve(k::rmsnorm_backward_scratch_floats(N, D), "rmsnorm backward scratch");
+    check(k::rmsnorm_backward(dx, dgain, dy, x, gain, rstd, N, D, acc, float_scratch_.data(), st_),
+          "rmsnorm_backward");
+  }
+
+  void rope_forward(float* x, int N_tok, int S, int nh, int hd, int rot, float theta) override {
+    check(k::rope_apply(x, rope_table(S, rot, theta), N_tok, S, nh, hd, rot, 1.f, st_), "rope_forward");
+  }
+  void rope_backward(float* dx, int N_tok, int S, int nh, int hd, int rot, float theta) override {
+    check(k::rope_apply(dx, rope_table(S, rot, theta), N_tok, S, nh, hd, rot, -1.f, st_), "rope_backward");
+  }
+
+  void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                         const AttnShape& s) override {
+    check_attn(s);
+    check(k::attention_forward(o, lse, q, k, v, s, st_), "attention_forward");
+  }
+  void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                          const float* v, const float* o, const float* lse, const AttnShape& s) override {
+    check_attn(s);
+    float_scratch_.reserve(k::attention_backward_scratch_floats(s), "attention backward scratch");
+    check(k::attention_backward(dq, dk, dv, dout, q, k, v, o, lse, s, float_scratch_.data(), st_),
+          "attention_backward");
+  }
+
+  void swiglu_forward(float* h, const float* g, const float* u, size_t n) override {
+    check(k::swiglu_forward(h, g, u, n, st_), "swiglu_forward");
+  }
+  void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) override {
+    check(k::swiglu_backward(dg, du, dh, g, u, n, st_), "swiglu_backward");
+  }
+
+  XentSums softmax_xent(float* logits, const int32_t* t, int N, int V, float z, float gs) override {
+    softmax_xent_async(logits, t, N, V, z, gs, sums_.data());
+    return fetch_sums();
+  }
+  XentSums softmax_xent_forward(const float* logits, const int32_t* t, int N, int V, float* losses) override {
+    softmax_xent_forward_async(logits, t, N, V, losses, sums_.data());
+    return fetch_sums();
+  }
+  void softmax_xent_async(float* logits, const int32_t* t, int N, int V, float z, float gs,
+                          double* d_sums) override {
+    row_sums_.reserve(2 * size_t(N > 0 ? N : 1), "cross-entropy row sums");
+    check(k::softmax_xent(logits, t, N, V, z, gs, row_sums_.data(), st_), "softmax_xent");
+    check(k::reduce_pairs(row_sums_.data(), N, d_sums, st_), "softmax_xent (sums)");
+  }
+  void softmax_xent_forward_async(const float* logits, const int32_t* t, int N, int V, float* losses,
+                                  double* d_sums) override {
+    row_sums_.reserve(2 * size_t(N > 0 ? N : 1), "cross-entropy row sums");
+    check(k::softmax_xent_forward(logits, t, N, V, losses, row_sums_.data(), st_), "softmax_xent_forward");
+    check(k::reduce_pairs(row_sums_.data(), N, d_sums, st_), "softmax_xent_forward (sums)");
+  }
+
+  void add_inplace(float* y, const float* x, size_t n) override { check(k::add_inplace(y, x, n, st_), "add_inplace"); }
+  void scale_inplace(float* x, float s, size_t n) override { check(k::scale_inplace(x, s, n, st_), "scale_inplace"); }
+  double sum_squares(const float* x, size_t n) override {
+    sum_squares_async(x, n, sums_.data());
+    LADDER_CUDA_CHECK(cudaMemcpyAsync(host_sums_, sums_.data(), sizeof(double), cudaMemcpyDeviceToHost, st_));
+    synchronize();
+    return host_sums_[0];
+  }
+  void sum_squares_async(const float* x, size_t n, double* d_out) override {
+    ssq_scratch_.reserve(k::sum_squares_scratch_doubles(), "sum of squares scratch");
+    check(k::sum_squares(x, n, d_out, ssq_scratch_.data(), st_), "sum_squares");
+  }
+  void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2, float eps,
+                    float wd, float bc1, float bc2) override {
+    check(k::adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, st_), "adamw_update");
+  }
+
+ private:
+  void post(const char* op) {
+    if (!sync_each_) return;
+    const cudaError_t e = cudaStreamSynchronize(st_);
+    if (e != cudaSuccess) fail_cuda(e, op, __FILE__, __LINE__);
+  }
+  void check(cudaError_t e, const char* op) {
+    if (e != cudaSuccess) fail_cuda(e, op, __FILE__, __LINE__);
+    post(op);
+  }
+  void check_attn(const AttnShape& s) {
+    if (!k::attention_supported(s.hd))
+      fail("attention on CUDA supports head_dim 1..128 (got {})", s.hd);
+    if (s.KV <= 0 || s.H % s.KV != 0) fail("attention: n_heads {} is not a multiple of n_kv_heads {}", s.H, s.KV);
+  }
+  XentSums fetch_sums() {
+    LADDER_CUDA_CHECK(cudaMemcpyAsync(host_sums_, sums_.data(), 2 * sizeof(double), cudaMemcpyDeviceToHost, st_));
+    synchronize();
+    return XentSums{host_sums_[0], host_sums_[1]};
+  }
+  // cos then sin, [S, rot/2] each, computed in double on the host exactly as the CPU kernels do and
+  // uploaded once per (S, rot_dims, theta).
+  const float* rope_table(int S, int rot, float theta) {
+    const auto key = std::make_tuple(S, rot, double(theta));
+    auto it = rope_.find(key);
+    if (it != rope_.end()) return it->second.data();
+    const int half = rot / 2;
+    std::vector<float> tab(2 * size_t(S) * (half > 0 ? half : 0));
+    for (int i = 0; i < half; ++i) {
+      const double inv_freq = std::pow(double(theta), -2.0 * i / double(rot));
+      for (int p = 0; p < S; ++p) {
+        const double a = double(p) * inv_freq;
+        tab[size_t(p) * half + i] = float(std::cos(a));
+        tab[size_t(S) * half + size_t(p) * half + i] = float(std::sin(a));
+      }
+    }
+    DeviceBuffer<float> buf(tab.size() ? tab.size() : 1, "rope table");
+    if (!tab.empty()) buf.upload(tab);
+    return rope_.emplace(key, std::move(buf)).first->second.data();
+  }
+
+  DeviceInfo info_;
+  CudaOptions opt_;
+  cudaStream_t st_ = nullptr;
+  bool sync_each_ = false;
+  std::unique_ptr<LtGemm> gemm_;
+  DeviceBuffer<char> emb_scratch_;
+  DeviceBuffer<float> float_scratch_;
+  DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
+  double* host_sums_ = nullptr;
+  std::map<std::tuple<int, int, double>, DeviceBuffer<float>> rope_;
+};
+
+}  // namespace
+
+std::string device_unavailable_reason() {
+  try {
+    return probe_error();
+  } catch (...) {
+    return "--device cuda: the CUDA runtime failed while probing the device";
+  }
+}
+
+DeviceInfo probe_device() {
+  const std::string err = probe_error();
+  if (!err.empty()) throw Error(err);
+  cudaDeviceProp prop{};
+  LADDER_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  DeviceInfo d;
+  d.index = 0;
+  d.name = prop.name;
+  d.cc_major = prop.major;
+  d.cc_minor = prop.minor;
+  d.sm_count = prop.multiProcessorCount;
+  d.total_mem = prop.totalGlobalMem;
+  return d;
+}
+
+std::unique_ptr<CudaBackend> make_backend(CudaOptions opt) {
+  const DeviceInfo info = probe_device();
+  if (env_flag("LADDER_CUDA_TF32")) opt.tf32 = true;
+  return std::make_unique<CudaBackendImpl>(info, opt);
+}
+
+}  // namespace cuda
+
+std::unique_ptr<Backend> make_cuda_backend(bool tf32) {
+  cuda::CudaOptions opt;
+  opt.tf32 = tf32;
+  return cuda::make_backend(opt);
+}
+
+}  // namespace ladder

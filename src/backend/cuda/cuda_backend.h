@@ -1,0 +1,59 @@
+// The CUDA backend: the op interface of backend/backend.h on one NVIDIA GPU (sm_80 or newer).
+// Every pointer passed to it (floats, token ids, targets) is a device pointer. All ops are
+// enqueued on the backend's stream and return without waiting, except the three that return a
+// value to the host (softmax_xent, softmax_xent_forward, sum_squares): those wait for the stream,
+// a host synchronization. The *_async variants below write the value to device memory instead, so
+// a training step can keep the host out of the loop (the model integration will use them).
+//
+// fp32 throughout for now (docs/cuda.md): GEMMs through cuBLASLt in fp32, or TF32 when asked
+// (CudaOptions::tf32, or LADDER_CUDA_TF32=1), every other op in fp32 CUDA-core kernels.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+
+namespace ladder::cuda {
+
+struct DeviceInfo {
+  int index = 0;
+  std::string name;
+  int cc_major = 0, cc_minor = 0;
+  int sm_count = 0;
+  size_t total_mem = 0;
+};
+
+// Finds device 0 and checks that this build can run on it. Fails with one ladder::Error line:
+// no device (with the runtime's reason), compute capability below 8.0, or no kernel image for it.
+DeviceInfo probe_device();
+// The message probe_device() would fail with, or "" when a usable device is present. Never throws.
+std::string device_unavailable_reason();
+
+struct CudaOptions {
+  bool tf32 = false;  // GEMMs on the tensor cores in TF32 (about 1e-3 relative error)
+};
+
+class CudaBackend : public Backend {
+ public:
+  virtual cudaStream_t stream() const = 0;
+  virtual const DeviceInfo& device() const = 0;
+  virtual bool tf32() const = 0;
+  // Waits for the stream; an asynchronous fault inside a kernel becomes a ladder::Error here.
+  virtual void synchronize() = 0;
+  // As softmax_xent / softmax_xent_forward / sum_squares, but the result goes to device memory
+  // (d_sums[0] = sum of xent, d_sums[1] = sum of lse^2; *d_out = sum of squares) and nothing waits.
+  virtual void softmax_xent_async(float* logits, const int32_t* targets, int N, int V, float z_coef,
+                                  float grad_scale, double* d_sums) = 0;
+  virtual void softmax_xent_forward_async(const float* logits, const int32_t* targets, int N, int V,
+                                          float* losses, double* d_sums) = 0;
+  virtual void sum_squares_async(const float* x, size_t n, double* d_out) = 0;
+};
+
+// Probes the device (probe_device) and builds the backend on it. Options from the environment
+// override `opt`: LADDER_CUDA_TF32=1 turns TF32 GEMMs on; LADDER_CUDA_SYNC=1 synchronizes after
+// every op, so a faulting kernel is reported by the op that launched it (debugging only).
+std::unique_ptr<CudaBackend> make_backend(CudaOptions opt = {});
+
+}  // namespace ladder::cuda

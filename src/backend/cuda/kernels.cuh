@@ -1,0 +1,79 @@
+// Launchers of the CUDA kernels (ops.cu, attention.cu). Plain C++ declarations so that the backend
+// (cuda_backend.cpp, compiled by the host compiler) can call them. Each launcher enqueues its
+// kernels on `st` and returns cudaGetLastError() after the launches (launch errors only: faults
+// inside a kernel surface at the next synchronizing call). Pointers are device pointers; shapes and
+// conventions are those of backend/cpu/kernels.h, which the GPU tests hold them to.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/cpu/kernels.h"
+
+namespace ladder::cuda::k {
+
+cudaError_t embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D, cudaStream_t st);
+// Deterministic: a stable radix sort of the ids groups equal ids in token order, then one block per
+// distinct id adds its rows in that order (the CPU's order, so the result is bitwise the CPU's).
+// `scratch` must hold embedding_backward_scratch_bytes(N) bytes.
+size_t embedding_backward_scratch_bytes(int N);
+cudaError_t embedding_backward(float* dtable, const float* dout, const int32_t* ids, int N, int D, void* scratch,
+                               size_t scratch_bytes, cudaStream_t st);
+
+cudaError_t rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps,
+                            cudaStream_t st);
+// dgain is a sum over rows: partial sums over fixed chunks of rows, then summed in chunk order
+// (deterministic). `scratch` must hold rmsnorm_backward_scratch_floats(N, D) floats.
+size_t rmsnorm_backward_scratch_floats(int N, int D);
+cudaError_t rmsnorm_backward(float* dx, float* dgain, const float* dy, const float* x, const float* gain,
+                             const float* rstd, int N, int D, bool accumulate_dx, float* scratch, cudaStream_t st);
+
+// cos_sin: [S, rot_dims/2] cos then [S, rot_dims/2] sin (built by the caller in double, as the CPU
+// does). sign +1 forward, -1 backward (inverse rotation).
+cudaError_t rope_apply(float* x, const float* cos_sin, int N_tok, int S, int nheads, int hd, int rot_dims,
+                       float sign, cudaStream_t st);
+
+cudaError_t swiglu_forward(float* h, const float* g, const float* u, size_t n, cudaStream_t st);
+cudaError_t swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n,
+                            cudaStream_t st);
+
+// Softmax cross-entropy with z-loss, in place (see cpu::softmax_xent). Per-row (xent, lse^2) go to
+// row_sums [2N] doubles; then reduce_pairs sums them in a fixed order into sums[2] on the device.
+cudaError_t softmax_xent(float* logits, const int32_t* targets, int N, int V, float z_coef, float grad_scale,
+                         double* row_sums, cudaStream_t st);
+cudaError_t softmax_xent_forward(const float* logits, const int32_t* targets, int N, int V, float* losses,
+                                 double* row_sums, cudaStream_t st);
+cudaError_t reduce_pairs(const double* row_sums, int N, double* sums, cudaStream_t st);
+
+cudaError_t add_inplace(float* y, const float* x, size_t n, cudaStream_t st);
+cudaError_t scale_inplace(float* x, float s, size_t n, cudaStream_t st);
+// Deterministic (fixed grid whatever the device): sum of squares in double into *out (device).
+// `scratch` must hold sum_squares_scratch_doubles() doubles.
+size_t sum_squares_scratch_doubles();
+cudaError_t sum_squares(const float* x, size_t n, double* out, double* scratch, cudaStream_t st);
+cudaError_t adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2,
+                         float eps, float wd, float bc1, float bc2, cudaStream_t st);
+// C = beta * C for the K == 0 corner of GEMM (beta == 0 writes zeros, never reads C).
+cudaError_t scale_matrix(float* C, int M, int N, int ldc, float beta, cudaStream_t st);
+// For benchmarks and the bf16 path: out[i] = bf16(in[i]) (round to nearest even); out is uint16_t storage.
+cudaError_t f32_to_bf16(uint16_t* out, const float* in, size_t n, cudaStream_t st);
+
+// x[i] = uniform in [lo, hi) from a counter-based hash of (seed, i): random data on the device
+// without a host round trip (benchmarks: never time on zeros).
+cudaError_t fill_uniform(float* x, size_t n, uint64_t seed, float lo, float hi, cudaStream_t st);
+
+// Whether this binary holds code the current device can run (cudaFuncGetAttributes on a kernel).
+cudaError_t probe_kernel_attributes(cudaFuncAttributes* attr);
+
+// Flash-style attention, fp32 (attention.cu). Supports head_dim <= 128 (attention_supported).
+bool attention_supported(int hd);
+cudaError_t attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                              const cpu::AttnShape& s, cudaStream_t st);
+// `scratch` holds attention_backward_scratch_floats(s) floats (D_i = dO_i . O_i per query row).
+size_t attention_backward_scratch_floats(const cpu::AttnShape& s);
+cudaError_t attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                               const float* v, const float* o, const float* lse, const cpu::AttnShape& s,
+                               float* scratch, cudaStream_t st);
+
+}  // namespace ladder::cuda::k

@@ -1,0 +1,505 @@
+// CUDA kernels of the memory-bound ops (everything but GEMM and attention), fp32. Contracts are the
+// CPU kernels' (backend/cpu/kernels.h). Every reduction runs in an order fixed by the problem size
+// (fixed grids, fixed chunking, tree reductions in shared memory): no floating-point atomics, so
+// results are reproducible run to run on one device.
+#include <cuda_bf16.h>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include "backend/cuda/kernels.cuh"
+
+namespace ladder::cuda::k {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+inline unsigned grid_for(size_t n, int threads = kThreads) {
+  // Grid-stride loops below cover any n; cap the grid so huge tensors do not need huge grids.
+  const size_t blocks = (n + threads - 1) / threads;
+  return unsigned(blocks < 65536 ? (blocks ? blocks : 1) : 65536);
+}
+
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide sum in a fixed tree order; every thread gets the result. `red` holds 32 values.
+template <class T>
+__device__ T block_sum(T v, T* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  T r = lane < nwarps ? red[lane] : T(0);
+  return warp_sum(r);
+}
+
+__device__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float r = lane < nwarps ? red[lane] : -INFINITY;
+  return warp_max(r);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding
+
+__global__ void embedding_fwd_kernel(float* out, const float* table, const int32_t* ids, int N, int D) {
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const float* src = table + size_t(ids[i]) * D;
+    float* dst = out + size_t(i) * D;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) dst[c] = src[c];
+  }
+}
+
+__global__ void iota_kernel(int32_t* v, int N) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x) v[i] = i;
+}
+
+// One block per sorted position; only the first position of each run of equal ids works. It adds
+// the run's rows in token order (the radix sort is stable) onto dtable's row: the CPU's order.
+__global__ void embedding_bwd_segments(float* dtable, const float* dout, const uint32_t* sorted_ids,
+                                       const int32_t* sorted_tok, int N, int D) {
+  for (int p = blockIdx.x; p < N; p += gridDim.x) {
+    const uint32_t id = sorted_ids[p];
+    if (p > 0 && sorted_ids[p - 1] == id) continue;
+    int end = p + 1;
+    while (end < N && sorted_ids[end] == id) ++end;
+    float* dst = dtable + size_t(id) * D;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+      float acc = dst[c];
+      for (int q = p; q < end; ++q) acc += dout[size_t(sorted_tok[q]) * D + c];
+      dst[c] = acc;
+    }
+  }
+}
+
+struct EmbScratch {
+  uint32_t* keys_out;
+  int32_t* tok_in;
+  int32_t* tok_out;
+  void* cub_tmp;
+  size_t cub_bytes;
+};
+
+inline size_t align256(size_t b) { return (b + 255) / 256 * 256; }
+
+size_t cub_sort_bytes(int N) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const uint32_t*>(nullptr),
+                                  static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), N);
+  return bytes;
+}
+
+EmbScratch carve_emb(void* scratch, int N) {
+  char* p = static_cast<char*>(scratch);
+  EmbScratch s;
+  s.keys_out = reinterpret_cast<uint32_t*>(p);
+  p += align256(sizeof(uint32_t) * size_t(N));
+  s.tok_in = reinterpret_cast<int32_t*>(p);
+  p += align256(sizeof(int32_t) * size_t(N));
+  s.tok_out = reinterpret_cast<int32_t*>(p);
+  p += align256(sizeof(int32_t) * size_t(N));
+  s.cub_tmp = p;
+  s.cub_bytes = cub_sort_bytes(N);
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm
+
+__global__ void rmsnorm_fwd_kernel(float* y, float* rstd, const float* x, const float* gain, int N, int D,
+                                   float eps) {
+  __shared__ float red[32];
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const float* xi = x + size_t(i) * D;
+    float* yi = y + size_t(i) * D;
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) ss += xi[j] * xi[j];
+    ss = block_sum(ss, red);
+    // The scalar in double, as the CPU computes it.
+    const float r = float(1.0 / sqrt(double(ss) / D + double(eps)));
+    if (threadIdx.x == 0) rstd[i] = r;
+    if (gain) {
+      for (int j = threadIdx.x; j < D; j += blockDim.x) yi[j] = xi[j] * r * gain[j];
+    } else {
+      for (int j = threadIdx.x; j < D; j += blockDim.x) yi[j] = xi[j] * r;
+    }
+  }
+}
+
+__global__ void rmsnorm_bwd_dx_kernel(float* dx, const float* dy, const float* x, const float* gain,
+                                      const float* rstd, int N, int D, bool acc) {
+  __shared__ float red[32];
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const float* xi = x + size_t(i) * D;
+    const float* dyi = dy + size_t(i) * D;
+    float* dxi = dx + size_t(i) * D;
+    const float r = rstd[i];
+    float dot = 0.f;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) dot += dyi[j] * (gain ? gain[j] : 1.f) * xi[j];
+    dot = block_sum(dot, red);
+    const float c = dot * r * r / float(D);
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+      const float g = gain ? gain[j] : 1.f;
+      const float v = r * (g * dyi[j] - xi[j] * c);
+      dxi[j] = acc ? dxi[j] + v : v;
+    }
+  }
+}
+
+constexpr int kNormRowChunk = 128;
+
+// partial[chunk, c] = sum over the chunk's rows of dy * x * rstd (one thread per column).
+__global__ void rmsnorm_dgain_partial(float* partial, const float* dy, const float* x, const float* rstd, int N,
+                                      int D) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int chunk = blockIdx.y;
+  if (c >= D) return;
+  const int r0 = chunk * kNormRowChunk, r1 = min(N, r0 + kNormRowChunk);
+  float acc = 0.f;
+  for (int r = r0; r < r1; ++r) acc += dy[size_t(r) * D + c] * x[size_t(r) * D + c] * rstd[r];
+  partial[size_t(chunk) * D + c] = acc;
+}
+
+__global__ void rmsnorm_dgain_final(float* dgain, const float* partial, int nchunks, int D) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= D) return;
+  float acc = 0.f;
+  for (int k = 0; k < nchunks; ++k) acc += partial[size_t(k) * D + c];
+  dgain[c] += acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE (rotate-half): pairs (i, i + rot_dims/2) of each head's first rot_dims dims.
+
+__global__ void rope_kernel(float* x, const float* cos_sin, int N_tok, int S, int nheads, int hd, int half,
+                            float sign) {
+  const size_t total = size_t(N_tok) * nheads * half;
+  const float* ct = cos_sin;
+  const float* st = cos_sin + size_t(S) * half;
+  for (size_t e = blockIdx.x * size_t(blockDim.x) + threadIdx.x; e < total; e += size_t(gridDim.x) * blockDim.x) {
+    const int i = int(e % half);
+    const size_t th = e / half;  // token * nheads + head
+    const int t = int(th / nheads);
+    const int pos = t % S;
+    float* x1 = x + th * hd;
+    const float c = ct[size_t(pos) * half + i], s = sign * st[size_t(pos) * half + i];
+    const float a = x1[i], b = x1[i + half];
+    x1[i] = a * c - b * s;
+    x1[i + half] = b * c + a * s;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU
+
+__global__ void swiglu_fwd_kernel(float* h, const float* g, const float* u, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float gi = g[i];
+    const float sig = 1.f / (1.f + expf(-gi));
+    h[i] = gi * sig * u[i];
+  }
+}
+
+__global__ void swiglu_bwd_kernel(float* dg, float* du, const float* dh, const float* g, const float* u,
+                                  size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float gi = g[i], dhi = dh[i];
+    const float sig = 1.f / (1.f + expf(-gi));
+    // d silu / dg = sig * (1 + g * (1 - sig)); read g, u, dh before writing (dg/du may alias nothing,
+    // but the order keeps an in-place dg == dh call correct too).
+    const float dgi = dhi * u[i] * sig * (1.f + gi * (1.f - sig));
+    du[i] = dhi * gi * sig;
+    dg[i] = dgi;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax cross-entropy (one block per row)
+
+constexpr int kXentThreads = 512;
+
+template <bool kGrad>
+__global__ void xent_kernel(float* logits, const int32_t* targets, int N, int V, float z_coef, float grad_scale,
+                            float* losses, double* row_sums) {
+  __shared__ float redf[32];
+  __shared__ double redd[32];
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    float* x = logits + size_t(i) * V;
+    const int tgt = targets[i];
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, x[j]);
+    mx = block_max(mx, redf);
+    // Per-thread partial in float (at most V / blockDim terms), the block's sum in double: exact to
+    // float rounding for vocabularies of 10^5 (the CPU sums 512-wide float chunks in double).
+    float part = 0.f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) part += expf(x[j] - mx);
+    const double sum = block_sum(double(part), redd);
+    const float lse = float(double(mx) + log(sum));
+    const float xt = x[tgt];  // every thread reads it before anyone overwrites (block_sum synced)
+    const double xe = double(lse) - double(xt);
+    if (threadIdx.x == 0) {
+      row_sums[2 * size_t(i)] = xe;
+      row_sums[2 * size_t(i) + 1] = double(lse) * double(lse);
+      if (losses) losses[i] = float(xe);
+    }
+    if constexpr (kGrad) {
+      __syncthreads();  // all reads of x (including x[tgt]) are done
+      // d/dx [xent + z lse^2] = softmax - onehot + 2 z lse softmax
+      const float coef = grad_scale * (1.f + 2.f * z_coef * lse);
+      for (int j = threadIdx.x; j < V; j += blockDim.x) x[j] = coef * expf(x[j] - lse);
+      __syncthreads();
+      if (threadIdx.x == 0) x[tgt] -= grad_scale;
+    }
+    __syncthreads();  // the next row's block_max reuses the shared buffers
+  }
+}
+
+// sums[0..1] = column sums of row_sums [N, 2], one block, fixed order.
+__global__ void reduce_pairs_kernel(const double* row_sums, int N, double* sums) {
+  __shared__ double red[32];
+  double a = 0, b = 0;
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    a += row_sums[2 * size_t(i)];
+    b += row_sums[2 * size_t(i) + 1];
+  }
+  a = block_sum(a, red);
+  b = block_sum(b, red);
+  if (threadIdx.x == 0) {
+    sums[0] = a;
+    sums[1] = b;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vector helpers, AdamW
+
+__global__ void add_kernel(float* y, const float* x, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    y[i] += x[i];
+}
+
+__global__ void scale_kernel(float* x, float s, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] *= s;
+}
+
+constexpr int kSsqBlocks = 512;
+
+__global__ void ssq_partial_kernel(const float* x, size_t n, double* partial) {
+  __shared__ double red[32];
+  double acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    acc += double(x[i]) * double(x[i]);
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+__global__ void ssq_final_kernel(const double* partial, int np, double* out) {
+  __shared__ double red[32];
+  double acc = 0;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) acc += partial[i];
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) *out = acc;
+}
+
+__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2,
+                             float eps, float wd, float inv_bc1, float inv_bc2) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float gi = g[i];
+    const float mi = b1 * m[i] + (1.f - b1) * gi;
+    const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] -= lr * ((mi * inv_bc1) / (sqrtf(vi * inv_bc2) + eps) + wd * p[i]);
+  }
+}
+
+__global__ void scale_matrix_kernel(float* C, int M, int N, int ldc, float beta) {
+  const size_t total = size_t(M) * N;
+  for (size_t e = blockIdx.x * size_t(blockDim.x) + threadIdx.x; e < total; e += size_t(gridDim.x) * blockDim.x) {
+    float* c = C + (e / N) * size_t(ldc) + e % N;
+    *c = beta == 0.f ? 0.f : beta * *c;
+  }
+}
+
+__global__ void f32_to_bf16_kernel(__nv_bfloat16* out, const float* in, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16_rn(in[i]);
+}
+
+__global__ void fill_uniform_kernel(float* x, size_t n, uint64_t seed, float lo, float hi) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    // splitmix64 of (seed, i): independent of the launch shape.
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (i + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    x[i] = lo + (hi - lo) * float(z >> 40) * (1.0f / 16777216.0f);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+
+cudaError_t embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D, cudaStream_t st) {
+  if (N <= 0 || D <= 0) return cudaSuccess;
+  embedding_fwd_kernel<<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(out, table, ids, N, D);
+  return cudaGetLastError();
+}
+
+size_t embedding_backward_scratch_bytes(int N) {
+  if (N <= 0) return 0;
+  return 3 * align256(sizeof(int32_t) * size_t(N)) + cub_sort_bytes(N);
+}
+
+cudaError_t embedding_backward(float* dtable, const float* dout, const int32_t* ids, int N, int D, void* scratch,
+                               size_t scratch_bytes, cudaStream_t st) {
+  if (N <= 0 || D <= 0) return cudaSuccess;
+  if (scratch_bytes < embedding_backward_scratch_bytes(N)) return cudaErrorInvalidValue;
+  EmbScratch s = carve_emb(scratch, N);
+  iota_kernel<<<grid_for(size_t(N)), kThreads, 0, st>>>(s.tok_in, N);
+  // Token ids are non-negative, so their int32 bits sort as uint32.
+  cudaError_t e = cub::DeviceRadixSort::SortPairs(s.cub_tmp, s.cub_bytes, reinterpret_cast<const uint32_t*>(ids),
+                                                  s.keys_out, s.tok_in, s.tok_out, N, 0, 32, st);
+  if (e != cudaSuccess) return e;
+  embedding_bwd_segments<<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(dtable, dout, s.keys_out,
+                                                                                s.tok_out, N, D);
+  return cudaGetLastError();
+}
+
+cudaError_t rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps,
+                            cudaStream_t st) {
+  if (N <= 0) return cudaSuccess;
+  rmsnorm_fwd_kernel<<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(y, rstd, x, gain, N, D, eps);
+  return cudaGetLastError();
+}
+
+size_t rmsnorm_backward_scratch_floats(int N, int D) {
+  return size_t((N + kNormRowChunk - 1) / kNormRowChunk) * size_t(D);
+}
+
+cudaError_t rmsnorm_backward(float* dx, float* dgain, const float* dy, const float* x, const float* gain,
+                             const float* rstd, int N, int D, bool accumulate_dx, float* scratch, cudaStream_t st) {
+  if (N <= 0) return cudaSuccess;
+  rmsnorm_bwd_dx_kernel<<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D,
+                                                                              accumulate_dx);
+  if (gain && dgain) {
+    const int nchunks = (N + kNormRowChunk - 1) / kNormRowChunk;
+    dim3 grid(unsigned((D + kThreads - 1) / kThreads), unsigned(nchunks));
+    rmsnorm_dgain_partial<<<grid, kThreads, 0, st>>>(scratch, dy, x, rstd, N, D);
+    rmsnorm_dgain_final<<<unsigned((D + kThreads - 1) / kThreads), kThreads, 0, st>>>(dgain, scratch, nchunks, D);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t rope_apply(float* x, const float* cos_sin, int N_tok, int S, int nheads, int hd, int rot_dims,
+                       float sign, cudaStream_t st) {
+  const int half = rot_dims / 2;
+  if (half <= 0 || N_tok <= 0) return cudaSuccess;
+  rope_kernel<<<grid_for(size_t(N_tok) * nheads * half), kThreads, 0, st>>>(x, cos_sin, N_tok, S, nheads, hd,
+                                                                             half, sign);
+  return cudaGetLastError();
+}
+
+cudaError_t swiglu_forward(float* h, const float* g, const float* u, size_t n, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  swiglu_fwd_kernel<<<grid_for(n), kThreads, 0, st>>>(h, g, u, n);
+  return cudaGetLastError();
+}
+
+cudaError_t swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n,
+                            cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  swiglu_bwd_kernel<<<grid_for(n), kThreads, 0, st>>>(dg, du, dh, g, u, n);
+  return cudaGetLastError();
+}
+
+cudaError_t softmax_xent(float* logits, const int32_t* targets, int N, int V, float z_coef, float grad_scale,
+                         double* row_sums, cudaStream_t st) {
+  if (N <= 0) return cudaSuccess;
+  xent_kernel<true><<<unsigned(N < 65536 ? N : 65536), kXentThreads, 0, st>>>(logits, targets, N, V, z_coef,
+                                                                               grad_scale, nullptr, row_sums);
+  return cudaGetLastError();
+}
+
+cudaError_t softmax_xent_forward(const float* logits, const int32_t* targets, int N, int V, float* losses,
+                                 double* row_sums, cudaStream_t st) {
+  if (N <= 0) return cudaSuccess;
+  xent_kernel<false><<<unsigned(N < 65536 ? N : 65536), kXentThreads, 0, st>>>(
+      const_cast<float*>(logits), targets, N, V, 0.f, 0.f, losses, row_sums);
+  return cudaGetLastError();
+}
+
+cudaError_t reduce_pairs(const double* row_sums, int N, double* sums, cudaStream_t st) {
+  reduce_pairs_kernel<<<1, 1024, 0, st>>>(row_sums, N, sums);
+  return cudaGetLastError();
+}
+
+cudaError_t add_inplace(float* y, const float* x, size_t n, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  add_kernel<<<grid_for(n), kThreads, 0, st>>>(y, x, n);
+  return cudaGetLastError();
+}
+
+cudaError_t scale_inplace(float* x, float s, size_t n, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  scale_kernel<<<grid_for(n), kThreads, 0, st>>>(x, s, n);
+  return cudaGetLastError();
+}
+
+size_t sum_squares_scratch_doubles() { return kSsqBlocks; }
+
+cudaError_t sum_squares(const float* x, size_t n, double* out, double* scratch, cudaStream_t st) {
+  // A fixed grid of kSsqBlocks blocks (not sized to n or to the device) fixes the summation order.
+  ssq_partial_kernel<<<kSsqBlocks, kThreads, 0, st>>>(x, n, scratch);
+  ssq_final_kernel<<<1, kSsqBlocks, 0, st>>>(scratch, kSsqBlocks, out);
+  return cudaGetLastError();
+}
+
+cudaError_t adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2,
+                         float eps, float wd, float bc1, float bc2, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  adamw_kernel<<<grid_for(n), kThreads, 0, st>>>(p, g, m, v, n, lr, b1, b2, eps, wd, 1.f / bc1, 1.f / bc2);
+  return cudaGetLastError();
+}
+
+cudaError_t scale_matrix(float* C, int M, int N, int ldc, float beta, cudaStream_t st) {
+  if (M <= 0 || N <= 0) return cudaSuccess;
+  scale_matrix_kernel<<<grid_for(size_t(M) * N), kThreads, 0, st>>>(C, M, N, ldc, beta);
+  return cudaGetLastError();
+}
+
+cudaError_t fill_uniform(float* x, size_t n, uint64_t seed, float lo, float hi, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  fill_uniform_kernel<<<grid_for(n), kThreads, 0, st>>>(x, n, seed, lo, hi);
+  return cudaGetLastError();
+}
+
+cudaError_t probe_kernel_attributes(cudaFuncAttributes* attr) { return cudaFuncGetAttributes(attr, add_kernel); }
+
+cudaError_t f32_to_bf16(uint16_t* out, const float* in, size_t n, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  f32_to_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(out), in, n);
+  return cudaGetLastError();
+}
+
+}  // namespace ladder::cuda::k

@@ -1,0 +1,448 @@
+// Every CUDA op against the CPU kernels (backend/cpu/kernels.h, float) on fresh random inputs.
+// Outputs are poisoned with NaN first (every byte 0xFF) so an element a kernel never writes fails
+// the comparison. Error measure: ||gpu - cpu|| / ||cpu|| over the whole output.
+// Tolerances: kF32 = 5e-6 for fp32 paths (observed values are printed as "[ rel err ]" lines so the
+// GPU session can record them); kTF32 = 5e-3 for TF32 GEMMs (10-bit mantissa inputs).
+// Without a GPU each test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/device_memory.h"
+#include "core/error.h"
+#include "model/config.h"
+
+namespace ladder {
+namespace {
+
+using cuda::DeviceBuffer;
+
+constexpr double kF32 = 5e-6;
+constexpr double kTF32 = 5e-3;
+
+class CudaKernels : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    reason_ = cuda::device_unavailable_reason();
+    if (reason_.empty()) be_ = cuda::make_backend().release();
+  }
+  static void TearDownTestSuite() {
+    delete be_;
+    be_ = nullptr;
+  }
+  void SetUp() override {
+    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
+    const uint64_t seed = std::random_device{}();
+    rng_.seed(seed);
+    RecordProperty("seed", std::to_string(seed));
+    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
+  }
+
+  cuda::CudaBackend& be() { return *be_; }
+
+  std::vector<float> randv(size_t n, float lo = -1.f, float hi = 1.f) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng_);
+    return v;
+  }
+  std::vector<int32_t> randi(size_t n, int hi) {
+    std::uniform_int_distribution<int> d(0, hi - 1);
+    std::vector<int32_t> v(n);
+    for (auto& x : v) x = d(rng_);
+    return v;
+  }
+  template <class T>
+  DeviceBuffer<T> up(const std::vector<T>& h) {
+    DeviceBuffer<T> d(h.size() ? h.size() : 1);
+    d.upload(h);
+    return d;
+  }
+  DeviceBuffer<float> poisoned(size_t n) {
+    DeviceBuffer<float> d(n ? n : 1);
+    d.poison();
+    return d;
+  }
+  std::vector<float> down(const DeviceBuffer<float>& d, size_t n) {
+    be().synchronize();
+    std::vector<float> h = d.download();
+    h.resize(n);
+    return h;
+  }
+
+  // Fails on any non-finite GPU value where the CPU value is finite, then on the relative error.
+  static double check(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol, const char* what) {
+    EXPECT_EQ(gpu.size(), cpu.size()) << what;
+    size_t bad = 0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      if (!std::isfinite(gpu[i]) && std::isfinite(cpu[i])) {
+        if (bad++ < 3) ADD_FAILURE() << what << ": element " << i << " is " << gpu[i] << " (cpu " << cpu[i] << ")";
+        continue;
+      }
+      const double d = double(gpu[i]) - double(cpu[i]);
+      num += d * d;
+      den += double(cpu[i]) * double(cpu[i]);
+    }
+    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not written or not finite";
+    const double rel = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+    std::printf("[ rel err  ] %-28s %.3e (tol %.0e)\n", what, rel, tol);
+    EXPECT_LE(rel, tol) << what;
+    return rel;
+  }
+
+  static inline std::string reason_;
+  static inline cuda::CudaBackend* be_ = nullptr;
+  std::mt19937_64 rng_;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+struct GemmCase {
+  bool ta, tb;
+  int M, N, K, pad;
+  float alpha, beta;
+  int offset;  // floats: a view that is not 256-byte aligned
+};
+
+TEST_F(CudaKernels, GemmFp32AllTransposes) {
+  const GemmCase cases[] = {
+      {false, false, 67, 45, 33, 0, 0.7f, 0.f, 0},  {true, false, 67, 45, 33, 3, 1.f, 0.5f, 0},
+      {false, true, 67, 45, 33, 5, -1.3f, 0.f, 1},  {true, true, 67, 45, 33, 0, 1.f, 1.f, 3},
+      {false, true, 256, 384, 512, 0, 1.f, 0.f, 0}, {true, false, 128, 96, 1024, 16, 0.25f, 1.f, 2},
+      {false, false, 5, 7, 0, 0, 1.f, 0.5f, 0},     {false, false, 5, 7, 0, 0, 1.f, 0.f, 0},
+  };
+  for (const auto& c : cases) {
+    const std::string what = fmt::format("gemm ta={} tb={} {}x{}x{} b={} off={}", int(c.ta), int(c.tb), c.M, c.N,
+                                         c.K, c.beta, c.offset);
+    SCOPED_TRACE(what);
+    // Leading dimensions at least 1 (BLAS rejects 0, which K = 0 would give).
+    const int lda = std::max(1, (c.ta ? c.M : c.K) + c.pad), ldb = std::max(1, (c.tb ? c.K : c.N) + c.pad),
+              ldc = c.N + c.pad;
+    const int arows = c.ta ? c.K : c.M, brows = c.tb ? c.N : c.K;
+    const size_t na = size_t(arows) * lda + c.offset, nb = size_t(brows) * ldb + c.offset,
+                 nc = size_t(c.M) * ldc + c.offset;
+    auto A = randv(na), B = randv(nb), C = randv(nc);
+    auto dA = up(A), dB = up(B);
+    DeviceBuffer<float> dC(nc);
+    if (c.beta == 0.f) {
+      dC.poison();  // beta = 0 must not read C
+    } else {
+      dC.upload(C);
+    }
+    be().gemm(c.ta, c.tb, c.M, c.N, c.K, c.alpha, dA.data() + c.offset, lda, dB.data() + c.offset, ldb, c.beta,
+              dC.data() + c.offset, ldc);
+    auto got = down(dC, nc);
+    std::vector<float> ref = C;
+    cpu::gemm<float>(c.ta, c.tb, c.M, c.N, c.K, c.alpha, A.data() + c.offset, lda, B.data() + c.offset, ldb, c.beta,
+                     ref.data() + c.offset, ldc);
+    // Compare the M x N block only (padding columns are not part of the output).
+    std::vector<float> g, r;
+    for (int i = 0; i < c.M; ++i)
+      for (int j = 0; j < c.N; ++j) {
+        g.push_back(got[c.offset + size_t(i) * ldc + j]);
+        r.push_back(ref[c.offset + size_t(i) * ldc + j]);
+      }
+    check(g, r, kF32, what.c_str());
+  }
+}
+
+TEST_F(CudaKernels, GemmTf32WithinTf32Tolerance) {
+  cuda::CudaOptions o;
+  o.tf32 = true;
+  auto tf = cuda::make_backend(o);
+  EXPECT_EQ(tf->name(), "cuda-tf32");
+  const int M = 192, N = 160, K = 512;
+  auto A = randv(size_t(M) * K), B = randv(size_t(N) * K);
+  auto dA = up(A), dB = up(B);
+  auto dC = poisoned(size_t(M) * N);
+  tf->gemm(false, true, M, N, K, 1.f, dA.data(), K, dB.data(), K, 0.f, dC.data(), N);
+  tf->synchronize();
+  auto got = dC.download();
+  std::vector<float> ref(size_t(M) * N);
+  cpu::gemm<float>(false, true, M, N, K, 1.f, A.data(), K, B.data(), K, 0.f, ref.data(), N);
+  const double rel = check(got, ref, kTF32, "gemm tf32 192x160x512");
+  // TF32 must actually be in use: fp32-exact results would mean the option is ignored.
+  EXPECT_GT(rel, 1e-6) << "TF32 gemm is as exact as fp32: the TF32 compute type is not in effect";
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST_F(CudaKernels, EmbeddingForwardBackward) {
+  const int V = 97, D = 70, N = 300;
+  auto table = randv(size_t(V) * D);
+  auto ids = randi(N, 13);  // many repeats: the backward's run-length grouping is exercised
+  ids[0] = V - 1;
+  auto dtable0 = randv(size_t(V) * D), dout = randv(size_t(N) * D);
+  auto d_table = up(table), d_dout = up(dout);
+  auto d_ids = up(ids);
+  auto d_out = poisoned(size_t(N) * D);
+  be().embedding_forward(d_out.data(), d_table.data(), d_ids.data(), N, D);
+  std::vector<float> ref(size_t(N) * D);
+  cpu::embedding_forward<float>(ref.data(), table.data(), ids.data(), N, D);
+  check(down(d_out, ref.size()), ref, 0.0, "embedding_forward");
+
+  std::vector<float> dref = dtable0;
+  cpu::embedding_backward<float>(dref.data(), dout.data(), ids.data(), N, D);
+  std::vector<float> first;
+  for (int rep = 0; rep < 2; ++rep) {
+    auto d_dtable = up(dtable0);  // accumulates (+=): start from random values, not zeros
+    be().embedding_backward(d_dtable.data(), d_dout.data(), d_ids.data(), N, D);
+    auto got = down(d_dtable, dref.size());
+    check(got, dref, kF32, "embedding_backward");
+    if (rep == 0) first = got;
+    else EXPECT_EQ(got, first) << "embedding_backward is not bitwise reproducible";
+  }
+}
+
+TEST_F(CudaKernels, RmsNormForwardBackward) {
+  for (bool with_gain : {true, false}) {
+    for (bool acc : {false, true}) {
+      const int N = 300, D = 257;
+      SCOPED_TRACE(fmt::format("gain={} accumulate_dx={}", with_gain, acc));
+      auto x = randv(size_t(N) * D, -2.f, 2.f), gain = randv(D, 0.5f, 1.5f), dy = randv(size_t(N) * D);
+      auto dx0 = randv(size_t(N) * D), dgain0 = randv(D);
+      auto d_x = up(x), d_gain = up(gain), d_dy = up(dy);
+      auto d_y = poisoned(size_t(N) * D), d_rstd = poisoned(N);
+      const float* g = with_gain ? d_gain.data() : nullptr;
+      be().rmsnorm_forward(d_y.data(), d_rstd.data(), d_x.data(), g, N, D, 1e-6f);
+      std::vector<float> y(size_t(N) * D), rstd(N);
+      cpu::rmsnorm_forward<float>(y.data(), rstd.data(), x.data(), with_gain ? gain.data() : nullptr, N, D, 1e-6f);
+      check(down(d_y, y.size()), y, kF32, "rmsnorm_forward y");
+      check(down(d_rstd, rstd.size()), rstd, kF32, "rmsnorm_forward rstd");
+
+      DeviceBuffer<float> d_dx(size_t(N) * D);
+      if (acc) d_dx.upload(dx0);
+      else d_dx.poison();
+      auto d_dgain = up(dgain0);
+      be().rmsnorm_backward(d_dx.data(), with_gain ? d_dgain.data() : nullptr, d_dy.data(), d_x.data(), g,
+                            d_rstd.data(), N, D, acc);
+      std::vector<float> dx = dx0, dgain = dgain0;
+      cpu::rmsnorm_backward<float>(dx.data(), with_gain ? dgain.data() : nullptr, dy.data(), x.data(),
+                                   with_gain ? gain.data() : nullptr, rstd.data(), N, D, acc);
+      check(down(d_dx, dx.size()), dx, kF32, "rmsnorm_backward dx");
+      check(down(d_dgain, dgain.size()), dgain, kF32, "rmsnorm_backward dgain");
+    }
+  }
+}
+
+TEST_F(CudaKernels, RopeForwardBackward) {
+  const int B = 2, S = 37, nh = 3, hd = 16;
+  for (int rot : {16, 8}) {
+    SCOPED_TRACE(fmt::format("rot_dims={}", rot));
+    auto x = randv(size_t(B) * S * nh * hd);
+    auto d_x = up(x);
+    be().rope_forward(d_x.data(), B * S, S, nh, hd, rot, 10000.f);
+    std::vector<float> ref = x;
+    cpu::rope_forward<float>(ref.data(), B * S, S, nh, hd, rot, 10000.f);
+    check(down(d_x, ref.size()), ref, kF32, "rope_forward");
+    be().rope_backward(d_x.data(), B * S, S, nh, hd, rot, 10000.f);
+    cpu::rope_backward<float>(ref.data(), B * S, S, nh, hd, rot, 10000.f);
+    check(down(d_x, ref.size()), ref, kF32, "rope_backward");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST_F(CudaKernels, AttentionForwardBackward) {
+  struct Case {
+    int B, S, H, KV, hd, window;
+  };
+  const Case cases[] = {
+      {2, 77, 4, 2, 64, 0}, {1, 130, 6, 2, 32, 17}, {1, 65, 2, 1, 128, 0},
+      {1, 50, 4, 4, 48, 0}, {2, 33, 2, 1, 16, 5},   {1, 200, 2, 2, 64, 64},
+  };
+  for (const auto& c : cases) {
+    const std::string what = fmt::format("B={} S={} H={} KV={} hd={} W={}", c.B, c.S, c.H, c.KV, c.hd, c.window);
+    SCOPED_TRACE(what);
+    const AttnShape s{c.B, c.S, c.H, c.KV, c.hd, c.window, 1.0 / std::sqrt(double(c.hd))};
+    const size_t nq = size_t(c.B) * c.S * c.H * c.hd, nk = size_t(c.B) * c.S * c.KV * c.hd,
+                 nl = size_t(c.B) * c.H * c.S;
+    auto q = randv(nq, -2.f, 2.f), k = randv(nk, -2.f, 2.f), v = randv(nk), dout = randv(nq);
+    auto d_q = up(q), d_k = up(k), d_v = up(v), d_dout = up(dout);
+    auto d_o = poisoned(nq), d_lse = poisoned(nl);
+    be().attention_forward(d_o.data(), d_lse.data(), d_q.data(), d_k.data(), d_v.data(), s);
+    std::vector<float> o(nq), lse(nl);
+    cpu::attention_forward<float>(o.data(), lse.data(), q.data(), k.data(), v.data(), s);
+    check(down(d_o, nq), o, kF32, ("attn fwd o " + what).c_str());
+    check(down(d_lse, nl), lse, kF32, ("attn fwd lse " + what).c_str());
+
+    std::vector<float> dq(nq), dk(nk), dv(nk);
+    cpu::attention_backward<float>(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                                   o.data(), lse.data(), s);
+    std::vector<float> first;
+    for (int rep = 0; rep < 2; ++rep) {
+      auto d_dq = poisoned(nq), d_dk = poisoned(nk), d_dv = poisoned(nk);
+      be().attention_backward(d_dq.data(), d_dk.data(), d_dv.data(), d_dout.data(), d_q.data(), d_k.data(),
+                              d_v.data(), d_o.data(), d_lse.data(), s);
+      auto gq = down(d_dq, nq);
+      check(gq, dq, kF32, ("attn bwd dq " + what).c_str());
+      check(down(d_dk, nk), dk, kF32, ("attn bwd dk " + what).c_str());
+      check(down(d_dv, nk), dv, kF32, ("attn bwd dv " + what).c_str());
+      if (rep == 0) first = gq;
+      else EXPECT_EQ(gq, first) << "attention_backward is not bitwise reproducible";
+    }
+  }
+}
+
+TEST_F(CudaKernels, AttentionRejectsHeadDimAbove128) {
+  const AttnShape s{1, 4, 1, 1, 160, 0, 0.1};
+  DeviceBuffer<float> q(4 * 160), o(4 * 160), lse(4);
+  try {
+    be().attention_forward(o.data(), lse.data(), q.data(), q.data(), q.data(), s);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos) << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST_F(CudaKernels, SwigluForwardBackward) {
+  const size_t n = 10007;
+  auto g = randv(n, -4.f, 4.f), u = randv(n), dh = randv(n);
+  auto d_g = up(g), d_u = up(u), d_dh = up(dh);
+  auto d_h = poisoned(n), d_dg = poisoned(n), d_du = poisoned(n);
+  be().swiglu_forward(d_h.data(), d_g.data(), d_u.data(), n);
+  be().swiglu_backward(d_dg.data(), d_du.data(), d_dh.data(), d_g.data(), d_u.data(), n);
+  std::vector<float> h(n), dg(n), du(n);
+  cpu::swiglu_forward<float>(h.data(), g.data(), u.data(), n);
+  cpu::swiglu_backward<float>(dg.data(), du.data(), dh.data(), g.data(), u.data(), n);
+  check(down(d_h, n), h, kF32, "swiglu_forward");
+  check(down(d_dg, n), dg, kF32, "swiglu_backward dg");
+  check(down(d_du, n), du, kF32, "swiglu_backward du");
+}
+
+TEST_F(CudaKernels, SoftmaxXentWithZLoss) {
+  for (int V : {1000, 50257}) {
+    const int N = 37;
+    SCOPED_TRACE(fmt::format("V={}", V));
+    auto logits = randv(size_t(N) * V, -4.f, 4.f);
+    auto tgt = randi(N, V);
+    const float z = 1e-4f, gs = 1.f / N;
+    auto d_t = up(tgt);
+
+    // Forward only, per-row losses poisoned first.
+    auto d_logits = up(logits);
+    auto d_losses = poisoned(N);
+    const XentSums fs = be().softmax_xent_forward(d_logits.data(), d_t.data(), N, V, d_losses.data());
+    std::vector<float> losses(N);
+    const XentSums fr = cpu::softmax_xent_forward<float>(logits.data(), tgt.data(), N, V, losses.data());
+    check(down(d_losses, N), losses, kF32, "softmax_xent_forward losses");
+    EXPECT_NEAR(fs.xent, fr.xent, 1e-6 * std::abs(fr.xent));
+    EXPECT_NEAR(fs.lse_sq, fr.lse_sq, 1e-6 * std::abs(fr.lse_sq));
+
+    // Fused, in place, synchronous sums.
+    const XentSums gsum = be().softmax_xent(d_logits.data(), d_t.data(), N, V, z, gs);
+    std::vector<float> ref = logits;
+    const XentSums rsum = cpu::softmax_xent<float>(ref.data(), tgt.data(), N, V, z, gs);
+    check(down(d_logits, ref.size()), ref, kF32, "softmax_xent grad");
+    std::printf("[ rel err  ] %-28s %.3e %.3e\n", "softmax_xent sums", std::abs(gsum.xent - rsum.xent) / rsum.xent,
+                std::abs(gsum.lse_sq - rsum.lse_sq) / rsum.lse_sq);
+    EXPECT_NEAR(gsum.xent, rsum.xent, 1e-6 * std::abs(rsum.xent));
+    EXPECT_NEAR(gsum.lse_sq, rsum.lse_sq, 1e-6 * std::abs(rsum.lse_sq));
+
+    // Asynchronous sums land in device memory and equal the synchronous ones bitwise.
+    auto d_logits2 = up(logits);
+    DeviceBuffer<double> d_sums(2);
+    d_sums.poison();
+    be().softmax_xent_async(d_logits2.data(), d_t.data(), N, V, z, gs, d_sums.data());
+    be().synchronize();
+    auto hs = d_sums.download();
+    EXPECT_EQ(hs[0], gsum.xent);
+    EXPECT_EQ(hs[1], gsum.lse_sq);
+  }
+}
+
+TEST_F(CudaKernels, VectorHelpersAndAdamW) {
+  const size_t n = 100003;
+  auto x = randv(n), y = randv(n);
+  auto d_x = up(x), d_y = up(y);
+  be().add_inplace(d_y.data(), d_x.data(), n);
+  cpu::add_inplace<float>(y.data(), x.data(), n);
+  check(down(d_y, n), y, 0.0, "add_inplace");
+  be().scale_inplace(d_y.data(), -0.37f, n);
+  cpu::scale_inplace<float>(y.data(), -0.37f, n);
+  check(down(d_y, n), y, 0.0, "scale_inplace");
+  const double ss = be().sum_squares(d_y.data(), n), sr = cpu::sum_squares<float>(y.data(), n);
+  EXPECT_NEAR(ss, sr, 1e-12 * sr);
+  DeviceBuffer<double> d_out(1);
+  d_out.poison();
+  be().sum_squares_async(d_y.data(), n, d_out.data());
+  be().synchronize();
+  EXPECT_EQ(d_out.download()[0], ss);
+
+  auto p = randv(n), g = randv(n), m = randv(n, -0.1f, 0.1f), v = randv(n, 0.f, 0.01f);
+  auto d_p = up(p), d_g = up(g), d_m = up(m), d_v = up(v);
+  be().adamw_update(d_p.data(), d_g.data(), d_m.data(), d_v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.19f,
+                    0.0975f);
+  cpu::adamw_update<float>(p.data(), g.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.19f,
+                           0.0975f);
+  check(down(d_p, n), p, kF32, "adamw p");
+  check(down(d_m, n), m, kF32, "adamw m");
+  check(down(d_v, n), v, kF32, "adamw v");
+}
+
+TEST_F(CudaKernels, OutOfMemoryIsOneLine) {
+  try {
+    DeviceBuffer<float> huge(size_t(1) << 45, "test tensor");  // 128 TiB
+    FAIL() << "expected an out-of-memory error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("out of device memory"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("test tensor"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  // The device stays usable afterwards.
+  DeviceBuffer<float> small(16);
+  small.poison();
+  be().synchronize();
+}
+
+// ---------------------------------------------------------------------------------------------
+// These run with or without a GPU.
+
+TEST(CudaProbe, ClearLineWithoutUsableDevice) {
+  const std::string reason = cuda::device_unavailable_reason();
+  if (reason.empty()) {
+    EXPECT_NO_THROW(make_cuda_backend());
+    return;
+  }
+  std::printf("[ probe    ] %s\n", reason.c_str());
+  EXPECT_EQ(reason.rfind("--device cuda: ", 0), 0u) << reason;
+  EXPECT_EQ(reason.find('\n'), std::string::npos) << reason;
+  try {
+    make_cuda_backend();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), reason);
+  }
+  try {
+    check_run_device("cuda");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), reason);
+  }
+}
+
+TEST(CudaProbe, CudaBuildAcceptsRunDeviceCuda) {
+  Config c;
+  c.model.vocab_size = 256;
+  c.run.device = "cuda";
+  EXPECT_NO_THROW(validate(c));
+  c.run.device = "tpu";
+  EXPECT_THROW(validate(c), Error);
+  // The model is not on device memory yet: check_run_device refuses cuda even with a GPU.
+  EXPECT_THROW(check_run_device("cuda"), Error);
+  EXPECT_NO_THROW(check_run_device("cpu"));
+}
+
+}  // namespace
+}  // namespace ladder

@@ -1,0 +1,50 @@
+// run.device and --device cuda in a build without CUDA: one clear line each (issue 6, bad input).
+// The CUDA build's own checks are in tests/cuda/test_cuda_kernels.cpp (CudaProbe).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "model/config.h"
+
+namespace ladder {
+namespace {
+
+std::string error_of(auto fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Device, CpuIsAcceptedAndUnknownDevicesAreNamed) {
+  Config c;
+  c.model.vocab_size = 256;
+  EXPECT_NO_THROW(validate(c));
+  EXPECT_NO_THROW(check_run_device("cpu"));
+  c.run.device = "tpu";
+  const std::string e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("run.device 'tpu'"), std::string::npos) << e;
+  EXPECT_NE(error_of([] { check_run_device("tpu"); }).find("'tpu'"), std::string::npos);
+}
+
+#ifndef LADDER_HAVE_CUDA
+TEST(Device, CudaWithoutCudaBuildIsOneClearLine) {
+  Config c;
+  c.model.vocab_size = 256;
+  c.run.device = "cuda";
+  const std::string e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("run.device 'cuda': this build lacks CUDA"), std::string::npos) << e;
+  EXPECT_NE(e.find("-DLADDER_CUDA=ON"), std::string::npos) << e;
+  const std::string b = error_of([] { make_cuda_backend(); });
+  EXPECT_EQ(b.rfind("--device cuda: this build has no CUDA backend", 0), 0u) << b;
+  EXPECT_EQ(b.find('\n'), std::string::npos) << b;
+  EXPECT_EQ(error_of([] { check_run_device("cuda"); }), b);
+}
+#endif
+
+}  // namespace
+}  // namespace ladder
