@@ -10,6 +10,7 @@ PKGS=(
   libcli11-dev libfmt-dev libzstd-dev zstd libxxhash-dev zlib1g-dev libsqlite3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-numpy
+  chromium                       # the report test renders the HTML headless
   bible-kjv bible-kjv-text fortunes fortunes-min jargon-text wordnet-base
 )
 missing=()

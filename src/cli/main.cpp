@@ -1,4 +1,4 @@
-// `ladder`: the one command. Verbs: data, train, sample, bench, config-doc.
+// `ladder`: the one command. Verbs: data, train, sample, bench, config-doc, sweep, report.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "data/prepare.h"
+#include "ladder/cli.h"
 #include "model/config.h"
 #include "optim/optimizer.h"
 #include "train/bench.h"
@@ -70,6 +71,23 @@ int main(int argc, char** argv) {
   std::string bench_device;
   be->add_option("--device", bench_device, "cpu | cuda (same as --set run.device=...)");
 
+  // ladder sweep / ladder report (src/ladder/)
+  auto* sw = app.add_subcommand("sweep", "plan and run a ladder spec (resumable; --list for a cluster scheduler)");
+  SweepOptions swopt;
+  sw->add_option("spec", swopt.spec_file, "ladder spec YAML (e.g. configs/ladders/dense-smoke.yaml)")->required();
+  sw->add_option("--out", swopt.out, "results directory (shared by every worker)")->required();
+  sw->add_flag("--list", swopt.list, "print one shell command per run, then stop");
+  sw->add_flag("--dry-run", swopt.dry_run, "print the plan, then stop");
+  sw->add_option("--only", swopt.only, "run only these run ids (repeatable)");
+  sw->add_flag("--verbose", swopt.verbose, "show each run's training progress");
+  auto* rp = app.add_subcommand("report", "speedup tables, fitted laws, plots and HTML from a results directory");
+  ReportOptions rpopt;
+  rp->add_option("dir", rpopt.dir, "results directory written by `ladder sweep`")->required();
+  rp->add_option("--out", rpopt.out, "output directory (default DIR/report)");
+  rp->add_option("--E", rpopt.E, "Marin's method: fixed E (default: the spec's report.E)");
+  rp->add_option("--alpha", rpopt.alpha, "Marin's method: fixed alpha (default: the spec's report.alpha)");
+  rp->add_option("--bootstrap", rpopt.bootstrap, "bootstrap resamples over seeds (default: the spec's)");
+
   auto* doc = app.add_subcommand("config-doc", "print every config key, its type, default and meaning (Markdown)");
 
   try {
@@ -132,6 +150,10 @@ int main(int argc, char** argv) {
           fmt::print("PyTorch     {:.0f} tokens/s on the same model -> Ladder is {:.2f}x\n",
                      j["torch_tokens_per_s"].get<double>(), j["speedup_vs_torch"].get<double>());
       }
+    } else if (sw->parsed()) {
+      return sweep_cli(swopt);
+    } else if (rp->parsed()) {
+      return report_cli(rpopt);
     } else if (doc->parsed()) {
       std::cout << schema_markdown();
     }

@@ -1,0 +1,48 @@
+// Scaling-law fits and the speedup formulas (RECIPE.md section 4).
+//
+// The law is loss(C) = E + A * C^-alpha, C the run's compute (3 x forward FLOPs without the LM head x
+// tokens, src/model/flops.h). Two ways to read a speedup of a variant over its baseline:
+//  - Marin's: E and alpha fixed, A refit through the baseline's point at one scale; the compute the
+//    baseline would need to reach the variant's loss, over the variant's compute.
+//  - Ladder's: a law fitted per variant over the whole ladder (every scale and seed); the speedup at a
+//    scale is read at equal loss: the baseline law's compute for the loss the variant's law gives at
+//    the variant's compute, over that compute.
+#pragma once
+#include <vector>
+
+namespace ladder {
+
+struct PowerLaw {
+  double E = 0, A = 0, alpha = 0;
+  // Which parameters were fitted (the others were held at the given values).
+  bool fit_E = false, fit_alpha = false;
+  double rmse = 0;  // root-mean-square residual in loss units over the fitted points
+  int n_points = 0;
+  double loss(double C) const;
+  // Compute at which the law reaches `loss`; +inf when loss <= E (unreachable), NaN when the law is
+  // not decreasing (alpha <= 0 or A <= 0).
+  double compute_for(double loss) const;
+};
+
+struct LawPoint {
+  double C = 0, loss = 0;
+};
+
+// Fits E + A*C^-alpha by nonlinear least squares in loss units. Free parameters depend on how many
+// distinct compute values there are: >= 3: E, A, alpha; 2: A and E (alpha held at alpha0); 1: A only
+// (E0, alpha0 held). E is kept in [0, min loss). Method: a grid over E with a linear fit of
+// log(loss - E) against log C at each grid point (a global search that needs no starting guess), then
+// Levenberg-Marquardt on the loss-space residuals from the best grid point.
+PowerLaw fit_power_law(const std::vector<LawPoint>& pts, double E0, double alpha0);
+
+// Marin's method at one scale: A refit through the baseline's point (C_base, L_base) with E, alpha
+// fixed; C_needed = (A / (L_variant - E))^(1/alpha); theoretical = C_needed / C_variant.
+// +inf when L_variant <= E.
+double marin_theoretical_speedup(double C_base, double L_base, double C_variant, double L_variant, double E,
+                                 double alpha);
+// realized = theoretical * tokens_per_s(variant) / tokens_per_s(baseline)
+double realized_speedup(double theoretical, double tps_variant, double tps_base);
+// Ladder's: the baseline law's compute for the loss the variant's law predicts at C_variant, over C_variant.
+double law_speedup(const PowerLaw& base, const PowerLaw& variant, double C_variant);
+
+}  // namespace ladder

@@ -1,0 +1,570 @@
+#include "ladder/report.h"
+
+#include <algorithm>
+#include <array>
+#include <map>
+#include <set>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/rng.h"
+#include "ladder/store.h"
+#include "ladder/svg.h"
+#include "train/metrics.h"
+
+namespace fs = std::filesystem;
+
+namespace ladder {
+
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+struct Obs {
+  double C, L, tps;
+};
+// variant -> width -> one observation per seed
+using Cells = std::map<std::string, std::map<int, std::vector<Obs>>>;
+
+struct Mean {
+  double C = kNaN, L = kNaN, tps = kNaN;
+  int n = 0;
+};
+Mean mean_of(const std::vector<Obs>& v) {
+  Mean m;
+  if (v.empty()) return m;
+  m.C = m.L = m.tps = 0;
+  for (auto& o : v) m.C += o.C, m.L += o.L, m.tps += o.tps;
+  m.n = int(v.size());
+  m.C /= m.n, m.L /= m.n, m.tps /= m.n;
+  return m;
+}
+
+struct VariantInfo {
+  std::string baseline;
+  std::vector<std::string> stacks;
+};
+
+// Point estimates of one data set (the real one or a bootstrap resample): per variant its law and,
+// per width, {Marin theoretical, Marin realized, law theoretical, law realized}.
+struct Estimates {
+  std::map<std::string, PowerLaw> laws;
+  std::map<std::string, bool> law_ok;
+  std::map<std::string, std::map<int, std::array<double, 4>>> sp;
+};
+
+Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>& info, double E, double alpha) {
+  Estimates est;
+  for (auto& [v, byd] : cells) {
+    std::vector<LawPoint> pts;
+    for (auto& [d, obs] : byd)
+      for (auto& o : obs) pts.push_back({o.C, o.L});
+    try {
+      est.laws[v] = fit_power_law(pts, E, alpha);
+      est.law_ok[v] = est.laws[v].alpha > 0 && est.laws[v].A > 0;
+    } catch (const Error&) {
+      est.law_ok[v] = false;
+    }
+  }
+  for (auto& [v, byd] : cells) {
+    const auto& b = info.at(v).baseline;
+    if (b.empty()) continue;
+    for (auto& [d, obs] : byd) {
+      std::array<double, 4> s = {kNaN, kNaN, kNaN, kNaN};
+      auto bit = cells.find(b);
+      if (bit != cells.end() && bit->second.count(d)) {
+        Mean mv = mean_of(obs), mb = mean_of(bit->second.at(d));
+        s[0] = marin_theoretical_speedup(mb.C, mb.L, mv.C, mv.L, E, alpha);
+        s[1] = realized_speedup(s[0], mv.tps, mb.tps);
+        if (est.law_ok[v] && est.law_ok[b]) {
+          s[2] = law_speedup(est.laws[b], est.laws[v], mv.C);
+          s[3] = realized_speedup(s[2], mv.tps, mb.tps);
+        }
+      }
+      est.sp[v][d] = s;
+    }
+  }
+  return est;
+}
+
+// Percentile (q in [0,1]) of the non-NaN values; +inf sorts last.
+double percentile(std::vector<double> v, double q) {
+  std::erase_if(v, [](double x) { return std::isnan(x); });
+  if (v.empty()) return kNaN;
+  std::sort(v.begin(), v.end());
+  double pos = q * double(v.size() - 1);
+  size_t i = size_t(pos);
+  double f = pos - double(i);
+  if (i + 1 >= v.size()) return v.back();
+  if (std::isinf(v[i]) || std::isinf(v[i + 1])) return f < 0.5 ? v[i] : v[i + 1];
+  return v[i] * (1 - f) + v[i + 1] * f;
+}
+
+std::string gate(const std::vector<double>& xs) {
+  if (xs.empty()) return "n/a";
+  for (double x : xs)
+    if (std::isnan(x)) return "n/a";
+  for (double x : xs)
+    if (!(x > 1)) return "FAIL";
+  return "pass";
+}
+
+std::string sci(double v) { return fmt::format("{:.3g}", v); }
+
+std::string html_escape(const std::string& s) { return svg::escape(s); }
+
+}  // namespace
+
+std::string format_speedup(double x) {
+  if (std::isnan(x)) return "n/a";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  return fmt::format("{:.2f}x", x);
+}
+
+std::string format_cell(const SpeedupCell& c, bool law, bool with_interval) {
+  if (c.n_variant == 0) return "-";
+  const Interval& t = law ? c.law_theo : c.marin_theo;
+  const Interval& r = law ? c.law_real : c.marin_real;
+  std::string s = fmt::format("{} ({})", format_speedup(t.value), format_speedup(r.value));
+  if (with_interval && !std::isnan(t.lo))
+    s += fmt::format(" [{}-{}]", format_speedup(t.lo), format_speedup(t.hi));
+  return s;
+}
+
+Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha, int bootstrap,
+                      uint64_t seed, const std::vector<std::string>& order) {
+  Report rep;
+  rep.E = E;
+  rep.alpha = alpha;
+  rep.bootstrap = bootstrap;
+  rep.results = results;
+  Cells cells;
+  std::map<std::string, VariantInfo> info;
+  std::set<int> scales;
+  std::set<std::string> revs;
+  for (auto& r : results) {
+    std::string v = r.at("variant");
+    int d = r.at("d");
+    info[v] = {r.value("baseline", ""), r.value("stacks", std::vector<std::string>{})};
+    cells[v][d].push_back({r.at("compute").get<double>(), r.at("final_val_loss").get<double>(),
+                           r.at("tokens_per_s").get<double>()});
+    scales.insert(d);
+    revs.insert(r.value("revision", "unknown"));
+  }
+  rep.scales.assign(scales.begin(), scales.end());
+  rep.revisions.assign(revs.begin(), revs.end());
+
+  // Variant order: the spec's when known, else roots first then by name; baselines before dependents.
+  std::vector<std::string> names;
+  for (auto& n : order)
+    if (info.count(n)) names.push_back(n);
+  for (auto& [n, i] : info)
+    if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+  auto depth = [&](std::string n) {
+    int k = 0;
+    while (info.count(n) && !info[n].baseline.empty() && k < 100) n = info[n].baseline, ++k;
+    return k;
+  };
+  std::stable_sort(names.begin(), names.end(), [&](auto& a, auto& b) { return depth(a) < depth(b); });
+
+  Estimates point = evaluate(cells, info, E, alpha);
+
+  // Bootstrap over seeds: every (variant, width) cell resamples its seeds with replacement; laws are
+  // refitted and speedups recomputed on each resample; intervals are the 2.5 and 97.5 percentiles.
+  std::map<std::string, std::map<int, std::array<std::vector<double>, 4>>> samples;
+  for (auto& [v, byd] : cells)
+    for (auto& [d, obs] : byd) rep.intervals |= obs.size() > 1;
+  if (rep.intervals && bootstrap > 0) {
+    Philox rng(seed, 0xB007);
+    uint64_t ctr = 0;
+    for (int b = 0; b < bootstrap; ++b) {
+      Cells rs;
+      for (auto& [v, byd] : cells)
+        for (auto& [d, obs] : byd) {
+          auto& out = rs[v][d];
+          for (size_t i = 0; i < obs.size(); ++i) out.push_back(obs[rng.u64(ctr++) % obs.size()]);
+        }
+      Estimates e = evaluate(rs, info, E, alpha);
+      for (auto& [v, byd] : e.sp)
+        for (auto& [d, s] : byd)
+          for (int k = 0; k < 4; ++k) samples[v][d][k].push_back(s[k]);
+    }
+  }
+
+  for (auto& n : names) {
+    VariantRow row;
+    row.name = n;
+    row.baseline = info[n].baseline;
+    row.stacks = info[n].stacks;
+    row.law = point.laws[n];
+    row.law_ok = point.law_ok[n];
+    std::vector<double> gm, gl, gci;
+    for (int d : rep.scales) {
+      SpeedupCell c;
+      c.d = d;
+      if (cells[n].count(d)) {
+        Mean mv = mean_of(cells[n][d]);
+        c.n_variant = mv.n, c.C = mv.C, c.loss = mv.L, c.tps = mv.tps;
+        if (!row.baseline.empty() && cells.count(row.baseline) && cells[row.baseline].count(d)) {
+          Mean mb = mean_of(cells[row.baseline][d]);
+          c.n_base = mb.n, c.base_C = mb.C, c.base_loss = mb.L, c.base_tps = mb.tps;
+        }
+        if (!row.baseline.empty()) {
+          auto s = point.sp[n][d];
+          Interval* iv[4] = {&c.marin_theo, &c.marin_real, &c.law_theo, &c.law_real};
+          for (int k = 0; k < 4; ++k) {
+            iv[k]->value = s[k];
+            if (samples.count(n) && samples[n].count(d)) {
+              iv[k]->lo = percentile(samples[n][d][k], 0.025);
+              iv[k]->hi = percentile(samples[n][d][k], 0.975);
+            }
+          }
+        }
+      }
+      if (!row.baseline.empty()) {
+        gm.push_back(c.n_variant ? c.marin_theo.value : kNaN);
+        gl.push_back(c.n_variant ? c.law_theo.value : kNaN);
+        gci.push_back(c.n_variant ? c.law_theo.lo : kNaN);
+      }
+      row.cells.push_back(c);
+    }
+    if (!row.baseline.empty()) {
+      row.gate_marin = gate(gm);
+      row.gate_law = gate(gl);
+      row.gate_ci = rep.intervals ? gate(gci) : "n/a";
+    }
+    rep.variants.push_back(std::move(row));
+  }
+  return rep;
+}
+
+namespace {
+
+const VariantRow* find_row(const Report& r, const std::string& n) {
+  for (auto& v : r.variants)
+    if (v.name == n) return &v;
+  return nullptr;
+}
+
+// Per stacked variant and width: {stacked, product of rungs} for Marin's and the law's theoretical speedups.
+struct StackLine {
+  std::string name, rungs;
+  std::vector<std::array<double, 4>> per_scale;  // marin stacked, marin product, law stacked, law product
+};
+std::vector<StackLine> stack_lines(const Report& r) {
+  std::vector<StackLine> out;
+  for (auto& v : r.variants) {
+    if (v.stacks.empty()) continue;
+    StackLine s;
+    s.name = v.name;
+    for (auto& x : v.stacks) s.rungs += (s.rungs.empty() ? "" : " x ") + x;
+    for (size_t i = 0; i < r.scales.size(); ++i) {
+      std::array<double, 4> a = {v.cells[i].marin_theo.value, 1.0, v.cells[i].law_theo.value, 1.0};
+      if (v.cells[i].n_variant == 0) a = {kNaN, kNaN, kNaN, kNaN};
+      for (auto& rung : v.stacks) {
+        const VariantRow* rr = find_row(r, rung);
+        if (!rr || rr->cells[i].n_variant == 0) {
+          a[1] = a[3] = kNaN;
+          continue;
+        }
+        a[1] *= rr->cells[i].marin_theo.value;
+        a[3] *= rr->cells[i].law_theo.value;
+      }
+      s.per_scale.push_back(a);
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+std::string law_text(const VariantRow& v) {
+  if (!v.law_ok) return "no law (fit failed or not decreasing)";
+  return fmt::format("{:.3f} + {:.4g} * C^-{:.4f}", v.law.E, v.law.A, v.law.alpha);
+}
+std::string fitted_text(const PowerLaw& l) {
+  return l.fit_alpha ? "E, A, alpha" : l.fit_E ? "E, A (alpha fixed)" : "A (E, alpha fixed)";
+}
+
+// The tables, as rows of cells, shared by the Markdown and the HTML so both say the same thing.
+struct Table {
+  std::string title, note;
+  std::vector<std::string> head;
+  std::vector<std::vector<std::string>> rows;
+};
+
+std::vector<Table> tables(const Report& r) {
+  std::vector<Table> t;
+  auto scale_head = [&](std::vector<std::string> h) {
+    for (int d : r.scales) h.push_back(fmt::format("d={}", d));
+    return h;
+  };
+  Table marin{"Speedup over baseline, Marin's method: theoretical (realized)",
+              fmt::format("Loss law E + A*C^-alpha with E = {:g}, alpha = {:g} fixed and A refit through the baseline's "
+                          "point at each scale (RECIPE.md section 4); realized = theoretical x tokens/s ratio. Gate: "
+                          "theoretical > 1 at every scale.",
+                          r.E, r.alpha),
+              scale_head({"variant", "vs"}),
+              {}};
+  marin.head.push_back("gate");
+  Table law{"Speedup over baseline, Ladder's fitted laws: theoretical (realized) [95% interval]",
+            r.intervals ? fmt::format("A law E + A*C^-alpha fitted per variant over every scale and seed; speedup read "
+                                      "at equal loss at the variant's compute. Intervals: {} bootstrap resamples of the "
+                                      "seeds of every cell (2.5 and 97.5 percentiles of the theoretical speedup).",
+                                      r.bootstrap)
+                        : "A law E + A*C^-alpha fitted per variant over every scale and seed; speedup read at equal "
+                          "loss at the variant's compute. One seed per cell: no intervals.",
+            scale_head({"variant", "vs"}),
+            {}};
+  law.head.push_back("gate");
+  law.head.push_back("gate (interval > 1)");
+  for (auto& v : r.variants) {
+    if (v.baseline.empty()) continue;
+    std::vector<std::string> a = {v.name, v.baseline}, b = a;
+    for (auto& c : v.cells) {
+      a.push_back(format_cell(c, false, false));
+      b.push_back(format_cell(c, true, true));
+    }
+    a.push_back(v.gate_marin);
+    b.push_back(v.gate_law);
+    b.push_back(v.gate_ci);
+    marin.rows.push_back(a);
+    law.rows.push_back(b);
+  }
+  t.push_back(marin);
+  t.push_back(law);
+
+  auto st = stack_lines(r);
+  if (!st.empty()) {
+    Table s{"Stacked variant vs the product of its rungs (theoretical; Marin's method / fitted laws)",
+            "Each cell: stacked speedup vs the product of the rungs' speedups over the same baseline.",
+            scale_head({"stacked", "rungs"}),
+            {}};
+    for (auto& x : st) {
+      std::vector<std::string> row = {x.name, x.rungs};
+      for (auto& a : x.per_scale)
+        row.push_back(fmt::format("{} vs {} / {} vs {}", format_speedup(a[0]), format_speedup(a[1]),
+                                  format_speedup(a[2]), format_speedup(a[3])));
+      s.rows.push_back(row);
+    }
+    t.push_back(s);
+  }
+
+  Table laws{"Fitted laws (loss = E + A*C^-alpha, C in FLOPs)",
+             "Free parameters depend on the distinct compute values of a variant: 3 or more: E, A, alpha; 2: E, A; 1: A.",
+             {"variant", "law", "fitted", "points", "rmse"},
+             {}};
+  for (auto& v : r.variants)
+    laws.rows.push_back({v.name, law_text(v), fitted_text(v.law), std::to_string(v.law.n_points), fmt::format("{:.4f}", v.law.rmse)});
+  t.push_back(laws);
+
+  Table runs{"Runs", "As stored in results/ (final and best validation loss over the run's evaluations).",
+             {"run", "variant", "d", "seed", "tokens", "C", "C+head", "final val", "best val", "tokens/s", "MFU", "wall", "host", "revision"},
+             {}};
+  for (auto& x : r.results)
+    runs.rows.push_back({x.value("run", ""), x.value("variant", ""), std::to_string(x.value("d", 0)),
+                         std::to_string(x.value("seed", uint64_t(0))), human_count(x.value("tokens", 0.0)),
+                         sci(x.value("compute", 0.0)), sci(x.value("flops_with_head", 0.0)),
+                         fmt::format("{:.4f}", x.value("final_val_loss", kNaN)),
+                         fmt::format("{:.4f}", x.value("best_val_loss", kNaN)),
+                         fmt::format("{:.0f}", x.value("tokens_per_s", 0.0)),
+                         fmt::format("{:.1f}%", 100 * x.value("mfu", 0.0)), format_duration(x.value("wall_s", 0.0)),
+                         x.value("host", ""), x.value("revision", "")});
+  t.push_back(runs);
+  return t;
+}
+
+std::string md_cell(std::string s) {
+  std::string o;
+  for (char c : s) o += c == '|' ? std::string("\\|") : std::string(1, c);
+  return o;
+}
+
+}  // namespace
+
+std::string report_markdown(const Report& r) {
+  std::string o = fmt::format("# Ladder report: {}\n\n{} runs, {} scales (d = {}), code revision(s): {}.\n", r.name,
+                              r.results.size(), r.scales.size(), fmt::join(r.scales, ", "), fmt::join(r.revisions, ", "));
+  for (auto& t : tables(r)) {
+    o += fmt::format("\n## {}\n\n{}\n\n|", t.title, t.note);
+    for (auto& h : t.head) o += fmt::format(" {} |", md_cell(h));
+    o += "\n|";
+    for (size_t i = 0; i < t.head.size(); ++i) o += "---|";
+    o += "\n";
+    for (auto& row : t.rows) {
+      o += "|";
+      for (auto& c : row) o += fmt::format(" {} |", md_cell(c));
+      o += "\n";
+    }
+  }
+  return o;
+}
+
+std::string loss_plot_svg(const Report& r) {
+  const double W = 720, H = 440, L = 70, R = 170, T = 30, B = 50;
+  svg::Canvas c(W, H);
+  double cmin = INFINITY, cmax = 0, lmin = INFINITY, lmax = -INFINITY;
+  for (auto& x : r.results) {
+    double C = x.value("compute", 0.0), l = x.value("final_val_loss", kNaN);
+    if (!(C > 0) || !std::isfinite(l)) continue;
+    cmin = std::min(cmin, C), cmax = std::max(cmax, C), lmin = std::min(lmin, l), lmax = std::max(lmax, l);
+  }
+  c.text(W / 2, 18, "Final validation loss vs compute, with each variant's fitted law", 14, "middle");
+  if (!(cmax > 0)) {
+    c.text(W / 2, H / 2, "no results", 14, "middle");
+    return c.str();
+  }
+  svg::Scale xs{cmin / 1.6, cmax * 1.6, L, W - R, true};
+  double pad = std::max(0.05 * (lmax - lmin), 0.02);
+  svg::Scale ys{lmin - pad, lmax + pad, H - B, T, false};
+  c.rect(L, T, W - R - L, H - B - T, "none", "#999");
+  for (double t : xs.ticks()) {
+    c.line(xs(t), H - B, xs(t), H - B + 5, "#666");
+    c.line(xs(t), T, xs(t), H - B, "#eee");
+    c.text(xs(t), H - B + 18, svg::tick_label(t, true), 11, "middle");
+  }
+  for (double t : ys.ticks()) {
+    c.line(L - 5, ys(t), L, ys(t), "#666");
+    c.line(L, ys(t), W - R, ys(t), "#eee");
+    c.text(L - 8, ys(t) + 4, svg::tick_label(t, false), 11, "end");
+  }
+  c.text((L + W - R) / 2, H - 12, "compute C (FLOPs, 3 x forward without LM head x tokens)", 12, "middle");
+  c.text(18, (T + H - B) / 2, "validation loss", 12, "middle", "#222", -90);
+  for (size_t i = 0; i < r.variants.size(); ++i) {
+    const auto& v = r.variants[i];
+    const auto& col = svg::color(i);
+    if (v.law_ok) {
+      std::vector<std::pair<double, double>> pts;
+      for (int k = 0; k <= 60; ++k) {
+        double C = std::pow(10.0, std::log10(xs.lo) + (std::log10(xs.hi) - std::log10(xs.lo)) * k / 60.0);
+        double l = v.law.loss(C);
+        if (l >= ys.lo && l <= ys.hi) pts.emplace_back(xs(C), ys(l));
+      }
+      c.polyline(pts, col, 1.5);
+    }
+    for (auto& x : r.results)
+      if (x.value("variant", "") == v.name)
+        c.circle(xs(x.value("compute", 0.0)), ys(x.value("final_val_loss", 0.0)), 3.5, col, "white",
+                 fmt::format("{}: C={:.3g}, loss {:.4f}", x.value("run", ""), x.value("compute", 0.0),
+                             x.value("final_val_loss", 0.0)));
+    double ly = T + 14 + 18 * double(i);
+    c.line(W - R + 12, ly - 4, W - R + 32, ly - 4, col, 2);
+    c.circle(W - R + 22, ly - 4, 3.5, col, "white");
+    c.text(W - R + 38, ly, v.name, 12);
+  }
+  return c.str();
+}
+
+std::string speedup_plot_svg(const Report& r) {
+  const double W = 720, H = 420, L = 70, R = 170, T = 30, B = 50;
+  svg::Canvas c(W, H);
+  c.text(W / 2, 18, "Theoretical speedup over baseline per rung and scale", 14, "middle");
+  std::vector<const VariantRow*> rungs;
+  for (auto& v : r.variants)
+    if (!v.baseline.empty()) rungs.push_back(&v);
+  double lo = 0.8, hi = 1.25;
+  auto widen = [&](double x) {
+    if (std::isfinite(x) && x > 0) lo = std::min(lo, x), hi = std::max(hi, x);
+  };
+  for (auto* v : rungs)
+    for (auto& cell : v->cells) {
+      widen(cell.marin_theo.value), widen(cell.law_theo.value), widen(cell.law_theo.lo), widen(cell.law_theo.hi);
+    }
+  if (rungs.empty() || r.scales.empty()) {
+    c.text(W / 2, H / 2, "no variant with a baseline", 14, "middle");
+    return c.str();
+  }
+  svg::Scale ys{lo / 1.15, hi * 1.15, H - B, T, true};
+  const double gw = (W - R - L) / double(r.scales.size());
+  c.rect(L, T, W - R - L, H - B - T, "none", "#999");
+  for (double t : ys.ticks()) {
+    c.line(L - 5, ys(t), L, ys(t), "#666");
+    c.line(L, ys(t), W - R, ys(t), "#eee");
+    c.text(L - 8, ys(t) + 4, svg::tick_label(t, false) + "x", 11, "end");
+  }
+  c.line(L, ys(1.0), W - R, ys(1.0), "#444", 1.2, "5,4");
+  c.text(18, (T + H - B) / 2, "speedup (log scale)", 12, "middle", "#222", -90);
+  for (size_t si = 0; si < r.scales.size(); ++si) {
+    double gx = L + gw * double(si);
+    if (si > 0) c.line(gx, T, gx, H - B, "#ddd");
+    c.text(gx + gw / 2, H - B + 18, fmt::format("d={}", r.scales[si]), 12, "middle");
+    for (size_t k = 0; k < rungs.size(); ++k) {
+      const auto& cell = rungs[k]->cells[si];
+      const std::string& col = svg::color(size_t(&*rungs[k] - &r.variants[0]));
+      double x = gx + gw * (double(k) + 1) / double(rungs.size() + 1);
+      if (cell.n_variant == 0) continue;
+      auto clampy = [&](double v) { return ys(std::clamp(v, ys.lo, ys.hi)); };
+      if (!std::isnan(cell.law_theo.lo) && !std::isnan(cell.law_theo.hi)) {  // interval bar (clamped to the plot)
+        c.line(x, clampy(cell.law_theo.lo), x, clampy(cell.law_theo.hi), col, 1.5);
+        c.line(x - 4, clampy(cell.law_theo.lo), x + 4, clampy(cell.law_theo.lo), col, 1.5);
+        c.line(x - 4, clampy(cell.law_theo.hi), x + 4, clampy(cell.law_theo.hi), col, 1.5);
+      }
+      if (!std::isnan(cell.law_theo.value))
+        c.circle(x, clampy(cell.law_theo.value), 4.5, col, "white",
+                 fmt::format("{} d={}: fitted laws {}", rungs[k]->name, cell.d, format_cell(cell, true, true)));
+      if (!std::isnan(cell.marin_theo.value)) {
+        double y = clampy(cell.marin_theo.value);
+        c.rect(x + 6, y - 3.5, 7, 7, "white", col);
+      }
+    }
+  }
+  for (size_t k = 0; k < rungs.size(); ++k) {
+    const std::string& col = svg::color(size_t(rungs[k] - &r.variants[0]));
+    double ly = T + 14 + 18 * double(k);
+    c.circle(W - R + 20, ly - 4, 4.5, col, "white");
+    c.text(W - R + 32, ly, rungs[k]->name + " vs " + rungs[k]->baseline, 12);
+  }
+  double ly = T + 14 + 18 * double(rungs.size()) + 10;
+  c.text(W - R + 12, ly, "dot + bar: fitted laws, 95%", 10);
+  c.text(W - R + 12, ly + 13, "square: Marin's method", 10);
+  return c.str();
+}
+
+std::string report_html(const Report& r) {
+  std::string o =
+      "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n<title>Ladder report: " +
+      html_escape(r.name) +
+      "</title>\n<style>\nbody{font-family:sans-serif;margin:2em;max-width:1100px;color:#222}\n"
+      "table{border-collapse:collapse;margin:0.5em 0 1.5em}\nth,td{border:1px solid #ccc;padding:3px 8px;text-align:left;"
+      "font-size:13px}\nth{background:#f3f3f3}\n.note{color:#555;font-size:13px}\n</style>\n</head>\n<body>\n";
+  o += fmt::format("<h1>Ladder report: {}</h1>\n<p>{} runs, {} scales, code revision(s): {}.</p>\n", html_escape(r.name),
+                   r.results.size(), r.scales.size(), html_escape(fmt::format("{}", fmt::join(r.revisions, ", "))));
+  o += "<h2>Plots</h2>\n" + loss_plot_svg(r) + speedup_plot_svg(r);
+  int ti = 0;
+  for (auto& t : tables(r)) {
+    o += fmt::format("<h2>{}</h2>\n<p class=\"note\">{}</p>\n<table id=\"t{}\">\n<tr>", html_escape(t.title),
+                     html_escape(t.note), ti++);
+    for (auto& h : t.head) o += "<th>" + html_escape(h) + "</th>";
+    o += "</tr>\n";
+    for (auto& row : t.rows) {
+      o += "<tr>";
+      for (auto& cell : row) o += "<td>" + html_escape(cell) + "</td>";
+      o += "</tr>\n";
+    }
+    o += "</table>\n";
+  }
+  o += "</body>\n</html>\n";
+  return o;
+}
+
+std::string write_report(const ReportOptions& opt) {
+  ResultStore store(opt.dir);
+  auto manifest = store.read_manifest();
+  auto results = store.all_results();
+  if (results.empty()) fail("{}: no finished runs yet (results/ is empty); run `ladder sweep` first", opt.dir.string());
+  const auto& rs = manifest.value("report", nlohmann::json::object());
+  double E = opt.E.value_or(rs.value("E", 1.6));
+  double alpha = opt.alpha.value_or(rs.value("alpha", 0.0941));
+  int boot = opt.bootstrap.value_or(rs.value("bootstrap", 1000));
+  Report r = compute_report(results, E, alpha, boot, 1, manifest.value("variants", std::vector<std::string>{}));
+  r.name = manifest.value("spec_name", opt.dir.filename().string());
+  fs::path out = opt.out.empty() ? opt.dir / "report" : opt.out;
+  fs::create_directories(out);
+  std::string md = report_markdown(r);
+  write_file_atomic(out / "report.md", md);
+  write_file_atomic(out / "loss_vs_compute.svg", loss_plot_svg(r));
+  write_file_atomic(out / "speedups.svg", speedup_plot_svg(r));
+  write_file_atomic(out / "report.html", report_html(r));
+  return md;
+}
+
+}  // namespace ladder

@@ -1,0 +1,71 @@
+// `ladder report DIR`: speedups of every variant over its baseline at every scale, by Marin's method
+// and by Ladder's fitted laws with bootstrap intervals over seeds; the gate verdict; the stacked
+// variant against the product of its rungs. Writes report.md, loss_vs_compute.svg, speedups.svg and
+// a self-contained report.html under DIR/report (or --out).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ladder/fit.h"
+
+namespace ladder {
+
+struct Interval {
+  double value = std::numeric_limits<double>::quiet_NaN();
+  double lo = std::numeric_limits<double>::quiet_NaN(), hi = std::numeric_limits<double>::quiet_NaN();
+};
+
+struct SpeedupCell {
+  int d = 0;
+  int n_variant = 0, n_base = 0;  // seeds
+  double C = 0, loss = 0, base_C = 0, base_loss = 0, tps = 0, base_tps = 0;  // means over seeds
+  Interval marin_theo, marin_real, law_theo, law_real;
+};
+
+struct VariantRow {
+  std::string name, baseline;
+  std::vector<std::string> stacks;
+  PowerLaw law;
+  bool law_ok = false;
+  std::vector<SpeedupCell> cells;  // one per scale of the report (n_variant 0: no result there)
+  std::string gate_marin, gate_law, gate_ci;  // "pass", "FAIL" or "n/a"
+};
+
+struct Report {
+  std::string name;
+  double E = 1.6, alpha = 0.0941;
+  int bootstrap = 0;
+  bool intervals = false;  // some cell has more than one seed
+  std::vector<int> scales;
+  std::vector<VariantRow> variants;        // baselines first
+  std::vector<nlohmann::json> results;     // as stored, sorted by run id
+  std::vector<std::string> revisions;
+};
+
+// Computes the report from stored results. `variant_order` (optional) lists variants in spec order.
+Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha, int bootstrap,
+                      uint64_t seed = 1, const std::vector<std::string>& variant_order = {});
+
+std::string format_speedup(double x);                 // "1.32x", "inf", "n/a"
+std::string format_cell(const SpeedupCell& c, bool law, bool with_interval);  // "1.32x (0.95x) [1.10-1.50]"
+std::string report_markdown(const Report& r);
+std::string loss_plot_svg(const Report& r);
+std::string speedup_plot_svg(const Report& r);
+std::string report_html(const Report& r);  // embeds both plots
+
+struct ReportOptions {
+  std::filesystem::path dir, out;           // out empty: DIR/report
+  std::optional<double> E, alpha;           // default: the spec's report settings stored in DIR/ladder.json
+  std::optional<int> bootstrap;
+};
+// Reads DIR, writes the four files, returns the Markdown (also printed by the CLI).
+std::string write_report(const ReportOptions& opt);
+
+}  // namespace ladder

@@ -1,0 +1,210 @@
+#include "ladder/runner.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <set>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "ladder/store.h"
+#include "train/metrics.h"
+#include "train/trainer.h"
+
+namespace fs = std::filesystem;
+
+namespace ladder {
+
+namespace {
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string hostname() {
+  char h[256] = {0};
+  ::gethostname(h, sizeof(h) - 1);
+  return h;
+}
+
+std::string utc_now() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+}  // namespace
+
+std::vector<std::string> sweep_commands(const Plan& plan, const fs::path& out) {
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  std::string bin = ec ? "ladder" : exe.string();
+  std::vector<std::string> cmds;
+  for (auto& r : plan.runs)
+    cmds.push_back(fmt::format("cd {} && {} sweep {} --out {} --only {}", shell_quote(fs::current_path().string()),
+                               shell_quote(bin), shell_quote(fs::absolute(plan.spec.file).string()),
+                               shell_quote(fs::absolute(out).string()), r.id));
+  return cmds;
+}
+
+nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
+  std::ifstream f(run_dir / "metrics.jsonl");
+  if (!f) fail("{}: missing: the run finished without a metrics log", (run_dir / "metrics.jsonl").string());
+  nlohmann::json loss_curve = nlohmann::json::array(), val_curve = nlohmann::json::array();
+  std::vector<double> tps, mfu;
+  double wall = 0;
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty()) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (...) {
+      continue;  // a torn last line of a killed writer (the trainer drops such lines on resume anyway)
+    }
+    if (j.contains("elapsed_s") && j["elapsed_s"].is_number()) wall = std::max(wall, j["elapsed_s"].get<double>());
+    if (j.contains("loss") && j["loss"].is_number()) {
+      loss_curve.push_back({j["step"], j["tokens"], j["loss"]});
+      if (j["tokens_per_s"].is_number()) tps.push_back(j["tokens_per_s"].get<double>());
+      if (j["mfu"].is_number()) mfu.push_back(j["mfu"].get<double>());
+    }
+    if (j.contains("val_loss") && j["val_loss"].is_number()) val_curve.push_back({j["step"], j["tokens"], j["val_loss"]});
+  }
+  if (val_curve.empty())
+    fail("{}: no validation loss logged (run.eval_batches must be > 0 for a ladder)", (run_dir / "metrics.jsonl").string());
+  double best = val_curve[0][2].get<double>();
+  for (auto& v : val_curve) best = std::min(best, v[2].get<double>());
+  return {{"format", "ladder-result"},
+          {"version", kResultsVersion},
+          {"run", r.id},
+          {"variant", r.variant},
+          {"baseline", r.baseline},
+          {"stacks", r.stacks},
+          {"d", r.d},
+          {"seed", r.seed},
+          {"scale", r.scale},
+          {"config", to_json(r.cfg)},
+          {"config_hash", r.config_hash},
+          {"revision", code_revision()},
+          {"tokens", r.tokens},
+          {"compute", r.compute},
+          {"flops_with_head", r.flops_with_head},
+          {"final_val_loss", val_curve.back()[2]},
+          {"best_val_loss", best},
+          {"val_curve", val_curve},
+          {"loss_curve", loss_curve},
+          {"tokens_per_s", median(tps)},
+          {"mfu", median(mfu)},
+          {"wall_s", wall},
+          {"host", hostname()},
+          {"finished_at", utc_now()}};
+}
+
+SweepSummary sweep(const SweepOptions& opt) {
+  LadderSpec spec = load_spec(opt.spec_file);
+  Plan plan = make_plan(spec, opt.peak_gflops);
+  if (!opt.only.empty()) {
+    std::set<std::string> want(opt.only.begin(), opt.only.end()), known;
+    for (auto& r : plan.runs) known.insert(r.id);
+    for (auto& w : want)
+      if (!known.count(w)) fail("--only {}: no such run in {} (ids are <variant>-d<width>-s<seed>)", w, spec.file.string());
+    std::erase_if(plan.runs, [&](const PlannedRun& r) { return !want.count(r.id); });
+  }
+  ResultStore store(opt.out);
+  SweepSummary sum;
+  sum.planned = int(plan.runs.size());
+  if (opt.dry_run) {
+    fmt::print("{}", format_plan(plan));
+    return sum;
+  }
+  store.open_for_sweep(spec);
+  // A directory from an earlier version of the spec: refuse before training anything.
+  for (auto& r : plan.runs) {
+    if (auto res = store.read_result(r.id); res && res->value("config_hash", "") != r.config_hash)
+      fail("{}: run {} was made with another config (hash {}, the spec now gives {}); use another --out directory or "
+           "delete that run",
+           store.result_path(r.id).string(), r.id, res->value("config_hash", ""), r.config_hash);
+    auto planned = store.run_dir(r.id) / "planned.json";
+    if (fs::exists(planned)) {
+      auto j = nlohmann::json::parse(read_file(planned), nullptr, false);
+      if (!j.is_object() || j.value("config_hash", "") != r.config_hash)
+        fail("{}: run {} was started with another config (hash {}, the spec now gives {}); use another --out "
+             "directory or delete that run",
+             planned.string(), r.id, j.is_object() ? j.value("config_hash", "") : "?", r.config_hash);
+    }
+  }
+  if (opt.list) {
+    for (auto& c : sweep_commands(plan, opt.out)) fmt::print("{}\n", c);
+    return sum;
+  }
+  fmt::print("{}", format_plan(plan));
+  std::fflush(stdout);
+
+  int i = 0;
+  for (const PlannedRun& r : plan.runs) {
+    ++i;
+    const std::string tag = fmt::format("[{}/{}] {}", i, plan.runs.size(), r.id);
+    if (store.read_result(r.id)) {
+      ++sum.already_done;
+      fmt::print("{}: done (stored result)\n", tag);
+      continue;
+    }
+    RunLock lock(store, r.id);
+    if (!lock.held()) {
+      ++sum.busy;
+      fmt::print("{}: being trained by another worker (lock held), skipped\n", tag);
+      continue;
+    }
+    if (store.read_result(r.id)) {  // finished by another worker between the check and the lock
+      ++sum.already_done;
+      fmt::print("{}: done (stored result)\n", tag);
+      continue;
+    }
+    const fs::path rd = store.run_dir(r.id);
+    fs::create_directories(rd);
+    if (!fs::exists(rd / "planned.json"))
+      write_file_atomic(rd / "planned.json", nlohmann::json{{"config_hash", r.config_hash}, {"run", r.id}}.dump() + "\n");
+    fmt::print("{}: training {} steps x {} sequences, {} tokens, C={} (est {})\n", tag, r.cfg.run.steps,
+               r.cfg.run.batch_size, human_count(double(r.tokens)), human_count(r.compute),
+               format_duration(r.est_seconds));
+    std::fflush(stdout);
+    TrainOptions to;
+    to.cfg = r.cfg;
+    to.run_dir = rd;
+    to.resume = true;  // continues from the newest checkpoint when there is one, else starts fresh
+    to.quiet = !opt.verbose;
+    to.stop_after = opt.stop_after ? opt.stop_after(r) : -1;
+    TrainSummary ts = train(to);
+    if (ts.end_step < r.cfg.run.steps) {
+      sum.interrupted = true;
+      fmt::print("{}: interrupted at step {}; run the sweep again to resume\n", tag, ts.end_step);
+      return sum;
+    }
+    nlohmann::json res = make_result(r, rd);
+    store.write_result(r.id, res);
+    ++sum.trained;
+    fmt::print("{}: val loss {:.4f} (best {:.4f}), {:.0f} tokens/s, MFU {:.1f}%, {}\n", tag,
+               res["final_val_loss"].get<double>(), res["best_val_loss"].get<double>(),
+               res["tokens_per_s"].get<double>(), 100 * res["mfu"].get<double>(),
+               format_duration(res["wall_s"].get<double>()));
+    std::fflush(stdout);
+  }
+  fmt::print("sweep: {} runs: {} trained now, {} already done, {} left to other workers; next: ladder report {}\n",
+             sum.planned, sum.trained, sum.already_done, sum.busy, opt.out.string());
+  return sum;
+}
+
+}  // namespace ladder

@@ -1,0 +1,266 @@
+#include "ladder/spec.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <set>
+
+#include "core/error.h"
+
+namespace fs = std::filesystem;
+
+namespace ladder {
+
+int layers_for_width(int d) {
+  return std::max(1, int(std::lround(d / (64.0 + 4.0 * std::log2(double(d)) - 9.0))));
+}
+
+namespace {
+
+struct Reader {
+  std::string file;
+  std::string at(const YAML::Node& n) const { return fmt::format("{}:{}", file, n.Mark().line + 1); }
+
+  template <class T>
+  T scalar(const YAML::Node& n, const std::string& key, const char* what) const {
+    if (!n.IsScalar()) fail("{}: {} expects {}", at(n), key, what);
+    try {
+      return n.as<T>();
+    } catch (const YAML::Exception&) {
+      fail("{}: {} expects {}, got '{}'", at(n), key, what, n.Scalar());
+    }
+  }
+  int64_t integer(const YAML::Node& n, const std::string& key, int64_t min) const {
+    double v = scalar<double>(n, key, "an integer");
+    if (v != std::floor(v) || v < double(min)) fail("{}: {} expects an integer >= {}, got '{}'", at(n), key, min, n.Scalar());
+    return int64_t(v);
+  }
+  double number(const YAML::Node& n, const std::string& key, double min) const {
+    double v = scalar<double>(n, key, "a number");
+    if (!(v >= min)) fail("{}: {} expects a number >= {}, got '{}'", at(n), key, min, n.Scalar());
+    return v;
+  }
+  void check_keys(const YAML::Node& map, const std::string& where, std::initializer_list<const char*> known) const {
+    for (auto it = map.begin(); it != map.end(); ++it) {
+      std::string k = it->first.as<std::string>();
+      bool ok = false;
+      for (auto* kk : known) ok |= k == kk;
+      if (!ok) {
+        std::string list;
+        for (auto* kk : known) list += (list.empty() ? "" : ", ") + std::string(kk);
+        fail("{}: unknown key '{}' in {} (expected one of: {})", at(it->first), k, where, list);
+      }
+    }
+  }
+};
+
+bool valid_name(const std::string& s) {
+  if (s.empty() || s.size() > 64) return false;
+  for (char c : s)
+    if (!(std::isalnum((unsigned char)c) || c == '_' || c == '-')) return false;
+  return true;
+}
+
+VariantSpec read_variant(const Reader& r, const std::string& name, const YAML::Node& v, int line) {
+  VariantSpec vs;
+  vs.name = name;
+  vs.line = line;
+  if (!valid_name(name)) fail("{}:{}: variant name '{}' must be 1-64 letters, digits, '_' or '-'", r.file, line, name);
+  if (v.IsNull()) return vs;
+  if (!v.IsMap()) fail("{}:{}: variant '{}' expects a mapping (baseline, set, stacks)", r.file, line, name);
+  r.check_keys(v, fmt::format("variant '{}'", name), {"baseline", "set", "stacks", "note"});
+  if (v["baseline"] && !v["baseline"].IsNull()) vs.baseline = r.scalar<std::string>(v["baseline"], "baseline", "a variant name");
+  if (auto s = v["set"]) {
+    if (!s.IsMap()) fail("{}: variant '{}': set expects a mapping of dotted config keys to values", r.at(s), name);
+    for (auto it = s.begin(); it != s.end(); ++it) {
+      if (!it->second.IsScalar())
+        fail("{}: variant '{}': {} expects a scalar value", r.at(it->first), name, it->first.as<std::string>());
+      vs.set.emplace_back(it->first.as<std::string>(), it->second.Scalar());
+    }
+  }
+  if (auto s = v["stacks"]) {
+    if (!s.IsSequence()) fail("{}: variant '{}': stacks expects a list of variant names", r.at(s), name);
+    for (auto x : s) vs.stacks.push_back(r.scalar<std::string>(x, "stacks", "a variant name"));
+  }
+  return vs;
+}
+
+// Orders variants so every baseline precedes its dependents; errors on a missing baseline or a cycle.
+std::vector<VariantSpec> order_variants(const std::string& file, const std::vector<VariantSpec>& vs) {
+  std::map<std::string, const VariantSpec*> by;
+  for (auto& v : vs) by[v.name] = &v;
+  for (auto& v : vs)
+    if (!v.baseline.empty() && !by.count(v.baseline))
+      fail("{}:{}: variant '{}' is measured against baseline '{}', which is not a variant of this spec", file, v.line,
+           v.name, v.baseline);
+  std::vector<VariantSpec> out;
+  std::map<std::string, int> state;  // 0 new, 1 on the path, 2 done
+  std::function<void(const VariantSpec&, std::vector<std::string>&)> visit = [&](const VariantSpec& v,
+                                                                                 std::vector<std::string>& path) {
+    if (state[v.name] == 2) return;
+    path.push_back(v.name);
+    if (state[v.name] == 1) {
+      std::string cyc;
+      auto start = std::find(path.begin(), path.end(), v.name);
+      for (auto it = start; it != path.end(); ++it) cyc += (cyc.empty() ? "" : " -> ") + *it;
+      fail("{}:{}: the baselines form a cycle: {} (every chain of baselines must end at a variant without one)", file,
+           v.line, cyc);
+    }
+    state[v.name] = 1;
+    if (!v.baseline.empty()) visit(*by[v.baseline], path);
+    state[v.name] = 2;
+    path.pop_back();
+    out.push_back(v);
+  };
+  for (auto& v : vs) {
+    std::vector<std::string> path;
+    visit(v, path);
+  }
+  if (!vs.empty() && std::none_of(vs.begin(), vs.end(), [](auto& v) { return v.baseline.empty(); }))
+    fail("{}: no variant without a baseline: one variant (the root, e.g. dense) must have none", file);
+  return out;
+}
+
+}  // namespace
+
+LadderSpec load_spec(const fs::path& file) {
+  Reader r{file.string()};
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(file.string());
+  } catch (const YAML::BadFile&) {
+    fail("{}: cannot read ladder spec", file.string());
+  } catch (const YAML::ParserException& e) {
+    fail("{}:{}:{}: malformed YAML: {}", file.string(), e.mark.line + 1, e.mark.column + 1, e.msg);
+  }
+  if (!root.IsMap()) fail("{}: expected a mapping (name, base, set, scales, seeds, variants, report)", file.string());
+  r.check_keys(root, "the ladder spec",
+               {"format", "name", "base", "set", "scales", "seeds", "variants", "pending", "report", "note"});
+  LadderSpec s;
+  s.file = file;
+  if (auto f = root["format"]; f && r.integer(f, "format", 0) != 1)
+    fail("{}: format {} is not supported (this build reads ladder spec format 1)", r.at(f), f.Scalar());
+  s.name = root["name"] ? r.scalar<std::string>(root["name"], "name", "a string") : file.stem().string();
+  if (!root["base"]) fail("{}: missing 'base' (the base config YAML, relative to the spec file)", file.string());
+  s.base = r.scalar<std::string>(root["base"], "base", "a config file path");
+  if (s.base.is_relative()) s.base = file.parent_path() / s.base;
+  if (auto st = root["set"]) {
+    if (!st.IsMap()) fail("{}: set expects a mapping of dotted config keys to values", r.at(st));
+    for (auto it = st.begin(); it != st.end(); ++it) {
+      if (!it->second.IsScalar()) fail("{}: set: {} expects a scalar value", r.at(it->first), it->first.as<std::string>());
+      s.base_set.push_back(it->first.as<std::string>() + "=" + it->second.Scalar());
+    }
+  }
+
+  auto sc = root["scales"];
+  if (!sc || !sc.IsMap()) fail("{}: missing 'scales' (a mapping with 'rules' and 'list')", file.string());
+  r.check_keys(sc, "scales", {"rules", "list"});
+  if (auto ru = sc["rules"]) {
+    if (!ru.IsMap()) fail("{}: scales.rules expects a mapping", r.at(ru));
+    r.check_keys(ru, "scales.rules", {"head_dim", "kv_ratio", "ff_mult", "tokens_per_param", "target_steps", "min_batch",
+                                      "max_batch", "checkpoints", "evals"});
+    auto& R = s.rules;
+    if (ru["head_dim"]) R.head_dim = int(r.integer(ru["head_dim"], "scales.rules.head_dim", 0));
+    if (ru["kv_ratio"]) R.kv_ratio = int(r.integer(ru["kv_ratio"], "scales.rules.kv_ratio", 1));
+    if (ru["ff_mult"]) R.ff_mult = r.number(ru["ff_mult"], "scales.rules.ff_mult", 0);
+    if (ru["tokens_per_param"]) R.tokens_per_param = r.number(ru["tokens_per_param"], "scales.rules.tokens_per_param", 1e-9);
+    if (ru["target_steps"]) R.target_steps = r.integer(ru["target_steps"], "scales.rules.target_steps", 1);
+    if (ru["min_batch"]) R.min_batch = int(r.integer(ru["min_batch"], "scales.rules.min_batch", 1));
+    if (ru["max_batch"]) R.max_batch = int(r.integer(ru["max_batch"], "scales.rules.max_batch", 1));
+    if (ru["checkpoints"]) R.checkpoints = int(r.integer(ru["checkpoints"], "scales.rules.checkpoints", 1));
+    if (ru["evals"]) R.evals = int(r.integer(ru["evals"], "scales.rules.evals", 1));
+    if (R.min_batch > R.max_batch) fail("{}: scales.rules.min_batch ({}) > max_batch ({})", r.at(ru), R.min_batch, R.max_batch);
+  }
+  auto list = sc["list"];
+  if (!list || !list.IsSequence() || list.size() == 0)
+    fail("{}: scales.list expects a non-empty list of scales (each at least {{d: WIDTH}})", file.string());
+  std::set<int> widths;
+  for (auto e : list) {
+    ScaleSpec x;
+    x.line = e.Mark().line + 1;
+    if (e.IsScalar()) {
+      x.d = int(r.integer(e, "scales.list[]", 1));
+    } else if (e.IsMap()) {
+      r.check_keys(e, "a scale", {"d", "layers", "heads", "kv_heads", "d_ff", "batch_size", "steps", "tokens"});
+      if (!e["d"]) fail("{}: a scale needs its width d", r.at(e));
+      x.d = int(r.integer(e["d"], "d", 1));
+      if (e["layers"]) x.layers = int(r.integer(e["layers"], "layers", 1));
+      if (e["heads"]) x.heads = int(r.integer(e["heads"], "heads", 1));
+      if (e["kv_heads"]) x.kv_heads = int(r.integer(e["kv_heads"], "kv_heads", 1));
+      if (e["d_ff"]) x.d_ff = int(r.integer(e["d_ff"], "d_ff", 1));
+      if (e["batch_size"]) x.batch_size = int(r.integer(e["batch_size"], "batch_size", 1));
+      if (e["steps"]) x.steps = r.integer(e["steps"], "steps", 1);
+      if (e["tokens"]) x.tokens = r.integer(e["tokens"], "tokens", 1);
+    } else {
+      fail("{}: a scale is a width or a mapping {{d, layers, heads, kv_heads, d_ff, batch_size, steps, tokens}}", r.at(e));
+    }
+    if (!widths.insert(x.d).second) fail("{}: scale d={} is listed twice", r.at(e), x.d);
+    s.scales.push_back(x);
+  }
+  std::sort(s.scales.begin(), s.scales.end(), [](auto& a, auto& b) { return a.d < b.d; });
+
+  auto seeds = root["seeds"];
+  if (!seeds) {
+    s.seeds = {1};
+  } else if (seeds.IsScalar()) {
+    s.seeds = {uint64_t(r.integer(seeds, "seeds", 0))};
+  } else if (seeds.IsSequence() && seeds.size() > 0) {
+    std::set<uint64_t> seen;
+    for (auto x : seeds) {
+      uint64_t v = uint64_t(r.integer(x, "seeds[]", 0));
+      if (!seen.insert(v).second) fail("{}: seed {} is listed twice", r.at(x), v);
+      s.seeds.push_back(v);
+    }
+  } else {
+    fail("{}: seeds expects a non-empty list of integers", r.at(seeds));
+  }
+
+  auto read_variants = [&](const YAML::Node& vs, const char* what) {
+    std::vector<VariantSpec> out;
+    if (!vs) return out;
+    if (!vs.IsMap()) fail("{}: {} expects a mapping of variant names to {{baseline, set, stacks}}", r.at(vs), what);
+    for (auto it = vs.begin(); it != vs.end(); ++it)
+      out.push_back(read_variant(r, it->first.as<std::string>(), it->second, it->first.Mark().line + 1));
+    return out;
+  };
+  auto variants = read_variants(root["variants"], "variants");
+  if (variants.empty()) fail("{}: variants expects at least one variant (the root, e.g. 'dense: {{}}')", file.string());
+  s.variants = order_variants(file.string(), variants);
+  std::map<std::string, const VariantSpec*> by;
+  for (auto& v : s.variants) by[v.name] = &v;
+  for (auto& v : s.variants) {
+    for (auto& rung : v.stacks) {
+      if (!by.count(rung))
+        fail("{}:{}: variant '{}' stacks '{}', which is not a variant of this spec", file.string(), v.line, v.name, rung);
+      if (by[rung]->baseline != v.baseline)
+        fail("{}:{}: variant '{}' stacks '{}', whose baseline '{}' differs from its own '{}' (a stack is compared with "
+             "the product of rungs measured against the same baseline)",
+             file.string(), v.line, v.name, rung, by[rung]->baseline, v.baseline);
+    }
+  }
+  // Pending variants may refer to real and pending variants; their structure is checked the same way.
+  auto pending = read_variants(root["pending"], "pending");
+  for (auto& p : pending)
+    if (by.count(p.name)) fail("{}:{}: pending variant '{}' is also a variant", file.string(), p.line, p.name);
+  if (!pending.empty()) {
+    auto all = s.variants;
+    all.insert(all.end(), pending.begin(), pending.end());
+    auto ordered = order_variants(file.string(), all);
+    for (auto& v : ordered)
+      if (!by.count(v.name)) s.pending.push_back(v);
+  }
+
+  if (auto rep = root["report"]) {
+    if (!rep.IsMap()) fail("{}: report expects a mapping (E, alpha, bootstrap, mfu_estimate)", r.at(rep));
+    r.check_keys(rep, "report", {"E", "alpha", "bootstrap", "mfu_estimate"});
+    if (rep["E"]) s.report.E = r.number(rep["E"], "report.E", 0);
+    if (rep["alpha"]) s.report.alpha = r.number(rep["alpha"], "report.alpha", 1e-9);
+    if (rep["bootstrap"]) s.report.bootstrap = int(r.integer(rep["bootstrap"], "report.bootstrap", 0));
+    if (rep["mfu_estimate"]) s.report.mfu_estimate = r.number(rep["mfu_estimate"], "report.mfu_estimate", 1e-6);
+  }
+  return s;
+}
+
+}  // namespace ladder

@@ -1,0 +1,66 @@
+// A ladder spec (YAML): a base config, named variants (config changes + the variant each is measured
+// against), scales (by width d; layers, heads, batch and token budget derived by stated rules, or
+// given), seeds and report settings. docs/ladder.md describes the format; configs/ladders/ holds presets.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ladder {
+
+// How a width d becomes a model and a run (each rule can be overridden per scale).
+struct ScaleRules {
+  int head_dim = 64;              // n_heads = d / head_dim; 0 = keep the base config's heads
+  int kv_ratio = 1;               // n_kv_heads = n_heads / kv_ratio (1 = no grouping)
+  double ff_mult = 4;             // model.d_ff = ff_mult * d; 0 = keep the base config's d_ff
+  double tokens_per_param = 20;   // token budget = tokens_per_param * parameters of the blocks (no embedding, no LM head; base config)
+  int64_t target_steps = 200;     // batch = tokens / (target_steps * seq_len * grad_accum), a power of 2 ...
+  int min_batch = 1, max_batch = 256;  // ... clamped to [min_batch, max_batch] sequences
+  int checkpoints = 4;            // checkpoints per run (resume granularity)
+  int evals = 4;                  // validation evaluations per run (the validation loss curve)
+};
+
+struct ScaleSpec {
+  int d = 0;
+  // Given values (0 = derived by the rules).
+  int layers = 0, heads = 0, kv_heads = 0, d_ff = 0, batch_size = 0;
+  int64_t steps = 0, tokens = 0;
+  int line = 0;
+};
+
+struct VariantSpec {
+  std::string name, baseline;                             // baseline empty: a root (e.g. dense)
+  std::vector<std::pair<std::string, std::string>> set;   // dotted config key -> value ("N*d": N times the width)
+  std::vector<std::string> stacks;                        // for a stacked variant: the rungs it combines
+  int line = 0;
+};
+
+struct ReportSettings {
+  double E = 1.6, alpha = 0.0941;  // Marin's fixed law constants (RECIPE.md 4); tiny models need others
+  int bootstrap = 1000;            // bootstrap resamples over seeds
+  double mfu_estimate = 0.3;       // plan: assumed MFU for the time estimate
+};
+
+struct LadderSpec {
+  std::filesystem::path file;
+  std::string name;
+  std::filesystem::path base;             // base config (relative paths: to the spec file)
+  std::vector<std::string> base_set;      // "key=value" applied to the base for every run
+  ScaleRules rules;
+  std::vector<ScaleSpec> scales;
+  std::vector<uint64_t> seeds;
+  std::vector<VariantSpec> variants;      // ordered: every baseline before the variants measured against it
+  std::vector<VariantSpec> pending;       // rungs whose config keys arrive with other branches: checked, not run
+  ReportSettings report;
+};
+
+// Parses and checks the structure (names, baselines exist, no cycles, stacks). Config keys and
+// scales are checked when the plan is made (make_plan), also before any training.
+LadderSpec load_spec(const std::filesystem::path& file);
+
+// L = round(d / (64 + 4*log2(d) - 9)), at least 1 (RECIPE.md section 2, their ladder).
+int layers_for_width(int d);
+
+}  // namespace ladder

@@ -1,0 +1,63 @@
+// The results store of a sweep: one JSON file per finished run, written atomically, under one
+// directory that many workers (processes, machines with a shared file system) may use at once.
+//   DIR/ladder.json           store format version, spec name and the report settings
+//   DIR/results/<run>.json    the result of one finished run (written once, atomically: temp + fsync + rename)
+//   DIR/runs/<run>/           the run's trainer directory (checkpoints, metrics.jsonl, config.yaml)
+//   DIR/runs/<run>/planned.json  the config hash the run was started with (a changed spec is refused)
+//   DIR/locks/<run>.lock      flock()ed by the worker training the run; released when it exits or dies
+// Why files and not SQLite: README.md, "Ladder sweeps".
+#pragma once
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ladder/spec.h"
+
+namespace ladder {
+
+constexpr int kResultsVersion = 1;
+
+// The revision the binary was built from (`git describe --always --dirty`, or "unknown").
+const char* code_revision();
+
+class ResultStore {
+ public:
+  explicit ResultStore(std::filesystem::path dir) : dir_(std::move(dir)) {}
+  const std::filesystem::path& dir() const { return dir_; }
+
+  // Creates the layout (or checks an existing DIR/ladder.json: format and version, and that it belongs
+  // to the spec of the same name). Errors before anything is trained.
+  void open_for_sweep(const LadderSpec& spec);
+  // Reads DIR/ladder.json for the report; errors if missing or from an incompatible version.
+  nlohmann::json read_manifest() const;
+
+  std::filesystem::path result_path(const std::string& id) const { return dir_ / "results" / (id + ".json"); }
+  std::filesystem::path run_dir(const std::string& id) const { return dir_ / "runs" / id; }
+  // The stored result of a run (validated: version), if any.
+  std::optional<nlohmann::json> read_result(const std::string& id) const;
+  void write_result(const std::string& id, const nlohmann::json& result) const;
+  // Every stored result, sorted by run id. Errors name a file from another version or a torn file.
+  std::vector<nlohmann::json> all_results() const;
+
+ private:
+  std::filesystem::path dir_;
+};
+
+// An exclusive, non-blocking lock on DIR/locks/<id>.lock (flock): held while a worker trains a run.
+class RunLock {
+ public:
+  RunLock(const ResultStore& store, const std::string& id);
+  ~RunLock();
+  RunLock(const RunLock&) = delete;
+  RunLock& operator=(const RunLock&) = delete;
+  bool held() const { return fd_ >= 0 && held_; }
+
+ private:
+  int fd_ = -1;
+  bool held_ = false;
+};
+
+}  // namespace ladder

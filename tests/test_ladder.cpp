@@ -1,0 +1,610 @@
+// `ladder sweep` / `ladder report`: law fits, speedup formulas, resumable sweeps, rendering, bad specs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/rng.h"
+#include "data/prepare.h"
+#include "ladder/fit.h"
+#include "ladder/plan.h"
+#include "ladder/report.h"
+#include "ladder/runner.h"
+#include "ladder/spec.h"
+#include "ladder/store.h"
+#include "model/flops.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+
+namespace ladder {
+namespace {
+
+// Standard normal from the counter-based generator (Box-Muller).
+double gauss(const Philox& r, uint64_t i) {
+  double u1 = r.uniform(2 * i), u2 = r.uniform(2 * i + 1);
+  return std::sqrt(-2 * std::log(u1)) * std::cos(2 * M_PI * u2);
+}
+
+void write_text(const fs::path& p, const std::string& s) {
+  std::ofstream f(p);
+  f << s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fits and speedup formulas
+
+TEST(LadderFit, RecoversAKnownLawExactly) {
+  const double E = 2.0, A = 126.5, alpha = 0.15;
+  std::vector<LawPoint> pts;
+  for (int i = 0; i < 8; ++i) {
+    double C = std::pow(10.0, 10 + 0.75 * i);
+    pts.push_back({C, E + A * std::pow(C, -alpha)});
+  }
+  PowerLaw l = fit_power_law(pts, 1.6, 0.0941);
+  EXPECT_TRUE(l.fit_E && l.fit_alpha);
+  EXPECT_NEAR(l.E, E, 1e-4);
+  EXPECT_NEAR(l.alpha, alpha, 1e-5);
+  EXPECT_NEAR(l.A / A, 1.0, 1e-3);
+  EXPECT_LT(l.rmse, 1e-6);
+}
+
+TEST(LadderFit, RecoversAKnownLawFromNoisyPointsOverSeeds) {
+  const double E = 2.0, A = 126.5, alpha = 0.15;  // loss 6.0 at C = 1e10 down to about 2.4 at 1e16
+  Philox r(42, 7);
+  std::vector<LawPoint> pts;
+  uint64_t k = 0;
+  for (int i = 0; i < 10; ++i) {
+    double C = std::pow(10.0, 10 + 0.65 * i);
+    for (int seed = 0; seed < 3; ++seed) pts.push_back({C, E + A * std::pow(C, -alpha) + 0.005 * gauss(r, k++)});
+  }
+  PowerLaw l = fit_power_law(pts, 1.6, 0.0941);
+  EXPECT_NEAR(l.E, E, 0.1);
+  EXPECT_NEAR(l.alpha, alpha, 0.01);
+  // The law itself (what speedups read) is recovered far more tightly than its parameters.
+  for (double C : {1e10, 1e12, 1e14, 1e16}) EXPECT_NEAR(l.loss(C), E + A * std::pow(C, -alpha), 0.006) << C;
+  EXPECT_LT(l.rmse, 0.008);
+  EXPECT_GT(l.rmse, 0.002);  // it fitted the law, not the noise
+}
+
+TEST(LadderFit, FewComputeValuesHoldTheGivenConstants) {
+  // Two compute values: alpha held, E and A fitted (exact through both points).
+  std::vector<LawPoint> two = {{1e12, 4.0}, {1e12, 4.02}, {1e14, 3.5}};
+  PowerLaw l2 = fit_power_law(two, 1.6, 0.2);
+  EXPECT_TRUE(l2.fit_E);
+  EXPECT_FALSE(l2.fit_alpha);
+  EXPECT_EQ(l2.alpha, 0.2);
+  EXPECT_NEAR(l2.loss(1e12), 4.01, 1e-6);
+  EXPECT_NEAR(l2.loss(1e14), 3.5, 1e-6);
+  // One compute value: only A, through the mean loss.
+  PowerLaw l1 = fit_power_law({{1e12, 3.0}, {1e12, 3.2}}, 1.6, 0.0941);
+  EXPECT_FALSE(l1.fit_E);
+  EXPECT_EQ(l1.E, 1.6);
+  EXPECT_NEAR(l1.loss(1e12), 3.1, 1e-9);
+  EXPECT_THROW(fit_power_law({{1e12, 1.5}}, 1.6, 0.0941), Error);
+}
+
+TEST(LadderFit, SpeedupsMatchRecipeFormulasByHand) {
+  // RECIPE.md section 4 with E = 1.6, alpha = 0.0941, baseline point (1e18, 3.0), variant loss 2.9:
+  // A = 1.4 * 1e18^alpha; C_needed = (A / 1.3)^(1/alpha) = 1e18 * (1.4/1.3)^(1/0.0941);
+  // ln(1.4/1.3) = 0.0741079, / 0.0941 = 0.787544, exp = 2.19799.
+  EXPECT_NEAR(marin_theoretical_speedup(1e18, 3.0, 1e18, 2.9, 1.6, 0.0941), 2.19799, 1e-4);
+  // The same loss reached with twice the compute: half the speedup.
+  EXPECT_NEAR(marin_theoretical_speedup(1e18, 3.0, 2e18, 2.9, 1.6, 0.0941), 1.09900, 1e-4);
+  // A worse loss: (1.4/1.5)^(1/0.0941) = 0.480376.
+  EXPECT_NEAR(marin_theoretical_speedup(1e18, 3.0, 1e18, 3.1, 1.6, 0.0941), 0.480376, 1e-5);
+  // A loss at or below E is unreachable for the baseline law: infinite.
+  EXPECT_TRUE(std::isinf(marin_theoretical_speedup(1e18, 3.0, 1e18, 1.55, 1.6, 0.0941)));
+  // Realized: MoE V1's 6.7x at 0.54x the throughput is their 3.6x.
+  EXPECT_NEAR(realized_speedup(6.7, 0.5373, 1.0), 3.6, 1e-3);
+  // Equal-loss speedup between two laws with the same E and alpha: (A_b / A_v)^(1/alpha),
+  // here (10/9)^10 = 2.867972, at any compute.
+  PowerLaw b{1.0, 10.0, 0.1}, v{1.0, 9.0, 0.1};
+  EXPECT_NEAR(law_speedup(b, v, 1e12), 2.867972, 1e-5);
+  EXPECT_NEAR(law_speedup(b, v, 3e17), 2.867972, 1e-5);
+  EXPECT_NEAR(law_speedup(b, b, 1e15), 1.0, 1e-9);
+}
+
+// A stored result as the sweep writes it (only the fields the report reads).
+nlohmann::json fake_result(const std::string& variant, const std::string& baseline, int d, int seed, double C,
+                           double loss, double tps, std::vector<std::string> stacks = {}) {
+  return {{"format", "ladder-result"}, {"version", kResultsVersion}, {"run", fmt::format("{}-d{}-s{}", variant, d, seed)},
+          {"variant", variant}, {"baseline", baseline}, {"stacks", stacks}, {"d", d}, {"seed", seed},
+          {"compute", C}, {"flops_with_head", 2 * C}, {"tokens", 1000}, {"final_val_loss", loss},
+          {"best_val_loss", loss}, {"tokens_per_s", tps}, {"mfu", 0.1}, {"wall_s", 1.0}, {"host", "h"},
+          {"revision", "r"}};
+}
+
+TEST(LadderReport, MarinCellsGatesAndStacksFromStoredResults) {
+  // dense follows 2 + 100 C^-0.1 exactly; "fast" reaches dense's loss with 1.5x less compute;
+  // "slow" needs 1.2x more; "both" stacks them.
+  auto law = [](double C) { return 2.0 + 100.0 * std::pow(C, -0.1); };
+  std::vector<nlohmann::json> rs;
+  for (int d : {64, 128, 256}) {
+    double C = 1e12 * d;
+    rs.push_back(fake_result("dense", "", d, 1, C, law(C), 1000));
+    rs.push_back(fake_result("fast", "dense", d, 1, C, law(1.5 * C), 800));
+    rs.push_back(fake_result("slow", "dense", d, 1, C, law(C / 1.2), 1000));
+    rs.push_back(fake_result("both", "dense", d, 1, C, law(1.5 / 1.2 * C), 800, {"fast", "slow"}));
+  }
+  Report r = compute_report(rs, 2.0, 0.1, 100);
+  ASSERT_EQ(r.scales, (std::vector<int>{64, 128, 256}));
+  ASSERT_EQ(r.variants.size(), 4u);
+  EXPECT_EQ(r.variants[0].name, "dense");  // root first
+  EXPECT_FALSE(r.intervals);                // one seed per cell
+  std::map<std::string, const VariantRow*> by;
+  for (auto& v : r.variants) by[v.name] = &v;
+  for (size_t i = 0; i < 3; ++i) {
+    // With the true E and alpha, Marin's method recovers the constructed speedups exactly.
+    EXPECT_NEAR(by["fast"]->cells[i].marin_theo.value, 1.5, 1e-9);
+    EXPECT_NEAR(by["fast"]->cells[i].marin_real.value, 1.5 * 0.8, 1e-9);
+    EXPECT_NEAR(by["slow"]->cells[i].marin_theo.value, 1 / 1.2, 1e-9);
+    // The fitted laws see the same thing (each variant's points lie on a law of the same family).
+    EXPECT_NEAR(by["fast"]->cells[i].law_theo.value, 1.5, 1e-3);
+    EXPECT_NEAR(by["both"]->cells[i].law_theo.value, 1.25, 1e-3);
+    EXPECT_TRUE(std::isnan(by["fast"]->cells[i].law_theo.lo));
+  }
+  EXPECT_EQ(by["fast"]->gate_marin, "pass");
+  EXPECT_EQ(by["fast"]->gate_law, "pass");
+  EXPECT_EQ(by["slow"]->gate_marin, "FAIL");
+  EXPECT_EQ(by["fast"]->gate_ci, "n/a");
+  EXPECT_NEAR(by["dense"]->law.alpha, 0.1, 1e-3);
+  EXPECT_NEAR(by["dense"]->law.E, 2.0, 1e-2);
+  // The table in the seed's format, and the stack against the product of its rungs (1.5 * 1/1.2).
+  std::string md = report_markdown(r);
+  EXPECT_NE(md.find("| fast | dense | 1.50x (1.20x) | 1.50x (1.20x) | 1.50x (1.20x) | pass |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| both | fast x slow | 1.25x vs 1.25x / 1.25x vs 1.25x |"), std::string::npos) << md;
+}
+
+TEST(LadderReport, BootstrapIntervalsOverSeedsBracketThePointEstimate) {
+  auto law = [](double C) { return 2.0 + 100.0 * std::pow(C, -0.1); };
+  Philox rng(3, 3);
+  uint64_t k = 0;
+  std::vector<nlohmann::json> rs;
+  for (int d : {64, 128, 256, 512})
+    for (int s = 1; s <= 3; ++s) {
+      double C = 1e12 * d;
+      rs.push_back(fake_result("dense", "", d, s, C, law(C) + 0.01 * gauss(rng, k++), 1000));
+      rs.push_back(fake_result("fast", "dense", d, s, C, law(1.5 * C) + 0.01 * gauss(rng, k++), 1000));
+    }
+  Report r = compute_report(rs, 2.0, 0.1, 300);
+  ASSERT_TRUE(r.intervals);
+  const VariantRow& f = r.variants[1];
+  ASSERT_EQ(f.name, "fast");
+  for (auto& c : f.cells) {
+    EXPECT_EQ(c.n_variant, 3);
+    EXPECT_LE(c.marin_theo.lo, c.marin_theo.value);
+    EXPECT_GE(c.marin_theo.hi, c.marin_theo.value);
+    EXPECT_LT(c.law_theo.lo, c.law_theo.hi);
+    EXPECT_GT(c.law_theo.value, 1.0);
+  }
+  EXPECT_EQ(f.gate_law, "pass");
+  // The interval appears in the table.
+  EXPECT_NE(format_cell(f.cells[0], true, true).find(" ["), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sweeps on a tiny dense model and a small synthetic data set
+
+class LadderSweepTest : public ::testing::Test {
+ protected:
+  static inline test::TempDir* dir = nullptr;
+  static void SetUpTestSuite() {
+    dir = new test::TempDir("ladder");
+    const char* words[] = {"the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "from",
+                           "home", "while", "birds", "sang", "in", "tall", "green", "trees", "of", "old",
+                           "forest", "river", "stone", "light", "came", "down", "over", "hills"};
+    Philox r(9, 0);
+    std::ofstream f(dir->path / "corpus.jsonl");
+    for (int d = 0; d < 300; ++d) {
+      std::string text;
+      int n = 20 + int(r.u64(d * 1000) % 60);
+      for (int w = 0; w < n; ++w) {
+        text += words[r.u64(d * 1000 + w + 1) % 30];
+        text += (w % 9 == 8) ? ". " : " ";
+      }
+      f << nlohmann::json{{"text", text}}.dump() << "\n";
+    }
+    f.close();
+    data::PrepareOptions o;
+    o.inputs = {dir->path / "corpus.jsonl"};
+    o.out_dir = dir->path / "data";
+    o.vocab_size = 320;
+    o.val_fraction = 0.05;
+    data::prepare_data(o);
+    write_text(dir->path / "base.yaml", fmt::format(R"(model:
+  seq_len: 32
+  n_heads: 2
+optim:
+  lr: 0.005
+data:
+  path: {}
+run:
+  batch_size: 4
+  eval_batches: 2
+  log_every: 1
+  threads: 1
+)",
+                                                    (dir->path / "data").string()));
+  }
+  static void TearDownTestSuite() {
+    delete dir;
+    dir = nullptr;
+  }
+  // A spec file next to base.yaml; `variants` and `scales` are YAML blocks.
+  static fs::path spec(const std::string& name, const std::string& body) {
+    fs::path p = dir->path / (name + ".yaml");
+    write_text(p, "name: " + name + "\nbase: base.yaml\n" + body);
+    return p;
+  }
+  static fs::path good_spec() {
+    return spec("tiny", R"(scales:
+  rules: {head_dim: 16, kv_ratio: 1, checkpoints: 2, evals: 2}
+  list:
+    - {d: 32, steps: 8, batch_size: 4}
+    - {d: 48, steps: 8, batch_size: 4}
+seeds: [1]
+variants:
+  dense: {}
+  wide:
+    baseline: dense
+    set: {model.d_ff: 6*d}
+report: {E: 1.0, alpha: 0.1, bootstrap: 50}
+)");
+  }
+  static SweepSummary run_sweep(const fs::path& spec_file, const fs::path& out,
+                                std::function<int64_t(const PlannedRun&)> stop = nullptr) {
+    SweepOptions o;
+    o.spec_file = spec_file;
+    o.out = out;
+    o.peak_gflops = 50;  // no sgemm measurement in tests
+    o.stop_after = stop;
+    return sweep(o);
+  }
+  static std::map<std::string, nlohmann::json> results(const fs::path& out) {
+    std::map<std::string, nlohmann::json> m;
+    for (auto& j : ResultStore(out).all_results()) {
+      EXPECT_FALSE(m.count(j["run"])) << "duplicate " << j["run"];
+      m[j["run"]] = j;
+    }
+    return m;
+  }
+};
+
+TEST_F(LadderSweepTest, PlanDerivesScalesAndFlopsFromTheOneCounter) {
+  Plan p = make_plan(load_spec(good_spec()), 50);
+  ASSERT_EQ(p.runs.size(), 4u);
+  EXPECT_EQ(p.runs[0].id, "dense-d32-s1");
+  EXPECT_EQ(p.runs[1].id, "wide-d32-s1");
+  EXPECT_EQ(p.runs[2].id, "dense-d48-s1");
+  const PlannedRun& w = p.runs[3];
+  EXPECT_EQ(w.cfg.model.d_model, 48);
+  EXPECT_EQ(w.cfg.model.n_heads, 3);          // 48 / head_dim 16
+  EXPECT_EQ(w.cfg.model.n_layers, layers_for_width(48));
+  EXPECT_EQ(w.cfg.model.d_ff, 6 * 48);        // "6*d"
+  EXPECT_EQ(p.runs[2].cfg.model.d_ff, 4 * 48);  // ff_mult 4
+  EXPECT_EQ(w.cfg.model.vocab_size, 320);     // from the data directory
+  EXPECT_EQ(w.tokens, 8 * 4 * 32);
+  EXPECT_DOUBLE_EQ(w.compute, run_compute(w.cfg.model, double(w.tokens)));
+  EXPECT_DOUBLE_EQ(w.flops_with_head, flops_per_token(w.cfg.model).train(true) * double(w.tokens));
+  EXPECT_NE(w.config_hash, p.runs[2].config_hash);
+  // RECIPE.md's layer rule at their widths.
+  EXPECT_EQ(layers_for_width(512), 6);
+  EXPECT_EQ(layers_for_width(1024), 11);
+  EXPECT_EQ(layers_for_width(2048), 21);
+  // Derived batch and budget: tokens_per_param x block parameters, batch a clamped power of two.
+  Plan q = make_plan(load_spec(spec("derived", R"(scales:
+  rules: {head_dim: 16, tokens_per_param: 2, target_steps: 10, min_batch: 2, max_batch: 64}
+  list: [64]
+variants: {dense: {}}
+)")), 50);
+  const auto& c = q.runs[0].cfg;
+  ParamCount pc = count_params(c.model);
+  double budget = 2.0 * double(pc.non_embedding() - pc.head);
+  int64_t batch = int64_t(1) << int64_t(std::lround(std::log2(budget / (10.0 * 32))));
+  EXPECT_EQ(c.run.batch_size, std::clamp<int64_t>(batch, 2, 64));
+  EXPECT_EQ(c.run.steps, int64_t(std::ceil(budget / double(c.run.batch_size * 32))));
+  EXPECT_FALSE(format_plan(q).empty());
+}
+
+TEST_F(LadderSweepTest, KilledSweepResumesToTheSameResultsWithNoDuplicateOrMissingRun) {
+  fs::path s = good_spec();
+  fs::path a = dir->path / "out-uninterrupted", b = dir->path / "out-killed";
+  SweepSummary full = run_sweep(s, a);
+  EXPECT_EQ(full.trained, 4);
+  EXPECT_FALSE(full.interrupted);
+
+  // "Kill" the third run (dense-d48) after step 6: its newest checkpoint is step 4.
+  SweepSummary first = run_sweep(s, b, [](const PlannedRun& r) { return r.id == "dense-d48-s1" ? 6 : -1; });
+  EXPECT_TRUE(first.interrupted);
+  EXPECT_EQ(first.trained, 2);
+  EXPECT_EQ(results(b).size(), 2u);
+  EXPECT_TRUE(fs::exists(b / "runs" / "dense-d48-s1" / "checkpoints" / "step_00000004"));
+
+  SweepSummary second = run_sweep(s, b);
+  EXPECT_FALSE(second.interrupted);
+  EXPECT_EQ(second.already_done, 2);
+  EXPECT_EQ(second.trained, 2);
+  SweepSummary third = run_sweep(s, b);  // idempotent: nothing left
+  EXPECT_EQ(third.already_done, 4);
+  EXPECT_EQ(third.trained, 0);
+
+  auto ra = results(a), rb = results(b);
+  ASSERT_EQ(ra.size(), 4u);
+  ASSERT_EQ(rb.size(), 4u);
+  for (auto& [id, x] : ra) {
+    ASSERT_TRUE(rb.count(id)) << id;
+    const auto& y = rb[id];
+    EXPECT_EQ(x["config_hash"], y["config_hash"]);
+    EXPECT_EQ(x["final_val_loss"].get<double>(), y["final_val_loss"].get<double>()) << id;  // bit for bit
+    EXPECT_EQ(x["best_val_loss"].get<double>(), y["best_val_loss"].get<double>()) << id;
+    EXPECT_EQ(x["val_curve"], y["val_curve"]) << id;
+    ASSERT_EQ(x["loss_curve"].size(), 8u) << id;  // every step once
+    for (size_t i = 0; i < 8; ++i) {
+      EXPECT_EQ(x["loss_curve"][i][0], y["loss_curve"][i][0]);
+      EXPECT_EQ(x["loss_curve"][i][2].get<double>(), y["loss_curve"][i][2].get<double>()) << id << " step " << i + 1;
+    }
+    for (auto k : {"variant", "baseline", "d", "seed", "config", "revision", "tokens", "compute", "flops_with_head",
+                   "tokens_per_s", "mfu", "wall_s", "host", "scale"})
+      EXPECT_TRUE(y.contains(k)) << k;
+    EXPECT_GT(y["tokens_per_s"].get<double>(), 0);
+  }
+  // Nothing but the four result files in results/ (no temp files left behind).
+  EXPECT_EQ(std::distance(fs::directory_iterator(b / "results"), fs::directory_iterator()), 4);
+}
+
+TEST_F(LadderSweepTest, RunLockedByAnotherWorkerIsLeftToIt) {
+  fs::path s = good_spec(), out = dir->path / "out-locked";
+  Plan p = make_plan(load_spec(s), 50);
+  ResultStore store(out);
+  store.open_for_sweep(p.spec);
+  {
+    RunLock other(store, "wide-d32-s1");  // another worker is training this run
+    ASSERT_TRUE(other.held());
+    RunLock again(store, "wide-d32-s1");
+    EXPECT_FALSE(again.held());
+    SweepSummary sum = run_sweep(s, out);
+    EXPECT_EQ(sum.busy, 1);
+    EXPECT_EQ(sum.trained, 3);
+    EXPECT_FALSE(store.read_result("wide-d32-s1"));
+  }
+  SweepSummary sum = run_sweep(s, out);  // the worker died: its lock is gone with it
+  EXPECT_EQ(sum.trained, 1);
+  EXPECT_EQ(results(out).size(), 4u);
+  // --list: one command per run against the same directory.
+  auto cmds = sweep_commands(p, out);
+  ASSERT_EQ(cmds.size(), 4u);
+  for (size_t i = 0; i < cmds.size(); ++i) {
+    EXPECT_NE(cmds[i].find(" sweep "), std::string::npos);
+    EXPECT_NE(cmds[i].find("--only " + p.runs[i].id), std::string::npos);
+    EXPECT_NE(cmds[i].find(fs::absolute(out).string()), std::string::npos);
+  }
+}
+
+// Parses a file with Python's XML parser (an independent well-formedness check); returns the root tag.
+std::string xml_root(const fs::path& f) {
+  fs::path o = f;
+  o += ".root";
+  std::string cmd = fmt::format(
+      "/usr/bin/python3 -c \"import sys,xml.etree.ElementTree as E; open(sys.argv[2],'w').write(E.parse(sys.argv[1]).getroot().tag)\" '{}' '{}'",
+      f.string(), o.string());
+  if (std::system(cmd.c_str()) != 0) return "PARSE ERROR";
+  return read_file(o);
+}
+
+TEST_F(LadderSweepTest, ReportRendersWellFormedSvgAndHtmlMatchingStoredResults) {
+  fs::path out = dir->path / "out-report";
+  fs::path s = spec("report", R"(scales:
+  rules: {head_dim: 16, checkpoints: 1, evals: 1}
+  list:
+    - {d: 32, steps: 6, batch_size: 4}
+    - {d: 48, steps: 6, batch_size: 4}
+    - {d: 64, steps: 6, batch_size: 4}
+seeds: [1, 2]
+variants:
+  dense: {}
+  wide: {baseline: dense, set: {model.d_ff: 6*d}}
+  hot: {baseline: dense, set: {optim.lr: 0.01}}
+  both: {baseline: dense, set: {model.d_ff: 6*d, optim.lr: 0.01}, stacks: [wide, hot]}
+report: {E: 1.0, alpha: 0.1, bootstrap: 100}
+)");
+  run_sweep(s, out);
+  ReportOptions ro;
+  ro.dir = out;
+  std::string md = write_report(ro);
+  fs::path rd = out / "report";
+  for (auto f : {"loss_vs_compute.svg", "speedups.svg"}) EXPECT_EQ(xml_root(rd / f), "{http://www.w3.org/2000/svg}svg") << f;
+  std::string html = read_file(rd / "report.html");
+  EXPECT_EQ(read_file(rd / "report.md"), md);
+  EXPECT_NE(html.find("<!DOCTYPE html>"), std::string::npos);
+  EXPECT_EQ(html.find("<script"), std::string::npos);  // self-contained, nothing to fail in a browser
+  EXPECT_EQ(html.find("src="), std::string::npos);
+  EXPECT_EQ(html.find("href="), std::string::npos);
+  // Both plots inline, and the page is well-formed XML apart from its doctype.
+  size_t nsvg = 0;
+  for (size_t p = html.find("<svg "); p != std::string::npos; p = html.find("<svg ", p + 1)) ++nsvg;
+  EXPECT_EQ(nsvg, 2u);
+  write_text(rd / "body.xml", html.substr(html.find("<html")));
+  EXPECT_EQ(xml_root(rd / "body.xml"), "html");
+
+  // The runs table holds every stored result with its losses; the speedup table holds what the
+  // stored results give when the report is recomputed from them.
+  auto stored = results(out);
+  ASSERT_EQ(stored.size(), 24u);
+  for (auto& [id, j] : stored) {
+    std::string row = fmt::format("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td>", id, j["variant"].get<std::string>(),
+                                  j["d"].get<int>(), j["seed"].get<int>());
+    size_t p = html.find(row);
+    ASSERT_NE(p, std::string::npos) << row;
+    std::string tr = html.substr(p, html.find("</tr>", p) - p);
+    EXPECT_NE(tr.find(fmt::format("<td>{:.4f}</td>", j["final_val_loss"].get<double>())), std::string::npos) << tr;
+    EXPECT_NE(tr.find(fmt::format("<td>{:.4f}</td>", j["best_val_loss"].get<double>())), std::string::npos) << tr;
+  }
+  std::vector<nlohmann::json> all;
+  for (auto& [id, j] : stored) all.push_back(j);
+  Report r = compute_report(all, 1.0, 0.1, 100);
+  for (auto& v : r.variants) {
+    if (v.baseline.empty()) continue;
+    std::string row = fmt::format("<tr><td>{}</td><td>{}</td>", v.name, v.baseline);
+    for (auto& c : v.cells) row += fmt::format("<td>{}</td>", format_cell(c, false, false));
+    EXPECT_NE(html.find(row + fmt::format("<td>{}</td></tr>", v.gate_marin)), std::string::npos) << row;
+    std::string lrow = fmt::format("<tr><td>{}</td><td>{}</td>", v.name, v.baseline);
+    for (auto& c : v.cells) lrow += fmt::format("<td>{}</td>", format_cell(c, true, true));
+    EXPECT_NE(html.find(lrow), std::string::npos) << lrow;
+    // Marin's cell recomputed by hand from the stored means.
+    for (auto& c : v.cells)
+      EXPECT_DOUBLE_EQ(c.marin_theo.value, marin_theoretical_speedup(c.base_C, c.base_loss, c.C, c.loss, 1.0, 0.1));
+  }
+  EXPECT_NE(md.find("Stacked variant vs the product"), std::string::npos);
+}
+
+// Renders the report in headless Chromium (Debian's `chromium`) and checks the console is clean.
+TEST_F(LadderSweepTest, ReportOpensInHeadlessChromiumWithoutConsoleErrors) {
+  if (std::system("command -v chromium >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "SKIPPED: `chromium` is not installed (apt-get install chromium) - the HTML report was not "
+                    "rendered in a browser";
+  fs::path out = dir->path / "out-chromium";
+  run_sweep(good_spec(), out);
+  ReportOptions ro;
+  ro.dir = out;
+  write_report(ro);
+  fs::path html = out / "report" / "report.html", dom = out / "dom.html", log = out / "chromium.log";
+  std::string cmd = fmt::format(
+      "timeout 120 chromium --headless --no-sandbox --disable-gpu --enable-logging=stderr --v=0 --dump-dom 'file://{}' "
+      ">'{}' 2>'{}'",
+      fs::absolute(html).string(), dom.string(), log.string());
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << read_file(log);
+  std::string d = read_file(dom), l = read_file(log);
+  EXPECT_NE(d.find("Ladder report: tiny"), std::string::npos);
+  EXPECT_NE(d.find("<svg"), std::string::npos);
+  // Chromium logs every console message as "INFO:CONSOLE(...)" without its level (console.error
+  // and uncaught exceptions alike); the page has no script, so any console line is a failure.
+  std::regex console_line(R"(:CONSOLE|Uncaught)");
+  EXPECT_FALSE(std::regex_search(l, console_line)) << l;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: one clear line each, before any training starts
+
+TEST_F(LadderSweepTest, BadSpecsFailWithOneLineBeforeTraining) {
+  auto expect_error = [&](const std::string& name, const std::string& body, const std::string& want) {
+    fs::path out = dir->path / ("out-bad-" + name);
+    try {
+      run_sweep(spec(name, body), out);
+      ADD_FAILURE() << name << ": no error";
+    } catch (const Error& e) {
+      std::string m = e.what();
+      EXPECT_NE(m.find(want), std::string::npos) << name << ": " << m;
+      EXPECT_NE(m.find(name + ".yaml"), std::string::npos) << name << ": names the spec file: " << m;
+      EXPECT_EQ(m.find('\n'), std::string::npos) << name << ": one line: " << m;
+    }
+    EXPECT_FALSE(fs::exists(out / "runs")) << name << ": nothing may start";
+  };
+  const std::string scales = "scales:\n  rules: {head_dim: 16}\n  list: [{d: 32, steps: 2}]\n";
+  expect_error("nobase", scales + "variants:\n  dense: {}\n  moe: {baseline: dence}\n",
+               "variant 'moe' is measured against baseline 'dence', which is not a variant");
+  expect_error("cycle", scales + "variants:\n  dense: {}\n  a: {baseline: b}\n  b: {baseline: a}\n",
+               "the baselines form a cycle: a -> b -> a");
+  expect_error("unknownkey", scales + "variants:\n  dense: {}\n  moe: {baseline: dense, set: {moe.experts: 64}}\n",
+               "variant 'moe': --set moe.experts=64: unknown config key 'moe.experts'");
+  expect_error("badscale", "scales:\n  rules: {head_dim: 16}\n  list: [{d: 40, steps: 2}]\nvariants:\n  dense: {}\n",
+               "scale d=40 cannot be built: scales.rules.head_dim 16 does not divide d");
+  expect_error("badkv", "scales:\n  rules: {head_dim: 16, kv_ratio: 4}\n  list: [{d: 48, steps: 2}]\nvariants:\n  dense: {}\n",
+               "scale d=48 cannot be built: scales.rules.kv_ratio 4 does not divide the 3 heads");
+  expect_error("badvalue", scales + "variants:\n  dense: {}\n  x: {baseline: dense, set: {model.n_kv_heads: 3}}\n",
+               "variant 'x' at scale d=32");
+  expect_error("badstack", scales + "variants:\n  dense: {}\n  a: {baseline: dense}\n  s: {baseline: dense, stacks: [a, zz]}\n",
+               "variant 's' stacks 'zz', which is not a variant");
+  expect_error("noroot", scales + "variants:\n  a: {baseline: a}\n", "cycle");
+  expect_error("typo", scales + "variants:\n  dense: {}\nseed: [1]\n", "unknown key 'seed' in the ladder spec");
+}
+
+TEST_F(LadderSweepTest, IncompatibleOrChangedResultsDirectoryIsRefusedBeforeTraining) {
+  fs::path s = good_spec();
+  // A directory written by another results format version.
+  fs::path v2 = dir->path / "out-v2";
+  fs::create_directories(v2 / "results");
+  write_text(v2 / "ladder.json", R"({"format": "ladder-results", "version": 2, "spec_name": "tiny"})");
+  try {
+    run_sweep(s, v2);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ladder.json: written by an incompatible Ladder version (results format version 2, this build reads 1)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(v2 / "runs"));
+  ReportOptions ro;
+  ro.dir = v2;
+  EXPECT_THROW(write_report(ro), Error);
+  // A result file from another version is refused by the sweep and the report alike.
+  fs::path v1 = dir->path / "out-oldresult";
+  run_sweep(s, v1, [](const PlannedRun&) { return 0; });  // creates the layout, trains nothing
+  write_text(v1 / "results" / "dense-d32-s1.json", R"({"format": "ladder-result", "version": 0})");
+  EXPECT_THROW(run_sweep(s, v1), Error);
+  ro.dir = v1;
+  try {
+    write_report(ro);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dense-d32-s1.json: written by an incompatible Ladder version"), std::string::npos) << e.what();
+  }
+  // The same directory with a changed spec: the finished run's config differs.
+  fs::path ch = dir->path / "out-changed";
+  run_sweep(s, ch, [](const PlannedRun& r) { return r.id == "wide-d32-s1" ? 2 : -1; });  // one result, one started
+  write_text(s, read_file(s) + "set: {optim.lr: 0.001}\n");
+  try {
+    run_sweep(s, ch);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("run dense-d32-s1 was made with another config"), std::string::npos) << e.what();
+  }
+  fs::remove(ch / "results" / "dense-d32-s1.json");
+  fs::remove_all(ch / "runs" / "dense-d32-s1");
+  try {
+    run_sweep(s, ch);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("run wide-d32-s1 was started with another config"), std::string::npos) << e.what();
+  }
+  // A directory of another ladder.
+  s = good_spec();
+  fs::path other = dir->path / "out-other";
+  run_sweep(s, other, [](const PlannedRun&) { return 0; });
+  try {
+    run_sweep(spec("report2", "scales:\n  rules: {head_dim: 16}\n  list: [{d: 32, steps: 2}]\nvariants: {dense: {}}\n"), other);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds the ladder 'tiny', not 'report2'"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(LadderSweepTest, PendingVariantsAreCheckedAndListedNotRun) {
+  Plan p = make_plan(load_spec(spec("pending", R"(scales:
+  rules: {head_dim: 16}
+  list: [{d: 32, steps: 2}]
+variants:
+  dense: {}
+pending:
+  moe_v1: {baseline: dense, set: {model.future_switch: 64}}
+  pko: {baseline: moe_v1, set: {model.pko: true}}
+  gqa: {baseline: dense, set: {model.n_kv_heads: 1}}
+)")), 50);
+  EXPECT_EQ(p.runs.size(), 1u);
+  ASSERT_EQ(p.pending.size(), 3u);
+  std::string all = fmt::format("{}", fmt::join(p.pending, "\n"));
+  EXPECT_NE(all.find("'moe_v1' (vs dense): not run, this build lacks model.future_switch"), std::string::npos) << all;
+  EXPECT_NE(all.find("'gqa' (vs dense): every key is known to this build"), std::string::npos) << all;
+  // A pending variant's baseline must exist among variants and pending ones.
+  EXPECT_THROW(load_spec(spec("pending2", "scales:\n  list: [32]\nvariants: {dense: {}}\npending:\n  x: {baseline: y}\n")), Error);
+}
+
+}  // namespace
+}  // namespace ladder
