@@ -364,7 +364,9 @@ TEST(Optim, NewtonSchulzSingularValuesLieInTheDesignedBand) {
       EXPECT_LE(sout[i], 1.1451 + 1e-4) << sh.r << "x" << sh.c;
     }
     const double smin = sin.front();
-    if (smin >= 0.003) EXPECT_GE(sout.front(), 0.9777 - 1e-4) << sh.r << "x" << sh.c;
+    if (smin >= 0.003) {
+      EXPECT_GE(sout.front(), 0.9777 - 1e-4) << sh.r << "x" << sh.c;
+    }
   }
   EXPECT_GT(checked_narrow, 100);
 }
@@ -402,9 +404,17 @@ TEST(Optim, PresetsPutEachTensorWhereTheRecipeSays) {
           << p->name;
   // One radius per expert: the expert stacks get [E] radii, matrices [1].
   auto mh = make_optimizer(preset("muonh"), hm.params, *be);
-  for (auto& s : mh->state())
-    if (s.name == "radius.model.layers.0.mlp.experts.gate_proj.weight") EXPECT_EQ(s.shape, std::vector<int64_t>{3});
-    else if (s.name == "radius.lm_head.weight") EXPECT_EQ(s.shape, std::vector<int64_t>{1});
+  int radii_seen = 0;
+  for (auto& s : mh->state()) {
+    if (s.name == "radius.model.layers.0.mlp.experts.gate_proj.weight") {
+      EXPECT_EQ(s.shape, std::vector<int64_t>{3});
+      ++radii_seen;
+    } else if (s.name == "radius.lm_head.weight") {
+      EXPECT_EQ(s.shape, std::vector<int64_t>{1});
+      ++radii_seen;
+    }
+  }
+  EXPECT_EQ(radii_seen, 2);
   // Overrides by role and by name pattern.
   OptimConfig oc = preset("muonh");
   oc.adam_params = "role:lm_head";

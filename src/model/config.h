@@ -75,7 +75,7 @@ struct OptimConfig {
   double weight_decay = 0.1;  // applied to matrices only (attention, MLP, LM head)
   double embed_lr_mult = 1.0;  // learning-rate multiplier of the embedding group
   double clip = 1.0;           // global grad-norm clip; 0 = off
-  // RECIPE.md section 3 (src/optim/optimizers.h, docs/optimizers.md). Per-optimizer peak learning
+  // RECIPE.md section 3 (src/optim/optimizers.cpp, docs/optimizers.md). Per-optimizer peak learning
   // rates: "" = optim.lr, a number, or "auto" (the recipe's fitted heuristics).
   std::string adam_lr, adamh_lr, muon_lr, muonh_lr;
   double muon_momentum = 0.95;

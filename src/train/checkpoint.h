@@ -1,6 +1,7 @@
 // Checkpoint layout (version 1), one directory per step under RUN_DIR/checkpoints/:
 //   step_00000100/model.safetensors      weights, Hugging Face tensor names, F32
-//   step_00000100/optimizer.safetensors  optimizer state tensors (exp_avg.<name>, exp_avg_sq.<name>)
+//   step_00000100/optimizer.safetensors  optimizer state tensors (exp_avg.<name>, exp_avg_sq.<name>,
+//                                        momentum.<name>, radius.<name>: docs/optimizers.md)
 //   step_00000100/state.json             format_version, step, resolved config, data-loader state,
 //                                        tokens seen, thread count, the optimizer's step counter
 //   step_00000100/tokenizer.model        copy of the tokenizer, so `ladder sample` needs nothing else
