@@ -312,7 +312,7 @@ TEST(Moe, OneExpertTopOneEqualsDenseSwiGLU) {
   cm.model.moe_balance = "none";
   Config cd = cm;
   cd.model.moe_experts = 0;
-  cd.model.moe_balance = "";
+  cd.model.moe_balance = "auto";
   cd.model.d_ff = cm.model.expert_ff();
   validate(cm);
   validate(cd);

@@ -51,7 +51,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, moe_layers, "MoE: which layers get a MoE block: all, or comma-separated indices (e.g. \"1,3\")"),
       LADDER_FIELD(model, moe_combine, "MoE combine weights: sigmoid (V1, unnormalized) | normalized (scale*sig/sum over top-K)"),
       LADDER_FIELD(model, moe_route_scale, "MoE: factor of the normalized combine weights (recipe 2.5)"),
-      LADDER_FIELD(model, moe_balance, "MoE selection-bias balancing: quantile | none; empty = quantile when MoE is on"),
+      LADDER_FIELD(model, moe_balance, "MoE selection-bias balancing: auto (= quantile when MoE is on) | quantile | none"),
       LADDER_FIELD(model, router_z_loss, "router z-loss coefficient, mean over tokens and MoE layers (0 = off; recipe 1e-3)"),
       LADDER_FIELD(model, half_rope, "RoPE on head dims [0, hd/2) only (hd/4 frequencies, rotate-half pairs); [hd/2, hd) carry no position. Needs head_dim % 4 == 0 (PKO rung: with rope_theta 1e4)"),
       LADDER_FIELD(model, qk_norm_gain, "with qk_norm: true = learned gain per head dim (dense baseline); false = non-parametric RMSNorm (recipe V1)"),
@@ -224,8 +224,8 @@ void validate_moe(const Config& c, const std::string& where) {
   const auto& m = c.model;
   if (m.moe_experts < 0) fail("{}: model.moe_experts must be >= 0 (0 = dense), got {}", where, m.moe_experts);
   if (m.router_z_loss < 0) fail("{}: model.router_z_loss must be >= 0, got {}", where, m.router_z_loss);
-  if (m.moe_balance != "" && m.moe_balance != "quantile" && m.moe_balance != "none")
-    fail("{}: model.moe_balance '{}' is not known (expected quantile or none)", where, m.moe_balance);
+  if (m.moe_balance != "auto" && m.moe_balance != "quantile" && m.moe_balance != "none")
+    fail("{}: model.moe_balance '{}' is not known (expected auto, quantile or none)", where, m.moe_balance);
   if (m.moe_combine != "sigmoid" && m.moe_combine != "normalized")
     fail("{}: model.moe_combine '{}' is not known (expected sigmoid or normalized)", where, m.moe_combine);
   if (!m.moe()) {

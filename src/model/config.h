@@ -34,7 +34,7 @@ struct ModelConfig {
   std::string moe_layers = "all";  // "all" or comma-separated layer indices, e.g. "1,3"
   std::string moe_combine = "sigmoid";  // sigmoid (V1) | normalized (w = scale*sig/sum_topK sig)
   double moe_route_scale = 2.5;    // factor of the normalized combine weights
-  std::string moe_balance = "";    // "" = quantile when MoE is on; quantile | none
+  std::string moe_balance = "auto";  // auto = quantile when MoE is on; quantile | none
   double router_z_loss = 0.0;      // router z-loss coefficient (recipe: 1e-3), averaged over MoE layers
   // Recipe switches in attention and norms (RECIPE.md section 2; all off in the dense baseline).
   bool half_rope = false;      // RoPE on head dims [0, hd/2) only
