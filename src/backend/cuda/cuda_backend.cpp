@@ -165,6 +165,42 @@ class CudaBackendImpl final : public CudaBackend {
     check(k::adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, st_), "adamw_update");
   }
 
+  // Ops the CPU backend gained with the MoE, attention-switch and optimizer work (issues 3, 4, 7)
+  // have no CUDA kernels yet (docs/cuda.md, "remaining plan"). They fail loudly rather than fall back
+  // to anything: the model is not wired to this backend yet either (check_run_device refuses).
+  [[noreturn]] static void missing(const char* op) {
+    fail("--device cuda: the CUDA backend has no kernel for '{}' yet (see docs/cuda.md)", op);
+  }
+  void grouped_gemm(bool, bool, int, const int32_t*, int, int, int, float, const float*, int, const float*, int,
+                    size_t, float, float*, int, size_t) override {
+    missing("grouped_gemm");
+  }
+  void pko_shift_forward(float*, const float*, const uint8_t*, int, int, int, int) override { missing("pko_shift"); }
+  void pko_shift_backward(float*, const float*, const uint8_t*, int, int, int, int) override { missing("pko_shift"); }
+  void xsa_forward(float*, const float*, const float*, int, int, int, int) override { missing("xsa"); }
+  void xsa_backward(float*, float*, const float*, const float*, const float*, int, int, int, int) override {
+    missing("xsa");
+  }
+  void head_gate_forward(float*, float*, const float*, const float*, int, int, int) override { missing("head_gate"); }
+  void head_gate_backward(float*, float*, const float*, const float*, const float*, int, int, int) override {
+    missing("head_gate");
+  }
+  void silu_forward(float*, const float*, size_t) override { missing("silu"); }
+  void silu_backward(float*, const float*, const float*, size_t) override { missing("silu"); }
+  void sigmoid_gate_forward(float*, float*, const float*, size_t) override { missing("sigmoid_gate"); }
+  void sigmoid_gate_backward(float*, float*, const float*, const float*, const float*, size_t, bool) override {
+    missing("sigmoid_gate");
+  }
+  double adam_moments(float*, float*, const float*, size_t, float, float, float, float, float) override {
+    missing("adam_moments");
+  }
+  double adam_apply(float*, const float*, const float*, size_t, float, float, float, float) override {
+    missing("adam_apply");
+  }
+  void muon_momentum(float*, float*, const float*, size_t, float) override { missing("muon_momentum"); }
+  double axpy_sumsq(float*, const float*, size_t, float) override { missing("axpy_sumsq"); }
+  void newton_schulz5(float*, int, int) override { missing("newton_schulz5"); }
+
  private:
   void post(const char* op) {
     if (!sync_each_) return;
