@@ -608,3 +608,27 @@ pending:
 
 }  // namespace
 }  // namespace ladder
+
+namespace ladder {
+namespace {
+
+// A variant is its baseline's config plus its own changes (a rung over MoE V1 keeps MoE V1).
+TEST_F(LadderSweepTest, VariantsInheritTheirBaselinesChanges) {
+  Plan p = make_plan(load_spec(spec("inherit", R"(scales:
+  rules: {head_dim: 16}
+  list: [{d: 32, steps: 2}]
+variants:
+  dense: {}
+  wide: {baseline: dense, set: {model.d_ff: 6*d}}
+  wide_lr: {baseline: wide, set: {optim.lr: 0.01}}
+)")), 50);
+  ASSERT_EQ(p.runs.size(), 3u);
+  for (auto& r : p.runs) {
+    const bool wide = r.id.rfind("wide", 0) == 0;
+    EXPECT_EQ(r.cfg.model.d_ff, wide ? 6 * 32 : 4 * 32) << r.id;
+    EXPECT_EQ(r.cfg.optim.lr == 0.01, r.id.rfind("wide_lr", 0) == 0) << r.id;
+  }
+}
+
+}  // namespace
+}  // namespace ladder

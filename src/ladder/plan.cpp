@@ -37,8 +37,19 @@ std::string substitute_width(const std::string& v, int d) {
   return std::to_string(int64_t(x));
 }
 
-// Applies a variant's changes; unknown keys and bad values become one line naming spec and variant.
+const VariantSpec* find_variant(const LadderSpec& spec, const std::string& name) {
+  for (const auto* list : {&spec.variants, &spec.pending})
+    for (const auto& v : *list)
+      if (v.name == name) return &v;
+  return nullptr;
+}
+
+// Applies a variant's changes on top of its baseline's (recursively: a rung measured against MoE V1
+// is MoE V1 plus its own switch); unknown keys and bad values become one line naming spec and
+// variant. load_spec() has already rejected missing baselines and cycles.
 void apply_variant(Config& c, const LadderSpec& spec, const VariantSpec& v, int d) {
+  if (const VariantSpec* b = v.baseline.empty() ? nullptr : find_variant(spec, v.baseline))
+    apply_variant(c, spec, *b, d);
   for (auto& [k, val] : v.set) {
     try {
       apply_override(c, k + "=" + substitute_width(val, d));
