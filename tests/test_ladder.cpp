@@ -198,27 +198,7 @@ class LadderSweepTest : public ::testing::Test {
   static inline test::TempDir* dir = nullptr;
   static void SetUpTestSuite() {
     dir = new test::TempDir("ladder");
-    const char* words[] = {"the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "from",
-                           "home", "while", "birds", "sang", "in", "tall", "green", "trees", "of", "old",
-                           "forest", "river", "stone", "light", "came", "down", "over", "hills"};
-    Philox r(9, 0);
-    std::ofstream f(dir->path / "corpus.jsonl");
-    for (int d = 0; d < 300; ++d) {
-      std::string text;
-      int n = 20 + int(r.u64(d * 1000) % 60);
-      for (int w = 0; w < n; ++w) {
-        text += words[r.u64(d * 1000 + w + 1) % 30];
-        text += (w % 9 == 8) ? ". " : " ";
-      }
-      f << nlohmann::json{{"text", text}}.dump() << "\n";
-    }
-    f.close();
-    data::PrepareOptions o;
-    o.inputs = {dir->path / "corpus.jsonl"};
-    o.out_dir = dir->path / "data";
-    o.vocab_size = 320;
-    o.val_fraction = 0.05;
-    data::prepare_data(o);
+    test::make_word_salad_data(dir->path, 300, 9);
     write_text(dir->path / "base.yaml", fmt::format(R"(model:
   seq_len: 32
   n_heads: 2

@@ -9,6 +9,12 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/rng.h"
+#include "data/prepare.h"
+
 namespace ladder::test {
 
 // A fresh directory under the system temp dir, removed when the object goes out of scope.
@@ -25,6 +31,33 @@ struct TempDir {
     if (!std::getenv("LADDER_KEEP_TEST_DIRS")) std::filesystem::remove_all(path, ec);
   }
 };
+
+// A small synthetic corpus of word-salad documents (JSONL under dir/corpus.jsonl), tokenized with a
+// 320-piece vocabulary into dir/data: the data set of the training and ladder tests.
+inline void make_word_salad_data(const std::filesystem::path& dir, int n_docs, uint64_t seed) {
+  const char* words[] = {"the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "from",
+                         "home", "while", "birds", "sang", "in", "tall", "green", "trees", "of", "old",
+                         "forest", "river", "stone", "light", "came", "down", "over", "hills"};
+  Philox r(seed, 0);
+  {
+    std::ofstream f(dir / "corpus.jsonl");
+    for (int d = 0; d < n_docs; ++d) {
+      std::string text;
+      const int n = 20 + int(r.u64(uint64_t(d) * 1000) % 60);
+      for (int w = 0; w < n; ++w) {
+        text += words[r.u64(uint64_t(d) * 1000 + w + 1) % 30];
+        text += (w % 9 == 8) ? ". " : " ";
+      }
+      f << nlohmann::json{{"text", text}}.dump() << "\n";
+    }
+  }
+  data::PrepareOptions o;
+  o.inputs = {dir / "corpus.jsonl"};
+  o.out_dir = dir / "data";
+  o.vocab_size = 320;
+  o.val_fraction = 0.05;
+  data::prepare_data(o);
+}
 
 // Runs the independent PyTorch reference (tests/reference/run_ref.py) with Debian's python3.
 inline int run_reference(const std::string& args) {
