@@ -175,7 +175,6 @@ class Transformer {
   float *d_vx_ = nullptr, *d_ga_ = nullptr;   // XSA's d(v) [N,KV*hd]; gate logits' gradient [N,H]
   float *d_gn_ = nullptr, *d_gs_ = nullptr, *d_gr_ = nullptr;  // GatedNorm [N,d], [N,d], [N,r]
   std::vector<uint8_t> resets_;               // PKO: [N] sequence/document starts
-  std::vector<int32_t> ids_;
   // MoE state
   std::vector<Param> buffers_;
   Arena buffers_arena_;
