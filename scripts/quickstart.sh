@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j "$(nproc)"
+cmake --build build -j "$(nproc)" --target ladder
 bash scripts/make-corpus.sh data/corpus/default.jsonl
 if [ ! -f data/default/meta.json ]; then
   ./build/ladder data --input data/corpus/default.jsonl --out data/default --vocab 8192 --val-fraction 0.02
