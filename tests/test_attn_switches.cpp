@@ -18,7 +18,7 @@
 #include "model/transformer.h"
 #include "train/bench.h"
 #include "train/checkpoint.h"
-#include "test_util.h"
+#include "reference_harness.h"
 
 namespace ladder {
 namespace {
@@ -450,18 +450,8 @@ TEST_P(AttnSwitchParity, AllSwitchesOnMatchPyTorch) {
   const int B = c.run.batch_size, S = m.seq_len, V = m.vocab_size, N = B * S;
   auto inputs = tokens(N, V, 22), targets = tokens(N, V, 23);
   for (int i : {6, 11, 20, 33, 47}) inputs[i] = 3;  // document boundaries inside rows
-  write_file_atomic(dir.path / "config.json", torch_model_json(c).dump(2));
-  save_weights(dir.path / "model.safetensors", model);
-  save_safetensors(dir.path / "batch.safetensors", {{"inputs", DType::I32, {B, S}, inputs.data()},
-                                                    {"targets", DType::I32, {B, S}, targets.data()}});
-  ASSERT_EQ(test::run_reference("forward-backward --dir " + dir.path.string()), 0) << "PyTorch reference failed";
-  auto ref = SafeTensors::open(dir.path / "ref_out.safetensors");
-
-  std::vector<float> logits(size_t(N) * V);
-  model.forward_logits(inputs.data(), logits.data());
-  auto ref_logits = ref.get_f32("logits");
-  ASSERT_EQ(ref_logits.size(), logits.size());
-  EXPECT_LT(test::rel_err(logits.data(), ref_logits.data(), logits.size()), 2e-6);
+  auto ref = test::reference_forward_backward(dir.path, c, model, inputs, targets);
+  EXPECT_LT(test::logits_rel_err(model, inputs, ref), 2e-6);
 
   model.zero_grad();
   LossSums s = model.forward_backward(inputs.data(), targets.data(), 1.0f / float(N));

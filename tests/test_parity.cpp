@@ -16,7 +16,7 @@
 #include "train/bench.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
-#include "test_util.h"
+#include "reference_harness.h"
 
 namespace ladder {
 namespace {
@@ -48,20 +48,6 @@ Config tiny_config(bool qk_norm, double z_loss, int window) {
   return c;
 }
 
-void write_config(const std::filesystem::path& dir, const Config& c) {
-  auto j = torch_model_json(c);
-  j["optim"] = {{"lr", c.optim.lr},
-                {"beta1", c.optim.beta1},
-                {"beta2", c.optim.beta2},
-                {"eps", c.optim.eps},
-                {"weight_decay", c.optim.weight_decay},
-                {"clip", c.optim.clip},
-                {"warmup", c.schedule.warmup},
-                {"total_steps", c.run.steps},
-                {"final_lr_frac", c.schedule.final_lr_frac}};
-  write_file_atomic(dir / "config.json", j.dump(2));
-}
-
 std::vector<int32_t> random_tokens(size_t n, int V, uint64_t seed) {
   Philox r(seed, stream_id("tokens"));
   std::vector<int32_t> t(n);
@@ -86,18 +72,8 @@ TEST_P(ModelParity, LogitsLossAndEveryGradientMatchPyTorch) {
   model.init(7);
   const int B = c.run.batch_size, S = c.model.seq_len, V = c.model.vocab_size, N = B * S;
   auto inputs = random_tokens(N, V, 1), targets = random_tokens(N, V, 2);
-  write_config(dir.path, c);
-  save_weights(dir.path / "model.safetensors", model);
-  save_safetensors(dir.path / "batch.safetensors", {{"inputs", DType::I32, {B, S}, inputs.data()},
-                                                    {"targets", DType::I32, {B, S}, targets.data()}});
-  ASSERT_EQ(test::run_reference("forward-backward --dir " + dir.path.string()), 0) << "PyTorch reference failed";
-  auto ref = SafeTensors::open(dir.path / "ref_out.safetensors");
-
-  std::vector<float> logits(size_t(N) * V);
-  model.forward_logits(inputs.data(), logits.data());
-  auto ref_logits = ref.get_f32("logits");
-  ASSERT_EQ(ref_logits.size(), logits.size());
-  EXPECT_LT(test::rel_err(logits.data(), ref_logits.data(), logits.size()), 2e-6);
+  auto ref = test::reference_forward_backward(dir.path, c, model, inputs, targets);
+  EXPECT_LT(test::logits_rel_err(model, inputs, ref), 2e-6);
 
   model.zero_grad();
   LossSums s = model.forward_backward(inputs.data(), targets.data(), 1.0f / float(N));
@@ -128,12 +104,7 @@ TEST(ModelParity, TenAdamWStepsMatchPyTorch) {
   const int B = c.run.batch_size, S = c.model.seq_len, V = c.model.vocab_size, N = B * S;
   const int steps = int(c.run.steps);
   auto inputs = random_tokens(size_t(N) * steps, V, 3), targets = random_tokens(size_t(N) * steps, V, 4);
-  write_config(dir.path, c);
-  save_weights(dir.path / "model.safetensors", model);
-  save_safetensors(dir.path / "batches.safetensors", {{"inputs", DType::I32, {steps, B, S}, inputs.data()},
-                                                      {"targets", DType::I32, {steps, B, S}, targets.data()}});
-  ASSERT_EQ(test::run_reference(fmt::format("train --dir {} --steps {}", dir.path.string(), steps)), 0);
-  auto ref = nlohmann::json::parse(read_file(dir.path / "ref_train.json"));
+  auto ref = test::reference_train(dir.path, c, model, inputs, targets, steps);
   std::vector<int32_t> in(N), tg(N);
   for (int t = 0; t < steps; ++t) {
     StepStats st = train_step(c, t, model, *opt, *be,
