@@ -46,11 +46,27 @@ nlohmann::json torch_model_json(const Config& c) {
           {"gated_norm_rank", m.gated_norm_rank}};
 }
 
-nlohmann::json run_bench(const BenchOptions& opt) {
+Config load_bench_config(const BenchOptions& opt) {
   Config cfg = load_config(opt.config, opt.overrides);
   if (cfg.model.vocab_size == 0) cfg.model.vocab_size = 8192;  // synthetic tokens: no data directory needed
   if (cfg.model.eod_id < 0) cfg.model.eod_id = 2;  // the tokenizer's </s> (docs/data.md); PKO needs one
   validate(cfg);
+  return cfg;
+}
+
+void synthetic_batch(const Config& cfg, std::vector<int32_t>& in, std::vector<int32_t>& tgt) {
+  const int N = cfg.run.batch_size * cfg.model.seq_len;
+  in.resize(N);
+  tgt.resize(N);
+  Philox rng(cfg.run.seed, stream_id("bench"));
+  for (int i = 0; i < N; ++i) {
+    in[i] = int32_t(rng.u64(2 * i) % uint64_t(cfg.model.vocab_size));
+    tgt[i] = int32_t(rng.u64(2 * i + 1) % uint64_t(cfg.model.vocab_size));
+  }
+}
+
+nlohmann::json run_bench(const BenchOptions& opt) {
+  Config cfg = load_bench_config(opt);
   check_run_device(cfg.run.device);
   std::unique_ptr<Backend> be = make_cpu_backend(cfg.run.threads);
   ProfilingBackend* prof = nullptr;
@@ -64,12 +80,8 @@ nlohmann::json run_bench(const BenchOptions& opt) {
   model.init(cfg.run.seed);
   auto optimizer = make_optimizer(cfg, model, *be);
   const int N = cfg.run.batch_size * cfg.model.seq_len;
-  std::vector<int32_t> in(N), tgt(N);
-  Philox rng(cfg.run.seed, stream_id("bench"));
-  for (int i = 0; i < N; ++i) {
-    in[i] = int32_t(rng.u64(2 * i) % uint64_t(cfg.model.vocab_size));
-    tgt[i] = int32_t(rng.u64(2 * i + 1) % uint64_t(cfg.model.vocab_size));
-  }
+  std::vector<int32_t> in, tgt;
+  synthetic_batch(cfg, in, tgt);
   // Process CPU time (all threads) beside wall time: on a shared, overloaded machine it tracks the
   // work of a step far better than wall time does (run with one thread to keep spin-waits out).
   auto cpu_now = [] {

@@ -19,6 +19,12 @@ struct BenchOptions {
 };
 
 nlohmann::json run_bench(const BenchOptions& opt);
+// The config of a benchmark run: the preset with its overrides, validated. Synthetic tokens need no
+// data directory, so a vocabulary of 8192 and the tokenizer's </s> (id 2) stand in where it leaves
+// them open.
+Config load_bench_config(const BenchOptions& opt);
+// One synthetic micro-batch [batch_size, seq_len] of uniform random tokens (Philox keyed by run.seed).
+void synthetic_batch(const Config& cfg, std::vector<int32_t>& inputs, std::vector<int32_t>& targets);
 // A flat JSON description of the model and batch, as the PyTorch scripts read it.
 nlohmann::json torch_model_json(const Config& cfg);
 

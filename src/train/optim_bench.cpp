@@ -26,18 +26,11 @@ double median(std::vector<double> v) {
 }  // namespace
 
 nlohmann::json run_optim_bench(const BenchOptions& opt) {
-  Config cfg = load_config(opt.config, opt.overrides);
-  if (cfg.model.vocab_size == 0) cfg.model.vocab_size = 8192;  // synthetic tokens
-  validate(cfg);
+  Config cfg = load_bench_config(opt);
   auto be = make_cpu_backend(cfg.run.threads);
   Transformer model(cfg.model, cfg.run.batch_size, *be);
-  const int N = cfg.run.batch_size * cfg.model.seq_len;
-  std::vector<int32_t> in(N), tgt(N);
-  Philox rng(cfg.run.seed, stream_id("bench"));
-  for (int i = 0; i < N; ++i) {
-    in[i] = int32_t(rng.u64(2 * i) % uint64_t(cfg.model.vocab_size));
-    tgt[i] = int32_t(rng.u64(2 * i + 1) % uint64_t(cfg.model.vocab_size));
-  }
+  std::vector<int32_t> in, tgt;
+  synthetic_batch(cfg, in, tgt);
   nlohmann::json j = {{"config", opt.config.string()}, {"threads", cpu_threads()}, {"steps_timed", opt.steps}};
   nlohmann::json rows = nlohmann::json::array();
   for (const char* name : {"adamw", "adam", "adamh", "muon", "muonh"}) {
@@ -74,6 +67,7 @@ nlohmann::json run_optim_bench(const BenchOptions& opt) {
       ++count[{int(p.shape[0]), int(p.shape[1])}];
     }
   nlohmann::json ns = nlohmann::json::array();
+  Philox rng(cfg.run.seed, stream_id("bench"));  // random matrices, past the synthetic tokens' counters
   for (auto [r, c] : shapes) {
     std::vector<float> x(size_t(r) * c), y;
     for (size_t i = 0; i < x.size(); ++i) x[i] = float(rng.normal(1000000 + i));
