@@ -1,6 +1,8 @@
 // The op interface the model is written against. The CPU backend (backend/cpu) implements it with
 // OpenBLAS + OpenMP and doubles as the reference a CUDA backend is tested against. Pointers are
-// device pointers of the backend; shapes and conventions are those of backend/cpu/kernels.h.
+// pointers of the backend's memory (the MemorySpace it is: host memory for the CPU, device memory
+// for CUDA); shapes and conventions are those of backend/cpu/kernels.h, moe_kernels.h and
+// optim_kernels.h. Ops are ordered as called; only the ones returning a value to the host wait.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -8,14 +10,16 @@
 #include <string>
 
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/moe_kernels.h"
 #include "backend/cpu/optim_kernels.h"
+#include "core/memory.h"
 
 namespace ladder {
 
 using cpu::AttnShape;
 using cpu::XentSums;
 
-class Backend {
+class Backend : public MemorySpace {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
@@ -44,7 +48,15 @@ class Backend {
   virtual void add_inplace(float* y, const float* x, size_t n) = 0;
   virtual void scale_inplace(float* x, float s, size_t n) = 0;
   virtual double sum_squares(const float* x, size_t n) = 0;
+  // The same three without a host round trip: the sums go to backend memory (sums[0] = sum of
+  // xent, sums[1] = sum of lse^2; *out = sum of squares), overwritten, so a step can read them once.
+  virtual void softmax_xent_async(float* logits, const int32_t* targets, int N, int V, float z_coef,
+                                  float grad_scale, double* sums) = 0;
+  virtual void softmax_xent_forward_async(const float* logits, const int32_t* targets, int N, int V,
+                                          float* losses, double* sums) = 0;
+  virtual void sum_squares_async(const float* x, size_t n, double* out) = 0;
   // Recipe switches in attention and norms (contracts in backend/cpu/kernels.h).
+  virtual void pko_resets(uint8_t* reset, const int32_t* ids, int N_tok, int S, int eod_id) = 0;
   virtual void pko_shift_forward(float* out, const float* k, const uint8_t* reset, int N_tok, int nkv, int hd,
                                  int from_dim) = 0;
   virtual void pko_shift_backward(float* dk, const float* dout, const uint8_t* reset, int N_tok, int nkv, int hd,
@@ -61,6 +73,24 @@ class Backend {
   virtual void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) = 0;
   virtual void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
                                      bool accumulate_dx) = 0;
+  // MoE dispatch (contracts in backend/cpu/moe_kernels.h). Offsets stay in backend memory:
+  // grouped_gemm reads them there, so no op of a step needs the host to see the routing.
+  virtual void moe_route(float* lse, int32_t* expert, float* comb, const float* logits, const float* bias, int N,
+                         int E, int K, bool normalized, double route_scale) = 0;
+  virtual void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E) = 0;
+  virtual void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) = 0;
+  virtual void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K,
+                           int d) = 0;
+  virtual void moe_combine_backward(float* dy, float* dcomb, const float* dout, const float* y, const float* comb,
+                                    const int32_t* row, int N, int K, int d) = 0;
+  virtual void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) = 0;
+  virtual void moe_router_backward(float* ds, const float* logits, const float* lse, const int32_t* expert,
+                                   const float* dcomb, int N, int E, int K, bool normalized, double route_scale,
+                                   float z_scale) = 0;
+  virtual void moe_balance_values(float* vals, const float* logits, const float* bias, int N, int E, int K) = 0;
+  // beta [E] doubles in backend memory.
+  virtual void moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K) = 0;
+  virtual void moe_count_load(int64_t* load, const int32_t* offsets, int E) = 0;
   virtual void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1,
                             float b2, float eps, float wd, float bc1, float bc2) = 0;
   // The recipe's optimizers (backend/cpu/optim_kernels.h has the contracts). Norms come back as

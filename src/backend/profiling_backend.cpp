@@ -142,6 +142,64 @@ class Profiler final : public ProfilingBackend {
     timed("newton-schulz", 0, [&] { b_->newton_schulz5(X, rows, cols); });
   }
 
+  // Memory, and the ops that write their sums to backend memory.
+  bool is_host() const override { return b_->is_host(); }
+  void* mem_alloc(size_t bytes, const char* what) override { return b_->mem_alloc(bytes, what); }
+  void mem_free(void* p) override { b_->mem_free(p); }
+  void upload(void* d, const void* s, size_t n) override { timed("copies", 0, [&] { b_->upload(d, s, n); }); }
+  void download(void* d, const void* s, size_t n) override { timed("copies", 0, [&] { b_->download(d, s, n); }); }
+  void copy(void* d, const void* s, size_t n) override { timed("copies", 0, [&] { b_->copy(d, s, n); }); }
+  void zero(void* p, size_t n) override { timed("copies", 0, [&] { b_->zero(p, n); }); }
+  void synchronize() override { b_->synchronize(); }
+  void softmax_xent_async(float* l, const int32_t* t, int N, int V, float z, float gs, double* sums) override {
+    timed("softmax_xent", 0, [&] { b_->softmax_xent_async(l, t, N, V, z, gs, sums); });
+  }
+  void softmax_xent_forward_async(const float* l, const int32_t* t, int N, int V, float* losses,
+                                  double* sums) override {
+    timed("softmax_xent", 0, [&] { b_->softmax_xent_forward_async(l, t, N, V, losses, sums); });
+  }
+  void sum_squares_async(const float* x, size_t n, double* out) override {
+    timed("vector ops", 0, [&] { b_->sum_squares_async(x, n, out); });
+  }
+  void pko_resets(uint8_t* r, const int32_t* ids, int N, int S, int eod) override {
+    timed("pko", 0, [&] { b_->pko_resets(r, ids, N, S, eod); });
+  }
+  // MoE dispatch: one entry for routing (route, sort, router backward, balancing) and one for the
+  // data movement (gather, combine and their backward).
+  void moe_route(float* lse, int32_t* ex, float* comb, const float* s, const float* bias, int N, int E, int K,
+                 bool nz, double rs) override {
+    timed("moe routing", 0, [&] { b_->moe_route(lse, ex, comb, s, bias, N, E, K, nz, rs); });
+  }
+  void moe_sort(int32_t* off, int32_t* row, int32_t* slot, const int32_t* ex, int NK, int E) override {
+    timed("moe routing", 0, [&] { b_->moe_sort(off, row, slot, ex, NK, E); });
+  }
+  void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
+    timed("moe permute", 0, [&] { b_->moe_gather(xs, h, slot, NK, K, d); });
+  }
+  void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d) override {
+    timed("moe permute", 0, [&] { b_->moe_combine(out, y, comb, row, N, K, d); });
+  }
+  void moe_combine_backward(float* dy, float* dc, const float* dout, const float* y, const float* comb,
+                            const int32_t* row, int N, int K, int d) override {
+    timed("moe permute", 0, [&] { b_->moe_combine_backward(dy, dc, dout, y, comb, row, N, K, d); });
+  }
+  void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) override {
+    timed("moe permute", 0, [&] { b_->moe_gather_backward(dh, dx, row, N, K, d); });
+  }
+  void moe_router_backward(float* ds, const float* s, const float* lse, const int32_t* ex, const float* dc, int N,
+                           int E, int K, bool nz, double rs, float z) override {
+    timed("moe routing", 0, [&] { b_->moe_router_backward(ds, s, lse, ex, dc, N, E, K, nz, rs, z); });
+  }
+  void moe_balance_values(float* v, const float* s, const float* bias, int N, int E, int K) override {
+    timed("moe routing", 0, [&] { b_->moe_balance_values(v, s, bias, N, E, K); });
+  }
+  void moe_quantile_beta(double* beta, const float* v, int64_t T, int E, int K) override {
+    timed("moe routing", 0, [&] { b_->moe_quantile_beta(beta, v, T, E, K); });
+  }
+  void moe_count_load(int64_t* load, const int32_t* off, int E) override {
+    timed("moe routing", 0, [&] { b_->moe_count_load(load, off, E); });
+  }
+
  private:
   std::unique_ptr<Backend> b_;
   std::map<std::string, OpTime> t_;

@@ -1,12 +1,12 @@
 // Arenas: one allocation sized once from the config; layers take views into it. The step loop
-// never allocates.
+// never allocates. The allocation comes from a MemorySpace (host memory by default, the device's
+// for the CUDA backend), so views are pointers of that space.
 #pragma once
 #include <cstddef>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
+#include <utility>
 
 #include "core/error.h"
+#include "core/memory.h"
 
 namespace ladder {
 
@@ -14,32 +14,56 @@ class Arena {
  public:
   static constexpr size_t kAlign = 64;
   Arena() = default;
-  explicit Arena(size_t bytes) { reserve(bytes); }
-  void reserve(size_t bytes) {
+  explicit Arena(size_t bytes, MemorySpace& space = host_memory(), const char* what = "arena") {
+    reserve(bytes, space, what);
+  }
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  Arena(Arena&& o) noexcept { swap(o); }
+  Arena& operator=(Arena&& o) noexcept {
+    Arena t(std::move(o));
+    swap(t);
+    return *this;
+  }
+  ~Arena() { release(); }
+
+  // Replaces the allocation with `bytes` zero-filled bytes of `space`.
+  void reserve(size_t bytes, MemorySpace& space = host_memory(), const char* what = "arena") {
+    release();
+    space_ = &space;
     cap_ = (bytes + kAlign - 1) / kAlign * kAlign;
     used_ = 0;
-    void* p = cap_ ? std::aligned_alloc(kAlign, cap_) : nullptr;
-    if (cap_ && !p) fail("out of memory: could not allocate an arena of {:.1f} MiB", cap_ / 1048576.0);
-    if (p) std::memset(p, 0, cap_);
-    mem_.reset(static_cast<std::byte*>(p));
+    mem_ = cap_ ? static_cast<std::byte*>(space.mem_alloc(cap_, what)) : nullptr;
   }
   template <class T = float>
   T* alloc(size_t n) {
     size_t bytes = (n * sizeof(T) + kAlign - 1) / kAlign * kAlign;
     LADDER_ASSERT(used_ + bytes <= cap_);
-    T* p = reinterpret_cast<T*>(mem_.get() + used_);
+    T* p = reinterpret_cast<T*>(mem_ + used_);
     used_ += bytes;
     return p;
   }
   static size_t padded(size_t n, size_t elem = sizeof(float)) { return (n * elem + kAlign - 1) / kAlign * kAlign; }
-  void zero() { if (mem_) std::memset(mem_.get(), 0, cap_); }
+  void zero() { if (mem_) space_->zero(mem_, cap_); }
   size_t capacity() const { return cap_; }
   size_t used() const { return used_; }
-  std::byte* base() { return mem_.get(); }
+  std::byte* base() { return mem_; }
+  MemorySpace& space() const { return space_ ? *space_ : host_memory(); }
 
  private:
-  struct Free { void operator()(std::byte* p) const { std::free(p); } };
-  std::unique_ptr<std::byte, Free> mem_;
+  void release() {
+    if (mem_) space_->mem_free(mem_);
+    mem_ = nullptr;
+    cap_ = used_ = 0;
+  }
+  void swap(Arena& o) noexcept {
+    std::swap(space_, o.space_);
+    std::swap(mem_, o.mem_);
+    std::swap(cap_, o.cap_);
+    std::swap(used_, o.used_);
+  }
+  MemorySpace* space_ = nullptr;
+  std::byte* mem_ = nullptr;
   size_t cap_ = 0, used_ = 0;
 };
 

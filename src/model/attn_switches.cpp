@@ -42,8 +42,7 @@ void Transformer::norm_backward(float* dx, const float* dout, const float* x, Pa
 // PKO's shifted key half must not carry anything across a sequence or document boundary: reset at
 // position 0 of every sequence and at every token that follows an end-of-document token.
 void Transformer::compute_resets(const int32_t* inputs) {
-  const int eod = cfg_.eod_id;
-  for (int t = 0; t < N_; ++t) resets_[t] = (t % S_ == 0 || inputs[t - 1] == eod) ? 1 : 0;
+  be_.pko_resets(resets_.data(), inputs, N_, S_, cfg_.eod_id);
 }
 
 }  // namespace ladder

@@ -12,7 +12,8 @@
 // The math is templated on the scalar type T and on an "ops" object that supplies gemm,
 // grouped_gemm and swiglu: the model runs it in float through the Backend (BackendOps); the
 // finite-difference tests run it in double through the CPU kernels (KernelOps<double>). Routing,
-// the counting sort, gather and scatter are plain loops here (a CUDA backend will want them as ops).
+// the counting sort, gather and scatter are ops too (backend/cpu/moe_kernels.h), so on a GPU the
+// whole block runs on the device and the routing never visits the host.
 //
 // Tensor layout (safetensors names, layer N):
 //   model.layers.N.mlp.gate.weight                       [E, d]   router (Role::Router)
@@ -31,6 +32,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/moe_kernels.h"
 
 namespace ladder {
 
@@ -90,9 +92,10 @@ std::vector<std::pair<void**, size_t>> moe_act_requests(const MoeDims& D, MoeAct
 template <class T>
 std::vector<std::pair<void**, size_t>> moe_scratch_requests(const MoeDims& D, MoeScratch<T>& s);
 
-// Forward: out += MoE(h). h [N, d]. Returns sum over tokens of logsumexp(s_i)^2.
+// Forward: out += MoE(h). h [N, d]. A.lse holds logsumexp(s_i) afterwards (the router z-loss is
+// router_z_loss / MoE layers * sum_i lse_i^2 per token).
 template <class T, class Ops>
-double moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>& A, const T* h, T* out);
+void moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>& A, const T* h, T* out);
 
 // Backward of out += MoE(h) given dout = dL/dout: dh OVERWRITTEN with dL/dh, parameter gradients
 // accumulated. z_scale multiplies the gradient of sum_i logsumexp(s_i)^2 (router z-loss coefficient
@@ -104,15 +107,8 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
                   MoeScratch<T>& S, const T* h, const T* dout, T* dh, T z_scale);
 
 // Quantile balancing (RECIPE.md section 2), in two halves so data-parallel ranks can average beta
-// in between:
-//  - moe_balance_values: for the N tokens of a forward, vals[i, j] = s_ij - alpha_i with alpha_i the
-//    (K+1)-th largest BIASED score of token i and s_ij the unbiased score (requires K < E);
-//  - moe_quantile_beta: beta_j = the max(1, floor(T*K/E))-th largest of vals[:, j] over the T
-//    tokens of the step;
-//  - moe_bias_from_beta: bias = -(beta - mean(beta)).
-template <class T>
-void moe_balance_values(const MoeDims& D, const MoeActs<T>& A, const T* bias, float* vals);
-void moe_quantile_beta(const float* vals, int64_t T, int E, int K, double* beta);
+// in between: Backend::moe_balance_values per forward, Backend::moe_quantile_beta per step (the
+// contracts in backend/cpu/moe_kernels.h), then bias = -(beta - mean(beta)):
 template <class T>
 void moe_bias_from_beta(const double* beta, int E, T* bias);
 
@@ -131,6 +127,29 @@ struct KernelOps {
   void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) {
     cpu::swiglu_backward<T>(dg, du, dh, g, u, n);
   }
+  void moe_route(T* lse, int32_t* ex, T* comb, const T* s, const T* bias, int N, int E, int K, bool nz, double rs) {
+    cpu::moe_route<T>(lse, ex, comb, s, bias, N, E, K, nz, rs);
+  }
+  void moe_sort(int32_t* off, int32_t* row, int32_t* slot, const int32_t* ex, int NK, int E) {
+    cpu::moe_sort(off, row, slot, ex, NK, E);
+  }
+  void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d) {
+    cpu::moe_gather<T>(xs, h, slot, NK, K, d);
+  }
+  void moe_combine(T* out, const T* y, const T* comb, const int32_t* row, int N, int K, int d) {
+    cpu::moe_combine<T>(out, y, comb, row, N, K, d);
+  }
+  void moe_combine_backward(T* dy, T* dcomb, const T* dout, const T* y, const T* comb, const int32_t* row, int N,
+                            int K, int d) {
+    cpu::moe_combine_backward<T>(dy, dcomb, dout, y, comb, row, N, K, d);
+  }
+  void moe_gather_backward(T* dh, const T* dx, const int32_t* row, int N, int K, int d) {
+    cpu::moe_gather_backward<T>(dh, dx, row, N, K, d);
+  }
+  void moe_router_backward(T* ds, const T* s, const T* lse, const int32_t* ex, const T* dcomb, int N, int E, int K,
+                           bool nz, double rs, T z) {
+    cpu::moe_router_backward<T>(ds, s, lse, ex, dcomb, N, E, K, nz, rs, z);
+  }
 };
 
 // The same through a Backend (float): what the model uses.
@@ -148,6 +167,30 @@ struct BackendOps {
   void swiglu_forward(float* h, const float* g, const float* u, size_t n) { be->swiglu_forward(h, g, u, n); }
   void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) {
     be->swiglu_backward(dg, du, dh, g, u, n);
+  }
+  void moe_route(float* lse, int32_t* ex, float* comb, const float* s, const float* bias, int N, int E, int K,
+                 bool nz, double rs) {
+    be->moe_route(lse, ex, comb, s, bias, N, E, K, nz, rs);
+  }
+  void moe_sort(int32_t* off, int32_t* row, int32_t* slot, const int32_t* ex, int NK, int E) {
+    be->moe_sort(off, row, slot, ex, NK, E);
+  }
+  void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
+    be->moe_gather(xs, h, slot, NK, K, d);
+  }
+  void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d) {
+    be->moe_combine(out, y, comb, row, N, K, d);
+  }
+  void moe_combine_backward(float* dy, float* dcomb, const float* dout, const float* y, const float* comb,
+                            const int32_t* row, int N, int K, int d) {
+    be->moe_combine_backward(dy, dcomb, dout, y, comb, row, N, K, d);
+  }
+  void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) {
+    be->moe_gather_backward(dh, dx, row, N, K, d);
+  }
+  void moe_router_backward(float* ds, const float* s, const float* lse, const int32_t* ex, const float* dcomb, int N,
+                           int E, int K, bool nz, double rs, float z) {
+    be->moe_router_backward(ds, s, lse, ex, dcomb, N, E, K, nz, rs, z);
   }
 };
 

@@ -275,7 +275,7 @@ std::vector<double> Transformer::balance_beta() {
   if (!cfg_.moe_quantile_balance() || K >= E || balance_tokens_ == 0) return beta;
   beta.resize(balance_vals_.size() * size_t(E));
   for (size_t m = 0; m < balance_vals_.size(); ++m)
-    moe_quantile_beta(balance_vals_[m].data(), balance_tokens_, E, K, beta.data() + m * E);
+    cpu::moe_quantile_beta(beta.data() + m * E, balance_vals_[m].data(), balance_tokens_, E, K);
   return beta;
 }
 
@@ -413,7 +413,8 @@ void Transformer::forward(const int32_t* inputs, bool training) {
     if (L.moe) {
       const MoeDims md = moe_dims();
       const size_t mi = size_t(L.moe_index);
-      moe_lse_sq_[mi] = moe_forward<float>(ops_, md, moe_weights(L), L.ma, L.h2, next);
+      moe_forward<float>(ops_, md, moe_weights(L), L.ma, L.h2, next);
+      moe_lse_sq_[mi] = be_.sum_squares(L.ma.lse, size_t(N));
       if (training) {
         for (int e = 0; e < md.E; ++e) load_[mi][size_t(e)] += L.ma.offsets[e + 1] - L.ma.offsets[e];
         stats_lse_sq_[mi] += moe_lse_sq_[mi];
@@ -421,7 +422,7 @@ void Transformer::forward(const int32_t* inputs, bool training) {
           auto& vals = balance_vals_[mi];
           const size_t at = vals.size();
           vals.resize(at + size_t(N) * md.E);
-          moe_balance_values<float>(md, L.ma, L.bias->w, vals.data() + at);
+          be_.moe_balance_values(vals.data() + at, L.ma.logits, L.bias->w, N, md.E, md.K);
         }
       }
       continue;

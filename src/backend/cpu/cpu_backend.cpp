@@ -13,6 +13,15 @@ namespace {
 class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
+  // Host memory.
+  bool is_host() const override { return true; }
+  void* mem_alloc(size_t bytes, const char* what) override { return host_memory().mem_alloc(bytes, what); }
+  void mem_free(void* p) override { host_memory().mem_free(p); }
+  void upload(void* dst, const void* src, size_t bytes) override { host_memory().upload(dst, src, bytes); }
+  void download(void* dst, const void* src, size_t bytes) override { host_memory().download(dst, src, bytes); }
+  void copy(void* dst, const void* src, size_t bytes) override { host_memory().copy(dst, src, bytes); }
+  void zero(void* p, size_t bytes) override { host_memory().zero(p, bytes); }
+
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
             int ldb, float beta, float* C, int ldc) override {
     cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -64,6 +73,53 @@ class CpuBackend final : public Backend {
   void add_inplace(float* y, const float* x, size_t n) override { cpu::add_inplace<float>(y, x, n); }
   void scale_inplace(float* x, float s, size_t n) override { cpu::scale_inplace<float>(x, s, n); }
   double sum_squares(const float* x, size_t n) override { return cpu::sum_squares<float>(x, n); }
+  void softmax_xent_async(float* logits, const int32_t* t, int N, int V, float z, float gs, double* sums) override {
+    const XentSums r = cpu::softmax_xent<float>(logits, t, N, V, z, gs);
+    sums[0] = r.xent;
+    sums[1] = r.lse_sq;
+  }
+  void softmax_xent_forward_async(const float* logits, const int32_t* t, int N, int V, float* losses,
+                                  double* sums) override {
+    const XentSums r = cpu::softmax_xent_forward<float>(logits, t, N, V, losses);
+    sums[0] = r.xent;
+    sums[1] = r.lse_sq;
+  }
+  void sum_squares_async(const float* x, size_t n, double* out) override { *out = cpu::sum_squares<float>(x, n); }
+  void pko_resets(uint8_t* reset, const int32_t* ids, int N_tok, int S, int eod_id) override {
+    cpu::pko_resets(reset, ids, N_tok, S, eod_id);
+  }
+  void moe_route(float* lse, int32_t* expert, float* comb, const float* logits, const float* bias, int N, int E,
+                 int K, bool normalized, double route_scale) override {
+    cpu::moe_route<float>(lse, expert, comb, logits, bias, N, E, K, normalized, route_scale);
+  }
+  void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E) override {
+    cpu::moe_sort(offsets, row, slot, expert, NK, E);
+  }
+  void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
+    cpu::moe_gather<float>(xs, h, slot, NK, K, d);
+  }
+  void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d) override {
+    cpu::moe_combine<float>(out, y, comb, row, N, K, d);
+  }
+  void moe_combine_backward(float* dy, float* dcomb, const float* dout, const float* y, const float* comb,
+                            const int32_t* row, int N, int K, int d) override {
+    cpu::moe_combine_backward<float>(dy, dcomb, dout, y, comb, row, N, K, d);
+  }
+  void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) override {
+    cpu::moe_gather_backward<float>(dh, dx, row, N, K, d);
+  }
+  void moe_router_backward(float* ds, const float* logits, const float* lse, const int32_t* expert,
+                           const float* dcomb, int N, int E, int K, bool normalized, double route_scale,
+                           float z_scale) override {
+    cpu::moe_router_backward<float>(ds, logits, lse, expert, dcomb, N, E, K, normalized, route_scale, z_scale);
+  }
+  void moe_balance_values(float* vals, const float* logits, const float* bias, int N, int E, int K) override {
+    cpu::moe_balance_values<float>(vals, logits, bias, N, E, K);
+  }
+  void moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K) override {
+    cpu::moe_quantile_beta(beta, vals, T, E, K);
+  }
+  void moe_count_load(int64_t* load, const int32_t* offsets, int E) override { cpu::moe_count_load(load, offsets, E); }
   void pko_shift_forward(float* out, const float* k, const uint8_t* reset, int n, int nkv, int hd, int from) override {
     cpu::pko_shift_forward<float>(out, k, reset, n, nkv, hd, from);
   }

@@ -74,6 +74,41 @@ class CudaBackendImpl final : public CudaBackend {
   bool tf32() const override { return opt_.tf32; }
   void synchronize() override { LADDER_CUDA_CHECK(cudaStreamSynchronize(st_)); }
 
+  // Device memory. Copies go on the backend's stream (ordered with the ops); download waits.
+  bool is_host() const override { return false; }
+  void* mem_alloc(size_t bytes, const char* what) override {
+    if (bytes == 0) return nullptr;
+    void* p = device_alloc(bytes, what);
+    LADDER_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, st_));
+    return p;
+  }
+  void mem_free(void* p) override {
+    if (!p) return;
+    synchronize();
+    device_free(p);
+  }
+  void upload(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    // Synchronous with respect to the host buffer (pageable memory): the caller may reuse it at once.
+    LADDER_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st_));
+    synchronize();
+  }
+  void download(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    LADDER_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_));
+    synchronize();
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (!bytes || dst == src) return;
+    LADDER_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st_));
+    post("copy");
+  }
+  void zero(void* p, size_t bytes) override {
+    if (!bytes) return;
+    LADDER_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, st_));
+    post("zero");
+  }
+
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) override {
     gemm_->run(opt_.tf32 ? GemmType::TF32 : GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -175,6 +210,7 @@ class CudaBackendImpl final : public CudaBackend {
                     size_t, float, float*, int, size_t) override {
     missing("grouped_gemm");
   }
+  void pko_resets(uint8_t*, const int32_t*, int, int, int) override { missing("pko_resets"); }
   void pko_shift_forward(float*, const float*, const uint8_t*, int, int, int, int) override { missing("pko_shift"); }
   void pko_shift_backward(float*, const float*, const uint8_t*, int, int, int, int) override { missing("pko_shift"); }
   void xsa_forward(float*, const float*, const float*, int, int, int, int) override { missing("xsa"); }
@@ -191,6 +227,30 @@ class CudaBackendImpl final : public CudaBackend {
   void sigmoid_gate_backward(float*, float*, const float*, const float*, const float*, size_t, bool) override {
     missing("sigmoid_gate");
   }
+  void moe_route(float*, int32_t*, float*, const float*, const float*, int, int, int, bool, double) override {
+    missing("moe_route");
+  }
+  void moe_sort(int32_t*, int32_t*, int32_t*, const int32_t*, int, int) override { missing("moe_sort"); }
+  void moe_gather(float*, const float*, const int32_t*, int, int, int) override { missing("moe_gather"); }
+  void moe_combine(float*, const float*, const float*, const int32_t*, int, int, int) override {
+    missing("moe_combine");
+  }
+  void moe_combine_backward(float*, float*, const float*, const float*, const float*, const int32_t*, int, int,
+                            int) override {
+    missing("moe_combine_backward");
+  }
+  void moe_gather_backward(float*, const float*, const int32_t*, int, int, int) override {
+    missing("moe_gather_backward");
+  }
+  void moe_router_backward(float*, const float*, const float*, const int32_t*, const float*, int, int, int, bool,
+                           double, float) override {
+    missing("moe_router_backward");
+  }
+  void moe_balance_values(float*, const float*, const float*, int, int, int) override {
+    missing("moe_balance_values");
+  }
+  void moe_quantile_beta(double*, const float*, int64_t, int, int) override { missing("moe_quantile_beta"); }
+  void moe_count_load(int64_t*, const int32_t*, int) override { missing("moe_count_load"); }
   double adam_moments(float*, float*, const float*, size_t, float, float, float, float, float) override {
     missing("adam_moments");
   }

@@ -41,14 +41,8 @@ class CudaBackend : public Backend {
   virtual const DeviceInfo& device() const = 0;
   virtual bool tf32() const = 0;
   // Waits for the stream; an asynchronous fault inside a kernel becomes a ladder::Error here.
-  virtual void synchronize() = 0;
-  // As softmax_xent / softmax_xent_forward / sum_squares, but the result goes to device memory
-  // (d_sums[0] = sum of xent, d_sums[1] = sum of lse^2; *d_out = sum of squares) and nothing waits.
-  virtual void softmax_xent_async(float* logits, const int32_t* targets, int N, int V, float z_coef,
-                                  float grad_scale, double* d_sums) = 0;
-  virtual void softmax_xent_forward_async(const float* logits, const int32_t* targets, int N, int V,
-                                          float* losses, double* d_sums) = 0;
-  virtual void sum_squares_async(const float* x, size_t n, double* d_out) = 0;
+  // (Backend::synchronize.) softmax_xent_async, softmax_xent_forward_async and sum_squares_async
+  // (Backend) write their sums to device memory and do not wait.
 };
 
 // Probes the device (probe_device) and builds the backend on it. Options from the environment

@@ -1,0 +1,228 @@
+// CPU kernels of the MoE dispatch: contracts in moe_kernels.h.
+#include "backend/cpu/moe_kernels.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "core/error.h"
+
+namespace ladder::cpu {
+
+namespace {
+
+// Below this many output elements an OpenMP region costs more than the loop.
+constexpr size_t kParMin = 1 << 14;
+
+template <class T>
+inline T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+}  // namespace
+
+template <class T>
+void moe_route(T* lse_out, int32_t* expert, T* comb, const T* logits, const T* bias, int N, int E, int K,
+               bool normalized, double route_scale) {
+#pragma omp parallel for schedule(static) if (size_t(N) * E >= kParMin)
+  for (int i = 0; i < N; ++i) {
+    const T* s = logits + size_t(i) * E;
+    T mx = s[0];
+    for (int e = 1; e < E; ++e) mx = std::max(mx, s[e]);
+    double se = 0;
+    for (int e = 0; e < E; ++e) se += std::exp(double(s[e] - mx));
+    lse_out[i] = T(double(mx) + std::log(se));
+    // Insertion into a sorted list of K. A candidate displaces an entry only when strictly
+    // greater, and experts are visited in increasing index, so on ties the lower index wins.
+    int32_t* sel = expert + size_t(i) * K;
+    T* val = comb + size_t(i) * K;  // biased scores, scratch until the weights overwrite them
+    int n = 0;
+    for (int e = 0; e < E; ++e) {
+      const T v = s[e] + bias[e];
+      if (n == K && !(v > val[K - 1])) continue;
+      int p = n < K ? n++ : K - 1;
+      while (p > 0 && v > val[p - 1]) {
+        val[p] = val[p - 1];
+        sel[p] = sel[p - 1];
+        --p;
+      }
+      val[p] = v;
+      sel[p] = e;
+    }
+    T sum = 0;
+    for (int k = 0; k < K; ++k) {
+      val[k] = sigmoid(s[sel[k]]);
+      sum += val[k];
+    }
+    if (normalized) {
+      const T f = T(route_scale) / (sum + T(1e-9));
+      for (int k = 0; k < K; ++k) val[k] *= f;
+    }
+  }
+}
+
+void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E) {
+  std::fill(offsets, offsets + E + 1, 0);
+  for (int j = 0; j < NK; ++j) ++offsets[expert[j] + 1];
+  for (int e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+  // offsets[e] doubles as expert e's cursor; afterwards it holds the end of e = start of e+1.
+  for (int j = 0; j < NK; ++j) {
+    const int32_t r = offsets[expert[j]]++;
+    row[j] = r;
+    slot[r] = j;
+  }
+  for (int e = E; e > 0; --e) offsets[e] = offsets[e - 1];
+  offsets[0] = 0;
+}
+
+template <class T>
+void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d) {
+#pragma omp parallel for schedule(static) if (size_t(NK) * d >= kParMin)
+  for (int r = 0; r < NK; ++r) std::memcpy(xs + size_t(r) * d, h + size_t(slot[r] / K) * d, sizeof(T) * d);
+}
+
+template <class T>
+void moe_combine(T* out, const T* y, const T* comb, const int32_t* row, int N, int K, int d) {
+#pragma omp parallel for schedule(static) if (size_t(N) * K * d >= kParMin)
+  for (int i = 0; i < N; ++i) {
+    T* o = out + size_t(i) * d;
+    for (int k = 0; k < K; ++k) {
+      const size_t j = size_t(i) * K + k;
+      const T w = comb[j];
+      const T* yr = y + size_t(row[j]) * d;
+#pragma omp simd
+      for (int c = 0; c < d; ++c) o[c] += w * yr[c];
+    }
+  }
+}
+
+template <class T>
+void moe_combine_backward(T* dy, T* dcomb, const T* dout, const T* y, const T* comb, const int32_t* row, int N,
+                          int K, int d) {
+#pragma omp parallel for schedule(static) if (size_t(N) * K * d >= kParMin)
+  for (int i = 0; i < N; ++i) {
+    const T* go = dout + size_t(i) * d;
+    for (int k = 0; k < K; ++k) {
+      const size_t j = size_t(i) * K + k;
+      const size_t r = size_t(row[j]);
+      const T* yr = y + r * d;
+      T* dyr = dy + r * d;
+      const T w = comb[j];
+      T dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int c = 0; c < d; ++c) {
+        dot += go[c] * yr[c];
+        dyr[c] = w * go[c];
+      }
+      dcomb[j] = dot;
+    }
+  }
+}
+
+template <class T>
+void moe_gather_backward(T* dh, const T* dx, const int32_t* row, int N, int K, int d) {
+#pragma omp parallel for schedule(static) if (size_t(N) * K * d >= kParMin)
+  for (int i = 0; i < N; ++i) {
+    T* o = dh + size_t(i) * d;
+    std::memcpy(o, dx + size_t(row[size_t(i) * K]) * d, sizeof(T) * d);
+    for (int k = 1; k < K; ++k) {
+      const T* x = dx + size_t(row[size_t(i) * K + k]) * d;
+#pragma omp simd
+      for (int c = 0; c < d; ++c) o[c] += x[c];
+    }
+  }
+}
+
+template <class T>
+void moe_router_backward(T* ds_out, const T* logits, const T* lse, const int32_t* expert, const T* dcomb, int N, int E,
+                         int K, bool normalized, double route_scale, T z_scale) {
+#pragma omp parallel for schedule(static) if (size_t(N) * E >= kParMin)
+  for (int i = 0; i < N; ++i) {
+    const T* s = logits + size_t(i) * E;
+    T* ds = ds_out + size_t(i) * E;
+    if (z_scale != T(0)) {
+      const T c = z_scale * T(2) * lse[i];
+      for (int e = 0; e < E; ++e) ds[e] = c * std::exp(s[e] - lse[i]);
+    } else {
+      std::fill(ds, ds + E, T(0));
+    }
+    const int32_t* sel = expert + size_t(i) * K;
+    const T* dw = dcomb + size_t(i) * K;
+    T sum = 0, dot = 0;  // sum_k sig_k and sum_k dw_k sig_k (normalization)
+    if (normalized) {
+      for (int k = 0; k < K; ++k) {
+        const T sg = sigmoid(s[sel[k]]);
+        sum += sg;
+        dot += dw[k] * sg;
+      }
+    }
+    const T den = sum + T(1e-9), f = T(route_scale);
+    for (int k = 0; k < K; ++k) {
+      const T sg = sigmoid(s[sel[k]]);
+      // w_k = sig_k (V1), or f sig_k / den: dL/dsig_k = f dw_k / den - f (sum_m dw_m sig_m) / den^2.
+      const T dsig = normalized ? f * dw[k] / den - f * dot / (den * den) : dw[k];
+      ds[sel[k]] += dsig * sg * (T(1) - sg);
+    }
+  }
+}
+
+template <class T>
+void moe_balance_values(float* vals, const T* logits, const T* bias, int N, int E, int K) {
+  LADDER_ASSERT(K < E);
+#pragma omp parallel
+  {
+    std::vector<T> b(static_cast<size_t>(E));
+#pragma omp for schedule(static)
+    for (int i = 0; i < N; ++i) {
+      const T* s = logits + size_t(i) * E;
+      for (int e = 0; e < E; ++e) b[size_t(e)] = s[e] + bias[e];
+      // alpha_i: the (K+1)-th largest biased score.
+      std::nth_element(b.begin(), b.begin() + K, b.end(), std::greater<T>());
+      const T alpha = b[size_t(K)];
+      float* v = vals + size_t(i) * E;
+      for (int e = 0; e < E; ++e) v[e] = float(s[e] - alpha);
+    }
+  }
+}
+
+void moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K) {
+  const int64_t q = std::max<int64_t>(1, T * K / E);  // floor(T*K/E), at least 1
+  LADDER_ASSERT(q <= T);
+#pragma omp parallel
+  {
+    std::vector<float> col(static_cast<size_t>(T));
+#pragma omp for schedule(static)
+    for (int j = 0; j < E; ++j) {
+      for (int64_t i = 0; i < T; ++i) col[size_t(i)] = vals[size_t(i) * E + j];
+      std::nth_element(col.begin(), col.begin() + (q - 1), col.end(), std::greater<float>());
+      beta[j] = double(col[size_t(q - 1)]);
+    }
+  }
+}
+
+void moe_count_load(int64_t* load, const int32_t* offsets, int E) {
+  for (int e = 0; e < E; ++e) load[e] += offsets[e + 1] - offsets[e];
+}
+
+void pko_resets(uint8_t* reset, const int32_t* ids, int N_tok, int S, int eod_id) {
+  for (int t = 0; t < N_tok; ++t) reset[t] = (t % S == 0 || ids[t - 1] == eod_id) ? 1 : 0;
+}
+
+#define LADDER_MOE_KERNELS(T)                                                                                    \
+  template void moe_route<T>(T*, int32_t*, T*, const T*, const T*, int, int, int, bool, double);                 \
+  template void moe_gather<T>(T*, const T*, const int32_t*, int, int, int);                                      \
+  template void moe_combine<T>(T*, const T*, const T*, const int32_t*, int, int, int);                           \
+  template void moe_combine_backward<T>(T*, T*, const T*, const T*, const T*, const int32_t*, int, int, int);    \
+  template void moe_gather_backward<T>(T*, const T*, const int32_t*, int, int, int);                             \
+  template void moe_router_backward<T>(T*, const T*, const T*, const int32_t*, const T*, int, int, int, bool,     \
+                                       double, T);                                                               \
+  template void moe_balance_values<T>(float*, const T*, const T*, int, int, int);
+LADDER_MOE_KERNELS(float)
+LADDER_MOE_KERNELS(double)
+#undef LADDER_MOE_KERNELS
+
+}  // namespace ladder::cpu

@@ -1,0 +1,32 @@
+// Where a tensor's bytes live. The CPU backend's memory is host memory; the CUDA backend's is device
+// memory. Arenas take their one allocation from a MemorySpace, so the model code that carves views
+// out of them is the same for every backend. Host code never dereferences a pointer of a space
+// whose is_host() is false: it goes through upload / download.
+#pragma once
+#include <cstddef>
+
+namespace ladder {
+
+class MemorySpace {
+ public:
+  virtual ~MemorySpace() = default;
+  // True when pointers of this space are ordinary host pointers.
+  virtual bool is_host() const = 0;
+  // `bytes` zero-filled bytes, aligned to at least 256 bytes. `what` names the tensor in the error
+  // (out of memory is one line: what, how much was asked for, how much is free).
+  virtual void* mem_alloc(size_t bytes, const char* what) = 0;
+  virtual void mem_free(void* p) = 0;
+  // Host -> space, space -> host, within the space, zero fill. Ordered with the backend's ops;
+  // download returns once the bytes are on the host (it waits for the ops before it).
+  virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* p, size_t bytes) = 0;
+  // Waits for every op enqueued so far (a no-op on the CPU).
+  virtual void synchronize() {}
+};
+
+// Host memory (aligned_alloc, memcpy, memset): the CPU backend's space, and what tests use.
+MemorySpace& host_memory();
+
+}  // namespace ladder
