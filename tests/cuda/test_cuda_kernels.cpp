@@ -173,6 +173,51 @@ TEST_F(CudaKernels, GemmTf32WithinTf32Tolerance) {
   EXPECT_GT(rel, 1e-6) << "TF32 gemm is as exact as fp32: the TF32 compute type is not in effect";
 }
 
+// bf16 GEMMs (CudaOptions::bf16): both operands rounded to bf16 (relative rounding error up to 2^-9
+// each, so about 2^-8 per product, random in sign), fp32 accumulation: the result's relative error
+// is a few 1e-3; 1e-2 is the bf16 bound. Strided, offset views in all four transposes, and
+// beta != 0 (C stays fp32 and is read).
+TEST_F(CudaKernels, GemmBf16WithinBf16Tolerance) {
+  cuda::CudaOptions o;
+  o.bf16 = true;
+  auto bf = cuda::make_backend(o);
+  EXPECT_EQ(bf->name(), "cuda-bf16");
+  const GemmCase cases[] = {
+      {false, true, 192, 160, 512, 0, 1.f, 0.f, 0}, {false, false, 67, 45, 33, 4, 0.7f, 0.f, 1},
+      {true, false, 96, 80, 300, 3, 1.f, 0.5f, 2},  {true, true, 33, 65, 129, 1, -1.f, 1.f, 3},
+  };
+  for (const auto& c : cases) {
+    const std::string what = fmt::format("gemm bf16 ta={} tb={} {}x{}x{}", int(c.ta), int(c.tb), c.M, c.N, c.K);
+    SCOPED_TRACE(what);
+    const int lda = (c.ta ? c.M : c.K) + c.pad, ldb = (c.tb ? c.K : c.N) + c.pad, ldc = c.N + c.pad;
+    const int arows = c.ta ? c.K : c.M, brows = c.tb ? c.N : c.K;
+    const size_t na = size_t(arows) * lda + c.offset, nb = size_t(brows) * ldb + c.offset,
+                 nc = size_t(c.M) * ldc + c.offset;
+    auto A = randv(na), B = randv(nb), C = randv(nc);
+    auto dA = up(A), dB = up(B);
+    DeviceBuffer<float> dC(nc);
+    if (c.beta == 0.f) dC.poison(); else dC.upload(C);
+    bf->gemm(c.ta, c.tb, c.M, c.N, c.K, c.alpha, dA.data() + c.offset, lda, dB.data() + c.offset, ldb, c.beta,
+             dC.data() + c.offset, ldc);
+    bf->synchronize();
+    auto got = dC.download();
+    std::vector<float> ref = C;
+    cpu::gemm<float>(c.ta, c.tb, c.M, c.N, c.K, c.alpha, A.data() + c.offset, lda, B.data() + c.offset, ldb, c.beta,
+                     ref.data() + c.offset, ldc);
+    std::vector<float> g, r;
+    for (int i = 0; i < c.M; ++i)
+      for (int j = 0; j < c.N; ++j) {
+        g.push_back(got[c.offset + size_t(i) * ldc + j]);
+        r.push_back(ref[c.offset + size_t(i) * ldc + j]);
+      }
+    const double rel = check(g, r, 1e-2, what.c_str());
+    // bf16 must actually be in use. Rounding both inputs (uniform rounding error, rms u/sqrt(3)) gives
+    // a product error of rms sqrt(2/3) u: about 1.6e-3 for bf16 (u = 2^-9) and 4e-4 for TF32
+    // (u = 2^-11), 1e-7 for fp32; the bound sits between bf16 and TF32.
+    EXPECT_GT(rel, 8e-4) << "bf16 gemm is more exact than bf16 inputs allow: the option is not in effect";
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 
 TEST_F(CudaKernels, EmbeddingForwardBackward) {

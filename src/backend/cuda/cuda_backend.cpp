@@ -68,10 +68,11 @@ class CudaBackendImpl final : public CudaBackend {
     if (st_) cudaStreamDestroy(st_);
   }
 
-  std::string name() const override { return opt_.tf32 ? "cuda-tf32" : "cuda"; }
+  std::string name() const override { return opt_.bf16 ? "cuda-bf16" : opt_.tf32 ? "cuda-tf32" : "cuda"; }
   cudaStream_t stream() const override { return st_; }
   const DeviceInfo& device() const override { return info_; }
   bool tf32() const override { return opt_.tf32; }
+  bool bf16() const override { return opt_.bf16; }
   void synchronize() override { LADDER_CUDA_CHECK(cudaStreamSynchronize(st_)); }
 
   // Device memory. Copies go on the backend's stream (ordered with the ops); download waits.
@@ -111,6 +112,17 @@ class CudaBackendImpl final : public CudaBackend {
 
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) override {
+    if (opt_.bf16 && M > 0 && N > 0 && K > 0) {
+      // Both operands into packed bf16 scratch (one pass each), then one bf16 x bf16 -> fp32 GEMM.
+      const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+      bf16_a_.reserve(size_t(ar) * ac, "bf16 GEMM operand A");
+      bf16_b_.reserve(size_t(br) * bc, "bf16 GEMM operand B");
+      check(k::f32_to_bf16_2d(bf16_a_.data(), A, ar, ac, lda, st_), "gemm (bf16 cast of A)");
+      check(k::f32_to_bf16_2d(bf16_b_.data(), B, br, bc, ldb, st_), "gemm (bf16 cast of B)");
+      gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, bf16_a_.data(), ac, bf16_b_.data(), bc, beta, C, ldc);
+      post("gemm");
+      return;
+    }
     gemm_->run(opt_.tf32 ? GemmType::TF32 : GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     post("gemm");
   }
@@ -308,6 +320,7 @@ class CudaBackendImpl final : public CudaBackend {
   bool sync_each_ = false;
   std::unique_ptr<LtGemm> gemm_;
   DeviceBuffer<char> emb_scratch_;
+  DeviceBuffer<uint16_t> bf16_a_, bf16_b_;  // bf16 GEMM operands (CudaOptions::bf16)
   DeviceBuffer<float> float_scratch_;
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
   double* host_sums_ = nullptr;
@@ -342,6 +355,7 @@ DeviceInfo probe_device() {
 std::unique_ptr<CudaBackend> make_backend(CudaOptions opt) {
   const DeviceInfo info = probe_device();
   if (env_flag("LADDER_CUDA_TF32")) opt.tf32 = true;
+  if (env_flag("LADDER_CUDA_BF16")) opt.bf16 = true;
   return std::make_unique<CudaBackendImpl>(info, opt);
 }
 

@@ -33,6 +33,10 @@ std::string device_unavailable_reason();
 
 struct CudaOptions {
   bool tf32 = false;  // GEMMs on the tensor cores in TF32 (about 1e-3 relative error)
+  // GEMMs on the tensor cores in bf16: both operands rounded to bf16 (8-bit mantissa, about 4e-3
+  // relative error per product), fp32 accumulation, fp32 output. The operands are cast into
+  // scratch per call (the AMP-style first step: activations stay fp32 in memory). Wins over tf32.
+  bool bf16 = false;
 };
 
 class CudaBackend : public Backend {
@@ -40,13 +44,14 @@ class CudaBackend : public Backend {
   virtual cudaStream_t stream() const = 0;
   virtual const DeviceInfo& device() const = 0;
   virtual bool tf32() const = 0;
+  virtual bool bf16() const = 0;
   // Waits for the stream; an asynchronous fault inside a kernel becomes a ladder::Error here.
   // (Backend::synchronize.) softmax_xent_async, softmax_xent_forward_async and sum_squares_async
   // (Backend) write their sums to device memory and do not wait.
 };
 
 // Probes the device (probe_device) and builds the backend on it. Options from the environment
-// override `opt`: LADDER_CUDA_TF32=1 turns TF32 GEMMs on; LADDER_CUDA_SYNC=1 synchronizes after
+// override `opt`: LADDER_CUDA_TF32=1 turns TF32 GEMMs on, LADDER_CUDA_BF16=1 bf16 GEMMs; LADDER_CUDA_SYNC=1 synchronizes after
 // every op, so a faulting kernel is reported by the op that launched it (debugging only).
 std::unique_ptr<CudaBackend> make_backend(CudaOptions opt = {});
 

@@ -344,6 +344,16 @@ __global__ void f32_to_bf16_kernel(__nv_bfloat16* out, const float* in, size_t n
     out[i] = __float2bfloat16_rn(in[i]);
 }
 
+// A rows x cols view with leading dimension ld -> packed bf16 [rows, cols]. One block row per
+// matrix row keeps both sides coalesced.
+__global__ void f32_to_bf16_2d_kernel(__nv_bfloat16* out, const float* in, int rows, int cols, int ld) {
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* src = in + size_t(r) * ld;
+    __nv_bfloat16* dst = out + size_t(r) * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = __float2bfloat16_rn(src[c]);
+  }
+}
+
 __global__ void fill_uniform_kernel(float* x, size_t n, uint64_t seed, float lo, float hi) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     // splitmix64 of (seed, i): independent of the launch shape.
@@ -499,6 +509,13 @@ cudaError_t probe_kernel_attributes(cudaFuncAttributes* attr) { return cudaFuncG
 cudaError_t f32_to_bf16(uint16_t* out, const float* in, size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
   f32_to_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(out), in, n);
+  return cudaGetLastError();
+}
+
+cudaError_t f32_to_bf16_2d(uint16_t* out, const float* in, int rows, int cols, int ld, cudaStream_t st) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  f32_to_bf16_2d_kernel<<<unsigned(rows < 65535 ? rows : 65535), kThreads, 0, st>>>(
+      reinterpret_cast<__nv_bfloat16*>(out), in, rows, cols, ld);
   return cudaGetLastError();
 }
 
