@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's one script (an H200 with 16 cores; docs/cuda.md): builds for sm_90, runs the
-# GPU tests, runs the micro-benchmark, writes logs under $OUT and prints a short table last.
+# GPU tests, runs the micro-benchmark and the model benchmarks (dense and MoE presets at d=1024 and
+# d=2048, configs/gpu/), writes logs under $OUT and prints a short table last.
 # Budget: under 8 minutes (each step has its own timeout).
 #
 # Build: on the GPU machine (-DCMAKE_CUDA_ARCHITECTURES=90, -j16) when its image has this
@@ -8,6 +9,7 @@
 # (carried with the call). Which one ran is printed.
 #   GPU_CHECK_BUILD=0      skip the device build, use gpu-bundle/ directly (saves ~1-2 minutes)
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
+#   GPU_CHECK_MODELS="dense-d1024 moe-d1024"   which configs/gpu presets to benchmark (default: all four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -34,7 +36,7 @@ if [ "${GPU_CHECK_BUILD:-1}" != 0 ] && command -v nvcc >/dev/null && command -v 
   log "building for sm_90 on the device (log: build.log)"
   if timeout 60 cmake -S . -B build-gpu $gen -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DLADDER_TESTS=ON >"$OUT/build.log" 2>&1 &&
-    timeout 300 cmake --build build-gpu -j 16 --target ladder_cuda_tests ladder_cuda_bench >>"$OUT/build.log" 2>&1; then
+    timeout 300 cmake --build build-gpu -j 16 --target ladder_cuda_tests ladder_cuda_bench ladder >>"$OUT/build.log" 2>&1; then
     BIN=build-gpu
     log "built on the device"
   else
@@ -74,6 +76,29 @@ log "benchmark (log: bench.log)"
 timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 
+# ---- 3b. model benchmarks: `ladder bench --device cuda` on each preset, bf16 GEMMs and TF32 GEMMs;
+# MFU is against the GEMM rate the same run measures at the same precision (and the JSON has both).
+log "model benchmarks (log: models.log)"
+MODELS=${GPU_CHECK_MODELS:-dense-d1024 moe-d1024 dense-d2048 moe-d2048}
+: >"$OUT/models.log"
+MODEL_ROWS=""
+for m in $MODELS; do
+  for prec in BF16 TF32; do
+    [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $m $prec: over 7 minutes"; continue; }
+    echo "=== $m $prec" >>"$OUT/models.log"
+    env "LADDER_CUDA_$prec=1" timeout 100 "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda --steps 4 \
+      --json >>"$OUT/models.log" 2>&1
+    rc=$?
+    row=$(tail -n 1 "$OUT/models.log" | python3 -c 'import json,sys
+try:
+    j = json.loads(sys.stdin.read())
+    print("%10.0f %9.1f %9.1f %6.1f%%" % (j["tokens_per_s"], j["train_gflops"] / 1e3, j["sgemm_gflops"] / 1e3, 100 * j["mfu"]))
+except Exception:
+    print("   (failed: see models.log)")' 2>/dev/null)
+    MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s' "$m" "$prec" "$rc" "$row")"$'\n'
+  done
+done
+
 # ---- 4. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 300 ]; then
@@ -99,4 +124,7 @@ grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
 echo "benchmark: exit $BENCH_RC"
 sed -n '/^| what/,$p' "$OUT/bench.log"
 [ "$BENCH_RC" = 0 ] || tail -n 5 "$OUT/bench.log"
+echo "model benchmarks (ladder bench --device cuda, median of 4 steps; MFU = model TFLOP/s / same-run GEMM TFLOP/s):"
+echo "preset       gemm  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU"
+printf '%s' "$MODEL_ROWS"
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

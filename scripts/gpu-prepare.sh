@@ -13,14 +13,14 @@ fi
 # LADDER_NATIVE=OFF: AVX2+FMA only, so the host code also runs on the GPU machine's processor.
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DLADDER_NATIVE=OFF -DLADDER_TESTS=ON >/dev/null
-cmake --build "$B" -j "${JOBS:-2}" --target ladder_cuda_tests ladder_cuda_bench
+cmake --build "$B" -j "${JOBS:-2}" --target ladder_cuda_tests ladder_cuda_bench ladder
 rm -rf gpu-bundle
 mkdir -p gpu-bundle/lib
-cp "$B/ladder_cuda_tests" "$B/ladder_cuda_bench" gpu-bundle/
+cp "$B/ladder_cuda_tests" "$B/ladder_cuda_bench" "$B/ladder" gpu-bundle/
 # Bundle every resolved library except the C/C++ runtime (the GPU machine's own, newer ones) and
 # CUDA's (the driver there must be used; cuBLASLt comes from the toolkit there).
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libnvidia)'
-for bin in gpu-bundle/ladder_cuda_tests gpu-bundle/ladder_cuda_bench; do
+for bin in gpu-bundle/ladder_cuda_tests gpu-bundle/ladder_cuda_bench gpu-bundle/ladder; do
   ldd "$bin" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
 done | sort -u | while read -r name path; do
   if ! [[ $name =~ $skip ]]; then cp -L "$path" "gpu-bundle/lib/$name"; fi

@@ -4,8 +4,16 @@
 
 namespace ladder {
 
+class Backend;
+
 // Median GFLOP/s of a training-shaped sgemm on the current thread count. `use_cache`: return the
 // cached value if there is one. A fresh measurement always refreshes the cache.
 double sgemm_gflops(bool use_cache = true);
+
+// The GEMM rate of `be` itself on its own memory, median GFLOP/s of a training-shaped product
+// [tokens x d] x [d x 4d] (16384 x 1024 x 4096, 137 GFLOP): the MFU denominator on a device, where
+// the backend's precision (fp32, TF32, bf16) decides the ceiling. Never cached (GPUs are shared and
+// clocks move); about 0.5 s on an H200 in fp32.
+double backend_gemm_gflops(Backend& be);
 
 }  // namespace ladder
