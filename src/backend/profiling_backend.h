@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-#include "backend/backend.h"
+#include "backend/forwarding_backend.h"
 
 namespace ladder {
 
@@ -19,8 +19,9 @@ class ProfilingBackend;
 // Wraps `inner`; the returned backend forwards every op and records its time.
 std::unique_ptr<ProfilingBackend> make_profiling_backend(std::unique_ptr<Backend> inner);
 
-class ProfilingBackend : public Backend {
+class ProfilingBackend : public ForwardingBackend {
  public:
+  using ForwardingBackend::ForwardingBackend;
   virtual const std::map<std::string, OpTime>& times() const = 0;
   virtual void reset() = 0;
 };

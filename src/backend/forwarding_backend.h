@@ -1,0 +1,216 @@
+// A Backend that forwards every op to an inner backend and runs each inside around(op, flops, f),
+// the one place a decorator hooks in: ProfilingBackend times ops; the tests' guarded backend
+// unlocks its emulated device memory around them. Memory management (is_host, mem_alloc, mem_free)
+// forwards too and may be overridden.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "backend/backend.h"
+
+namespace ladder {
+
+class ForwardingBackend : public Backend {
+ protected:
+  // Runs f (the inner op). `op` names it for display ("gemm NT", "moe routing", ...); `flops` is
+  // nonzero for GEMMs.
+  virtual void around(const char* op, double flops, const std::function<void()>& f) {
+    (void)op;
+    (void)flops;
+    f();
+  }
+  template <class F>
+  auto wrap(const char* op, double flops, F&& f) {
+    if constexpr (std::is_void_v<decltype(f())>) {
+      around(op, flops, f);
+    } else {
+      decltype(f()) r{};
+      around(op, flops, [&] { r = f(); });
+      return r;
+    }
+  }
+
+ public:
+  explicit ForwardingBackend(std::unique_ptr<Backend> inner) : b_(std::move(inner)) {}
+  Backend& inner() { return *b_; }
+  std::string name() const override { return b_->name(); }
+
+  // ---- everything below forwards through wrap() -> around()
+  void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+            float beta, float* C, int ldc) override {
+    std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
+    wrap(op.c_str(), 2.0 * M * N * K, [&] { b_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
+  }
+  void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
+                    const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C, int ldc,
+                    size_t strideC) override {
+    wrap("grouped gemm", 0, [&] {
+      b_->grouped_gemm(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc, strideC);
+    });
+  }
+  void embedding_forward(float* o, const float* t, const int32_t* ids, int N, int D) override {
+    wrap("embedding", 0, [&] { b_->embedding_forward(o, t, ids, N, D); });
+  }
+  void embedding_backward(float* dt, const float* d, const int32_t* ids, int N, int D) override {
+    wrap("embedding", 0, [&] { b_->embedding_backward(dt, d, ids, N, D); });
+  }
+  void rmsnorm_forward(float* y, float* r, const float* x, const float* g, int N, int D, float eps) override {
+    wrap("rmsnorm", 0, [&] { b_->rmsnorm_forward(y, r, x, g, N, D, eps); });
+  }
+  void rmsnorm_backward(float* dx, float* dg, const float* dy, const float* x, const float* g, const float* r, int N,
+                        int D, bool acc) override {
+    wrap("rmsnorm", 0, [&] { b_->rmsnorm_backward(dx, dg, dy, x, g, r, N, D, acc); });
+  }
+  void rope_forward(float* x, int N, int S, int nh, int hd, int rot, float th) override {
+    wrap("rope", 0, [&] { b_->rope_forward(x, N, S, nh, hd, rot, th); });
+  }
+  void rope_backward(float* x, int N, int S, int nh, int hd, int rot, float th) override {
+    wrap("rope", 0, [&] { b_->rope_backward(x, N, S, nh, hd, rot, th); });
+  }
+  void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                         const AttnShape& s) override {
+    wrap("attention fwd", 0, [&] { b_->attention_forward(o, lse, q, k, v, s); });
+  }
+  void attention_backward(float* dq, float* dk, float* dv, const float* d, const float* q, const float* k,
+                          const float* v, const float* o, const float* lse, const AttnShape& s) override {
+    wrap("attention bwd", 0, [&] { b_->attention_backward(dq, dk, dv, d, q, k, v, o, lse, s); });
+  }
+  void swiglu_forward(float* h, const float* g, const float* u, size_t n) override {
+    wrap("swiglu", 0, [&] { b_->swiglu_forward(h, g, u, n); });
+  }
+  void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) override {
+    wrap("swiglu", 0, [&] { b_->swiglu_backward(dg, du, dh, g, u, n); });
+  }
+  XentSums softmax_xent(float* l, const int32_t* t, int N, int V, float z, float gs) override {
+    return wrap("softmax_xent", 0, [&] { return b_->softmax_xent(l, t, N, V, z, gs); });
+  }
+  XentSums softmax_xent_forward(const float* l, const int32_t* t, int N, int V, float* losses) override {
+    return wrap("softmax_xent", 0, [&] { return b_->softmax_xent_forward(l, t, N, V, losses); });
+  }
+  void add_inplace(float* y, const float* x, size_t n) override { wrap("vector ops", 0, [&] { b_->add_inplace(y, x, n); }); }
+  void scale_inplace(float* x, float s, size_t n) override { wrap("vector ops", 0, [&] { b_->scale_inplace(x, s, n); }); }
+  double sum_squares(const float* x, size_t n) override {
+    return wrap("grad norm", 0, [&] { return b_->sum_squares(x, n); });
+  }
+  void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2, float eps,
+                    float wd, float bc1, float bc2) override {
+    wrap("optimizer", 0, [&] { b_->adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2); });
+  }
+  void pko_shift_forward(float* out, const float* k, const uint8_t* r, int N, int nkv, int hd, int from) override {
+    wrap("attn switches", 0, [&] { b_->pko_shift_forward(out, k, r, N, nkv, hd, from); });
+  }
+  void pko_shift_backward(float* dk, const float* d, const uint8_t* r, int N, int nkv, int hd, int from) override {
+    wrap("attn switches", 0, [&] { b_->pko_shift_backward(dk, d, r, N, nkv, hd, from); });
+  }
+  void xsa_forward(float* z, const float* y, const float* v, int N, int H, int KV, int hd) override {
+    wrap("attn switches", 0, [&] { b_->xsa_forward(z, y, v, N, H, KV, hd); });
+  }
+  void xsa_backward(float* dy, float* dv, const float* dz, const float* y, const float* v, int N, int H, int KV,
+                    int hd) override {
+    wrap("attn switches", 0, [&] { b_->xsa_backward(dy, dv, dz, y, v, N, H, KV, hd); });
+  }
+  void head_gate_forward(float* out, float* f, const float* x, const float* l, int N, int H, int hd) override {
+    wrap("attn switches", 0, [&] { b_->head_gate_forward(out, f, x, l, N, H, hd); });
+  }
+  void head_gate_backward(float* dx, float* dl, const float* d, const float* x, const float* f, int N, int H,
+                          int hd) override {
+    wrap("attn switches", 0, [&] { b_->head_gate_backward(dx, dl, d, x, f, N, H, hd); });
+  }
+  void silu_forward(float* a, const float* u, size_t n) override {
+    wrap("gated norm", 0, [&] { b_->silu_forward(a, u, n); });
+  }
+  void silu_backward(float* du, const float* da, const float* u, size_t n) override {
+    wrap("gated norm", 0, [&] { b_->silu_backward(du, da, u, n); });
+  }
+  void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) override {
+    wrap("gated norm", 0, [&] { b_->sigmoid_gate_forward(y, g, x, n); });
+  }
+  void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
+                             bool acc) override {
+    wrap("gated norm", 0, [&] { b_->sigmoid_gate_backward(dx, dg, dy, x, s, n, acc); });
+  }
+  double adam_moments(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1, float bc2,
+                      float eps) override {
+    return wrap("optimizer", 0, [&] { return b_->adam_moments(m, v, g, n, b1, b2, bc1, bc2, eps); });
+  }
+  double adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
+                    float alpha) override {
+    return wrap("optimizer", 0, [&] { return b_->adam_apply(w, m, v, n, bc1, bc2, eps, alpha); });
+  }
+  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) override {
+    wrap("optimizer", 0, [&] { b_->muon_momentum(B, D, G, n, mu); });
+  }
+  double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
+    return wrap("optimizer", 0, [&] { return b_->axpy_sumsq(w, x, n, alpha); });
+  }
+  void newton_schulz5(float* X, int rows, int cols) override {
+    wrap("newton-schulz", 0, [&] { b_->newton_schulz5(X, rows, cols); });
+  }
+
+  // Memory, and the ops that write their sums to backend memory.
+  bool is_host() const override { return b_->is_host(); }
+  void* mem_alloc(size_t bytes, const char* what) override { return b_->mem_alloc(bytes, what); }
+  void mem_free(void* p) override { b_->mem_free(p); }
+  void upload(void* d, const void* s, size_t n) override { wrap("copies", 0, [&] { b_->upload(d, s, n); }); }
+  void download(void* d, const void* s, size_t n) override { wrap("copies", 0, [&] { b_->download(d, s, n); }); }
+  void copy(void* d, const void* s, size_t n) override { wrap("copies", 0, [&] { b_->copy(d, s, n); }); }
+  void zero(void* p, size_t n) override { wrap("copies", 0, [&] { b_->zero(p, n); }); }
+  void synchronize() override { b_->synchronize(); }
+  void softmax_xent_async(float* l, const int32_t* t, int N, int V, float z, float gs, double* sums) override {
+    wrap("softmax_xent", 0, [&] { b_->softmax_xent_async(l, t, N, V, z, gs, sums); });
+  }
+  void softmax_xent_forward_async(const float* l, const int32_t* t, int N, int V, float* losses,
+                                  double* sums) override {
+    wrap("softmax_xent", 0, [&] { b_->softmax_xent_forward_async(l, t, N, V, losses, sums); });
+  }
+  void sum_squares_async(const float* x, size_t n, double* out) override {
+    wrap("vector ops", 0, [&] { b_->sum_squares_async(x, n, out); });
+  }
+  void pko_resets(uint8_t* r, const int32_t* ids, int N, int S, int eod) override {
+    wrap("pko", 0, [&] { b_->pko_resets(r, ids, N, S, eod); });
+  }
+  // MoE dispatch: one entry for routing (route, sort, router backward, balancing) and one for the
+  // data movement (gather, combine and their backward).
+  void moe_route(float* lse, int32_t* ex, float* comb, const float* s, const float* bias, int N, int E, int K,
+                 bool nz, double rs) override {
+    wrap("moe routing", 0, [&] { b_->moe_route(lse, ex, comb, s, bias, N, E, K, nz, rs); });
+  }
+  void moe_sort(int32_t* off, int32_t* row, int32_t* slot, const int32_t* ex, int NK, int E) override {
+    wrap("moe routing", 0, [&] { b_->moe_sort(off, row, slot, ex, NK, E); });
+  }
+  void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
+    wrap("moe permute", 0, [&] { b_->moe_gather(xs, h, slot, NK, K, d); });
+  }
+  void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d) override {
+    wrap("moe permute", 0, [&] { b_->moe_combine(out, y, comb, row, N, K, d); });
+  }
+  void moe_combine_backward(float* dy, float* dc, const float* dout, const float* y, const float* comb,
+                            const int32_t* row, int N, int K, int d) override {
+    wrap("moe permute", 0, [&] { b_->moe_combine_backward(dy, dc, dout, y, comb, row, N, K, d); });
+  }
+  void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) override {
+    wrap("moe permute", 0, [&] { b_->moe_gather_backward(dh, dx, row, N, K, d); });
+  }
+  void moe_router_backward(float* ds, const float* s, const float* lse, const int32_t* ex, const float* dc, int N,
+                           int E, int K, bool nz, double rs, float z) override {
+    wrap("moe routing", 0, [&] { b_->moe_router_backward(ds, s, lse, ex, dc, N, E, K, nz, rs, z); });
+  }
+  void moe_balance_values(float* v, const float* s, const float* bias, int N, int E, int K) override {
+    wrap("moe routing", 0, [&] { b_->moe_balance_values(v, s, bias, N, E, K); });
+  }
+  void moe_quantile_beta(double* beta, const float* v, int64_t T, int E, int K) override {
+    wrap("moe routing", 0, [&] { b_->moe_quantile_beta(beta, v, T, E, K); });
+  }
+  void moe_count_load(int64_t* load, const int32_t* off, int E) override {
+    wrap("moe routing", 0, [&] { b_->moe_count_load(load, off, E); });
+  }
+
+
+ protected:
+  std::unique_ptr<Backend> b_;
+};
+
+}  // namespace ladder
