@@ -31,6 +31,17 @@ TEST(Device, CpuIsAcceptedAndUnknownDevicesAreNamed) {
   EXPECT_NE(error_of([] { check_run_device("tpu"); }).find("'tpu'"), std::string::npos);
 }
 
+TEST(Device, PrecisionIsCheckedAndNeedsCuda) {
+  Config c;
+  c.model.vocab_size = 256;
+  c.run.precision = "fp16";
+  std::string e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("run.precision 'fp16' is not known (expected fp32, tf32 or bf16)"), std::string::npos) << e;
+  c.run.precision = "bf16";  // on the CPU
+  e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("run.precision 'bf16' needs run.device cuda"), std::string::npos) << e;
+}
+
 #ifndef LADDER_HAVE_CUDA
 TEST(Device, CudaWithoutCudaBuildIsOneClearLine) {
   Config c;

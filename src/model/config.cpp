@@ -95,6 +95,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(run, ckpt_every, "checkpoint every N steps (and at the end); 0 = only at the end"),
       LADDER_FIELD(run, keep_checkpoints, "how many most recent checkpoints to keep"),
       LADDER_FIELD(run, log_every, "progress line and metrics every N steps"),
+      LADDER_FIELD(run, precision, "GEMM precision on cuda: fp32, tf32 (tensor cores, 10-bit inputs) or bf16 (tensor cores, bf16 inputs, fp32 accumulation); the CPU computes in fp32"),
       LADDER_FIELD(run, threads, "CPU threads; 0 = all cores"),
       LADDER_FIELD(run, device, "cpu or cuda (cuda: needs a build with -DLADDER_CUDA=ON; the model does not run on it yet, docs/cuda.md)"),
   };
@@ -367,6 +368,10 @@ void validate(const Config& c) {
   if (s.final_lr_frac < 0 || s.final_lr_frac > 1) fail("{}: schedule.final_lr_frac must be in [0, 1]", where);
   if (s.decay_frac < 0 || s.decay_frac > 1) fail("{}: schedule.decay_frac must be in [0, 1]", where);
   pos("run.steps", c.run.steps);
+  if (c.run.precision != "fp32" && c.run.precision != "tf32" && c.run.precision != "bf16")
+    fail("{}: run.precision '{}' is not known (expected fp32, tf32 or bf16)", where, c.run.precision);
+  if (c.run.precision != "fp32" && c.run.device != "cuda")
+    fail("{}: run.precision '{}' needs run.device cuda (the CPU backend computes in fp32)", where, c.run.precision);
   pos("run.batch_size", c.run.batch_size);
   pos("run.grad_accum", c.run.grad_accum);
   pos("run.log_every", c.run.log_every);

@@ -107,6 +107,7 @@ struct RunConfig {
   int64_t log_every = 10;
   int threads = 0;  // 0: all cores
   std::string device = "cpu";
+  std::string precision = "fp32";  // GEMMs on cuda: fp32 | tf32 | bf16
 };
 
 struct Config {
