@@ -17,6 +17,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kRedBlocks = 512;  // the fixed reduction grid (as k::sum_squares in ops.cu)
+// finish_sum_kernel runs kRedBlocks threads in one block, whose warp shuffles need whole warps.
+static_assert(kRedBlocks % 32 == 0 && kRedBlocks <= 1024, "kRedBlocks: whole warps, at most one block");
 constexpr size_t kMaxBlocks = 65536;
 
 inline unsigned grid_for(size_t n) {
