@@ -2,6 +2,7 @@
 // lt_gemm.cpp; this file owns the stream, the scratch buffers and the error reporting.
 #include "backend/cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -12,6 +13,7 @@
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/lt_gemm.h"
+#include "backend/cuda/switch_optim_ops.cuh"
 
 namespace ladder {
 namespace cuda {
@@ -223,21 +225,46 @@ class CudaBackendImpl final : public CudaBackend {
     missing("grouped_gemm");
   }
   void pko_resets(uint8_t*, const int32_t*, int, int, int) override { missing("pko_resets"); }
-  void pko_shift_forward(float*, const float*, const uint8_t*, int, int, int, int) override { missing("pko_shift"); }
-  void pko_shift_backward(float*, const float*, const uint8_t*, int, int, int, int) override { missing("pko_shift"); }
-  void xsa_forward(float*, const float*, const float*, int, int, int, int) override { missing("xsa"); }
-  void xsa_backward(float*, float*, const float*, const float*, const float*, int, int, int, int) override {
-    missing("xsa");
+  // Attention switches and GatedNorm's elementwise parts (switch_ops.cu).
+  void pko_shift_forward(float* out, const float* k, const uint8_t* reset, int N_tok, int nkv, int hd,
+                         int from_dim) override {
+    check_pko(hd, from_dim);
+    check(k::pko_shift_forward(out, k, reset, N_tok, nkv, hd, from_dim, st_), "pko_shift_forward");
   }
-  void head_gate_forward(float*, float*, const float*, const float*, int, int, int) override { missing("head_gate"); }
-  void head_gate_backward(float*, float*, const float*, const float*, const float*, int, int, int) override {
-    missing("head_gate");
+  void pko_shift_backward(float* dk, const float* dout, const uint8_t* reset, int N_tok, int nkv, int hd,
+                          int from_dim) override {
+    check_pko(hd, from_dim);
+    check(k::pko_shift_backward(dk, dout, reset, N_tok, nkv, hd, from_dim, st_), "pko_shift_backward");
   }
-  void silu_forward(float*, const float*, size_t) override { missing("silu"); }
-  void silu_backward(float*, const float*, const float*, size_t) override { missing("silu"); }
-  void sigmoid_gate_forward(float*, float*, const float*, size_t) override { missing("sigmoid_gate"); }
-  void sigmoid_gate_backward(float*, float*, const float*, const float*, const float*, size_t, bool) override {
-    missing("sigmoid_gate");
+  void xsa_forward(float* z, const float* y, const float* v, int N_tok, int H, int KV, int hd) override {
+    check_heads("xsa", H, KV);
+    check(k::xsa_forward(z, y, v, N_tok, H, KV, hd, st_), "xsa_forward");
+  }
+  void xsa_backward(float* dy, float* dv, const float* dz, const float* y, const float* v, int N_tok, int H, int KV,
+                    int hd) override {
+    check_heads("xsa", H, KV);
+    check(k::xsa_backward(dy, dv, dz, y, v, N_tok, H, KV, hd, st_), "xsa_backward");
+  }
+  void head_gate_forward(float* out, float* factor, const float* x, const float* logit, int N_tok, int H,
+                         int hd) override {
+    check(k::head_gate_forward(out, factor, x, logit, N_tok, H, hd, st_), "head_gate_forward");
+  }
+  void head_gate_backward(float* dx, float* dlogit, const float* dout, const float* x, const float* factor,
+                          int N_tok, int H, int hd) override {
+    check(k::head_gate_backward(dx, dlogit, dout, x, factor, N_tok, H, hd, st_), "head_gate_backward");
+  }
+  void silu_forward(float* a, const float* u, size_t n) override {
+    check(k::silu_forward(a, u, n, st_), "silu_forward");
+  }
+  void silu_backward(float* du, const float* da, const float* u, size_t n) override {
+    check(k::silu_backward(du, da, u, n, st_), "silu_backward");
+  }
+  void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) override {
+    check(k::sigmoid_gate_forward(y, g, x, n, st_), "sigmoid_gate_forward");
+  }
+  void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
+                             bool accumulate_dx) override {
+    check(k::sigmoid_gate_backward(dx, dg, dy, x, s, n, accumulate_dx, st_), "sigmoid_gate_backward");
   }
   void moe_route(float*, int32_t*, float*, const float*, const float*, int, int, int, bool, double) override {
     missing("moe_route");
@@ -263,15 +290,80 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void moe_quantile_beta(double*, const float*, int64_t, int, int) override { missing("moe_quantile_beta"); }
   void moe_count_load(int64_t*, const int32_t*, int) override { missing("moe_count_load"); }
-  double adam_moments(float*, float*, const float*, size_t, float, float, float, float, float) override {
-    missing("adam_moments");
+  // The recipe optimizers (optim_ops.cu; Newton-Schulz's GEMMs through LtGemm). The synchronous
+  // forms run the _async ones into sums_ and wait for the one double.
+  double adam_moments(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1, float bc2,
+                      float eps) override {
+    adam_moments_async(m, v, g, n, b1, b2, bc1, bc2, eps, sums_.data());
+    return fetch_sum();
   }
-  double adam_apply(float*, const float*, const float*, size_t, float, float, float, float) override {
-    missing("adam_apply");
+  double adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
+                    float alpha) override {
+    adam_apply_async(w, m, v, n, bc1, bc2, eps, alpha, sums_.data());
+    return fetch_sum();
   }
-  void muon_momentum(float*, float*, const float*, size_t, float) override { missing("muon_momentum"); }
-  double axpy_sumsq(float*, const float*, size_t, float) override { missing("axpy_sumsq"); }
-  void newton_schulz5(float*, int, int) override { missing("newton_schulz5"); }
+  double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
+    axpy_sumsq_async(w, x, n, alpha, sums_.data());
+    return fetch_sum();
+  }
+  void adam_moments_async(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1, float bc2,
+                          float eps, double* d_out) override {
+    check(k::adam_moments(m, v, g, n, b1, b2, bc1, bc2, eps, d_out, optim_partials(), st_), "adam_moments");
+  }
+  void adam_apply_async(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
+                        float alpha, double* d_out) override {
+    check(k::adam_apply(w, m, v, n, bc1, bc2, eps, alpha, d_out, optim_partials(), st_), "adam_apply");
+  }
+  void axpy_sumsq_async(float* w, const float* x, size_t n, float alpha, double* d_out) override {
+    check(k::axpy_sumsq(w, x, n, alpha, d_out, optim_partials(), st_), "axpy_sumsq");
+  }
+  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) override {
+    check(k::muon_momentum(B, D, G, n, mu, st_), "muon_momentum");
+  }
+  // cpu::newton_schulz5's math on the device, nothing waiting: the norm is summed on the device and
+  // applied by a kernel reading that sum. Wide matrices (rows <= cols) iterate on X [m, n] with
+  // A = X X^T and X <- P X; tall ones on the same memory read as X [n, m] with A = X^T X and
+  // X <- X P (the transposed iteration, no copy). P = a I + b A + c A A^T is built as b A + a I by a
+  // kernel, then c A A^T is added by a GEMM with beta = 1 (A is symmetric up to rounding, so A A^T
+  // is A^2 as on the CPU, whose syrk makes it exactly symmetric). Plain GEMMs rather than the CPU's
+  // syrk: 4 m^2 n + 2 m^3 flops per step (m = min(rows, cols), n = max), on tensor cores with TF32.
+  void newton_schulz5(float* X, int rows, int cols) override {
+    if (rows <= 0 || cols <= 0) return;
+    const bool tall = rows > cols;
+    const int m = tall ? cols : rows, n = tall ? rows : cols;
+    // Y (the other half of the ping-pong), A and P, each starting on a 256-byte boundary so that
+    // cuBLASLt gets its best-aligned kernels.
+    const auto aligned = [](size_t floats) { return (floats + 63) / 64 * 64; };
+    const size_t mn = size_t(m) * size_t(n), mm = size_t(m) * size_t(m);
+    ns_work_.reserve(aligned(mn) + 2 * aligned(mm), "Newton-Schulz workspace");
+    float* Y = ns_work_.data();
+    float* A = Y + aligned(mn);
+    float* P = A + aligned(mm);
+    double* partials = optim_partials();
+    double* d_sumsq = partials + optim_partials_count();  // the slot after the partials
+
+    // X / (||X||_F + 1e-8) into Y, so that the 5 (odd) steps end back in X.
+    check(k::sum_squares(X, mn, d_sumsq, partials, st_), "newton_schulz5 (norm)");
+    check(k::scale_by_inv_norm(Y, X, mn, d_sumsq, st_), "newton_schulz5 (normalize)");
+    const GemmType type = opt_.tf32 ? GemmType::TF32 : GemmType::F32;
+    float* cur = Y;
+    float* nxt = X;
+    for (int s = 0; s < 5; ++s) {
+      const float a = float(cpu::kNsCoeffs[s][0]), b = float(cpu::kNsCoeffs[s][1]), c = float(cpu::kNsCoeffs[s][2]);
+      if (tall)  // cur is [n, m]: A = cur^T cur
+        gemm_->run(type, true, false, m, m, n, 1.f, cur, m, cur, m, 0.f, A, m);
+      else  // cur is [m, n]: A = cur cur^T
+        gemm_->run(type, false, true, m, m, n, 1.f, cur, n, cur, n, 0.f, A, m);
+      check(k::ns_poly_init(P, A, m, a, b, st_), "newton_schulz5 (polynomial)");
+      gemm_->run(type, false, true, m, m, m, c, A, m, A, m, 1.f, P, m);  // P += c A A^T
+      if (tall)  // nxt [n, m] = cur [n, m] P [m, m]
+        gemm_->run(type, false, false, n, m, m, 1.f, cur, m, P, m, 0.f, nxt, m);
+      else  // nxt [m, n] = P [m, m] cur [m, n]
+        gemm_->run(type, false, false, m, n, m, 1.f, P, m, cur, n, 0.f, nxt, n);
+      std::swap(cur, nxt);
+    }
+    post("newton_schulz5");
+  }
 
  private:
   void post(const char* op) {
@@ -287,6 +379,26 @@ class CudaBackendImpl final : public CudaBackend {
     if (!k::attention_supported(s.hd))
       fail("attention on CUDA supports head_dim 1..128 (got {})", s.hd);
     if (s.KV <= 0 || s.H % s.KV != 0) fail("attention: n_heads {} is not a multiple of n_kv_heads {}", s.H, s.KV);
+  }
+  void check_pko(int hd, int from_dim) {
+    if (from_dim < 0 || from_dim > hd) fail("pko_shift: from_dim {} is outside [0, head_dim {}]", from_dim, hd);
+  }
+  void check_heads(const char* op, int H, int KV) {
+    if (KV <= 0 || H % KV != 0) fail("{}: n_heads {} is not a multiple of n_kv_heads {}", op, H, KV);
+  }
+  // The optimizer reductions' per-block partials (also k::sum_squares' scratch for Newton-Schulz),
+  // plus one more double after them: Newton-Schulz's device-side sum of squares.
+  size_t optim_partials_count() const {
+    return std::max(size_t(k::optim_reduce_blocks()), k::sum_squares_scratch_doubles());
+  }
+  double* optim_partials() {
+    optim_scratch_.reserve(optim_partials_count() + 1, "optimizer reduction scratch");
+    return optim_scratch_.data();
+  }
+  double fetch_sum() {
+    LADDER_CUDA_CHECK(cudaMemcpyAsync(host_sums_, sums_.data(), sizeof(double), cudaMemcpyDeviceToHost, st_));
+    synchronize();
+    return host_sums_[0];
   }
   XentSums fetch_sums() {
     LADDER_CUDA_CHECK(cudaMemcpyAsync(host_sums_, sums_.data(), 2 * sizeof(double), cudaMemcpyDeviceToHost, st_));
@@ -323,6 +435,8 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<uint16_t> bf16_a_, bf16_b_;  // bf16 GEMM operands (CudaOptions::bf16)
   DeviceBuffer<float> float_scratch_;
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
+  DeviceBuffer<double> optim_scratch_;  // optim_partials()
+  DeviceBuffer<float> ns_work_;         // newton_schulz5: Y, A, P
   double* host_sums_ = nullptr;
   std::map<std::tuple<int, int, double>, DeviceBuffer<float>> rope_;
 };

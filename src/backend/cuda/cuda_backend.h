@@ -1,9 +1,10 @@
 // The CUDA backend: the op interface of backend/backend.h on one NVIDIA GPU (sm_80 or newer).
 // Every pointer passed to it (floats, token ids, targets) is a device pointer. All ops are
-// enqueued on the backend's stream and return without waiting, except the three that return a
-// value to the host (softmax_xent, softmax_xent_forward, sum_squares): those wait for the stream,
-// a host synchronization. The *_async variants below write the value to device memory instead, so
-// a training step can keep the host out of the loop (the model integration will use them).
+// enqueued on the backend's stream and return without waiting, except the ones that return a
+// value to the host (softmax_xent, softmax_xent_forward, sum_squares, adam_moments, adam_apply,
+// axpy_sumsq): those wait for the stream, a host synchronization. The *_async variants below write
+// the value to device memory instead, so a training step can keep the host out of the loop (the
+// model integration will use them).
 //
 // fp32 throughout for now (docs/cuda.md): GEMMs through cuBLASLt in fp32, or TF32 when asked
 // (CudaOptions::tf32, or LADDER_CUDA_TF32=1), every other op in fp32 CUDA-core kernels.
@@ -48,6 +49,16 @@ class CudaBackend : public Backend {
   // Waits for the stream; an asynchronous fault inside a kernel becomes a ladder::Error here.
   // (Backend::synchronize.) softmax_xent_async, softmax_xent_forward_async and sum_squares_async
   // (Backend) write their sums to device memory and do not wait.
+
+  // The recipe optimizers' three reductions without a host round trip: the same updates as
+  // Backend::adam_moments, adam_apply and axpy_sumsq, but the double they return goes to *d_out
+  // (device memory, overwritten) and nothing waits, so an optimizer step can keep its norms on the
+  // device (e.g. for the hyperball projection) and read them, if at all, once per step.
+  virtual void adam_moments_async(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1,
+                                  float bc2, float eps, double* d_out) = 0;
+  virtual void adam_apply_async(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
+                                float alpha, double* d_out) = 0;
+  virtual void axpy_sumsq_async(float* w, const float* x, size_t n, float alpha, double* d_out) = 0;
 };
 
 // Probes the device (probe_device) and builds the backend on it. Options from the environment

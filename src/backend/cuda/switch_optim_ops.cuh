@@ -1,0 +1,77 @@
+// Launchers of the CUDA kernels for the recipe's attention switches (switch_ops.cu) and the recipe
+// optimizers' element passes (optim_ops.cu). Plain C++ declarations, like kernels.cuh, so that the
+// backend (cuda_backend.cpp, host compiler) can call them. Each launcher enqueues its kernels on `st`
+// and returns cudaGetLastError() after the launches (launch errors only: faults inside a kernel
+// surface at the next synchronizing call). Pointers are device pointers; shapes, conventions and
+// aliasing rules are the CPU kernels' (backend/cpu/kernels.h, backend/cpu/optim_kernels.h), which
+// the GPU tests (tests/cuda/test_cuda_switch_optim.cpp) hold them to. Sizes of 0 enqueue nothing,
+// except the reductions, which still write their (zero) sum.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ladder::cuda::k {
+
+// ---- attention switches (switch_ops.cu) --------------------------------------------------------
+
+// Partial key offset: out = k except dims [from_dim, hd) of each head, which hold token t-1's (zero
+// where reset[t] != 0 or t == 0). out must not alias k.
+cudaError_t pko_shift_forward(float* out, const float* k, const uint8_t* reset, int N_tok, int nkv, int hd,
+                              int from_dim, cudaStream_t st);
+// The adjoint: dk (overwritten) from dout. dk must not alias dout.
+cudaError_t pko_shift_backward(float* dk, const float* dout, const uint8_t* reset, int N_tok, int nkv, int hd,
+                               int from_dim, cudaStream_t st);
+
+// Exclusive self attention. z may alias y.
+cudaError_t xsa_forward(float* z, const float* y, const float* v, int N_tok, int H, int KV, int hd,
+                        cudaStream_t st);
+// dy, dv overwritten (dv sums the H/KV heads of its group in head order); dy may alias dz.
+cudaError_t xsa_backward(float* dy, float* dv, const float* dz, const float* y, const float* v, int N_tok, int H,
+                         int KV, int hd, cudaStream_t st);
+
+// Per-head output gate: factor = 2 sigmoid(logit) [N_tok, H], out = x * factor. out may alias x.
+cudaError_t head_gate_forward(float* out, float* factor, const float* x, const float* logit, int N_tok, int H,
+                              int hd, cudaStream_t st);
+// dx (may alias dout) and dlogit overwritten.
+cudaError_t head_gate_backward(float* dx, float* dlogit, const float* dout, const float* x, const float* factor,
+                               int N_tok, int H, int hd, cudaStream_t st);
+
+// GatedNorm's elementwise parts.
+cudaError_t silu_forward(float* a, const float* u, size_t n, cudaStream_t st);
+cudaError_t silu_backward(float* du, const float* da, const float* u, size_t n, cudaStream_t st);
+cudaError_t sigmoid_gate_forward(float* y, float* g, const float* x, size_t n, cudaStream_t st);
+cudaError_t sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
+                                  bool accumulate_dx, cudaStream_t st);
+
+// ---- recipe optimizers (optim_ops.cu) ----------------------------------------------------------
+//
+// The three reductions run on a fixed grid (optim_reduce_blocks() blocks of 256 threads, whatever
+// the device and n), each thread accumulating its grid-stride elements in double, then a tree in
+// shared memory per block, then one block summing the per-block partials in a fixed tree: the same
+// order every run. `partials` holds optim_reduce_blocks() doubles; the sum goes to *out (device).
+
+int optim_reduce_blocks();
+
+// m, v updated; *out = sum_i U_i^2 with U = (m/bc1) / (sqrt(v/bc2) + eps).
+cudaError_t adam_moments(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1, float bc2,
+                         float eps, double* out, double* partials, cudaStream_t st);
+// w += alpha * U (U recomputed from m, v); *out = ||w||^2 after the update.
+cudaError_t adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
+                       float alpha, double* out, double* partials, cudaStream_t st);
+// B = mu B + G; D = G + mu B (new B).
+cudaError_t muon_momentum(float* B, float* D, const float* G, size_t n, float mu, cudaStream_t st);
+// w += alpha * x; *out = ||w||^2 after the update.
+cudaError_t axpy_sumsq(float* w, const float* x, size_t n, float alpha, double* out, double* partials,
+                       cudaStream_t st);
+
+// Newton-Schulz pieces (the GEMMs go through LtGemm in the backend):
+// y = x * float(1 / (sqrt(*sumsq) + 1e-8)), the scalar computed on the device in double from the
+// device sum (no host round trip). y may alias x.
+cudaError_t scale_by_inv_norm(float* y, const float* x, size_t n, const double* sumsq, cudaStream_t st);
+// P = b A + a I for the m x m matrix A (row-major, contiguous): the first two terms of Newton-Schulz's
+// polynomial a I + b A + c A^2; the backend's GEMM then adds c A A^T onto P.
+cudaError_t ns_poly_init(float* P, const float* A, int m, float a, float b, cudaStream_t st);
+
+}  // namespace ladder::cuda::k

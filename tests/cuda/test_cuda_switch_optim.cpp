@@ -1,0 +1,490 @@
+// The CUDA attention-switch ops (switch_ops.cu) and recipe-optimizer ops (optim_ops.cu, Newton-Schulz
+// in cuda_backend.cpp) against the CPU kernels (backend/cpu/kernels.h, optim_kernels.h; float) on
+// fresh random inputs with odd sizes (not multiples of any block or warp size).
+// Outputs are poisoned with NaN first (every byte 0xFF) so an element a kernel never writes fails
+// the comparison. Error measure: ||gpu - cpu|| / ||cpu|| over the whole output, printed as
+// "[ rel err ]" lines so the GPU session can record them.
+// Tolerances: kF32 = 5e-6 for fp32 elementwise ops and per-row dot products; returned doubles
+// (sums of squares) within kSum = 1e-6 relative; Newton-Schulz kNsF32 = 1e-4 (see its test).
+// Without a GPU each test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cpu/optim_kernels.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/device_memory.h"
+#include "core/error.h"
+
+namespace ladder {
+namespace {
+
+using cuda::DeviceBuffer;
+
+constexpr double kF32 = 5e-6;
+constexpr double kSum = 1e-6;
+// Newton-Schulz in fp32. Five steps of X <- a X + (b A + c A^2) X amplify rounding: the scalar map's
+// derivative is a_k (about 4) near 0 and about 2 in magnitude near 1, so a GEMM's last-bit
+// differences (summation order: cuBLASLt's tiling against OpenBLAS's) grow by up to a_1...a_5 ~ 490
+// in the directions of tiny singular values. Measured in a host emulation (two fp32 evaluations of
+// the same iteration in different summation orders, uniform inputs, these shapes): 6e-7 to 1.1e-6
+// apart, each within 9e-7 of float64. 1e-4 leaves ~100x margin for cuBLASLt's split-K orders while
+// any real mistake (a coefficient, a transpose, a missing a X term, a wrong norm) is O(1e-2..1).
+constexpr double kNsF32 = 1e-4;
+// TF32 inputs carry 10 mantissa bits (about 5e-4 relative each): the same emulation with TF32-rounded
+// GEMM inputs gives 1.1e-3 to 1.2e-3 against fp32; 1e-2 is a sanity bound, not a precision claim.
+constexpr double kNsTF32 = 1e-2;
+
+class CudaSwitchOptim : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    reason_ = cuda::device_unavailable_reason();
+    if (reason_.empty()) be_ = cuda::make_backend().release();
+  }
+  static void TearDownTestSuite() {
+    delete be_;
+    be_ = nullptr;
+  }
+  void SetUp() override {
+    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
+    const uint64_t seed = std::random_device{}();
+    rng_.seed(seed);
+    RecordProperty("seed", std::to_string(seed));
+    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
+  }
+
+  cuda::CudaBackend& be() { return *be_; }
+
+  std::vector<float> randv(size_t n, float lo = -1.f, float hi = 1.f) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng_);
+    return v;
+  }
+  template <class T>
+  DeviceBuffer<T> up(const std::vector<T>& h) {
+    DeviceBuffer<T> d(h.size() ? h.size() : 1);
+    d.upload(h);
+    return d;
+  }
+  DeviceBuffer<float> poisoned(size_t n) {
+    DeviceBuffer<float> d(n ? n : 1);
+    d.poison();
+    return d;
+  }
+  std::vector<float> down(const DeviceBuffer<float>& d, size_t n) {
+    be().synchronize();
+    std::vector<float> h = d.download();
+    h.resize(n);
+    return h;
+  }
+
+  // Fails on any non-finite GPU value where the CPU value is finite, then on the relative error.
+  static double check(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol,
+                      const std::string& what) {
+    EXPECT_EQ(gpu.size(), cpu.size()) << what;
+    size_t bad = 0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      if (!std::isfinite(gpu[i]) && std::isfinite(cpu[i])) {
+        if (bad++ < 3) ADD_FAILURE() << what << ": element " << i << " is " << gpu[i] << " (cpu " << cpu[i] << ")";
+        continue;
+      }
+      const double d = double(gpu[i]) - double(cpu[i]);
+      num += d * d;
+      den += double(cpu[i]) * double(cpu[i]);
+    }
+    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not written or not finite";
+    const double rel = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+    std::printf("[ rel err  ] %-36s %.3e (tol %.0e)\n", what.c_str(), rel, tol);
+    EXPECT_LE(rel, tol) << what;
+    return rel;
+  }
+  // A returned double (a sum of squares) against the CPU's.
+  static void check_sum(double gpu, double cpu, const std::string& what) {
+    const double rel = std::abs(gpu - cpu) / std::max(std::abs(cpu), 1e-300);
+    std::printf("[ rel err  ] %-36s %.3e (tol %.0e)\n", what.c_str(), rel, kSum);
+    EXPECT_TRUE(std::isfinite(gpu)) << what;
+    EXPECT_LE(rel, kSum) << what << ": gpu " << gpu << " cpu " << cpu;
+  }
+
+  static inline std::string reason_;
+  static inline cuda::CudaBackend* be_ = nullptr;
+  std::mt19937_64 rng_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Attention switches
+
+TEST_F(CudaSwitchOptim, PkoShiftForwardBackward) {
+  struct Case {
+    int B, S, nkv, hd;
+  };
+  for (const Case c : {Case{3, 41, 2, 16}, Case{2, 37, 3, 40}, Case{1, 129, 1, 128}}) {
+    const int N = c.B * c.S;
+    // Sequence starts plus document starts at random positions (about one token in 8).
+    std::vector<uint8_t> reset(N);
+    std::bernoulli_distribution doc(0.125);
+    for (int t = 0; t < N; ++t) reset[t] = (t % c.S == 0 || doc(rng_)) ? 1 : 0;
+    const size_t n = size_t(N) * c.nkv * c.hd;
+    auto k = randv(n), dout = randv(n);
+    auto d_k = up(k), d_dout = up(dout);
+    auto d_reset = up(reset);
+    for (int from : {c.hd / 2, 0, c.hd, 3}) {
+      const std::string what = fmt::format("pko B={} S={} nkv={} hd={} from={}", c.B, c.S, c.nkv, c.hd, from);
+      SCOPED_TRACE(what);
+      auto d_out = poisoned(n), d_dk = poisoned(n);
+      be().pko_shift_forward(d_out.data(), d_k.data(), d_reset.data(), N, c.nkv, c.hd, from);
+      be().pko_shift_backward(d_dk.data(), d_dout.data(), d_reset.data(), N, c.nkv, c.hd, from);
+      std::vector<float> out(n), dk(n);
+      cpu::pko_shift_forward<float>(out.data(), k.data(), reset.data(), N, c.nkv, c.hd, from);
+      cpu::pko_shift_backward<float>(dk.data(), dout.data(), reset.data(), N, c.nkv, c.hd, from);
+      // Pure copies: bitwise.
+      check(down(d_out, n), out, 0.0, what + " fwd");
+      check(down(d_dk, n), dk, 0.0, what + " bwd");
+    }
+  }
+}
+
+TEST_F(CudaSwitchOptim, PkoShiftRejectsFromDimOutsideHead) {
+  DeviceBuffer<float> a(64), b(64);
+  DeviceBuffer<uint8_t> r(4);
+  EXPECT_THROW(be().pko_shift_forward(a.data(), b.data(), r.data(), 4, 1, 16, 17), Error);
+  EXPECT_THROW(be().pko_shift_backward(a.data(), b.data(), r.data(), 4, 1, 16, -1), Error);
+}
+
+TEST_F(CudaSwitchOptim, XsaForwardBackwardWithGqa) {
+  struct Case {
+    int N, H, KV, hd;
+  };
+  // H/KV = 1, 2, 4; head dims below, at and above a warp multiple, and above 128.
+  for (const Case c : {Case{77, 4, 4, 64}, Case{53, 8, 4, 40}, Case{61, 8, 2, 96}, Case{33, 4, 1, 130},
+                       Case{29, 6, 3, 17}}) {
+    const std::string what = fmt::format("xsa N={} H={} KV={} hd={}", c.N, c.H, c.KV, c.hd);
+    SCOPED_TRACE(what);
+    const size_t ny = size_t(c.N) * c.H * c.hd, nv = size_t(c.N) * c.KV * c.hd;
+    auto y = randv(ny), v = randv(nv), dz = randv(ny);
+    auto d_y = up(y), d_v = up(v), d_dz = up(dz);
+
+    auto d_z = poisoned(ny);
+    be().xsa_forward(d_z.data(), d_y.data(), d_v.data(), c.N, c.H, c.KV, c.hd);
+    std::vector<float> z(ny);
+    cpu::xsa_forward<float>(z.data(), y.data(), v.data(), c.N, c.H, c.KV, c.hd);
+    check(down(d_z, ny), z, kF32, what + " fwd");
+
+    auto d_dy = poisoned(ny), d_dv = poisoned(nv);
+    be().xsa_backward(d_dy.data(), d_dv.data(), d_dz.data(), d_y.data(), d_v.data(), c.N, c.H, c.KV, c.hd);
+    std::vector<float> dy(ny), dv(nv);
+    cpu::xsa_backward<float>(dy.data(), dv.data(), dz.data(), y.data(), v.data(), c.N, c.H, c.KV, c.hd);
+    const auto gdy = down(d_dy, ny), gdv = down(d_dv, nv);
+    check(gdy, dy, kF32, what + " bwd dy");
+    check(gdv, dv, kF32, what + " bwd dv");
+
+    // In place, as the contract allows: z over y, dy over dz. Same results bitwise.
+    auto d_yz = up(y);
+    be().xsa_forward(d_yz.data(), d_yz.data(), d_v.data(), c.N, c.H, c.KV, c.hd);
+    EXPECT_EQ(down(d_yz, ny), down(d_z, ny)) << "xsa_forward in place (z == y) differs";
+    auto d_dzy = up(dz);
+    auto d_dv2 = poisoned(nv);
+    be().xsa_backward(d_dzy.data(), d_dv2.data(), d_dzy.data(), d_y.data(), d_v.data(), c.N, c.H, c.KV, c.hd);
+    EXPECT_EQ(down(d_dzy, ny), gdy) << "xsa_backward in place (dy == dz) differs";
+    EXPECT_EQ(down(d_dv2, nv), gdv) << "xsa_backward dv with dy == dz differs";
+  }
+}
+
+TEST_F(CudaSwitchOptim, HeadGateForwardBackward) {
+  struct Case {
+    int N, H, hd;
+  };
+  for (const Case c : {Case{53, 6, 64}, Case{41, 5, 37}, Case{7, 3, 200}}) {
+    const std::string what = fmt::format("head_gate N={} H={} hd={}", c.N, c.H, c.hd);
+    SCOPED_TRACE(what);
+    const size_t nx = size_t(c.N) * c.H * c.hd, nl = size_t(c.N) * c.H;
+    auto x = randv(nx), logit = randv(nl, -4.f, 4.f), dout = randv(nx);
+    auto d_x = up(x), d_logit = up(logit), d_dout = up(dout);
+
+    auto d_out = poisoned(nx), d_factor = poisoned(nl);
+    be().head_gate_forward(d_out.data(), d_factor.data(), d_x.data(), d_logit.data(), c.N, c.H, c.hd);
+    std::vector<float> out(nx), factor(nl);
+    cpu::head_gate_forward<float>(out.data(), factor.data(), x.data(), logit.data(), c.N, c.H, c.hd);
+    const auto gout = down(d_out, nx);
+    check(gout, out, kF32, what + " fwd out");
+    check(down(d_factor, nl), factor, kF32, what + " fwd factor");
+
+    // Backward from the CPU's factor, so its error is the backward's alone.
+    auto d_cfactor = up(factor);
+    auto d_dx = poisoned(nx), d_dlogit = poisoned(nl);
+    be().head_gate_backward(d_dx.data(), d_dlogit.data(), d_dout.data(), d_x.data(), d_cfactor.data(), c.N, c.H,
+                            c.hd);
+    std::vector<float> dx(nx), dlogit(nl);
+    cpu::head_gate_backward<float>(dx.data(), dlogit.data(), dout.data(), x.data(), factor.data(), c.N, c.H, c.hd);
+    const auto gdx = down(d_dx, nx);
+    check(gdx, dx, kF32, what + " bwd dx");
+    check(down(d_dlogit, nl), dlogit, kF32, what + " bwd dlogit");
+
+    // In place: out over x, dx over dout.
+    auto d_xo = up(x), d_factor2 = poisoned(nl);
+    be().head_gate_forward(d_xo.data(), d_factor2.data(), d_xo.data(), d_logit.data(), c.N, c.H, c.hd);
+    EXPECT_EQ(down(d_xo, nx), gout) << "head_gate_forward in place (out == x) differs";
+    auto d_dd = up(dout), d_dlogit2 = poisoned(nl);
+    be().head_gate_backward(d_dd.data(), d_dlogit2.data(), d_dd.data(), d_x.data(), d_cfactor.data(), c.N, c.H,
+                            c.hd);
+    EXPECT_EQ(down(d_dd, nx), gdx) << "head_gate_backward in place (dx == dout) differs";
+  }
+}
+
+TEST_F(CudaSwitchOptim, SiluAndSigmoidGate) {
+  const size_t n = 10007;
+  auto u = randv(n, -6.f, 6.f), da = randv(n), x = randv(n), g0 = randv(n, -6.f, 6.f), dy = randv(n);
+  auto d_u = up(u), d_da = up(da), d_x = up(x), d_dy = up(dy);
+
+  auto d_a = poisoned(n), d_du = poisoned(n);
+  be().silu_forward(d_a.data(), d_u.data(), n);
+  be().silu_backward(d_du.data(), d_da.data(), d_u.data(), n);
+  std::vector<float> a(n), du(n);
+  cpu::silu_forward<float>(a.data(), u.data(), n);
+  cpu::silu_backward<float>(du.data(), da.data(), u.data(), n);
+  check(down(d_a, n), a, kF32, "silu_forward");
+  const auto gdu = down(d_du, n);
+  check(gdu, du, kF32, "silu_backward");
+  auto d_dinplace = up(da);  // du over da
+  be().silu_backward(d_dinplace.data(), d_dinplace.data(), d_u.data(), n);
+  EXPECT_EQ(down(d_dinplace, n), gdu) << "silu_backward in place (du == da) differs";
+
+  // Forward: g becomes sigmoid(g) in place.
+  auto d_g = up(g0);
+  auto d_y = poisoned(n);
+  be().sigmoid_gate_forward(d_y.data(), d_g.data(), d_x.data(), n);
+  std::vector<float> y(n), s = g0;
+  cpu::sigmoid_gate_forward<float>(y.data(), s.data(), x.data(), n);
+  check(down(d_y, n), y, kF32, "sigmoid_gate_forward y");
+  check(down(d_g, n), s, kF32, "sigmoid_gate_forward s");
+
+  auto d_s = up(s);  // the CPU's saved sigmoid: the backward's error alone
+  for (bool acc : {false, true}) {
+    SCOPED_TRACE(fmt::format("accumulate_dx={}", acc));
+    auto dx0 = randv(n);
+    DeviceBuffer<float> d_dx(n);
+    if (acc) d_dx.upload(dx0);
+    else d_dx.poison();
+    auto d_dg = poisoned(n);
+    be().sigmoid_gate_backward(d_dx.data(), d_dg.data(), d_dy.data(), d_x.data(), d_s.data(), n, acc);
+    std::vector<float> dx = dx0, dg(n);
+    cpu::sigmoid_gate_backward<float>(dx.data(), dg.data(), dy.data(), x.data(), s.data(), n, acc);
+    const auto gdx = down(d_dx, n);
+    check(gdx, dx, kF32, acc ? "sigmoid_gate_backward dx (+=)" : "sigmoid_gate_backward dx");
+    check(down(d_dg, n), dg, kF32, acc ? "sigmoid_gate_backward dg (+=)" : "sigmoid_gate_backward dg");
+    if (!acc) {  // dx over dy
+      auto d_dd = up(dy), d_dg2 = poisoned(n);
+      be().sigmoid_gate_backward(d_dd.data(), d_dg2.data(), d_dd.data(), d_x.data(), d_s.data(), n, false);
+      EXPECT_EQ(down(d_dd, n), gdx) << "sigmoid_gate_backward in place (dx == dy) differs";
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recipe optimizers
+
+TEST_F(CudaSwitchOptim, AdamMomentsAndApplyFiveSteps) {
+  const size_t n = 100003;
+  const float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, lr = 1e-2f;
+  auto w = randv(n);
+  std::vector<float> m(n, 0.f), v(n, 0.f);  // fresh state, as at the first optimizer step
+  auto d_w = up(w), d_m = up(m), d_v = up(v);
+  for (int step = 1; step <= 5; ++step) {
+    SCOPED_TRACE(fmt::format("step {}", step));
+    const float bc1 = 1.f - float(std::pow(double(b1), step)), bc2 = 1.f - float(std::pow(double(b2), step));
+    auto g = randv(n, -0.5f, 0.5f);
+    auto d_g = up(g);
+    const double gu = be().adam_moments(d_m.data(), d_v.data(), d_g.data(), n, b1, b2, bc1, bc2, eps);
+    const double cu = cpu::adam_moments<float>(m.data(), v.data(), g.data(), n, b1, b2, bc1, bc2, eps);
+    check_sum(gu, cu, fmt::format("adam_moments ||U||^2 step {}", step));
+    // A hyperball-like step size (lr / ||U||), so w moves by a comparable amount each step.
+    const float alpha = float(-lr / std::sqrt(cu));
+    const double gw = be().adam_apply(d_w.data(), d_m.data(), d_v.data(), n, bc1, bc2, eps, alpha);
+    const double cw = cpu::adam_apply<float>(w.data(), m.data(), v.data(), n, bc1, bc2, eps, alpha);
+    check_sum(gw, cw, fmt::format("adam_apply ||w||^2 step {}", step));
+  }
+  check(down(d_m, n), m, kF32, "adam 5 steps m");
+  check(down(d_v, n), v, kF32, "adam 5 steps v");
+  check(down(d_w, n), w, kF32, "adam 5 steps w");
+}
+
+TEST_F(CudaSwitchOptim, AsyncReductionsEqualTheSynchronousOnesBitwise) {
+  const size_t n = 65537;
+  auto m0 = randv(n, -0.1f, 0.1f), v0 = randv(n, 0.f, 0.01f), g = randv(n), w0 = randv(n), x = randv(n);
+  auto d_g = up(g), d_x = up(x);
+  const float bc1 = 0.19f, bc2 = 0.0975f;
+
+  auto d_m = up(m0), d_v = up(v0), d_w = up(w0);
+  const double s1 = be().adam_moments(d_m.data(), d_v.data(), d_g.data(), n, 0.9f, 0.95f, bc1, bc2, 1e-8f);
+  const double s2 = be().adam_apply(d_w.data(), d_m.data(), d_v.data(), n, bc1, bc2, 1e-8f, -1e-3f);
+  const double s3 = be().axpy_sumsq(d_w.data(), d_x.data(), n, 0.25f);
+
+  auto e_m = up(m0), e_v = up(v0), e_w = up(w0);
+  DeviceBuffer<double> d_out(3);
+  d_out.poison();
+  be().adam_moments_async(e_m.data(), e_v.data(), d_g.data(), n, 0.9f, 0.95f, bc1, bc2, 1e-8f, d_out.data());
+  be().adam_apply_async(e_w.data(), e_m.data(), e_v.data(), n, bc1, bc2, 1e-8f, -1e-3f, d_out.data() + 1);
+  be().axpy_sumsq_async(e_w.data(), d_x.data(), n, 0.25f, d_out.data() + 2);
+  be().synchronize();
+  const auto got = d_out.download();
+  // Same kernels, same fixed grid: the same bits (also a run-to-run reproducibility check).
+  EXPECT_EQ(got[0], s1);
+  EXPECT_EQ(got[1], s2);
+  EXPECT_EQ(got[2], s3);
+  EXPECT_EQ(down(e_w, n), down(d_w, n));
+}
+
+TEST_F(CudaSwitchOptim, MuonMomentumAndAxpySumsq) {
+  const size_t n = 70001;
+  auto B = randv(n), G = randv(n), w = randv(n), x = randv(n);
+  auto d_B = up(B), d_G = up(G), d_w = up(w), d_x = up(x);
+  auto d_D = poisoned(n);
+  be().muon_momentum(d_B.data(), d_D.data(), d_G.data(), n, 0.95f);
+  std::vector<float> D(n);
+  cpu::muon_momentum<float>(B.data(), D.data(), G.data(), n, 0.95f);
+  check(down(d_B, n), B, kF32, "muon_momentum B");
+  check(down(d_D, n), D, kF32, "muon_momentum D");
+
+  const double gs = be().axpy_sumsq(d_w.data(), d_x.data(), n, -0.37f);
+  const double cs = cpu::axpy_sumsq<float>(w.data(), x.data(), n, -0.37f);
+  check(down(d_w, n), w, kF32, "axpy_sumsq w");
+  check_sum(gs, cs, "axpy_sumsq ||w||^2");
+}
+
+TEST_F(CudaSwitchOptim, EmptyInputsDoNothingAndSumToZero) {
+  // n = 0 / no tokens: nothing is read or written (null pointers), the reductions return 0.
+  be().pko_shift_forward(nullptr, nullptr, nullptr, 0, 2, 16, 8);
+  be().pko_shift_backward(nullptr, nullptr, nullptr, 0, 2, 16, 8);
+  be().xsa_forward(nullptr, nullptr, nullptr, 0, 4, 2, 16);
+  be().xsa_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 4, 2, 16);
+  be().head_gate_forward(nullptr, nullptr, nullptr, nullptr, 0, 4, 16);
+  be().head_gate_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 4, 16);
+  be().silu_forward(nullptr, nullptr, 0);
+  be().silu_backward(nullptr, nullptr, nullptr, 0);
+  be().sigmoid_gate_forward(nullptr, nullptr, nullptr, 0);
+  be().sigmoid_gate_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, true);
+  be().muon_momentum(nullptr, nullptr, nullptr, 0, 0.95f);
+  be().newton_schulz5(nullptr, 0, 5);
+  be().newton_schulz5(nullptr, 5, 0);
+  EXPECT_EQ(be().adam_moments(nullptr, nullptr, nullptr, 0, 0.9f, 0.95f, 0.1f, 0.05f, 1e-8f), 0.0);
+  EXPECT_EQ(be().adam_apply(nullptr, nullptr, nullptr, 0, 0.1f, 0.05f, 1e-8f, 1.f), 0.0);
+  EXPECT_EQ(be().axpy_sumsq(nullptr, nullptr, 0, 1.f), 0.0);
+  DeviceBuffer<double> d_out(1);
+  d_out.poison();  // the async form still writes its (zero) sum
+  be().axpy_sumsq_async(nullptr, nullptr, 0, 1.f, d_out.data());
+  be().synchronize();
+  EXPECT_EQ(d_out.download()[0], 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Newton-Schulz
+
+// G = X X^T (rows <= cols) or X^T X (tall), in double: the m x m Gram matrix of the output.
+std::vector<double> gram(const std::vector<float>& x, int r, int c) {
+  const int m = std::min(r, c), n = std::max(r, c);
+  std::vector<double> G(size_t(m) * m);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < m; ++j) {
+      double s = 0;
+      for (int k = 0; k < n; ++k)
+        s += r <= c ? double(x[size_t(i) * c + k]) * x[size_t(j) * c + k]
+                    : double(x[size_t(k) * c + i]) * x[size_t(k) * c + j];
+      G[size_t(i) * m + j] = s;
+    }
+  return G;
+}
+
+double dist_to_identity(const std::vector<double>& G, int m) {
+  double s = 0;
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < m; ++j) {
+      const double d = G[size_t(i) * m + j] - (i == j ? 1.0 : 0.0);
+      s += d * d;
+    }
+  return std::sqrt(s);
+}
+
+TEST_F(CudaSwitchOptim, NewtonSchulzMatchesCpuWideSquareTall) {
+  struct Case {
+    int r, c, offset;  // offset in floats: a view that is not 256-byte aligned
+  };
+  for (const Case cs : {Case{64, 256, 0}, Case{128, 128, 0}, Case{300, 70, 0}, Case{37, 91, 3}, Case{91, 37, 1},
+                        Case{1, 7, 0}}) {
+    const std::string what = fmt::format("ns5 {}x{} off={}", cs.r, cs.c, cs.offset);
+    SCOPED_TRACE(what);
+    const size_t n = size_t(cs.r) * cs.c;
+    auto x = randv(n, -3.f, 3.f);
+    std::vector<float> padded(cs.offset, 0.f);
+    padded.insert(padded.end(), x.begin(), x.end());
+    auto d_x = up(padded);
+    be().newton_schulz5(d_x.data() + cs.offset, cs.r, cs.c);
+    auto got = down(d_x, padded.size());
+    got.erase(got.begin(), got.begin() + cs.offset);
+
+    std::vector<float> ref = x, work(cpu::ns_work_size(cs.r, cs.c));
+    cpu::newton_schulz5<float>(ref.data(), cs.r, cs.c, work.data());
+    check(got, ref, kNsF32, what);
+
+    // Orthogonal like the CPU's: the Gram matrices agree, and so do their distances to I (the
+    // inputs' tiniest singular values do not reach 1 in 5 steps, so neither distance is ~0).
+    const int m = std::min(cs.r, cs.c);
+    const auto Gg = gram(got, cs.r, cs.c), Gc = gram(ref, cs.r, cs.c);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < Gc.size(); ++i) {
+      num += (Gg[i] - Gc[i]) * (Gg[i] - Gc[i]);
+      den += Gc[i] * Gc[i];
+    }
+    const double dg = dist_to_identity(Gg, m), dc = dist_to_identity(Gc, m);
+    std::printf("[ rel err  ] %-36s %.3e (tol %.0e); ||G-I||_F gpu %.4f cpu %.4f (m=%d)\n",
+                (what + " gram").c_str(), std::sqrt(num / den), kNsF32, dg, dc, m);
+    EXPECT_LE(std::sqrt(num / den), kNsF32);
+    EXPECT_NEAR(dg, dc, kNsF32 * std::sqrt(den));
+  }
+}
+
+TEST_F(CudaSwitchOptim, NewtonSchulzIsReproducibleAndInPlaceOnly) {
+  // Two runs give the same bits; the buffer around the matrix is untouched.
+  const int r = 96, c = 200;
+  const size_t n = size_t(r) * c;
+  auto x = randv(n + 2);
+  std::vector<float> first;
+  for (int rep = 0; rep < 2; ++rep) {
+    auto d_x = up(x);
+    be().newton_schulz5(d_x.data() + 1, r, c);
+    auto got = down(d_x, n + 2);
+    EXPECT_EQ(got.front(), x.front());
+    EXPECT_EQ(got.back(), x.back());
+    if (rep == 0) first = got;
+    else EXPECT_EQ(got, first) << "newton_schulz5 is not bitwise reproducible";
+  }
+}
+
+TEST_F(CudaSwitchOptim, NewtonSchulzTf32WithinSanityBound) {
+  cuda::CudaOptions o;
+  o.tf32 = true;
+  auto tf = cuda::make_backend(o);
+  for (auto [r, c] : {std::pair{64, 256}, std::pair{300, 70}}) {
+    const std::string what = fmt::format("ns5 tf32 {}x{}", r, c);
+    const size_t n = size_t(r) * c;
+    auto x = randv(n, -3.f, 3.f);
+    auto d_x = up(x);
+    tf->newton_schulz5(d_x.data(), r, c);
+    tf->synchronize();
+    auto got = d_x.download();
+    std::vector<float> ref = x, work(cpu::ns_work_size(r, c));
+    cpu::newton_schulz5<float>(ref.data(), r, c, work.data());
+    check(got, ref, kNsTF32, what);
+  }
+}
+
+}  // namespace
+}  // namespace ladder
