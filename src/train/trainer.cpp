@@ -111,6 +111,7 @@ fs::path resolve_data(Config& cfg) {
 TrainSummary train(const TrainOptions& opt) {
   Config cfg = opt.cfg;
   validate(cfg);
+  check_run_device(cfg.run.device);  // a device that cannot run here is the first thing to hear about
   fs::path data_dir = resolve_data(cfg);
   const fs::path run_dir = opt.run_dir;
   const auto& rc = cfg.run;
