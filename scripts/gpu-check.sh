@@ -116,7 +116,7 @@ fi
 # ---- 5. the table, last -------------------------------------------------------------------------
 echo
 echo "== gpu-check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), build: $BIN, $(($(date +%s) - T0)) s =="
-echo "GPU tests: exit $TEST_RC; $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep -c '^\[  FAILED  \] CudaKernels\|^\[  FAILED  \] CudaProbe' "$OUT/tests.log") failed; sanitizer exit: $SAN_RC"
+echo "GPU tests: exit $TEST_RC; $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep -c '^\[  FAILED  \] Cuda\(Kernels\|Probe\|Model\|Train\)' "$OUT/tests.log") failed; sanitizer exit: $SAN_RC"
 echo "largest relative error per op (vs the CPU kernels):"
 grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
   op = $5; for (i = 6; i <= NF && $i !~ /^[0-9.]+e[-+][0-9]+$/; ++i) if ($i !~ /=|[0-9]x[0-9]/) op = op " " $i;

@@ -54,8 +54,19 @@ TEST(Device, CudaWithoutCudaBuildIsOneClearLine) {
   EXPECT_EQ(b.rfind("--device cuda: this build has no CUDA backend", 0), 0u) << b;
   EXPECT_EQ(b.find('\n'), std::string::npos) << b;
   EXPECT_EQ(error_of([] { check_run_device("cuda"); }), b);
+  // The trainer and bench build their backend with make_backend: the same line.
+  EXPECT_EQ(error_of([] { make_backend("cuda", 1); }), b);
 }
 #endif
+
+TEST(Device, MakeBackendBuildsTheCpuBackendAndNamesUnknownDevices) {
+  auto be = make_backend("cpu", 1);
+  ASSERT_TRUE(be);
+  EXPECT_TRUE(be->is_host());
+  const std::string e = error_of([] { make_backend("tpu", 1); });
+  EXPECT_NE(e.find("'tpu'"), std::string::npos) << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
 
 }  // namespace
 }  // namespace ladder

@@ -114,8 +114,11 @@ int cpu_threads();
 // The CUDA backend (backend/cuda, docs/cuda.md): pointers are device pointers. Fails with one
 // clear line when this build has no CUDA, no device is found, or it is older than sm_80.
 std::unique_ptr<Backend> make_cuda_backend(bool tf32 = false);
-// Checks run.device before a model is built: "cpu" passes; "cuda" probes the device (the errors
-// above), then fails, because the model does not run on device memory yet (docs/cuda.md).
+// Checks run.device before a model is built: "cpu" passes; "cuda" probes the device and fails with
+// the one-line errors above when this build or this machine cannot run it; anything else is named.
 void check_run_device(const std::string& device);
+// The backend run.device names: "cpu" (`threads` as make_cpu_backend) or "cuda" (make_cuda_backend;
+// TF32 GEMMs only through LADDER_CUDA_TF32=1). What the trainer and `ladder bench` run on.
+std::unique_ptr<Backend> make_backend(const std::string& device, int threads);
 
 }  // namespace ladder

@@ -1,6 +1,9 @@
 // run.device handling shared by the CPU-only and the CUDA builds.
 #include "backend/backend.h"
 #include "core/error.h"
+#ifdef LADDER_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace ladder {
 
@@ -14,9 +17,16 @@ std::unique_ptr<Backend> make_cuda_backend(bool) {
 void check_run_device(const std::string& device) {
   if (device == "cpu") return;
   if (device != "cuda") fail("run.device '{}' is not known (expected cpu or cuda)", device);
-  auto be = make_cuda_backend();  // fails with its own line when there is no usable GPU
-  fail("run.device cuda: the CUDA backend is built and the GPU is usable, but the model does not run on device "
-       "memory yet (issue 6, docs/cuda.md: model integration); use run.device cpu for now");
+#ifdef LADDER_HAVE_CUDA
+  cuda::probe_device();  // one line when there is no usable GPU; builds nothing
+#else
+  make_cuda_backend();   // "this build has no CUDA backend"
+#endif
+}
+
+std::unique_ptr<Backend> make_backend(const std::string& device, int threads) {
+  check_run_device(device);
+  return device == "cuda" ? make_cuda_backend() : make_cpu_backend(threads);
 }
 
 }  // namespace ladder

@@ -123,6 +123,9 @@ int main(int argc, char** argv) {
     } else if (sa->parsed()) {
       std::cout << sample_text(ckpt, sopt) << std::endl;
     } else if (be->parsed() && boptim) {
+      // The optimizer benchmark times host buffers (Newton-Schulz on host matrices): CPU only.
+      if (!bench_device.empty() && bench_device != "cpu")
+        fail("ladder bench --optim runs on the CPU backend only (got --device {}); drop --device", bench_device);
       auto j = run_optim_bench(bopt);
       std::cout << (bjson ? j.dump() + "\n" : format_optim_bench(j));
     } else if (be->parsed()) {

@@ -41,8 +41,9 @@ void Transformer::norm_backward(float* dx, const float* dout, const float* x, Pa
 
 // PKO's shifted key half must not carry anything across a sequence or document boundary: reset at
 // position 0 of every sequence and at every token that follows an end-of-document token.
-void Transformer::compute_resets(const int32_t* inputs) {
-  be_.pko_resets(resets_.data(), inputs, N_, S_, cfg_.eod_id);
+// Computed by the backend from the ids already in its memory (ids_), into its memory (resets_).
+void Transformer::compute_resets() {
+  be_.pko_resets(resets_, ids_, N_, S_, cfg_.eod_id);
 }
 
 }  // namespace ladder

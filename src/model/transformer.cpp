@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -106,15 +105,15 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     pbytes += Arena::padded(p.numel);
     n_params_ += p.numel;
   }
-  params_arena_.reserve(pbytes);
-  grads_arena_.reserve(pbytes);
+  params_arena_.reserve(pbytes, be_, "parameters");
+  grads_arena_.reserve(pbytes, be_, "gradients");
   for (auto& p : params_) {
     p.w = params_arena_.alloc(p.numel);
     p.g = grads_arena_.alloc(p.numel);
   }
   size_t bbytes = 0;
   for (auto& b : buffers_) bbytes += Arena::padded(b.numel);
-  buffers_arena_.reserve(bbytes);
+  buffers_arena_.reserve(bbytes, be_, "MoE selection biases");
   for (auto& b : buffers_) b.w = buffers_arena_.alloc(b.numel);  // zero: the arena starts zeroed
 
   // Activation plan: every saved tensor of every layer, plus backward scratch, in one arena.
@@ -193,7 +192,6 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   if (cfg.xsa) reqs.push_back({&d_vx_, N * KV * hd});
   if (cfg.attn_gate) reqs.push_back({&d_ga_, N * H});
   if (R > 0) reqs.insert(reqs.end(), {{&d_gn_, N * d}, {&d_gs_, N * d}, {&d_gr_, N * R}});
-  if (cfg.pko) resets_.assign(N, 0);
   reqs.insert(reqs.end(), {{&x_final_, N * d}, {&hf_, N * d}, {&rf_, N}, {&logits_, size_t(chunk_rows_) * V},
                            {&d_res_, N * d}, {&d_h_, N * d}, {&d_q_, N * H * hd}, {&d_k_, N * KV * hd},
                            {&d_v_, N * KV * hd}, {&d_qn_, N * H * hd}, {&d_kn_, N * KV * hd},
@@ -204,32 +202,70 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
       reqs.push_back({reinterpret_cast<float**>(ptr), bytes / sizeof(float)});
     moe_lse_sq_.assign(size_t(moe_index), 0.0);
     stats_lse_sq_.assign(size_t(moe_index), 0.0);
-    balance_vals_.resize(size_t(moe_index));
-    load_.assign(size_t(moe_index), std::vector<int64_t>(size_t(cfg.moe_experts), 0));
   }
+  n_moe_ = moe_index;
   size_t abytes = 0;
   for (auto& r : reqs) abytes += Arena::padded(r.n);
-  acts_arena_.reserve(abytes);
+  acts_arena_.reserve(abytes, be_, "activations");
   for (auto& r : reqs) *r.ptr = acts_arena_.alloc(r.n);
+
+  // The host edge, in backend memory: ids and targets of one micro-batch, PKO flags, the sums a
+  // forward downloads once, per-tensor gradient sums of squares, MoE load counts and betas.
+  n_chunks_ = int((N + size_t(chunk_rows_) - 1) / size_t(chunk_rows_));
+  const size_t n_sums = 2 * size_t(n_chunks_) + size_t(n_moe_), n_ex = size_t(n_moe_) * size_t(cfg.moe_experts);
+  const size_t io_bytes = 2 * Arena::padded(N, sizeof(int32_t)) + (cfg.pko ? Arena::padded(N, 1) : 0) +
+                          Arena::padded(n_sums, sizeof(double)) + Arena::padded(params_.size(), sizeof(double)) +
+                          Arena::padded(n_ex, sizeof(int64_t)) + Arena::padded(n_ex, sizeof(double));
+  io_arena_.reserve(io_bytes, be_, "token ids and step sums");
+  ids_ = io_arena_.alloc<int32_t>(N);
+  targets_ = io_arena_.alloc<int32_t>(N);
+  if (cfg.pko) resets_ = io_arena_.alloc<uint8_t>(N);
+  sums_ = io_arena_.alloc<double>(n_sums);
+  gnorm_ = io_arena_.alloc<double>(params_.size());
+  load_ = io_arena_.alloc<int64_t>(n_ex);  // zero: the arena starts zeroed
+  beta_ = io_arena_.alloc<double>(n_ex);
+  host_sums_.assign(n_sums, 0.0);
+  host_gnorm_.assign(params_.size(), 0.0);
+  host_load_.assign(n_ex, 0);
+  host_bias_.assign(size_t(cfg.moe_experts), 0.0f);
+  if (cfg.moe_quantile_balance() && n_moe_ > 0) reserve_balance_tokens(N_);
 }
 
+void Transformer::download(const Param& p, float* host) const { be_.download(host, p.w, p.numel * sizeof(float)); }
+void Transformer::upload(const Param& p, const float* host) { be_.upload(p.w, host, p.numel * sizeof(float)); }
+std::vector<float> Transformer::download(const Param& p) const {
+  std::vector<float> h(p.numel);
+  download(p, h.data());
+  return h;
+}
+std::vector<float> Transformer::download_grad(const Param& p) const {
+  LADDER_ASSERT(p.g);
+  std::vector<float> h(p.numel);
+  be_.download(h.data(), p.g, p.numel * sizeof(float));
+  return h;
+}
+
+// Every tensor is generated on the host (one staging buffer, reused) and uploaded: the values are
+// the same whatever the backend, and on the CPU the upload is a memcpy of exactly these floats.
 void Transformer::init(uint64_t seed) {
   const double std = cfg_.init_std > 0 ? cfg_.init_std : 0.5 / std::sqrt(double(cfg_.d_model));
+  size_t most = 0;
+  for (auto& p : params_) most = std::max(most, p.numel);
+  std::vector<float> host(most);
   for (auto& p : params_) {
+    float* w = host.data();
     if (p.role == Role::NormGain) {
-      std::fill(p.w, p.w + p.numel, 1.0f);
-      continue;
-    }
-    if (p.role == Role::AttnGate) {  // RECIPE.md: W_g zero at init, so every gate starts at 2*sigmoid(0) = 1
-      std::fill(p.w, p.w + p.numel, 0.0f);
-      continue;
-    }
-    Philox rng(seed, stream_id(p.name));
-    float* w = p.w;
+      std::fill(w, w + p.numel, 1.0f);
+    } else if (p.role == Role::AttnGate) {  // RECIPE.md: W_g zero at init, so every gate starts at 2*sigmoid(0) = 1
+      std::fill(w, w + p.numel, 0.0f);
+    } else {
+      Philox rng(seed, stream_id(p.name));
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < int64_t(p.numel); ++i) w[i] = float(std * rng.trunc_normal(uint64_t(i)));
+      for (int64_t i = 0; i < int64_t(p.numel); ++i) w[i] = float(std * rng.trunc_normal(uint64_t(i)));
+    }
+    upload(p, w);
   }
-  for (auto& b : buffers_) std::fill(b.w, b.w + b.numel, 0.0f);  // MoE selection bias starts at 0
+  for (auto& b : buffers_) be_.zero(b.w, b.numel * sizeof(float));  // MoE selection bias starts at 0
 }
 
 void Transformer::zero_grad() { grads_arena_.zero(); }
@@ -262,49 +298,75 @@ MoeWeights<float> Transformer::moe_weights(const Layer& L) const {
   return W;
 }
 
-double Transformer::router_z_sum() const {
-  if (!(cfg_.router_z_loss > 0) || moe_lse_sq_.empty()) return 0;
+double Transformer::grad_norm() {
+  for (size_t i = 0; i < params_.size(); ++i) be_.sum_squares_async(params_[i].g, params_[i].numel, gnorm_ + i);
+  be_.download(host_gnorm_.data(), gnorm_, host_gnorm_.size() * sizeof(double));
   double s = 0;
-  for (double v : moe_lse_sq_) s += v;
-  return cfg_.router_z_loss / double(moe_lse_sq_.size()) * s;
+  for (double v : host_gnorm_) s += v;  // parameter order: the same doubles in the same order on every run
+  return std::sqrt(s);
+}
+
+float* Transformer::balance_vals(int moe_index) {
+  return reinterpret_cast<float*>(balance_arena_.base()) + size_t(moe_index) * size_t(balance_cap_) * cfg_.moe_experts;
+}
+
+// Called before a step (train_step) or, when a caller trains more tokens than reserved between two
+// updates, from forward() (growth keeps the values already stored; it allocates, so a planned step
+// reserves up front and never gets here).
+void Transformer::reserve_balance_tokens(int64_t tokens) {
+  const int E = cfg_.moe_experts;
+  if (!cfg_.moe_quantile_balance() || n_moe_ == 0 || cfg_.moe_top_k >= E || tokens <= balance_cap_) return;
+  Arena grown(size_t(n_moe_) * size_t(tokens) * E * sizeof(float), be_, "MoE quantile-balancing router values");
+  float* base = reinterpret_cast<float*>(grown.base());
+  for (int m = 0; m < n_moe_; ++m)
+    be_.copy(base + size_t(m) * size_t(tokens) * E, balance_vals(m), size_t(balance_tokens_) * E * sizeof(float));
+  balance_arena_ = std::move(grown);
+  balance_cap_ = tokens;
 }
 
 std::vector<double> Transformer::balance_beta() {
   const int E = cfg_.moe_experts, K = cfg_.moe_top_k;
   std::vector<double> beta;
   if (!cfg_.moe_quantile_balance() || K >= E || balance_tokens_ == 0) return beta;
-  beta.resize(balance_vals_.size() * size_t(E));
-  for (size_t m = 0; m < balance_vals_.size(); ++m)
-    cpu::moe_quantile_beta(beta.data() + m * E, balance_vals_[m].data(), balance_tokens_, E, K);
+  beta.resize(size_t(n_moe_) * size_t(E));
+  for (int m = 0; m < n_moe_; ++m) be_.moe_quantile_beta(beta_ + size_t(m) * E, balance_vals(m), balance_tokens_, E, K);
+  be_.download(beta.data(), beta_, beta.size() * sizeof(double));
   return beta;
 }
 
+// The bias is E floats per layer: computed on the host from the (possibly rank-averaged) beta and
+// uploaded.
 void Transformer::apply_balance(const std::vector<double>& beta) {
-  balance_tokens_ = 0;
-  for (auto& v : balance_vals_) v.clear();  // keeps the capacity: no allocation in later steps
+  balance_tokens_ = 0;  // forget the tokens; the store keeps its capacity
   if (beta.empty()) return;
   const int E = cfg_.moe_experts;
-  LADDER_ASSERT(beta.size() == balance_vals_.size() * size_t(E));
+  LADDER_ASSERT(beta.size() == size_t(n_moe_) * size_t(E));
   for (auto& L : layers_)
-    if (L.moe) moe_bias_from_beta<float>(beta.data() + size_t(L.moe_index) * E, E, L.bias->w);
+    if (L.moe) {
+      moe_bias_from_beta<float>(beta.data() + size_t(L.moe_index) * E, E, host_bias_.data());
+      upload(*L.bias, host_bias_.data());
+    }
 }
 
 std::vector<MoeLayerStats> Transformer::take_moe_stats() {
   std::vector<MoeLayerStats> out;
+  if (n_moe_ == 0) return out;
+  const size_t E = size_t(cfg_.moe_experts);
+  be_.download(host_load_.data(), load_, host_load_.size() * sizeof(int64_t));
+  be_.zero(load_, host_load_.size() * sizeof(int64_t));
   for (auto& L : layers_) {
     if (!L.moe) continue;
-    auto& ld = load_[size_t(L.moe_index)];
+    const int64_t* ld = host_load_.data() + size_t(L.moe_index) * E;
     MoeLayerStats st;
     st.layer = int(&L - layers_.data());
     if (stats_tokens_ > 0) {
-      st.load_min = double(*std::min_element(ld.begin(), ld.end()));
-      st.load_max = double(*std::max_element(ld.begin(), ld.end()));
+      st.load_min = double(*std::min_element(ld, ld + E));
+      st.load_max = double(*std::max_element(ld, ld + E));
       double sum = 0;
-      for (auto c : ld) sum += double(c);
-      st.load_mean = sum / double(ld.size());
+      for (size_t e = 0; e < E; ++e) sum += double(ld[e]);
+      st.load_mean = sum / double(E);
       st.lse_sq = stats_lse_sq_[size_t(L.moe_index)] / double(stats_tokens_);
     }
-    std::fill(ld.begin(), ld.end(), 0);
     stats_lse_sq_[size_t(L.moe_index)] = 0;
     out.push_back(st);
   }
@@ -331,15 +393,15 @@ void Transformer::attn_forward(Layer& L) {
   be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wv->w, d, 0.f, L.v, KVd);
   const float* k = L.k;
   if (L.ks) {
-    be_.pko_shift_forward(L.ks, L.k, resets_.data(), N, KV, hd, hd / 2);
+    be_.pko_shift_forward(L.ks, L.k, resets_, N, KV, hd, hd / 2);
     k = L.ks;
   }
   if (cfg_.qk_norm) {
     be_.rmsnorm_forward(L.qr, L.qrs, L.q, L.qn ? L.qn->w : nullptr, N * H, hd, eps);
     be_.rmsnorm_forward(L.kr, L.krs, k, L.kn ? L.kn->w : nullptr, N * KV, hd, eps);
   } else {
-    std::memcpy(L.qr, L.q, sizeof(float) * size_t(N) * Hd);
-    std::memcpy(L.kr, k, sizeof(float) * size_t(N) * KVd);
+    be_.copy(L.qr, L.q, sizeof(float) * size_t(N) * Hd);
+    be_.copy(L.kr, k, sizeof(float) * size_t(N) * KVd);
   }
   be_.rope_forward(L.qr, N, S_, H, hd, rot, theta);
   be_.rope_forward(L.kr, N, S_, KV, hd, rot, theta);
@@ -354,7 +416,7 @@ void Transformer::attn_forward(Layer& L) {
     be_.head_gate_forward(L.og, L.gf, L.oin, L.ga, N, H, hd);
     L.oin = L.og;
   }
-  std::memcpy(L.mid, L.x, sizeof(float) * size_t(N) * d);
+  be_.copy(L.mid, L.x, sizeof(float) * size_t(N) * d);
   be_.gemm(false, true, N, d, Hd, 1.f, L.oin, Hd, L.wo->w, Hd, 1.f, L.mid, d);
 }
 
@@ -384,7 +446,7 @@ void Transformer::attn_backward(Layer& L) {
   }
   if (L.ks) {  // through the shift, into the other (now free) key-gradient buffer
     float* dst = dk == d_k_ ? d_kn_ : d_k_;
-    be_.pko_shift_backward(dst, dk, resets_.data(), N, KV, hd, hd / 2);
+    be_.pko_shift_backward(dst, dk, resets_, N, KV, hd, hd / 2);
     dk = dst;
   }
   be_.gemm(false, false, N, d, Hd, 1.f, dq, Hd, L.wq->w, d, 0.f, d_h_, d);
@@ -396,34 +458,40 @@ void Transformer::attn_backward(Layer& L) {
   be_.gemm(true, false, KVd, d, N, 1.f, d_v_, KVd, L.h1, d, 1.f, L.wv->g, d);
 }
 
-void Transformer::forward(const int32_t* inputs, bool training) {
-  const int N = N_, d = cfg_.d_model, I = cfg_.ff();
+void Transformer::upload_batch(const int32_t* inputs, const int32_t* targets) {
+  const int N = N_;
   for (int i = 0; i < N; ++i)
     if (inputs[i] < 0 || inputs[i] >= cfg_.vocab_size)
       fail("token id {} at position {} is outside the vocabulary [0, {})", inputs[i], i, cfg_.vocab_size);
-  be_.embedding_forward(layers_[0].x, embed_->w, inputs, N, d);
-  if (cfg_.pko) compute_resets(inputs);
+  be_.upload(ids_, inputs, sizeof(int32_t) * size_t(N));
+  if (targets) be_.upload(targets_, targets, sizeof(int32_t) * size_t(N));
+}
+
+void Transformer::forward(bool training) {
+  const int N = N_, d = cfg_.d_model, I = cfg_.ff();
+  const MoeDims md = moe_dims();
+  const bool balance = training && cfg_.moe_quantile_balance() && n_moe_ > 0 && md.K < md.E;
+  if (balance && balance_tokens_ + N > balance_cap_)  // unplanned: see reserve_balance_tokens
+    reserve_balance_tokens(std::max<int64_t>(balance_tokens_ + N, 2 * balance_cap_));
+  be_.embedding_forward(layers_[0].x, embed_->w, ids_, N, d);
+  if (cfg_.pko) compute_resets();
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& L = layers_[l];
     norm_forward(L.h1, L.r1, L.x, L.ln1, L.gn1);
     attn_forward(L);
     norm_forward(L.h2, L.r2, L.mid, L.ln2, L.gn2);
     float* next = l + 1 < layers_.size() ? layers_[l + 1].x : x_final_;
-    std::memcpy(next, L.mid, sizeof(float) * size_t(N) * d);
+    be_.copy(next, L.mid, sizeof(float) * size_t(N) * d);
     if (L.moe) {
-      const MoeDims md = moe_dims();
       const size_t mi = size_t(L.moe_index);
       moe_forward<float>(ops_, md, moe_weights(L), L.ma, L.h2, next);
-      moe_lse_sq_[mi] = be_.sum_squares(L.ma.lse, size_t(N));
+      // Router z term of this layer: a device double, read with the loss sums (read_sums).
+      be_.sum_squares_async(L.ma.lse, size_t(N), sums_ + 2 * size_t(n_chunks_) + mi);
       if (training) {
-        for (int e = 0; e < md.E; ++e) load_[mi][size_t(e)] += L.ma.offsets[e + 1] - L.ma.offsets[e];
-        stats_lse_sq_[mi] += moe_lse_sq_[mi];
-        if (cfg_.moe_quantile_balance() && md.K < md.E) {
-          auto& vals = balance_vals_[mi];
-          const size_t at = vals.size();
-          vals.resize(at + size_t(N) * md.E);
-          be_.moe_balance_values(vals.data() + at, L.ma.logits, L.bias->w, N, md.E, md.K);
-        }
+        be_.moe_count_load(load_ + mi * size_t(md.E), L.ma.offsets, md.E);
+        if (balance)
+          be_.moe_balance_values(balance_vals(L.moe_index) + size_t(balance_tokens_) * md.E, L.ma.logits, L.bias->w, N,
+                                 md.E, md.K);
       }
       continue;
     }
@@ -434,39 +502,60 @@ void Transformer::forward(const int32_t* inputs, bool training) {
   }
   if (training && !layers_.empty() && cfg_.moe()) {
     stats_tokens_ += N;
-    if (cfg_.moe_quantile_balance()) balance_tokens_ += N;
+    if (balance) balance_tokens_ += N;
   }
   norm_forward(hf_, rf_, x_final_, norm_f_, gnf_);
+}
+
+// The one host wait of a forward_backward / forward_loss call: (xent, lse^2) of each head chunk and
+// each MoE layer's router sum of lse^2, summed on the host in chunk / layer order (the order the
+// synchronous sums were added in before, so CPU results are bitwise unchanged).
+LossSums Transformer::read_sums(int chunks, bool training) {
+  be_.download(host_sums_.data(), sums_, host_sums_.size() * sizeof(double));
+  LossSums sums;
+  sums.tokens = N_;
+  for (int c = 0; c < chunks; ++c) {
+    sums.xent += host_sums_[2 * size_t(c)];
+    sums.lse_sq += host_sums_[2 * size_t(c) + 1];
+  }
+  for (int m = 0; m < n_moe_; ++m) {
+    moe_lse_sq_[size_t(m)] = host_sums_[2 * size_t(n_chunks_) + size_t(m)];
+    if (training) stats_lse_sq_[size_t(m)] += moe_lse_sq_[size_t(m)];
+  }
+  if (cfg_.router_z_loss > 0 && n_moe_ > 0) {
+    double s = 0;
+    for (double v : moe_lse_sq_) s += v;
+    sums.router_z = cfg_.router_z_loss / double(n_moe_) * s;
+  }
+  return sums;
 }
 
 LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale) {
   const int N = N_, d = cfg_.d_model, I = cfg_.ff();
   const int V = cfg_.vocab_size;
-  forward(inputs, /*training=*/true);
+  upload_batch(inputs, targets);
+  forward(/*training=*/true);
 
   // LM head and loss, in row chunks: the full [N, V] logits never exist. Each chunk's logits are
   // turned into their gradient in place and immediately consumed by the two head GEMMs.
-  LossSums sums;
-  sums.tokens = N;
-  sums.router_z = router_z_sum();
-  for (int r0 = 0; r0 < N; r0 += chunk_rows_) {
+  int chunk = 0;
+  for (int r0 = 0; r0 < N; r0 += chunk_rows_, ++chunk) {
     const int rows = std::min(chunk_rows_, N - r0);
     be_.gemm(false, true, rows, V, d, 1.f, hf_ + size_t(r0) * d, d, head_->w, d, 0.f, logits_, V);
-    XentSums s = be_.softmax_xent(logits_, targets + r0, rows, V, float(cfg_.z_loss), grad_scale);
-    sums.xent += s.xent;
-    sums.lse_sq += s.lse_sq;
+    be_.softmax_xent_async(logits_, targets_ + r0, rows, V, float(cfg_.z_loss), grad_scale, sums_ + 2 * size_t(chunk));
     be_.gemm(false, false, rows, d, V, 1.f, logits_, V, head_->w, d, 0.f, d_h_ + size_t(r0) * d, d);
     be_.gemm(true, false, V, d, rows, 1.f, logits_, V, hf_ + size_t(r0) * d, d, 1.f, head_->g, d);
   }
   norm_backward(d_res_, d_h_, x_final_, norm_f_, rf_, gnf_, false);
 
+  // The router z-loss gradient scale is known without the forward's sums: no wait here.
+  const float z_scale = n_moe_ > 0 ? float(cfg_.router_z_loss / double(n_moe_)) * grad_scale : 0.f;
   for (int l = int(layers_.size()) - 1; l >= 0; --l) {
     Layer& L = layers_[l];
     if (L.moe) {
       // MoE: next = mid + MoE(h2); d_h = d(h2).
       MoeGrads<float> G{L.router->g, L.eg->g, L.eu->g, L.ed->g, L.sg ? L.sg->g : nullptr,
                         L.su ? L.su->g : nullptr, L.sd ? L.sd->g : nullptr};
-      const float z_scale = float(cfg_.router_z_loss / double(moe_lse_sq_.size())) * grad_scale;
       moe_backward<float>(ops_, moe_dims(), moe_weights(L), G, L.ma, ms_, L.h2, d_res_, d_h_, z_scale);
     } else {
     // MLP: next = mid + down(silu(gate(h2)) * up(h2)); d_res holds d(next).
@@ -482,30 +571,38 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
     attn_backward(L);                                              // d_h = d(h1)
     norm_backward(d_res_, d_h_, L.x, L.ln1, L.r1, L.gn1, true);    // d_res = d(x)
   }
-  be_.embedding_backward(embed_->g, d_res_, inputs, N, d);
-  return sums;
+  be_.embedding_backward(embed_->g, d_res_, ids_, N, d);
+  // At the end, not after the head: the host waits once, for the whole micro-batch.
+  return read_sums(chunk, /*training=*/true);
 }
 
 LossSums Transformer::forward_loss(const int32_t* inputs, const int32_t* targets) {
   const int N = N_, d = cfg_.d_model, V = cfg_.vocab_size;
-  forward(inputs);
-  LossSums sums;
-  sums.tokens = N;
-  sums.router_z = router_z_sum();
-  for (int r0 = 0; r0 < N; r0 += chunk_rows_) {
+  upload_batch(inputs, targets);
+  forward();
+  int chunk = 0;
+  for (int r0 = 0; r0 < N; r0 += chunk_rows_, ++chunk) {
     const int rows = std::min(chunk_rows_, N - r0);
     be_.gemm(false, true, rows, V, d, 1.f, hf_ + size_t(r0) * d, d, head_->w, d, 0.f, logits_, V);
-    XentSums s = be_.softmax_xent_forward(logits_, targets + r0, rows, V, nullptr);
-    sums.xent += s.xent;
-    sums.lse_sq += s.lse_sq;
+    be_.softmax_xent_forward_async(logits_, targets_ + r0, rows, V, nullptr, sums_ + 2 * size_t(chunk));
   }
-  return sums;
+  return read_sums(chunk, /*training=*/false);
 }
 
 void Transformer::forward_logits(const int32_t* inputs, float* logits) {
-  const int d = cfg_.d_model, V = cfg_.vocab_size;
-  forward(inputs);
-  be_.gemm(false, true, N_, V, d, 1.f, hf_, d, head_->w, d, 0.f, logits, V);
+  const int N = N_, d = cfg_.d_model, V = cfg_.vocab_size;
+  upload_batch(inputs, nullptr);
+  forward();
+  if (be_.is_host()) {  // `logits` is host memory, which is this backend's: one GEMM straight into it
+    be_.gemm(false, true, N, V, d, 1.f, hf_, d, head_->w, d, 0.f, logits, V);
+    return;
+  }
+  // Otherwise through the head's chunk buffer, one download per chunk (sampling, tests: not a step).
+  for (int r0 = 0; r0 < N; r0 += chunk_rows_) {
+    const int rows = std::min(chunk_rows_, N - r0);
+    be_.gemm(false, true, rows, V, d, 1.f, hf_ + size_t(r0) * d, d, head_->w, d, 0.f, logits_, V);
+    be_.download(logits + size_t(r0) * V, logits_, sizeof(float) * size_t(rows) * V);
+  }
 }
 
 }  // namespace ladder

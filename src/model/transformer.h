@@ -5,7 +5,13 @@
 // long/short layers, partial key offset, XSA, per-head output gate, GatedNorm (see config.cpp).
 //
 // Memory is planned once: parameters, gradients and saved activations live in three arenas sized
-// from the config and the micro-batch shape. forward_backward() allocates nothing.
+// from the config and the micro-batch shape, all in the backend's memory (host memory for the CPU
+// backend, device memory for CUDA). forward_backward() allocates nothing.
+//
+// Host or backend memory: Param::w / Param::g, buffers(), weights() and attention_keys() are
+// pointers of the backend's memory (host code reads them with download() or Backend::download);
+// token ids, targets and forward_logits()'s output are HOST memory, copied at the edges. Per
+// forward_backward() / forward_loss() call the host waits once, for one download of the loss sums.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -38,8 +44,8 @@ struct Param {
   Role role;
   std::vector<int64_t> shape;  // Linear weights are [out_features, in_features]; experts [E, out, in]
   size_t numel = 0;
-  float* w = nullptr;          // weights (params arena)
-  float* g = nullptr;          // gradient (grads arena)
+  float* w = nullptr;          // weights (params arena; backend memory)
+  float* g = nullptr;          // gradient (grads arena; backend memory)
 };
 
 struct LossSums {
@@ -69,24 +75,41 @@ class Transformer {
   const std::vector<Param>& params() const { return params_; }
   Param& param(const std::string& name);
   size_t num_params() const { return n_params_; }
+  // The contiguous parameter arena (backend memory), for a data-parallel broadcast.
   float* weights() { return params_arena_.base() ? reinterpret_cast<float*>(params_arena_.base()) : nullptr; }
+  // The backend the model runs on; its memory holds every arena.
+  Backend& backend() const { return be_; }
+  // Host <-> backend copies of one tensor (a parameter's weights, or a buffer): `host` holds numel
+  // floats. What checkpoints, tests and tools use instead of dereferencing Param::w.
+  void download(const Param& p, float* host) const;
+  void upload(const Param& p, const float* host);
+  std::vector<float> download(const Param& p) const;
+  std::vector<float> download_grad(const Param& p) const;
 
   // Truncated-normal init (std cfg.init_std or 0.5/sqrt(d), +-3 sigma) of every matrix and the
-  // embedding; norm gains = 1. Each tensor's values depend only on (seed, tensor name).
+  // embedding; norm gains = 1. Each tensor's values depend only on (seed, tensor name): generated
+  // on the host and uploaded, so every backend starts from bitwise the same weights.
   void init(uint64_t seed);
   void zero_grad();
 
   // Forward and backward of one micro-batch [batch, seq_len]. Gradients ACCUMULATE into the grads
   // arena, scaled by grad_scale (1 / total tokens of the optimizer step gives mean-loss gradients).
+  // inputs / targets: HOST memory (copied into the model's own buffers in backend memory).
   LossSums forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale);
-  // Forward only: loss sums (evaluation).
+  // Forward only: loss sums (evaluation). Host inputs/targets.
   LossSums forward_loss(const int32_t* inputs, const int32_t* targets);
-  // Forward only: writes all logits [batch*seq_len, vocab] to `logits`.
+  // Forward only: writes all logits [batch*seq_len, vocab] to `logits`, HOST memory. On a host
+  // backend the LM head writes there directly (no copy); otherwise row chunks are downloaded.
   void forward_logits(const int32_t* inputs, float* logits);
+
+  // Global L2 norm of all gradients: one sum of squares per tensor into backend memory, ONE
+  // download, summed on the host in parameter order (deterministic, and on the CPU bitwise the sum
+  // of the per-tensor Backend::sum_squares values in that order).
+  double grad_norm();
 
   size_t activation_bytes() const { return acts_arena_.capacity(); }
   // The keys layer l's attention read in the last forward pass (after PKO, QK-norm and RoPE),
-  // [batch*seq_len, KV*hd]; for tests and inspection.
+  // [batch*seq_len, KV*hd], backend memory; for tests and inspection.
   const float* attention_keys(int l) const { return layers_.at(l).kr; }
 
   // Non-trained state saved with the weights (the MoE selection biases
@@ -99,9 +122,15 @@ class Transformer {
   // from the tokens of every training forward since the previous update. balance_beta() returns
   // beta of every MoE layer ([n_moe_layers * E], empty when balancing is off); data-parallel ranks
   // average it, then apply_balance() sets bias = -(beta - mean(beta)) and forgets the tokens.
+  // The router values of those tokens stay in backend memory until then: reserve_balance_tokens()
+  // sizes that store for a whole optimizer step (train_step calls it with grad_accum * batch *
+  // seq_len; a no-op when already large enough). Without it the store holds one micro-batch and
+  // grows, outside any planned step, when a caller runs more training forwards between updates.
+  void reserve_balance_tokens(int64_t tokens);
   std::vector<double> balance_beta();
   void apply_balance(const std::vector<double>& beta);
-  // Expert load and router z statistics per MoE layer since the previous call (resets them).
+  // Expert load and router z statistics per MoE layer since the previous call (resets them). The
+  // load counts stay in backend memory between calls: one download here.
   std::vector<MoeLayerStats> take_moe_stats();
 
  private:
@@ -140,11 +169,16 @@ class Transformer {
   };
 
   void add_param(const std::string& name, Role role, std::vector<int64_t> shape);
-  // Fills saved activations up to the final norm. training: record MoE load and balancing data.
-  void forward(const int32_t* inputs, bool training = false);
+  // Checks the host token ids and uploads them into ids_ (and, when given, targets into targets_).
+  void upload_batch(const int32_t* inputs, const int32_t* targets);
+  // Fills saved activations up to the final norm from ids_ (uploaded by the caller). training:
+  // record MoE load and balancing data.
+  void forward(bool training = false);
+  // After the LM head: the one download of the loss and router sums of this call, into a LossSums.
+  LossSums read_sums(int chunks, bool training);
   MoeDims moe_dims() const;
   MoeWeights<float> moe_weights(const Layer& L) const;
-  double router_z_sum() const;  // router z term of the last forward, summed over tokens
+  float* balance_vals(int moe_index);  // [balance_cap_, E] of MoE layer moe_index
   // Attention sublayer: L.mid = L.x + o_proj(attention(L.h1)); backward reads d(mid) from d_res_
   // and leaves d(h1) in d_h_ (overwritten), parameter gradients accumulated.
   void attn_forward(Layer& L);
@@ -155,7 +189,7 @@ class Transformer {
   void norm_backward(float* dx, const float* dout, const float* x, Param* gain, const float* rstd,
                      GatedNormActs& gn, bool accumulate_dx);
   // PKO reset flags from the token ids: position 0 of each sequence and every token after eod_id.
-  void compute_resets(const int32_t* inputs);
+  void compute_resets();
   AttnShape attn_shape(int window) const;
 
   ModelConfig cfg_;
@@ -174,16 +208,31 @@ class Transformer {
   GatedNormActs gnf_;                         // GatedNorm after the final norm
   float *d_vx_ = nullptr, *d_ga_ = nullptr;   // XSA's d(v) [N,KV*hd]; gate logits' gradient [N,H]
   float *d_gn_ = nullptr, *d_gs_ = nullptr, *d_gr_ = nullptr;  // GatedNorm [N,d], [N,d], [N,r]
-  std::vector<uint8_t> resets_;               // PKO: [N] sequence/document starts
+  // Small backend-memory arrays at the host edge (io_arena_): the micro-batch's token ids and
+  // targets, PKO flags, the sums a forward downloads once, MoE load counts and quantile betas.
+  Arena io_arena_;
+  int32_t *ids_ = nullptr, *targets_ = nullptr;  // [N] each
+  uint8_t* resets_ = nullptr;                    // PKO: [N] sequence/document starts
+  // sums_: [2 * chunks] (xent, lse^2) per LM-head row chunk, then [n_moe] router sum of lse^2 per
+  // MoE layer; host_sums_ is its host copy (sized once).
+  double* sums_ = nullptr;
+  std::vector<double> host_sums_;
+  int n_chunks_ = 0;
+  double* gnorm_ = nullptr;  // [params] per-tensor gradient sums of squares (grad_norm)
+  std::vector<double> host_gnorm_;
   // MoE state
   std::vector<Param> buffers_;
   Arena buffers_arena_;
   BackendOps ops_;
   MoeScratch<float> ms_;
-  std::vector<double> moe_lse_sq_;                // per MoE layer: sum of lse^2 of the last forward
-  std::vector<std::vector<float>> balance_vals_;  // per MoE layer: [tokens, E] of s - alpha
-  int64_t balance_tokens_ = 0;
-  std::vector<std::vector<int64_t>> load_;        // per MoE layer: tokens per expert since last stats
+  int n_moe_ = 0;
+  std::vector<double> moe_lse_sq_;  // per MoE layer: sum of lse^2 of the last forward (host copy)
+  int64_t* load_ = nullptr;         // [n_moe, E] tokens per expert since the last take_moe_stats
+  std::vector<int64_t> host_load_;
+  double* beta_ = nullptr;          // [n_moe, E] quantile-balancing beta
+  Arena balance_arena_;             // per MoE layer [balance_cap_, E] of s - alpha (backend memory)
+  int64_t balance_cap_ = 0, balance_tokens_ = 0;
+  std::vector<float> host_bias_;    // [E] staging for apply_balance
   std::vector<double> stats_lse_sq_;
   int64_t stats_tokens_ = 0;
 };

@@ -32,9 +32,8 @@ std::vector<ParamGroup> default_groups(std::vector<Param>& params, const OptimCo
 }
 
 double grad_norm(Transformer& model, Backend& be) {
-  double s = 0;
-  for (auto& p : model.params()) s += be.sum_squares(p.g, p.numel);
-  return std::sqrt(s);
+  LADDER_ASSERT(&be == &model.backend());
+  return model.grad_norm();
 }
 
 void scale_grads(Transformer& model, Backend& be, float s) {

@@ -26,7 +26,8 @@ struct ParamGroup {
 // Default AdamW grouping: matrices (attention, MLP, LM head) decay; embeddings and norm gains do not.
 std::vector<ParamGroup> default_groups(std::vector<Param>& params, const OptimConfig& oc);
 
-// A named state tensor for checkpoints (e.g. "exp_avg.model.norm.weight").
+// A named state tensor for checkpoints (e.g. "exp_avg.model.norm.weight"). `data` is a pointer of
+// the optimizer's memory() (the backend's): checkpoints copy it through host staging.
 struct StateTensor {
   std::string name;
   std::vector<int64_t> shape;
@@ -42,6 +43,8 @@ class Optimizer {
   virtual void set_steps_taken(int64_t t) = 0;
   virtual std::vector<StateTensor> state() = 0;
   virtual const std::vector<ParamGroup>& groups() const = 0;
+  // Where the state tensors live (the backend's memory).
+  virtual MemorySpace& memory() const = 0;
 };
 
 // What the recipe's `auto` learning rates are computed from (RECIPE.md section 3 heuristics).
@@ -74,7 +77,8 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, std::vector<Par
 // rate, then the groups and the schedule. Builds the model's parameter list only (no training).
 std::string dry_run_report(const Config& cfg);
 
-// Global L2 norm of all gradients (deterministic).
+// Global L2 norm of all gradients (deterministic): Transformer::grad_norm(), one host wait. `be` must
+// be the model's backend.
 double grad_norm(Transformer& model, Backend& be);
 // Scales every gradient by s.
 void scale_grads(Transformer& model, Backend& be, float s);

@@ -9,6 +9,10 @@
 // Hyperball optimizers (adamh, muonh) keep one radius R = ||W0||_F per matrix (per expert for
 // [E, out, in] tensors), taken from the weights at the first step (the trainer initializes or
 // loads the weights before stepping), stored as state "radius.<name>" so a resume uses the same R.
+//
+// Memory: every state arena (m, v, momentum, radius) and Muon's scratch are the backend's memory.
+// The host reads only what the backend returns (the per-matrix norms of adamh / muonh, which wait
+// for the backend) and the radii, downloaded once per step (a few floats per matrix).
 #include <fnmatch.h>
 
 #include <algorithm>
@@ -166,7 +170,8 @@ struct Slot {
   int group = 0;
   float *m = nullptr, *v = nullptr;  // Adam moments
   float* mom = nullptr;              // Muon momentum buffer B
-  float* radius = nullptr;           // hyperball radii, one per matrix
+  float* radius = nullptr;           // hyperball radii, one per matrix (backend memory)
+  size_t radius_at = 0;              // where this tensor's radii sit in radius_host_
   int64_t nmat = 1;                  // matrices in the tensor (E for [E, out, in])
   int rows = 0, cols = 0;            // of one matrix
   size_t mat_numel() const { return size_t(rows) * size_t(cols); }
@@ -203,10 +208,10 @@ class RecipeOptimizer final : public Optimizer {
       if (hyperball(s.kind)) rad_bytes += Arena::padded(size_t(s.nmat));
       slots_.push_back(s);
     }
-    m_arena_.reserve(adam_bytes);
-    v_arena_.reserve(adam_bytes);
-    mom_arena_.reserve(mom_bytes);
-    rad_arena_.reserve(rad_bytes);
+    m_arena_.reserve(adam_bytes, be_, "optimizer state exp_avg");
+    v_arena_.reserve(adam_bytes, be_, "optimizer state exp_avg_sq");
+    mom_arena_.reserve(mom_bytes, be_, "optimizer state momentum");
+    rad_arena_.reserve(rad_bytes, be_, "optimizer state radius");
     for (auto& s : slots_) {
       if (adam_family(s.kind)) {
         s.m = m_arena_.alloc(s.p->numel);
@@ -215,8 +220,13 @@ class RecipeOptimizer final : public Optimizer {
       if (is_muon(s.kind)) s.mom = mom_arena_.alloc(s.p->numel);
       if (hyperball(s.kind)) s.radius = rad_arena_.alloc(size_t(s.nmat));
     }
+    // The radii arena is padded per tensor, so its host copy has the arena's layout: one download.
+    radius_host_.assign(rad_arena_.capacity() / sizeof(float), 0.0f);
+    for (auto& s : slots_)
+      if (s.radius) s.radius_at = size_t(s.radius - reinterpret_cast<float*>(rad_arena_.base()));
     // Muon's direction D of one matrix at a time (the momentum buffer must survive the step).
-    scratch_.assign(max_muon, 0.0f);
+    scratch_.reserve(max_muon * sizeof(float), be_, "Muon scratch");
+    muon_d_ = scratch_.alloc<float>(max_muon);
     for (auto& g : groups_)
       if (g.lr != oc_.lr && oc_.lr <= 0)
         fail("optim.lr must be > 0 when a group has its own learning rate ({}: {}): the schedule scales every "
@@ -226,6 +236,8 @@ class RecipeOptimizer final : public Optimizer {
 
   void step(double lr) override {
     if (t_ == 0) take_radii();
+    // R lives in backend memory (the checkpointed state); the host needs it as a scalar per matrix.
+    if (!radius_host_.empty()) be_.download(radius_host_.data(), rad_arena_.base(), rad_arena_.capacity());
     ++t_;
     const double b1 = oc_.beta1, b2 = oc_.beta2;
     const double bc1 = 1.0 - std::pow(b1, double(t_)), bc2 = 1.0 - std::pow(b2, double(t_));
@@ -246,7 +258,7 @@ class RecipeOptimizer final : public Optimizer {
             const size_t off = size_t(e) * mn;
             const double uu = be_.adam_moments(s.m + off, s.v + off, p.g + off, mn, float(b1), float(b2),
                                                float(bc1), float(bc2), float(oc_.eps));
-            const double R = s.radius[e];
+            const double R = radius_host_[s.radius_at + size_t(e)];
             const double alpha = -glr * R / std::max(std::sqrt(uu), 1e-10);
             const double ww = be_.adam_apply(p.w + off, s.m + off, s.v + off, mn, float(bc1), float(bc2),
                                              float(oc_.eps), float(alpha));
@@ -261,13 +273,13 @@ class RecipeOptimizer final : public Optimizer {
           const double scale = std::sqrt(std::max(1.0, double(s.rows) / double(s.cols)));
           for (int64_t e = 0; e < s.nmat; ++e) {
             const size_t off = size_t(e) * mn;
-            float* D = scratch_.data();
+            float* D = muon_d_;
             be_.muon_momentum(s.mom + off, D, p.g + off, mn, float(oc_.muon_momentum));
             be_.newton_schulz5(D, s.rows, s.cols);
             if (s.kind == Kind::Muon) {
               be_.axpy_sumsq(p.w + off, D, mn, float(-glr * scale));
             } else {
-              const double R = s.radius[e];
+              const double R = radius_host_[s.radius_at + size_t(e)];
               const double xx = be_.sum_squares(D, mn);
               const double alpha = -glr * R / std::max(std::sqrt(xx), 1e-10);
               const double ww = be_.axpy_sumsq(p.w + off, D, mn, float(alpha));
@@ -294,10 +306,13 @@ class RecipeOptimizer final : public Optimizer {
     return out;
   }
   const std::vector<ParamGroup>& groups() const override { return groups_; }
+  MemorySpace& memory() const override { return be_; }
 
  private:
   // R = ||W0||_F per matrix, stored in float and used as stored, so a resumed run sees the same R.
+  // Computed into the host copy, then uploaded once.
   void take_radii() {
+    if (radius_host_.empty()) return;
     for (auto& s : slots_) {
       if (!s.radius) continue;
       const size_t mn = s.mat_numel();
@@ -307,9 +322,10 @@ class RecipeOptimizer final : public Optimizer {
           fail("{}: ||W0||_F is {} at the first step{}; a hyperball optimizer ({}) keeps ||W|| = ||W0||, so it "
                "cannot train a zero-initialized matrix (assign it to adam)",
                s.p->name, r, s.nmat > 1 ? fmt::format(" (expert {})", e) : "", kind_name(s.kind));
-        s.radius[e] = float(r);
+        radius_host_[s.radius_at + size_t(e)] = float(r);
       }
     }
+    be_.upload(rad_arena_.base(), radius_host_.data(), rad_arena_.capacity());
   }
 
   OptimConfig oc_;
@@ -317,7 +333,9 @@ class RecipeOptimizer final : public Optimizer {
   std::vector<ParamGroup> groups_;
   std::vector<Slot> slots_;
   Arena m_arena_, v_arena_, mom_arena_, rad_arena_;
-  std::vector<float> scratch_;
+  std::vector<float> radius_host_;  // host copy of rad_arena_ (same layout), read by step()
+  Arena scratch_;                   // Muon's D, one matrix (backend memory)
+  float* muon_d_ = nullptr;
   int64_t t_ = 0;
 };
 

@@ -67,8 +67,7 @@ void synthetic_batch(const Config& cfg, std::vector<int32_t>& in, std::vector<in
 
 nlohmann::json run_bench(const BenchOptions& opt) {
   Config cfg = load_bench_config(opt);
-  check_run_device(cfg.run.device);
-  std::unique_ptr<Backend> be = make_cpu_backend(cfg.run.threads);
+  std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads);
   ProfilingBackend* prof = nullptr;
   if (opt.profile) {
     auto p = make_profiling_backend(std::move(be));
@@ -78,6 +77,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
   const double peak = sgemm_gflops(/*use_cache=*/false);  // measured in this run: the ratio's denominator
   Transformer model(cfg.model, cfg.run.batch_size, *be);
   model.init(cfg.run.seed);
+  model.reserve_balance_tokens(int64_t(cfg.run.grad_accum) * cfg.run.batch_size * cfg.model.seq_len);
   auto optimizer = make_optimizer(cfg, model, *be);
   const int N = cfg.run.batch_size * cfg.model.seq_len;
   std::vector<int32_t> in, tgt;

@@ -13,21 +13,60 @@ namespace fs = std::filesystem;
 
 namespace ladder {
 
+namespace {
+
+// Host staging between a MemorySpace and safetensors (which read and write host memory). On a host
+// space the tensors are used where they are (no copy, as before); otherwise each is downloaded into
+// a host buffer owned here (checkpoints are written between steps: the waits do not matter).
+class HostStaging {
+ public:
+  explicit HostStaging(MemorySpace& space) : space_(space) {}
+  const float* host(const float* p, size_t n) {
+    if (space_.is_host()) return p;
+    bufs_.emplace_back(n);
+    space_.download(bufs_.back().data(), p, n * sizeof(float));
+    return bufs_.back().data();
+  }
+
+ private:
+  MemorySpace& space_;
+  std::vector<std::vector<float>> bufs_;
+};
+
+size_t numel_of(const std::vector<int64_t>& shape) {
+  size_t n = 1;
+  for (auto s : shape) n *= size_t(s);
+  return n;
+}
+
+// read_f32 (which checks name, dtype and shape, naming the file) into a tensor of `space`.
+void read_into(const SafeTensors& st, const std::string& name, const std::vector<int64_t>& shape, MemorySpace& space,
+               float* dst) {
+  if (space.is_host()) return st.read_f32(name, shape, dst);
+  std::vector<float> host(numel_of(shape));
+  st.read_f32(name, shape, host.data());
+  space.upload(dst, host.data(), host.size() * sizeof(float));
+}
+
+}  // namespace
+
 fs::path checkpoint_dir(const fs::path& run_dir, int64_t step) {
   return run_dir / "checkpoints" / fmt::format("step_{:08d}", step);
 }
 
 void save_weights(const fs::path& file, const Transformer& model) {
+  HostStaging host(model.backend());
   std::vector<TensorRef> t;
-  for (auto& p : model.params()) t.push_back({p.name, DType::F32, p.shape, p.w});
-  for (auto& b : model.buffers()) t.push_back({b.name, DType::F32, b.shape, b.w});  // MoE selection biases
+  for (auto& p : model.params()) t.push_back({p.name, DType::F32, p.shape, host.host(p.w, p.numel)});
+  for (auto& b : model.buffers())  // MoE selection biases
+    t.push_back({b.name, DType::F32, b.shape, host.host(b.w, b.numel)});
   save_safetensors(file, t, {{"format", "pt"}, {"producer", "ladder"}});
 }
 
 void load_weights(const fs::path& file, Transformer& model) {
   auto st = SafeTensors::open(file);
-  for (auto& p : model.params()) st.read_f32(p.name, p.shape, p.w);
-  for (auto& b : model.buffers()) st.read_f32(b.name, b.shape, b.w);
+  for (auto& p : model.params()) read_into(st, p.name, p.shape, model.backend(), p.w);
+  for (auto& b : model.buffers()) read_into(st, b.name, b.shape, model.backend(), b.w);
   for (auto& n : st.names()) {
     bool known = false;
     for (auto& p : model.params()) known |= p.name == n;
@@ -62,8 +101,9 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   if (ec) fail("{}: cannot create checkpoint directory: {}", tmp.string(), ec.message());
 
   save_weights(tmp / "model.safetensors", model);
+  HostStaging host(opt.memory());
   std::vector<TensorRef> os;
-  for (auto& s : opt.state()) os.push_back({s.name, DType::F32, s.shape, s.data});
+  for (auto& s : opt.state()) os.push_back({s.name, DType::F32, s.shape, host.host(s.data, numel_of(s.shape))});
   save_safetensors(tmp / "optimizer.safetensors", os, {{"optimizer_steps", std::to_string(opt.steps_taken())}});
   nlohmann::json j = {{"format_version", kCheckpointVersion}, {"step", st.step},
                       {"tokens_seen", st.tokens_seen},       {"threads", st.threads},
@@ -127,7 +167,7 @@ void load_checkpoint_weights(const fs::path& dir, Transformer& model, Optimizer*
   if (!opt) return;
   fs::path f = dir / "optimizer.safetensors";
   auto st = SafeTensors::open(f);
-  for (auto& s : opt->state()) st.read_f32(s.name, s.shape, s.data);
+  for (auto& s : opt->state()) read_into(st, s.name, s.shape, opt->memory(), s.data);
   auto it = st.metadata().find("optimizer_steps");
   if (it == st.metadata().end()) fail("{}: missing metadata 'optimizer_steps'", f.string());
   opt->set_steps_taken(std::stoll(it->second));

@@ -55,6 +55,9 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
                      const BatchFn& next_batch, int32_t* inputs, int32_t* targets) {
   const int N = model.batch() * cfg.model.seq_len;
   const int accum = cfg.run.grad_accum;
+  // The step's MoE balancing store, sized once (a no-op from the second call on; train() and the
+  // benchmark call it before the first step, so no step allocates).
+  model.reserve_balance_tokens(int64_t(N) * accum);
   model.zero_grad();
   double xent = 0, lse_sq = 0, router_z = 0;
   int64_t ntok = 0;
@@ -108,6 +111,7 @@ fs::path resolve_data(Config& cfg) {
 TrainSummary train(const TrainOptions& opt) {
   Config cfg = opt.cfg;
   validate(cfg);
+  check_run_device(cfg.run.device);  // a device that cannot run here is the first thing to hear about
   fs::path data_dir = resolve_data(cfg);
   const fs::path run_dir = opt.run_dir;
   const auto& rc = cfg.run;
@@ -118,10 +122,10 @@ TrainSummary train(const TrainOptions& opt) {
     fail("{}: the run directory already holds checkpoints; pass --resume to continue it or choose another --run-dir",
          run_dir.string());
 
-  check_run_device(rc.device);
-  auto be = make_cpu_backend(rc.threads);
+  auto be = make_backend(rc.device, rc.threads);  // one line if run.device cannot run here
   const int threads = cpu_threads();
   Transformer model(cfg.model, rc.batch_size, *be);
+  model.reserve_balance_tokens(int64_t(rc.grad_accum) * rc.batch_size * cfg.model.seq_len);
   auto optimizer = make_optimizer(cfg, model, *be);  // the whole config: `auto` lrs need the run size
   // Data-parallel slot: rank/world come from the launcher when MPI arrives; one rank for now.
   const int rank = 0, world = 1;

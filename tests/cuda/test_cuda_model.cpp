@@ -1,0 +1,463 @@
+// The whole model on the CUDA backend against the CPU backend: the same config, the same init seed
+// (init() generates on the host and uploads, so both start from bitwise the same weights), the
+// same batch. Loss, every parameter gradient, logits, MoE balancing and statistics; then 50
+// optimizer steps (train_step, as the trainer runs it) with AdamW and with MuonH; then the trainer
+// itself on device memory (checkpoint, resume, one-line errors) and a check that steps after the
+// first allocate no device memory.
+//
+// Error measure: ||gpu - cpu|| / ||cpu|| over a whole tensor ("[ rel err ]" lines, so the GPU
+// session can record them); any non-finite GPU value is an error of +inf.
+// Without a GPU every test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "../test_util.h"
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "model/config.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+#include "train/trainer.h"
+
+namespace ladder {
+namespace {
+
+// One forward+backward in fp32. Both backends compute every op in fp32 but reduce in different
+// orders (cuBLASLt vs OpenBLAS blocking, tree vs sequential sums), so each op differs by a few ulps
+// (the kernel tests see <= 5e-6 per op) and the errors of ~10 chained ops per layer, over 3 layers
+// and back, add up: 1e-5 is about 100 fp32 ulps (6e-8) of slack over the kernel-level agreement.
+constexpr double kLossTol = 1e-5;   // loss: a double sum of fp32 per-token terms
+constexpr double kGradTol = 1e-5;   // every parameter gradient, every logit
+constexpr double kBetaTol = 1e-5;   // quantile-balancing beta (a selection among router values)
+// 50 optimizer steps: the per-op differences above are fed back through the weights each step, and
+// Adam's normalized update turns ulp-level gradient differences of near-zero elements into
+// lr-sized weight differences, so the runs drift apart slowly (CPU runs with different thread
+// counts drift the same way). Loose enough for that drift, tight enough to catch a wrong op, a
+// missed upload or stale state (any of which moves the loss by percents within a few steps).
+constexpr double kTrainLossTol = 2e-3;   // per-step loss, relative
+constexpr double kTrainWeightTol = 1e-2; // final weights, relative per tensor
+
+double rel_err(const float* gpu, const float* cpu, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(gpu[i]) && std::isfinite(cpu[i])) return std::numeric_limits<double>::infinity();
+    const double d = double(gpu[i]) - double(cpu[i]);
+    num += d * d;
+    den += double(cpu[i]) * double(cpu[i]);
+  }
+  if (den == 0) return num == 0 ? 0.0 : std::numeric_limits<double>::infinity();
+  return std::sqrt(num / den);
+}
+
+// "[ rel err  ]" lines go into gpu-check.sh's summary table (one per quantity); per-tensor values
+// are printed as "[ tensor   ]" lines, in tests.log only.
+void print_err(const std::string& what, double e) { std::printf("[ rel err  ] %-40s %.3e\n", what.c_str(), e); }
+void print_tensor_err(const std::string& what, double e) { std::printf("[ tensor   ] %-64s %.3e\n", what.c_str(), e); }
+
+Config base_config() {
+  Config c;
+  c.source = "cuda-model-test";
+  auto& m = c.model;
+  m.vocab_size = 160;
+  m.d_model = 64;
+  m.n_layers = 3;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;  // GQA 2:1
+  m.head_dim = 16;
+  m.d_ff = 96;
+  m.seq_len = 32;
+  m.rope_theta = 10000;
+  m.z_loss = 1e-4;
+  c.run.batch_size = 2;
+  c.run.grad_accum = 2;
+  c.run.seed = 3;
+  c.optim.lr = 3e-3;
+  c.optim.clip = 1.0;
+  return c;
+}
+
+Config dense_config() {
+  Config c = base_config();
+  c.model.window = 8;       // short layers: sliding window of 8 ...
+  c.model.long_every = 2;   // ... layer 1 long (full causal)
+  return c;
+}
+
+Config moe_config() {
+  Config c = base_config();
+  auto& m = c.model;
+  m.moe_experts = 8;
+  m.moe_top_k = 2;
+  m.moe_expert_ff = 32;
+  m.moe_shared_expert = true;
+  m.moe_shared_ff = 48;
+  m.moe_combine = "normalized";
+  m.moe_route_scale = 2.5;
+  m.moe_balance = "quantile";
+  m.router_z_loss = 1e-3;
+  m.moe_layers = "0,2";  // layer 1 dense: mixed models too
+  return c;
+}
+
+constexpr int kEod = 3;
+
+Config switches_config() {
+  Config c = base_config();
+  auto& m = c.model;
+  m.half_rope = true;
+  m.qk_norm_gain = false;
+  m.q_scale = 1.3;
+  m.window = 8;
+  m.long_every = 2;
+  m.last_layer_long = true;
+  m.pko = true;
+  m.eod_id = kEod;
+  m.xsa = true;
+  m.attn_gate = true;
+  m.gated_norm_rank = 8;
+  return c;
+}
+
+// Uniform tokens; every 11th position an end-of-document id, so PKO resets inside sequences.
+void make_batch(const Config& c, uint64_t seed, std::vector<int32_t>& in, std::vector<int32_t>& tg) {
+  const size_t N = size_t(c.run.batch_size) * c.model.seq_len;
+  in.resize(N);
+  tg.resize(N);
+  Philox r(seed, stream_id("cuda-model-batch"));
+  for (size_t i = 0; i < N; ++i) {
+    in[i] = i % 11 == 5 ? kEod : int32_t(r.u64(2 * i) % uint64_t(c.model.vocab_size));
+    tg[i] = int32_t(r.u64(2 * i + 1) % uint64_t(c.model.vocab_size));
+  }
+}
+
+class CudaModel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    reason_ = cuda::device_unavailable_reason();
+    if (!reason_.empty()) return;
+    gpu_ = make_cuda_backend().release();
+    cpu_ = make_cpu_backend(0).release();
+  }
+  static void TearDownTestSuite() {
+    delete gpu_;
+    delete cpu_;
+    gpu_ = cpu_ = nullptr;
+  }
+  void SetUp() override {
+    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
+  }
+
+  static double loss_of(const Config& c, const LossSums& s) {
+    return (s.xent + c.model.z_loss * s.lse_sq + s.router_z) / double(s.tokens);
+  }
+
+  // Every weight (and buffer) of `g` equals `c`'s bit for bit.
+  static void expect_same_weights(const Transformer& g, const Transformer& c) {
+    for (size_t i = 0; i < c.params().size(); ++i) {
+      const auto w = g.download(g.params()[i]);
+      EXPECT_EQ(rel_err(w.data(), c.params()[i].w, w.size()), 0.0) << c.params()[i].name;
+    }
+    for (size_t i = 0; i < c.buffers().size(); ++i) {
+      const auto w = g.download(g.buffers()[i]);
+      EXPECT_EQ(rel_err(w.data(), c.buffers()[i].w, w.size()), 0.0) << c.buffers()[i].name;
+    }
+  }
+
+  // Loss and every gradient of one forward_backward, the grad norm, forward_loss and the logits.
+  static void compare_step(const Config& c, Transformer& mg, Transformer& mc, uint64_t batch_seed,
+                           const std::string& tag) {
+    std::vector<int32_t> in, tg;
+    make_batch(c, batch_seed, in, tg);
+    const size_t N = in.size();
+    mg.zero_grad();
+    mc.zero_grad();
+    const LossSums sg = mg.forward_backward(in.data(), tg.data(), 1.0f / float(N));
+    const LossSums sc = mc.forward_backward(in.data(), tg.data(), 1.0f / float(N));
+    const double lg = loss_of(c, sg), lc = loss_of(c, sc);
+    print_err(tag + " loss", std::fabs(lg - lc) / std::fabs(lc));
+    EXPECT_NEAR(lg, lc, kLossTol * std::fabs(lc)) << tag;
+    EXPECT_NEAR(sg.lse_sq, sc.lse_sq, kLossTol * std::fabs(sc.lse_sq)) << tag;
+    if (c.model.router_z_loss > 0) {
+      EXPECT_GT(sc.router_z, 0.0);
+      EXPECT_NEAR(sg.router_z, sc.router_z, kLossTol * sc.router_z) << tag;
+    }
+    double worst = 0;
+    for (size_t i = 0; i < mc.params().size(); ++i) {
+      const Param& pc = mc.params()[i];
+      const auto g = mg.download_grad(mg.params()[i]);
+      const double e = rel_err(g.data(), pc.g, pc.numel);
+      print_tensor_err(tag + " d " + pc.name, e);
+      worst = std::max(worst, e);
+      EXPECT_LT(e, kGradTol) << tag << " " << pc.name;
+    }
+    print_err(tag + " gradients (worst tensor)", worst);
+    const double ng = mg.grad_norm(), nc = mc.grad_norm();
+    EXPECT_NEAR(ng, nc, kGradTol * nc) << tag;
+
+    const LossSums eg = mg.forward_loss(in.data(), tg.data()), ec = mc.forward_loss(in.data(), tg.data());
+    EXPECT_NEAR(loss_of(c, eg), loss_of(c, ec), kLossTol * std::fabs(loss_of(c, ec))) << tag;
+    // forward_logits writes HOST memory on every backend.
+    std::vector<float> og(N * size_t(c.model.vocab_size)), oc(og.size());
+    mg.forward_logits(in.data(), og.data());
+    mc.forward_logits(in.data(), oc.data());
+    const double le = rel_err(og.data(), oc.data(), og.size());
+    print_err(tag + " logits", le);
+    EXPECT_LT(le, kGradTol) << tag;
+  }
+
+  static void compare_model(const Config& c, const std::string& tag) {
+    validate(c);
+    Transformer mg(c.model, c.run.batch_size, *gpu_), mc(c.model, c.run.batch_size, *cpu_);
+    mg.init(17);
+    mc.init(17);
+    expect_same_weights(mg, mc);
+    compare_step(c, mg, mc, 1, tag);
+  }
+
+  // `steps` optimizer steps of train_step on both backends from the same init and batches.
+  static void train_both(Config c, const std::string& optim, int steps, const std::string& tag) {
+    c.optim.name = optim;
+    c.run.steps = steps;
+    validate(c);
+    const int accum = c.run.grad_accum;
+    std::vector<std::vector<int32_t>> ins(size_t(steps) * accum), tgs(ins.size());
+    for (size_t b = 0; b < ins.size(); ++b) make_batch(c, 100 + b, ins[b], tgs[b]);
+    Transformer mg(c.model, c.run.batch_size, *gpu_), mc(c.model, c.run.batch_size, *cpu_);
+    mg.init(5);
+    mc.init(5);
+    auto og = make_optimizer(c, mg, *gpu_), oc = make_optimizer(c, mc, *cpu_);
+    std::vector<int32_t> in(ins[0].size()), tg(in.size());
+    double worst = 0;
+    for (int t = 0; t < steps; ++t) {
+      auto run = [&](Transformer& m, Optimizer& o, Backend& be) {
+        size_t b = size_t(t) * accum;
+        return train_step(c, t, m, o, be,
+                          [&](int32_t* a, int32_t* y) {
+                            std::copy(ins[b].begin(), ins[b].end(), a);
+                            std::copy(tgs[b].begin(), tgs[b].end(), y);
+                            ++b;
+                          },
+                          in.data(), tg.data());
+      };
+      const StepStats sg = run(mg, *og, *gpu_), sc = run(mc, *oc, *cpu_);
+      const double lg = sg.loss + c.model.z_loss * sg.lse_sq + sg.router_z;
+      const double lc = sc.loss + c.model.z_loss * sc.lse_sq + sc.router_z;
+      const double e = std::fabs(lg - lc) / std::fabs(lc);
+      worst = std::max(worst, e);
+      if (t == 0 || t == 9 || t == steps - 1)
+        std::printf("[ step     ] %s %s step %d loss gpu %.7f cpu %.7f grad norm gpu %.6f cpu %.6f\n", tag.c_str(),
+                    optim.c_str(), t, lg, lc, sg.grad_norm, sc.grad_norm);
+      EXPECT_LT(e, kTrainLossTol) << tag << " " << optim << " step " << t;
+      ASSERT_TRUE(std::isfinite(lg)) << tag << " step " << t;
+    }
+    print_err(tag + " " + optim + " 50-step loss (worst step)", worst);
+    double worst_w = 0;
+    for (size_t i = 0; i < mc.params().size(); ++i) {
+      const Param& pc = mc.params()[i];
+      const auto w = mg.download(mg.params()[i]);
+      const double e = rel_err(w.data(), pc.w, pc.numel);
+      print_tensor_err(tag + " " + optim + " final " + pc.name, e);
+      worst_w = std::max(worst_w, e);
+      EXPECT_LT(e, kTrainWeightTol) << tag << " " << optim << " " << pc.name;
+    }
+    for (size_t i = 0; i < mc.buffers().size(); ++i) {
+      const auto w = mg.download(mg.buffers()[i]);
+      const double e = rel_err(w.data(), mc.buffers()[i].w, w.size());
+      print_tensor_err(tag + " " + optim + " final " + mc.buffers()[i].name, e);
+      worst_w = std::max(worst_w, e);
+      EXPECT_LT(e, kTrainWeightTol) << tag << " " << optim << " " << mc.buffers()[i].name;
+    }
+    print_err(tag + " " + optim + " final weights (worst)", worst_w);
+  }
+
+  static inline std::string reason_;
+  static inline Backend* gpu_ = nullptr;
+  static inline Backend* cpu_ = nullptr;
+};
+
+TEST_F(CudaModel, DenseGqaWindowLossAndEveryGradientMatchTheCpu) { compare_model(dense_config(), "dense"); }
+
+TEST_F(CudaModel, SwitchesLossAndEveryGradientMatchTheCpu) {
+  // PKO (eod ids in the batch), XSA, head gate, GatedNorm, half-RoPE, non-parametric QK-norm, q_scale.
+  compare_model(switches_config(), "switches");
+}
+
+TEST_F(CudaModel, MoeLossGradientsBalancingAndStatsMatchTheCpu) {
+  const Config c = moe_config();
+  validate(c);
+  Transformer mg(c.model, c.run.batch_size, *gpu_), mc(c.model, c.run.batch_size, *cpu_);
+  mg.init(17);
+  mc.init(17);
+  compare_step(c, mg, mc, 1, "moe");
+  // compare_step ran one training forward (forward_backward) on each: its router values are the
+  // quantile-balancing input; beta comes back to the host on both.
+  const auto bg = mg.balance_beta(), bc = mc.balance_beta();
+  ASSERT_EQ(bg.size(), bc.size());
+  ASSERT_EQ(bc.size(), size_t(2 * c.model.moe_experts));
+  double num = 0, den = 0;
+  for (size_t i = 0; i < bc.size(); ++i) num += (bg[i] - bc[i]) * (bg[i] - bc[i]), den += bc[i] * bc[i];
+  print_err("moe beta", std::sqrt(num / den));
+  EXPECT_LT(std::sqrt(num / den), kBetaTol);
+  // The same (host) beta on both: the uploaded biases must then agree bitwise.
+  mg.apply_balance(bc);
+  mc.apply_balance(bc);
+  expect_same_weights(mg, mc);
+  // Expert load (device int64 counts, one download) equals the CPU's when routing agrees.
+  const auto sg = mg.take_moe_stats(), sc = mc.take_moe_stats();
+  ASSERT_EQ(sg.size(), sc.size());
+  for (size_t i = 0; i < sc.size(); ++i) {
+    EXPECT_EQ(sg[i].layer, sc[i].layer);
+    EXPECT_EQ(sg[i].load_min, sc[i].load_min) << "layer " << sc[i].layer;
+    EXPECT_EQ(sg[i].load_max, sc[i].load_max) << "layer " << sc[i].layer;
+    EXPECT_EQ(sg[i].load_mean, sc[i].load_mean) << "layer " << sc[i].layer;
+    EXPECT_NEAR(sg[i].lse_sq, sc[i].lse_sq, kLossTol * sc[i].lse_sq) << "layer " << sc[i].layer;
+  }
+  // A second step with the new (non-zero) selection bias.
+  compare_step(c, mg, mc, 2, "moe+bias");
+}
+
+TEST_F(CudaModel, FiftyAdamWStepsFollowTheCpu) {
+  train_both(dense_config(), "adamw", 50, "dense");
+  train_both(moe_config(), "adamw", 50, "moe");
+}
+
+TEST_F(CudaModel, FiftyMuonHStepsFollowTheCpu) {
+  train_both(dense_config(), "muonh", 50, "dense");
+  train_both(switches_config(), "muonh", 50, "switches");
+}
+
+// The arenas are planned at construction and the backend's scratch grows during the first step
+// only: steps 2..5 must leave the device's free memory exactly where it was.
+TEST_F(CudaModel, StepsAfterTheFirstAllocateNoDeviceMemory) {
+  for (const char* optim : {"adamw", "muonh"}) {
+    Config c = moe_config();
+    c.model.pko = true;  // MoE and every switch at once: every buffer kind of the model
+    c.model.eod_id = kEod;
+    c.model.long_every = 2;
+    c.model.last_layer_long = true;
+    c.model.xsa = true;
+    c.model.attn_gate = true;
+    c.model.gated_norm_rank = 8;
+    c.optim.name = optim;
+    c.run.steps = 6;
+    validate(c);
+    Transformer m(c.model, c.run.batch_size, *gpu_);
+    m.init(1);
+    auto o = make_optimizer(c, m, *gpu_);
+    std::vector<int32_t> in, tg, bi, bt;
+    make_batch(c, 9, bi, bt);
+    in.resize(bi.size());
+    tg.resize(bi.size());
+    auto batch = [&](int32_t* a, int32_t* y) {
+      std::copy(bi.begin(), bi.end(), a);
+      std::copy(bt.begin(), bt.end(), y);
+    };
+    size_t free0 = 0, free1 = 0, total = 0;
+    for (int t = 0; t < 6; ++t) {
+      if (t == 2) {
+        gpu_->synchronize();
+        ASSERT_EQ(cudaMemGetInfo(&free0, &total), cudaSuccess);
+      }
+      train_step(c, t, m, *o, *gpu_, batch, in.data(), tg.data());
+    }
+    gpu_->synchronize();
+    ASSERT_EQ(cudaMemGetInfo(&free1, &total), cudaSuccess);
+    std::printf("[ memory   ] %s: free before step 2 %zu, after step 5 %zu bytes\n", optim, free0, free1);
+    EXPECT_EQ(free0, free1) << optim << ": a step after the first allocated device memory";
+  }
+}
+
+// The trainer on device memory: a run with checkpoints, killed and resumed, gives the losses of an
+// uninterrupted run (the CUDA kernels reduce in a fixed order: no atomics), and follows the CPU run.
+class CudaTrain : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    reason_ = cuda::device_unavailable_reason();
+    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
+  }
+  static Config tiny(const test::TempDir& d, const std::string& device) {
+    Config c;
+    c.source = "cuda-train-test";
+    c.model.d_model = 32;
+    c.model.n_layers = 2;
+    c.model.n_heads = 4;
+    c.model.n_kv_heads = 2;
+    c.model.seq_len = 32;
+    c.optim.lr = 5e-3;
+    c.data.path = (d.path / "data").string();
+    c.run.steps = 8;
+    c.run.batch_size = 4;
+    c.run.grad_accum = 2;
+    c.run.ckpt_every = 4;
+    c.run.eval_every = 4;
+    c.run.eval_batches = 2;
+    c.run.log_every = 1;
+    c.run.device = device;
+    return c;
+  }
+  static TrainSummary run(const Config& c, const std::filesystem::path& dir, bool resume, int64_t stop_after = -1) {
+    TrainOptions o;
+    o.cfg = c;
+    o.run_dir = dir;
+    o.resume = resume;
+    o.quiet = true;
+    o.stop_after = stop_after;
+    return train(o);
+  }
+  std::string reason_;
+};
+
+TEST_F(CudaTrain, TrainCheckpointResumeOnDevice) {
+  test::TempDir d("cuda-train");
+  test::make_word_salad_data(d.path, 200, 5);
+  const Config cg = tiny(d, "cuda"), cc = tiny(d, "cpu");
+  const TrainSummary full = run(cg, d.path / "full", false);
+  run(cg, d.path / "resumed", false, 4);  // killed after step 4 (checkpoint at 4)
+  const TrainSummary rest = run(cg, d.path / "resumed", true);
+  const TrainSummary cpu = run(cc, d.path / "cpu", false);
+  ASSERT_EQ(full.losses.size(), 8u);
+  ASSERT_EQ(rest.losses.size(), 4u);
+  ASSERT_EQ(cpu.losses.size(), 8u);
+  for (size_t i = 0; i < 4; ++i) {
+    std::printf("[ step     ] step %lld loss full %.8f resumed %.8f cpu %.8f\n", (long long)full.losses[4 + i].first,
+                full.losses[4 + i].second, rest.losses[i].second, cpu.losses[4 + i].second);
+    EXPECT_EQ(rest.losses[i].first, full.losses[4 + i].first);
+    EXPECT_EQ(rest.losses[i].second, full.losses[4 + i].second) << "resume on device is not bit-exact";
+  }
+  for (size_t i = 0; i < 8; ++i)
+    EXPECT_NEAR(full.losses[i].second, cpu.losses[i].second, kTrainLossTol * cpu.losses[i].second) << "step " << i;
+  ASSERT_FALSE(full.val_losses.empty());
+  EXPECT_NEAR(full.val_losses.back().second, cpu.val_losses.back().second, kTrainLossTol * cpu.val_losses.back().second);
+}
+
+// An error raised on the device path reaches the user as one line (what `ladder train --device
+// cuda` prints after "error: "): here the attention kernel's head_dim limit, hit in the first step.
+TEST_F(CudaTrain, DeviceErrorsAreOneLine) {
+  test::TempDir d("cuda-train-err");
+  test::make_word_salad_data(d.path, 60, 5);
+  Config c = tiny(d, "cuda");
+  c.model.n_heads = 1;
+  c.model.n_kv_heads = 1;
+  c.model.head_dim = 160;  // the CUDA attention kernel takes head_dim <= 128
+  std::string e;
+  try {
+    run(c, d.path / "run", false);
+  } catch (const Error& err) {
+    e = err.what();
+  }
+  std::printf("[ error    ] %s\n", e.c_str());
+  EXPECT_NE(e.find("head_dim"), std::string::npos) << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace ladder
