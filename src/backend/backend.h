@@ -113,12 +113,14 @@ int cpu_threads();
 
 // The CUDA backend (backend/cuda, docs/cuda.md): pointers are device pointers. Fails with one
 // clear line when this build has no CUDA, no device is found, or it is older than sm_80.
-std::unique_ptr<Backend> make_cuda_backend(bool tf32 = false);
+// `precision` (run.precision): "fp32", "tf32" or "bf16" GEMMs (docs/cuda.md).
+std::unique_ptr<Backend> make_cuda_backend(const std::string& precision = "fp32");
 // Checks run.device before a model is built: "cpu" passes; "cuda" probes the device and fails with
 // the one-line errors above when this build or this machine cannot run it; anything else is named.
 void check_run_device(const std::string& device);
-// The backend run.device names: "cpu" (`threads` as make_cpu_backend) or "cuda" (make_cuda_backend;
-// TF32 GEMMs only through LADDER_CUDA_TF32=1). What the trainer and `ladder bench` run on.
-std::unique_ptr<Backend> make_backend(const std::string& device, int threads);
+// The backend run.device names: "cpu" (`threads` as make_cpu_backend) or "cuda" (make_cuda_backend
+// with run.precision; LADDER_CUDA_TF32=1 / LADDER_CUDA_BF16=1 override it). What the trainer and
+// `ladder bench` run on.
+std::unique_ptr<Backend> make_backend(const std::string& device, int threads, const std::string& precision = "fp32");
 
 }  // namespace ladder

@@ -134,12 +134,15 @@ int main(int argc, char** argv) {
       if (bjson) {
         std::cout << j.dump() << std::endl;
       } else {
-        fmt::print("config      {}\nthreads     {}\nsgemm       {:.1f} GFLOP/s (MFU denominator)\n"
+        const bool host = j["backend"].get<std::string>().rfind("cpu", 0) == 0;
+        const std::string gemm = host ? "sgemm" : "GEMM (" + j["backend"].get<std::string>() + ")";
+        fmt::print("config      {}\nbackend     {} ({} CPU threads)\n{:<11} {:.1f} GFLOP/s (MFU denominator)\n"
                    "train       {:.1f} GFLOP/s model FLOPs, {:.0f} tokens/s, step {:.3f} s (median of {})\n"
-                   "MFU         {:.1f}% of measured sgemm\n",
-                   j["config"].get<std::string>(), j["threads"].get<int>(), j["sgemm_gflops"].get<double>(),
+                   "MFU         {:.1f}% of the measured {}\n",
+                   j["config"].get<std::string>(), j["backend"].get<std::string>(), j["threads"].get<int>(),
+                   host ? "sgemm" : "gemm", j["sgemm_gflops"].get<double>(),
                    j["train_gflops"].get<double>(), j["tokens_per_s"].get<double>(), j["step_s_median"].get<double>(),
-                   j["steps_timed"].get<int>(), 100 * j["mfu"].get<double>());
+                   j["steps_timed"].get<int>(), 100 * j["mfu"].get<double>(), gemm);
         fmt::print("params      {} total, {} active per token\n", j["params"].get<int64_t>(),
                    j["params_active"].get<int64_t>());
         if (j.contains("profile")) {

@@ -67,14 +67,17 @@ void synthetic_batch(const Config& cfg, std::vector<int32_t>& in, std::vector<in
 
 nlohmann::json run_bench(const BenchOptions& opt) {
   Config cfg = load_bench_config(opt);
-  std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads);
+  std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads, cfg.run.precision);
   ProfilingBackend* prof = nullptr;
   if (opt.profile) {
     auto p = make_profiling_backend(std::move(be));
     prof = p.get();
     be = std::move(p);
   }
-  const double peak = sgemm_gflops(/*use_cache=*/false);  // measured in this run: the ratio's denominator
+  // The MFU denominator, measured in this run: OpenBLAS sgemm on the CPU; on a device the backend's
+  // own GEMM at its precision (fp32, TF32 or bf16), so MFU says how close the step gets to what
+  // this GPU's GEMMs reach today.
+  const double peak = be->is_host() ? sgemm_gflops(/*use_cache=*/false) : backend_gemm_gflops(*be);
   Transformer model(cfg.model, cfg.run.batch_size, *be);
   model.init(cfg.run.seed);
   model.reserve_balance_tokens(int64_t(cfg.run.grad_accum) * cfg.run.batch_size * cfg.model.seq_len);
@@ -94,6 +97,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
     auto t0 = std::chrono::steady_clock::now();
     const double c0 = cpu_now();
     train_step(cfg, s, model, *optimizer, *be, [&](int32_t*, int32_t*) {}, in.data(), tgt.data());
+    be->synchronize();  // a device step is over when its last kernel is (the optimizer's run async)
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= 2) times.push_back(dt), cpu_times.push_back(cpu_now() - c0);
     if (s == 1 && prof) prof->reset();  // profile only the timed steps
@@ -105,6 +109,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
   const auto fpt = flops_per_token(cfg.model);
   const double train_gflops = tps * fpt.train(true) / 1e9;
   nlohmann::json j = {{"config", opt.config.string()},  {"threads", cpu_threads()},
+                      {"backend", be->name()},          {"precision", cfg.run.precision},
                       {"sgemm_gflops", peak},           {"train_gflops", train_gflops},
                       {"tokens_per_s", tps},            {"mfu", train_gflops / peak},
                       {"step_s_median", step_s},        {"step_cpu_s_median", cpu_times[cpu_times.size() / 2]},        {"steps_timed", opt.steps},

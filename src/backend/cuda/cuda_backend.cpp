@@ -475,9 +475,12 @@ std::unique_ptr<CudaBackend> make_backend(CudaOptions opt) {
 
 }  // namespace cuda
 
-std::unique_ptr<Backend> make_cuda_backend(bool tf32) {
+std::unique_ptr<Backend> make_cuda_backend(const std::string& precision) {
+  if (precision != "fp32" && precision != "tf32" && precision != "bf16")
+    fail("--device cuda: precision '{}' is not known (expected fp32, tf32 or bf16)", precision);
   cuda::CudaOptions opt;
-  opt.tf32 = tf32;
+  opt.tf32 = precision == "tf32";
+  opt.bf16 = precision == "bf16";
   return cuda::make_backend(opt);
 }
 
