@@ -22,7 +22,7 @@
 // key i, so its running max becomes finite at the tile holding key i and l >= 1 from then on: no
 // exp(-inf - -inf) and no division by zero.
 //
-// Backward without atomics (deterministic): D = rowsum(dO * O) in fp32 first; then a kernel that
+// Backward without atomics (deterministic): D = rowsum(bf16(dO) * O) in fp32 first; then a kernel that
 // owns 64 key rows and loops over the query tiles of every head of its KV group in head order (dK,
 // dV) and one that owns 64 query rows and loops over key tiles (dQ). Both recompute P from q, k and
 // the forward's lse, with the same bf16 rounding and the same MMA order as the forward.
@@ -296,7 +296,12 @@ __global__ void __launch_bounds__(kThreads) tc_fwd_kernel(float* o, float* lse, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward 1: Dv[b, h, i] = dO_i . O_i in fp32 (one warp per row, fixed shuffle tree).
+// Backward 1: Dv[b, h, i] = bf16(dO_i) . O_i in fp32 (one warp per row, fixed shuffle tree). dO is
+// rounded as the MMAs see it, so that D_i = sum_j P_ij dP_ij holds to fp32 rounding for the dP the
+// kernels compute (bf16(dO) . bf16(v)) and sum_j P_ij dS_ij stays ~0 for every row. With fp32 dO
+// here, each row's dS would be off by (dO - bf16(dO)) . O, a ~1e-3 relative error that does not
+// cancel (the gradient is then not the gradient of any rounding of the inputs); at S = 1, where
+// the exact dq and dk are zero, it would give dq, dk of ~1e-3 instead of rounding noise.
 
 __global__ void tc_bwd_dot_kernel(float* Dv, const float* dout, const float* o, AttnShape sh) {
   const int warps = blockDim.x / 32;
@@ -308,7 +313,7 @@ __global__ void tc_bwd_dot_kernel(float* Dv, const float* dout, const float* o, 
     const float* a = dout + rw * sh.hd;
     const float* c = o + rw * sh.hd;
     float acc = 0.f;
-    for (int d = threadIdx.x % 32; d < sh.hd; d += 32) acc += a[d] * c[d];
+    for (int d = threadIdx.x % 32; d < sh.hd; d += 32) acc += __bfloat162float(__float2bfloat16_rn(a[d])) * c[d];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (threadIdx.x % 32 == 0) Dv[(size_t(b) * sh.H + h) * sh.S + i] = acc;

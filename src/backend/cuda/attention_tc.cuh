@@ -5,7 +5,7 @@
 //
 // Inside, q, k, v (and dO, P, dS in the backward) are rounded to bf16 (round to nearest even) when
 // staged into shared memory and multiplied on the tensor cores (WMMA 16x16x16, fp32 accumulators);
-// softmax statistics, lse and D = rowsum(dO * O) stay fp32. Expect about 1e-3 relative difference
+// softmax statistics, lse and D = rowsum(bf16(dO) * O) stay fp32. Expect about 1e-3 relative difference
 // from the fp32 kernels (docs/cuda.md, "Tensor-core attention").
 //
 // Plain C++ declarations (the host compiler includes this). Each launcher enqueues on `st` and
