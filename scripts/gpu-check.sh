@@ -103,12 +103,12 @@ done
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 300 ]; then
   log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
-  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*'
+  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs'
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
     >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
   timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
-    --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*' >>"$OUT/sanitizer.log" 2>&1
+    --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*:CudaAttentionTc.UnalignedInputs' >>"$OUT/sanitizer.log" 2>&1
   SAN_RC="$SAN_RC/$?"
   tail -n 3 "$OUT/sanitizer.log"
 fi

@@ -1,6 +1,7 @@
 // GPU micro-benchmark (scripts/gpu-check.sh runs it): the cuBLASLt GEMM ceiling in fp32, TF32 and
 // bf16 (fp32 accumulation) at 4096^3 and 8192^3, a device-to-device copy for the bandwidth ceiling,
-// and the fp32 flash attention forward/backward at d=1024-like shapes. Random data (never zeros),
+// and the fp32 flash attention forward/backward at d=1024-like shapes, and the tensor-core (bf16)
+// attention forward/backward at B=8 S=2048 H=16, head_dim 64 and 128, causal. Random data (never zeros),
 // warm-up first, CUDA events around each repetition, the median reported. Prints a table last.
 //   ladder_cuda_bench [--quick]     (--quick: 4096^3 GEMMs and one attention shape only)
 #include <cuda_runtime.h>
@@ -16,6 +17,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_memory.h"
+#include "backend/cuda/attention_tc.cuh"
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/lt_gemm.h"
 
@@ -145,6 +147,51 @@ int main(int argc, char** argv) {
       });
       rows.push_back({"attn bwd fp32", shape, bms, 2.5 * fwd_flop / (bms * 1e-3) / 1e12, "TFLOP/s"});
       std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", "attn bwd fp32", shape, bms, rows.back().rate);
+    }
+
+    // Tensor-core attention (attention_tc.cu: bf16 MMA inputs, fp32 accumulation), causal, no window,
+    // MHA. FLOPs counted as for the fp32 rows: the causal half only (visible pairs S(S+1)/2 per head),
+    // forward 4 * pairs * hd (QK^T and PV), backward 2.5x that (5 products; the kernels do 7: QK^T and
+    // dO V^T are recomputed by both the dK/dV and the dQ kernel).
+    std::vector<A> tc_shapes = {{8, 2048, 16, 16, 64, 0}};
+    if (!quick) tc_shapes.push_back({8, 2048, 16, 16, 128, 0});
+    for (const auto& a : tc_shapes) {
+      const AttnShape s{a.B, a.S, a.H, a.KV, a.hd, a.W, 1.0 / std::sqrt(double(a.hd))};
+      char shape[96];
+      std::snprintf(shape, sizeof shape, "B%d S%d H%d KV%d hd%d W%d", a.B, a.S, a.H, a.KV, a.hd, a.W);
+      if (!k::attention_tc_supported(s)) {
+        std::printf("%-22s %-26s not supported on this device\n", "attn tc bf16", shape);
+        continue;
+      }
+      const size_t nq = size_t(a.B) * a.S * a.H * a.hd, nk = size_t(a.B) * a.S * a.KV * a.hd;
+      DeviceBuffer<float> q(nq), k(nk), v(nk), o(nq), lse(size_t(a.B) * a.H * a.S), dout(nq), dq(nq), dk(nk),
+          dv(nk), scratch(k::attention_tc_backward_scratch_floats(s));
+      LADDER_CUDA_CHECK(k::fill_uniform(q.data(), nq, 14, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(k.data(), nk, 15, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(v.data(), nk, 16, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(dout.data(), nq, 17, -1.f, 1.f, st));
+      const double pairs = double(a.S) * (a.S + 1) / 2;
+      const double fwd_flop = 4.0 * a.B * a.H * pairs * a.hd;
+      auto fwd = [&] { LADDER_CUDA_CHECK(k::attention_tc_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), s, st)); };
+      auto bwd = [&] {
+        LADDER_CUDA_CHECK(k::attention_tc_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
+                                                   v.data(), o.data(), lse.data(), s, scratch.data(), st));
+      };
+      const double fms = time_ms(st, 2, 5, fwd);
+      const double bms = time_ms(st, 2, 5, bwd);
+      const double tms = time_ms(st, 2, 5, [&] {
+        fwd();
+        bwd();
+      });
+      const struct {
+        const char* what;
+        double ms, flop;
+      } tr[] = {{"attn fwd tc bf16", fms, fwd_flop}, {"attn bwd tc bf16", bms, 2.5 * fwd_flop},
+                {"attn fwd+bwd tc bf16", tms, 3.5 * fwd_flop}};
+      for (const auto& t : tr) {
+        rows.push_back({t.what, shape, t.ms, t.flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
+        std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what, shape, t.ms, rows.back().rate);
+      }
     }
     be->synchronize();
 

@@ -1,0 +1,553 @@
+// Tensor-core flash attention: bf16 inputs to the MMA, fp32 accumulation (docs/cuda.md, "Tensor-core
+// attention"). Same contract as attention.cu (the fp32 reference it is tested against).
+//
+// Only the portable WMMA API (nvcuda::wmma, bf16 16x16x16 fragments, sm_80+) touches the tensor
+// cores, and no fragment's element-to-thread mapping is ever assumed: every accumulator tile that
+// needs per-row work (masking, online softmax, exp, dS) is stored to shared memory with
+// store_matrix_sync, worked on there by ordinary threads, converted to bf16 in shared memory and
+// loaded back as a matrix_a fragment. The forward's O accumulator, which needs a per-row rescale at
+// every key tile, lives in shared memory too (load as accumulator, mma, store back); the backward's
+// dK, dV, dQ accumulators are never rescaled and stay in fragments.
+//
+// Work layout: blocks of 128 threads (4 warps) own a tile of 64 rows (query rows in the forward
+// and the dQ kernel, key rows in the dK/dV kernel); warp w owns rows [16w, 16w + 16) of the tile and
+// computes the full 64-wide score block of those rows against the other operand's 64-row tile.
+// Elementwise work on a warp's 16 x 64 score block: lane = 2 * row + half, each lane does 32
+// consecutive columns of its row, so a row's max and sum are one xor-1 shuffle.
+//
+// Masking is exact: a (query i, key j) pair is used iff i < S, j < S, j <= i and (window <= 0 or
+// i - j < window); every other entry of a tile gets p = 0 (and score -inf before the max), rows
+// and keys past S are loaded as zeros. A warp whose 16 rows see no key of the current tile skips
+// it entirely (the skipped update is the identity: m unchanged, p = 0). Every query row i < S sees
+// key i, so its running max becomes finite at the tile holding key i and l >= 1 from then on: no
+// exp(-inf - -inf) and no division by zero.
+//
+// Backward without atomics (deterministic): D = rowsum(bf16(dO) * O) in fp32 first; then a kernel that
+// owns 64 key rows and loops over the query tiles of every head of its KV group in head order (dK,
+// dV) and one that owns 64 query rows and loops over key tiles (dQ). Both recompute P from q, k and
+// the forward's lse, with the same bf16 rounding and the same MMA order as the forward.
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "backend/cuda/attention_tc.cuh"
+
+namespace ladder::cuda::k {
+
+namespace {
+
+using cpu::AttnShape;
+using bf16 = __nv_bfloat16;
+namespace wmma = nvcuda::wmma;
+
+constexpr int kThreads = 128;  // 4 warps per block, every kernel here
+constexpr int kRows = 64;      // rows per tile: query tiles and key tiles alike
+constexpr int kLdS = kRows + 4;  // fp32 [64][64] score tiles (ldm multiple of 4 floats)
+constexpr int kLdP = kRows + 8;  // bf16 [64][64] P / dS tiles (ldm multiple of 8 halves)
+
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
+using FragBRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
+using FragBCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// Shared-memory tile sizes in bytes. Every one is a multiple of 128 bytes, so carving them one after
+// the other from the (128-byte aligned) dynamic buffer keeps each tile 128-byte aligned, and every
+// 16x16 sub-tile a WMMA call addresses starts on a 32-byte boundary (rows are multiples of 16 apart,
+// columns multiples of 16 elements), as load/store_matrix_sync require.
+template <int HD>
+struct Tiles {
+  static constexpr int kLdH = HD + 8;  // bf16 [64][HD] tiles (q, k, v, dO)
+  static constexpr int kLdO = HD + 4;  // fp32 [64][HD] tiles (O accumulator, output staging)
+  static constexpr size_t kH = size_t(kRows) * kLdH * sizeof(bf16);
+  static constexpr size_t kS = size_t(kRows) * kLdS * sizeof(float);
+  static constexpr size_t kP = size_t(kRows) * kLdP * sizeof(bf16);
+  static constexpr size_t kO = size_t(kRows) * kLdO * sizeof(float);
+  static constexpr size_t kStats = 2 * kRows * sizeof(float);
+  // forward: Q K V | S | P | O | m l
+  static constexpr size_t kFwd = 3 * kH + kS + kP + kO + kStats;
+  // dK/dV: K V Q dO | S^T dP^T | P^T dS^T | lse D ; output staging [64][kLdO] fp32 reuses S^T dP^T
+  static constexpr size_t kDkdv = 4 * kH + 2 * kS + 2 * kP + kStats;
+  // dQ: Q dO K V | S dP | dS | lse D ; output staging reuses S dP
+  static constexpr size_t kDq = 4 * kH + 2 * kS + kP + kStats;
+  static_assert(kH % 128 == 0 && kS % 128 == 0 && kP % 128 == 0 && kO % 128 == 0, "tile alignment");
+  static_assert(2 * kS >= kO, "the output staging tile must fit in the two score tiles it reuses");
+  static constexpr size_t kMax = kDkdv > kFwd ? (kDkdv > kDq ? kDkdv : kDq) : (kFwd > kDq ? kFwd : kDq);
+};
+
+__device__ __forceinline__ int key_lo(int i, int window) { return window > 0 ? max(0, i - window + 1) : 0; }
+__device__ __forceinline__ bool visible(int i, int j, int window) {
+  return j <= i && (window <= 0 || i - j < window);
+}
+
+// Rows [r0, r0 + 64) of head `head` of a [B*S, nh*HD] fp32 tensor (batch b) into a bf16 [64][kLdH]
+// shared tile, rounded to nearest even; rows at or past S are zeros. `vec`: the tensor's base is
+// 16-byte aligned, so (HD and nh*HD being multiples of 4) every 4-float group is too.
+template <int HD>
+__device__ void load_tile(bf16* dst, const float* src, int b, int S, int nh, int head, int r0, bool vec) {
+  constexpr int kLd = Tiles<HD>::kLdH, C4 = HD / 4;
+  for (int idx = threadIdx.x; idx < kRows * C4; idx += kThreads) {
+    const int r = idx / C4, c = (idx % C4) * 4, row = r0 + r;
+    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (row < S) {
+      const float* p = src + ((size_t(b) * S + row) * nh + head) * HD + c;
+      if (vec) f = *reinterpret_cast<const float4*>(p);
+      else f = make_float4(p[0], p[1], p[2], p[3]);
+    }
+    bf16* d = dst + r * kLd + c;  // 8-byte aligned: c % 4 == 0 and kLd * 2 % 16 == 0
+    *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(f.x, f.y);
+    *reinterpret_cast<__nv_bfloat162*>(d + 2) = __floats2bfloat162_rn(f.z, f.w);
+  }
+}
+
+// Per-row fp32 values [B, H, S] (lse, D) of rows [r0, r0 + 64) into shared memory (0 past S).
+__device__ void load_row_stats(float* dst, const float* src, int b, int H, int h, int S, int r0) {
+  if (threadIdx.x < kRows) {
+    const int i = r0 + threadIdx.x;
+    dst[threadIdx.x] = i < S ? src[(size_t(b) * H + h) * S + i] : 0.f;
+  }
+}
+
+// C[16 x 64] (fp32, row-major, ld kLdS) = A[16 x HD] * B^T where A's rows are `a` (row-major bf16,
+// ld kLdH) and B's 64 rows are `bt` (row-major bf16 [64][kLdH], read as a col-major HD x 64 matrix).
+template <int HD>
+__device__ __forceinline__ void mma_abt(float* c, const bf16* a, const bf16* bt) {
+  constexpr int kLd = Tiles<HD>::kLdH;
+#pragma unroll
+  for (int n = 0; n < kRows / 16; ++n) {
+    FragC acc;
+    wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      FragA fa;
+      FragBCol fb;
+      wmma::load_matrix_sync(fa, a + kk * 16, kLd);
+      wmma::load_matrix_sync(fb, bt + n * 16 * kLd + kk * 16, kLd);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(c + n * 16, acc, kLdS, wmma::mem_row_major);
+  }
+}
+
+// acc[n] += A[16 x 64] * B[64 x HD] (column block n), A = `a` (bf16 row-major, ld kLdP), B = `bm`
+// (bf16 row-major [64][kLdH]).
+template <int HD>
+__device__ __forceinline__ void mma_ab_acc(FragC (&acc)[HD / 16], const bf16* a, const bf16* bm) {
+  constexpr int kLd = Tiles<HD>::kLdH;
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    FragA fa;
+    wmma::load_matrix_sync(fa, a + kk * 16, kLdP);
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) {
+      FragBRow fb;
+      wmma::load_matrix_sync(fb, bm + kk * 16 * kLd + n * 16, kLd);
+      wmma::mma_sync(acc[n], fa, fb, acc[n]);
+    }
+  }
+}
+
+// The block's 64 x HD fp32 result (fragments of each warp's 16 rows) to rows [r0, r0 + 64) of head
+// `head` of a [B*S, nh*HD] tensor, times `mul`, through the shared staging tile. Called by every
+// thread of the block (it synchronizes).
+template <int HD>
+__device__ void store_result(float* dst, float* stage, FragC (&acc)[HD / 16], float mul, int b, int S, int nh,
+                             int head, int r0) {
+  constexpr int kLd = Tiles<HD>::kLdO;
+  const int wr0 = (threadIdx.x / 32) * 16;
+  __syncthreads();  // the staging tile aliases tiles other warps may still read
+#pragma unroll
+  for (int n = 0; n < HD / 16; ++n) wmma::store_matrix_sync(stage + wr0 * kLd + n * 16, acc[n], kLd, wmma::mem_row_major);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * HD; idx += kThreads) {
+    const int r = idx / HD, c = idx % HD, row = r0 + r;
+    if (row < S) dst[((size_t(b) * S + row) * nh + head) * HD + c] = stage[r * kLd + c] * mul;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward. Grid (query tiles, H, B); the block owns query rows [i0, i0 + 64) of head h.
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads) tc_fwd_kernel(float* o, float* lse, const float* q, const float* k,
+                                                          const float* v, AttnShape sh, bool vec) {
+  using T = Tiles<HD>;
+  constexpr int kLdH = T::kLdH, kLdO = T::kLdO;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem);
+  bf16* Ks = reinterpret_cast<bf16*>(smem + T::kH);
+  bf16* Vs = reinterpret_cast<bf16*>(smem + 2 * T::kH);
+  float* Ss = reinterpret_cast<float*>(smem + 3 * T::kH);
+  bf16* Ps = reinterpret_cast<bf16*>(smem + 3 * T::kH + T::kS);
+  float* Oa = reinterpret_cast<float*>(smem + 3 * T::kH + T::kS + T::kP);
+  float* Ms = reinterpret_cast<float*>(smem + 3 * T::kH + T::kS + T::kP + T::kO);
+  float* Ls = Ms + kRows;
+
+  const int S = sh.S, H = sh.H, KV = sh.KV, W = sh.window;
+  const int b = blockIdx.z, h = blockIdx.y, g = h / (H / KV);
+  const int i0 = (gridDim.x - 1 - blockIdx.x) * kRows;  // the long (late) causal tiles first
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wr0 = warp * 16;                 // the warp's first row in the tile
+  const int r = lane >> 1, half = lane & 1;  // elementwise work: row wr0 + r, columns [32 half, +32)
+  const int i = i0 + wr0 + r;                // this lane's query row
+  const float scale = float(sh.scale);
+
+  load_tile<HD>(Qs, q, b, S, H, h, i0, vec);
+  for (int idx = threadIdx.x; idx < kRows * kLdO; idx += kThreads) Oa[idx] = 0.f;
+  __syncthreads();
+  FragA qf[HD / 16];
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) wmma::load_matrix_sync(qf[kk], Qs + wr0 * kLdH + kk * 16, kLdH);
+
+  float m = -INFINITY, l = 0.f;  // this row's running max and denominator (same bits in both lanes)
+  const int w_first = i0 + wr0, w_last = min(S - 1, w_first + 15);
+  const int i_last = min(S, i0 + kRows) - 1;
+  for (int k0 = key_lo(i0, W); k0 <= i_last; k0 += kRows) {
+    __syncthreads();  // every warp is done with the previous K, V tiles
+    load_tile<HD>(Ks, k, b, S, KV, g, k0, vec);
+    load_tile<HD>(Vs, v, b, S, KV, g, k0, vec);
+    __syncthreads();
+    // Does any of the warp's rows see any key of this tile? (Warp-uniform; no block barrier below.)
+    if (!(w_first < S && k0 <= w_last && k0 + kRows - 1 >= key_lo(w_first, W))) continue;
+
+    // S = Q K^T for the warp's 16 rows (unscaled, fp32).
+#pragma unroll
+    for (int n = 0; n < kRows / 16; ++n) {
+      FragC acc;
+      wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        FragBCol fb;
+        wmma::load_matrix_sync(fb, Ks + n * 16 * kLdH + kk * 16, kLdH);
+        wmma::mma_sync(acc, qf[kk], fb, acc);
+      }
+      wmma::store_matrix_sync(Ss + wr0 * kLdS + n * 16, acc, kLdS, wmma::mem_row_major);
+    }
+    __syncwarp();
+
+    // Online softmax on the lane's half row.
+    const float* srow = Ss + (wr0 + r) * kLdS + half * 32;
+    bf16* prow = Ps + (wr0 + r) * kLdP + half * 32;
+    const int jbase = k0 + half * 32;
+    float sv[32];
+    float mt = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const int j = jbase + c;
+      sv[c] = (i < S && j < S && visible(i, j, W)) ? scale * srow[c] : -INFINITY;
+      mt = fmaxf(mt, sv[c]);
+    }
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+    const float mnew = fmaxf(m, mt);
+    float corr = 1.f, sum = 0.f;
+    if (mnew == -INFINITY) {  // nothing visible to this row yet: P row = 0, state unchanged
+#pragma unroll
+      for (int c = 0; c < 32; ++c) prow[c] = __float2bfloat16_rn(0.f);
+    } else {
+      corr = m == -INFINITY ? 0.f : expf(m - mnew);  // acc and l are 0 while m is -inf
+#pragma unroll
+      for (int c = 0; c < 32; ++c) {
+        const float p = expf(sv[c] - mnew);  // masked: exp(-inf - finite) = 0
+        sum += p;
+        prow[c] = __float2bfloat16_rn(p);
+      }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // a + b in one lane, b + a in the other: same bits
+    l = l * corr + sum;
+    m = mnew;
+    if (corr != 1.f) {
+      float* orow = Oa + (wr0 + r) * kLdO + half * (HD / 2);
+#pragma unroll 8
+      for (int c = 0; c < HD / 2; ++c) orow[c] *= corr;
+    }
+    __syncwarp();
+
+    // O += P V (accumulator round trip through shared memory).
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) {
+      FragC acc;
+      wmma::load_matrix_sync(acc, Oa + wr0 * kLdO + n * 16, kLdO, wmma::mem_row_major);
+#pragma unroll
+      for (int kk = 0; kk < kRows / 16; ++kk) {
+        FragA fa;
+        FragBRow fb;
+        wmma::load_matrix_sync(fa, Ps + wr0 * kLdP + kk * 16, kLdP);
+        wmma::load_matrix_sync(fb, Vs + kk * 16 * kLdH + n * 16, kLdH);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(Oa + wr0 * kLdO + n * 16, acc, kLdO, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+  if (half == 0) {
+    Ms[wr0 + r] = m;
+    Ls[wr0 + r] = l;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * HD; idx += kThreads) {
+    const int rr = idx / HD, c = idx % HD, ii = i0 + rr;
+    if (ii < S) o[((size_t(b) * S + ii) * H + h) * HD + c] = Oa[rr * kLdO + c] * (1.f / Ls[rr]);
+  }
+  if (threadIdx.x < kRows) {
+    const int ii = i0 + threadIdx.x;
+    if (ii < S) lse[(size_t(b) * H + h) * S + ii] = Ms[threadIdx.x] + logf(Ls[threadIdx.x]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward 1: Dv[b, h, i] = bf16(dO_i) . O_i in fp32 (one warp per row, fixed shuffle tree). dO is
+// rounded as the MMAs see it, so that D_i = sum_j P_ij dP_ij holds to fp32 rounding for the dP the
+// kernels compute (bf16(dO) . bf16(v)) and sum_j P_ij dS_ij stays ~0 for every row. With fp32 dO
+// here, each row's dS would be off by (dO - bf16(dO)) . O, a ~1e-3 relative error that does not
+// cancel (the gradient is then not the gradient of any rounding of the inputs); at S = 1, where
+// the exact dq and dk are zero, it would give dq, dk of ~1e-3 instead of rounding noise.
+
+__global__ void tc_bwd_dot_kernel(float* Dv, const float* dout, const float* o, AttnShape sh) {
+  const int warps = blockDim.x / 32;
+  const size_t rows = size_t(sh.B) * sh.S * sh.H;
+  for (size_t rw = size_t(blockIdx.x) * warps + threadIdx.x / 32; rw < rows; rw += size_t(gridDim.x) * warps) {
+    const int h = int(rw % sh.H);
+    const size_t bs = rw / sh.H;
+    const int i = int(bs % sh.S), b = int(bs / sh.S);
+    const float* a = dout + rw * sh.hd;
+    const float* c = o + rw * sh.hd;
+    float acc = 0.f;
+    for (int d = threadIdx.x % 32; d < sh.hd; d += 32) acc += __bfloat162float(__float2bfloat16_rn(a[d])) * c[d];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (threadIdx.x % 32 == 0) Dv[(size_t(b) * sh.H + h) * sh.S + i] = acc;
+  }
+}
+
+// Backward 2: dK, dV. Grid (key tiles, KV, B); the block owns key rows [j0, j0 + 64) of KV head g
+// and walks, head by head of the group, the query tiles that can see them: [j0, j_last + window).
+// Warp w computes the transposed blocks S^T = K_w Q^T and dP^T = V_w dO^T of its 16 keys.
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads) tc_bwd_dkdv_kernel(float* dk, float* dv, const float* dout,
+                                                               const float* q, const float* k, const float* v,
+                                                               const float* lse, const float* Dv, AttnShape sh,
+                                                               bool vec) {
+  using T = Tiles<HD>;
+  constexpr int kLdH = T::kLdH;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Ks = reinterpret_cast<bf16*>(smem);
+  bf16* Vs = reinterpret_cast<bf16*>(smem + T::kH);
+  bf16* Qs = reinterpret_cast<bf16*>(smem + 2 * T::kH);
+  bf16* dOs = reinterpret_cast<bf16*>(smem + 3 * T::kH);
+  float* STs = reinterpret_cast<float*>(smem + 4 * T::kH);
+  float* dPTs = reinterpret_cast<float*>(smem + 4 * T::kH + T::kS);
+  bf16* PTs = reinterpret_cast<bf16*>(smem + 4 * T::kH + 2 * T::kS);
+  bf16* dSTs = reinterpret_cast<bf16*>(smem + 4 * T::kH + 2 * T::kS + T::kP);
+  float* Lq = reinterpret_cast<float*>(smem + 4 * T::kH + 2 * T::kS + 2 * T::kP);
+  float* Dq = Lq + kRows;
+
+  const int S = sh.S, H = sh.H, KV = sh.KV, W = sh.window, G = H / KV;
+  const int b = blockIdx.z, g = blockIdx.y;
+  const int j0 = blockIdx.x * kRows;  // the early key tiles (seen by the most queries) first
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wr0 = warp * 16;
+  const int r = lane >> 1, half = lane & 1;
+  const int j = j0 + wr0 + r;  // this lane's key row
+  const float scale = float(sh.scale);
+
+  load_tile<HD>(Ks, k, b, S, KV, g, j0, vec);
+  load_tile<HD>(Vs, v, b, S, KV, g, j0, vec);
+  FragC dkf[HD / 16], dvf[HD / 16];
+#pragma unroll
+  for (int n = 0; n < HD / 16; ++n) {
+    wmma::fill_fragment(dkf[n], 0.f);
+    wmma::fill_fragment(dvf[n], 0.f);
+  }
+
+  const int w_first = j0 + wr0, w_last = min(S - 1, w_first + 15);
+  const int j_last = min(S, j0 + kRows) - 1;
+  const int q_end = W > 0 ? min(S, j_last + W) : S;  // queries past it see none of these keys
+  for (int hh = 0; hh < G; ++hh) {
+    const int h = g * G + hh;
+    for (int q0 = j0; q0 < q_end; q0 += kRows) {
+      __syncthreads();  // every warp is done with the previous Q, dO tiles (and K, V are loaded)
+      load_tile<HD>(Qs, q, b, S, H, h, q0, vec);
+      load_tile<HD>(dOs, dout, b, S, H, h, q0, vec);
+      load_row_stats(Lq, lse, b, H, h, S, q0);
+      load_row_stats(Dq, Dv, b, H, h, S, q0);
+      __syncthreads();
+      // Some query of the tile sees some key of the warp's 16: the latest query is at or after the
+      // first key, and (window) the earliest query is less than `window` after the last key.
+      if (!(w_first < S && q0 + kRows - 1 >= w_first && (W <= 0 || q0 <= w_last + W - 1))) continue;
+
+      mma_abt<HD>(STs + wr0 * kLdS, Ks + wr0 * kLdH, Qs);
+      mma_abt<HD>(dPTs + wr0 * kLdS, Vs + wr0 * kLdH, dOs);
+      __syncwarp();
+      {
+        const float* srow = STs + (wr0 + r) * kLdS + half * 32;
+        const float* dprow = dPTs + (wr0 + r) * kLdS + half * 32;
+        bf16* prow = PTs + (wr0 + r) * kLdP + half * 32;
+        bf16* dsrow = dSTs + (wr0 + r) * kLdP + half * 32;
+        const int cbase = half * 32;
+#pragma unroll 8
+        for (int c = 0; c < 32; ++c) {
+          const int ii = q0 + cbase + c;
+          const bool vis = j < S && ii < S && visible(ii, j, W);
+          const float p = vis ? expf(scale * srow[c] - Lq[cbase + c]) : 0.f;
+          const float ds = p * (dprow[c] - Dq[cbase + c]);
+          prow[c] = __float2bfloat16_rn(p);
+          dsrow[c] = __float2bfloat16_rn(ds);
+        }
+      }
+      __syncwarp();
+      mma_ab_acc<HD>(dvf, PTs + wr0 * kLdP, dOs);  // dV += P^T dO
+      mma_ab_acc<HD>(dkf, dSTs + wr0 * kLdP, Qs);  // dK += dS^T Q   (scale applied at the store)
+    }
+  }
+  float* stage = STs;  // [64][kLdO] fp32 over S^T and dP^T
+  store_result<HD>(dk, stage, dkf, scale, b, S, KV, g, j0);
+  store_result<HD>(dv, stage, dvf, 1.f, b, S, KV, g, j0);
+}
+
+// Backward 3: dQ. Grid (query tiles, H, B); the block owns query rows [i0, i0 + 64) of head h and
+// walks the key tiles they can see.
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads) tc_bwd_dq_kernel(float* dq, const float* dout, const float* q,
+                                                             const float* k, const float* v, const float* lse,
+                                                             const float* Dv, AttnShape sh, bool vec) {
+  using T = Tiles<HD>;
+  constexpr int kLdH = T::kLdH;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem);
+  bf16* dOs = reinterpret_cast<bf16*>(smem + T::kH);
+  bf16* Ks = reinterpret_cast<bf16*>(smem + 2 * T::kH);
+  bf16* Vs = reinterpret_cast<bf16*>(smem + 3 * T::kH);
+  float* Ss = reinterpret_cast<float*>(smem + 4 * T::kH);
+  float* dPs = reinterpret_cast<float*>(smem + 4 * T::kH + T::kS);
+  bf16* dSs = reinterpret_cast<bf16*>(smem + 4 * T::kH + 2 * T::kS);
+  float* Li = reinterpret_cast<float*>(smem + 4 * T::kH + 2 * T::kS + T::kP);
+  float* Di = Li + kRows;
+
+  const int S = sh.S, H = sh.H, KV = sh.KV, W = sh.window;
+  const int b = blockIdx.z, h = blockIdx.y, g = h / (H / KV);
+  const int i0 = (gridDim.x - 1 - blockIdx.x) * kRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wr0 = warp * 16;
+  const int r = lane >> 1, half = lane & 1;
+  const int i = i0 + wr0 + r;  // this lane's query row
+  const float scale = float(sh.scale);
+
+  load_tile<HD>(Qs, q, b, S, H, h, i0, vec);
+  load_tile<HD>(dOs, dout, b, S, H, h, i0, vec);
+  load_row_stats(Li, lse, b, H, h, S, i0);
+  load_row_stats(Di, Dv, b, H, h, S, i0);
+  FragC dqf[HD / 16];
+#pragma unroll
+  for (int n = 0; n < HD / 16; ++n) wmma::fill_fragment(dqf[n], 0.f);
+
+  const int w_first = i0 + wr0, w_last = min(S - 1, w_first + 15);
+  const int i_last = min(S, i0 + kRows) - 1;
+  for (int k0 = key_lo(i0, W); k0 <= i_last; k0 += kRows) {
+    __syncthreads();  // every warp is done with the previous K, V tiles (and Q, dO, L, D are loaded)
+    load_tile<HD>(Ks, k, b, S, KV, g, k0, vec);
+    load_tile<HD>(Vs, v, b, S, KV, g, k0, vec);
+    __syncthreads();
+    if (!(w_first < S && k0 <= w_last && k0 + kRows - 1 >= key_lo(w_first, W))) continue;
+
+    mma_abt<HD>(Ss + wr0 * kLdS, Qs + wr0 * kLdH, Ks);
+    mma_abt<HD>(dPs + wr0 * kLdS, dOs + wr0 * kLdH, Vs);
+    __syncwarp();
+    {
+      const float* srow = Ss + (wr0 + r) * kLdS + half * 32;
+      const float* dprow = dPs + (wr0 + r) * kLdS + half * 32;
+      bf16* dsrow = dSs + (wr0 + r) * kLdP + half * 32;
+      const float li = Li[wr0 + r], di = Di[wr0 + r];
+      const int jbase = k0 + half * 32;
+#pragma unroll 8
+      for (int c = 0; c < 32; ++c) {
+        const int jj = jbase + c;
+        const bool vis = i < S && jj < S && visible(i, jj, W);
+        const float p = vis ? expf(scale * srow[c] - li) : 0.f;
+        dsrow[c] = __float2bfloat16_rn(p * (dprow[c] - di));
+      }
+    }
+    __syncwarp();
+    mma_ab_acc<HD>(dqf, dSs + wr0 * kLdP, Ks);  // dQ += dS K   (scale applied at the store)
+  }
+  store_result<HD>(dq, Ss, dqf, scale, b, S, H, h, i0);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+bool shape_ok(const AttnShape& s) { return (s.hd == 64 || s.hd == 128) && s.KV > 0 && s.H % s.KV == 0; }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
+
+template <int HD>
+cudaError_t fwd(float* o, float* lse, const float* q, const float* k, const float* v, const AttnShape& s,
+                cudaStream_t st) {
+  using T = Tiles<HD>;
+  const bool vec = aligned16(q) && aligned16(k) && aligned16(v);
+  cudaError_t e = allow_smem(tc_fwd_kernel<HD>, T::kFwd);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(unsigned((s.S + kRows - 1) / kRows), unsigned(s.H), unsigned(s.B));
+  tc_fwd_kernel<HD><<<grid, kThreads, T::kFwd, st>>>(o, lse, q, k, v, s, vec);
+  return cudaGetLastError();
+}
+
+template <int HD>
+cudaError_t bwd(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v,
+                const float* lse, const float* Dv, const AttnShape& s, cudaStream_t st) {
+  using T = Tiles<HD>;
+  const bool vec = aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
+  cudaError_t e = allow_smem(tc_bwd_dkdv_kernel<HD>, T::kDkdv);
+  if (e != cudaSuccess) return e;
+  e = allow_smem(tc_bwd_dq_kernel<HD>, T::kDq);
+  if (e != cudaSuccess) return e;
+  const unsigned tiles = unsigned((s.S + kRows - 1) / kRows);
+  tc_bwd_dkdv_kernel<HD><<<dim3(tiles, unsigned(s.KV), unsigned(s.B)), kThreads, T::kDkdv, st>>>(
+      dk, dv, dout, q, k, v, lse, Dv, s, vec);
+  tc_bwd_dq_kernel<HD><<<dim3(tiles, unsigned(s.H), unsigned(s.B)), kThreads, T::kDq, st>>>(dq, dout, q, k, v, lse,
+                                                                                             Dv, s, vec);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool attention_tc_supported(const AttnShape& s) {
+  if (!shape_ok(s)) return false;
+  int dev = 0, major = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    (void)cudaGetLastError();  // a failed query must not surface as a later launcher's error
+    return false;
+  }
+  const size_t need = s.hd == 64 ? Tiles<64>::kMax : Tiles<128>::kMax;
+  return major >= 8 && size_t(optin) >= need;
+}
+
+cudaError_t attention_tc_forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                                 const AttnShape& s, cudaStream_t st) {
+  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
+  if (!shape_ok(s)) return cudaErrorInvalidValue;
+  return s.hd == 64 ? fwd<64>(o, lse, q, k, v, s, st) : fwd<128>(o, lse, q, k, v, s, st);
+}
+
+size_t attention_tc_backward_scratch_floats(const AttnShape& s) { return size_t(s.B) * s.H * s.S; }
+
+cudaError_t attention_tc_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                                  const float* k, const float* v, const float* o, const float* lse,
+                                  const AttnShape& s, float* scratch, cudaStream_t st) {
+  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
+  if (!shape_ok(s)) return cudaErrorInvalidValue;
+  const size_t rows = size_t(s.B) * s.S * s.H;
+  const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
+  tc_bwd_dot_kernel<<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
+  return s.hd == 64 ? bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st)
+                    : bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
+}
+
+}  // namespace ladder::cuda::k

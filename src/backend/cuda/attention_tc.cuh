@@ -1,0 +1,38 @@
+// Launchers of the tensor-core flash attention (attention_tc.cu): the same contract as
+// k::attention_forward / k::attention_backward (kernels.cuh, backend/cpu/kernels.h): fp32 q, k, v,
+// o, lse, dout, dq, dk, dv in the [B*S, heads*hd] layouts, lse [B, H, S], causal, sliding window
+// (window > 0), GQA (H a multiple of KV), scores scale * q.k, no S x S matrix in memory.
+//
+// Inside, q, k, v (and dO, P, dS in the backward) are rounded to bf16 (round to nearest even) when
+// staged into shared memory and multiplied on the tensor cores (WMMA 16x16x16, fp32 accumulators);
+// softmax statistics, lse and D = rowsum(bf16(dO) * O) stay fp32. Expect about 1e-3 relative difference
+// from the fp32 kernels (docs/cuda.md, "Tensor-core attention").
+//
+// Plain C++ declarations (the host compiler includes this). Each launcher enqueues on `st` and
+// returns the first error of its cudaFuncSetAttribute calls or cudaGetLastError() after the
+// launches; a shape it does not support returns cudaErrorInvalidValue (check
+// attention_tc_supported first and use the fp32 kernels otherwise).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "backend/cpu/kernels.h"
+
+namespace ladder::cuda::k {
+
+// head_dim 64 or 128, KV > 0, H % KV == 0, and the current device is sm_80+ with enough opt-in
+// shared memory per block (up to ~121 KiB at head_dim 128: A100, H100, H200 yes; sm_86/89 no).
+bool attention_tc_supported(const cpu::AttnShape& s);
+
+cudaError_t attention_tc_forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                                 const cpu::AttnShape& s, cudaStream_t st);
+
+// `scratch` holds attention_tc_backward_scratch_floats(s) floats (D_i = dO_i . O_i, [B, H, S]).
+size_t attention_tc_backward_scratch_floats(const cpu::AttnShape& s);
+// dq, dk, dv OVERWRITTEN. Deterministic (no atomics): bitwise the same result run to run.
+cudaError_t attention_tc_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                                  const float* k, const float* v, const float* o, const float* lse,
+                                  const cpu::AttnShape& s, float* scratch, cudaStream_t st);
+
+}  // namespace ladder::cuda::k

@@ -1,0 +1,305 @@
+// The tensor-core flash attention (backend/cuda/attention_tc.cu) against the CPU kernels
+// cpu::attention_forward/backward<float> on fresh random inputs (seed printed). Outputs are poisoned
+// first (every byte 0xFF, NaN) so an element the kernels never write fails. Measure, as in
+// test_cuda_kernels.cpp: ||gpu - cpu|| / ||cpu|| over the whole output ("[ rel err ]" lines), and
+// any non-finite GPU element where the CPU's is finite is a failure.
+//
+// Two references per case, to separate the rounding of the inputs from the kernel's own error:
+//  - kTcInputs = 1e-2, against the CPU on the original fp32 inputs. bf16 keeps 8 significant bits
+//    (unit roundoff u = 2^-8 = 3.9e-3; a random value's rounding error is about u/3 = 1.3e-3 rms).
+//    Rounding q and k perturbs each score scale*q.k by about sqrt(2 hd) * |q_d||k_d| * scale * u/3,
+//    which is ~3e-3 absolute at the inputs below (q, k uniform in [-2, 2], scale 1/sqrt(hd)), so
+//    about 0.3% relative on each probability; v, dO, P and dS add ~1.3e-3 each. Expected ~2-5e-3
+//    in total; 1e-2 is the bound.
+//  - kTcRounded = 5e-3, against the CPU run on the bf16-rounded q, k, v, dO (the same bits the
+//    kernel feeds its MMAs). What is left is the kernel's own rounding of P (forward, dV) and dS
+//    (dK, dQ) to bf16 before their MMAs: independent relative errors of ~u/3 = 1.3e-3 rms per
+//    element, which carry into a weighted sum as about the same relative error. 5e-3 (~4x that, or
+//    1.3 u) leaves room for unlucky cancellation while still failing a wrong mask, a wrong rescale
+//    or a missing tile, which give errors of order 1.
+// Two outputs whose relative error is ill-conditioned get a floor under the denominator: lse
+// (max(||lse||, sqrt(n)): absolute error where |lse| < 1, see run_case) and, at S = 1, dq and dk
+// (exactly zero there; measured against ||dv||).
+// The test also insists that bf16 is really in use: the forward's o against the fp32-input
+// reference must differ by more than 1e-5 (fp32 kernels give ~1e-7).
+// Without a GPU each test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cuda/attention_tc.cuh"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_memory.h"
+#include "core/error.h"
+
+namespace ladder {
+namespace {
+
+using cuda::DeviceBuffer;
+
+constexpr double kTcInputs = 1e-2;
+constexpr double kTcRounded = 5e-3;
+
+// Round to the nearest bf16 (ties to even), kept in a float: what __float2bfloat16_rn does to
+// the finite values used here.
+float bf16_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  u &= 0xFFFF0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+std::vector<float> bf16_round(std::vector<float> v) {
+  for (auto& x : v) x = bf16_round(x);
+  return v;
+}
+
+class CudaAttentionTc : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    reason_ = cuda::device_unavailable_reason();
+    if (reason_.empty()) be_ = cuda::make_backend().release();
+  }
+  static void TearDownTestSuite() {
+    delete be_;
+    be_ = nullptr;
+  }
+  void SetUp() override {
+    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
+    const uint64_t seed = std::random_device{}();
+    rng_.seed(seed);
+    RecordProperty("seed", std::to_string(seed));
+    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
+  }
+
+  cudaStream_t st() { return be_->stream(); }
+
+  std::vector<float> randv(size_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng_);
+    return v;
+  }
+  // A device copy of h starting `offset` floats into its buffer (offset 1: not 16-byte aligned).
+  static DeviceBuffer<float> up(const std::vector<float>& h, size_t offset = 0) {
+    std::vector<float> padded(offset, 0.f);
+    padded.insert(padded.end(), h.begin(), h.end());
+    DeviceBuffer<float> d(padded.size() ? padded.size() : 1);
+    d.upload(padded);
+    return d;
+  }
+  static DeviceBuffer<float> poisoned(size_t n) {
+    DeviceBuffer<float> d(n ? n : 1);
+    d.poison();
+    return d;
+  }
+  std::vector<float> down(const DeviceBuffer<float>& d, size_t n, size_t offset = 0) {
+    be_->synchronize();
+    std::vector<float> h = d.download();
+    return std::vector<float>(h.begin() + offset, h.begin() + offset + n);
+  }
+
+  // `floor` > 0: the denominator is max(||cpu||, floor) (for outputs whose exact value is zero).
+  static double check(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol, const std::string& what,
+                      double floor = 0) {
+    EXPECT_EQ(gpu.size(), cpu.size()) << what;
+    size_t bad = 0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < cpu.size() && i < gpu.size(); ++i) {
+      if (!std::isfinite(gpu[i]) && std::isfinite(cpu[i])) {
+        if (bad++ < 3) ADD_FAILURE() << what << ": element " << i << " is " << gpu[i] << " (cpu " << cpu[i] << ")";
+        continue;
+      }
+      const double d = double(gpu[i]) - double(cpu[i]);
+      num += d * d;
+      den += double(cpu[i]) * double(cpu[i]);
+    }
+    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not written or not finite";
+    const double rel = std::sqrt(num) / std::max({std::sqrt(den), floor, 1e-30});
+    std::printf("[ rel err  ] %-28s %.3e (tol %.0e)\n", what.c_str(), rel, tol);
+    EXPECT_LE(rel, tol) << what;
+    return rel;
+  }
+
+  struct Case {
+    int B, S, H, KV, hd, window;
+    float qk_range = 2.f;        // q, k uniform in [-r, r]; v, dout in [-1, 1]
+    bool check_inputs = true;    // also hold it to the fp32-input reference (kTcInputs)
+    size_t offset = 0;           // floats: inputs at a 4-byte, not 16-byte, aligned address
+  };
+
+  struct Ref {
+    std::vector<float> o, lse, dq, dk, dv;
+  };
+  static Ref cpu_ref(const AttnShape& s, const std::vector<float>& q, const std::vector<float>& k,
+                     const std::vector<float>& v, const std::vector<float>& dout) {
+    Ref r;
+    r.o.resize(q.size());
+    r.lse.resize(size_t(s.B) * s.H * s.S);
+    r.dq.resize(q.size());
+    r.dk.resize(k.size());
+    r.dv.resize(k.size());
+    cpu::attention_forward<float>(r.o.data(), r.lse.data(), q.data(), k.data(), v.data(), s);
+    cpu::attention_backward<float>(r.dq.data(), r.dk.data(), r.dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                                   r.o.data(), r.lse.data(), s);
+    return r;
+  }
+
+  void run_case(const Case& c) {
+    const std::string shape =
+        fmt::format("B={} S={} H={} KV={} hd={} W={}{}{}", c.B, c.S, c.H, c.KV, c.hd, c.window,
+                    c.qk_range != 2.f ? fmt::format(" qk=+-{}", c.qk_range) : "", c.offset ? " unaligned" : "");
+    SCOPED_TRACE(shape);
+    const AttnShape s{c.B, c.S, c.H, c.KV, c.hd, c.window, 1.0 / std::sqrt(double(c.hd))};
+    ASSERT_TRUE(cuda::k::attention_tc_supported(s)) << shape;
+    const size_t nq = size_t(c.B) * c.S * c.H * c.hd, nk = size_t(c.B) * c.S * c.KV * c.hd,
+                 nl = size_t(c.B) * c.H * c.S;
+    auto q = randv(nq, -c.qk_range, c.qk_range), k = randv(nk, -c.qk_range, c.qk_range), v = randv(nk, -1.f, 1.f),
+         dout = randv(nq, -1.f, 1.f);
+    const size_t off = c.offset;
+    auto d_q = up(q, off), d_k = up(k, off), d_v = up(v, off), d_dout = up(dout, off);
+
+    // Forward twice: bitwise the same.
+    std::vector<float> o, lse;
+    auto d_o = poisoned(nq), d_lse = poisoned(nl);
+    for (int rep = 0; rep < 2; ++rep) {
+      d_o.poison();
+      d_lse.poison();
+      LADDER_CUDA_CHECK(cuda::k::attention_tc_forward(d_o.data(), d_lse.data(), d_q.data() + off, d_k.data() + off,
+                                                      d_v.data() + off, s, st()));
+      auto go = down(d_o, nq), gl = down(d_lse, nl);
+      if (rep == 0) {
+        o = go;
+        lse = gl;
+      } else {
+        EXPECT_EQ(go, o) << "attention_tc_forward o is not bitwise reproducible";
+        EXPECT_EQ(gl, lse) << "attention_tc_forward lse is not bitwise reproducible";
+      }
+    }
+
+    // Backward twice (fresh poisoned outputs each time): bitwise the same.
+    DeviceBuffer<float> scratch(std::max<size_t>(1, cuda::k::attention_tc_backward_scratch_floats(s)));
+    std::vector<float> dq, dk, dv;
+    for (int rep = 0; rep < 2; ++rep) {
+      auto d_dq = poisoned(nq), d_dk = poisoned(nk), d_dv = poisoned(nk);
+      scratch.poison();
+      LADDER_CUDA_CHECK(cuda::k::attention_tc_backward(d_dq.data(), d_dk.data(), d_dv.data(), d_dout.data() + off,
+                                                       d_q.data() + off, d_k.data() + off, d_v.data() + off,
+                                                       d_o.data(), d_lse.data(), s, scratch.data(), st()));
+      auto gq = down(d_dq, nq), gk = down(d_dk, nk), gv = down(d_dv, nk);
+      if (rep == 0) {
+        dq = gq;
+        dk = gk;
+        dv = gv;
+      } else {
+        EXPECT_EQ(gq, dq) << "attention_tc_backward dq is not bitwise reproducible";
+        EXPECT_EQ(gk, dk) << "attention_tc_backward dk is not bitwise reproducible";
+        EXPECT_EQ(gv, dv) << "attention_tc_backward dv is not bitwise reproducible";
+      }
+    }
+
+    // At S = 1 the one key has probability 1 whatever its score, so the exact dq and dk are zero and
+    // both sides hold rounding noise (~1e-7 of a normal gradient): measure them against ||dv||, the
+    // size a non-degenerate gradient would have (dv = dO there).
+    auto nrm = [](const std::vector<float>& x) {
+      double a = 0;
+      for (float e : x) a += double(e) * e;
+      return std::sqrt(a);
+    };
+
+    // lse enters everything downstream as exp(s - lse): an absolute error e in it is a relative error
+    // e in every probability of its row. So it is held to tol in that absolute sense where |lse| < 1
+    // (denominator max(||lse||, sqrt(n))): at S = 1, lse is a single score, which can be ~0.
+    const double fl = std::sqrt(double(nl));
+
+    // The same bits as the MMAs see: the kernel's own error only.
+    const Ref rb = cpu_ref(s, bf16_round(q), bf16_round(k), bf16_round(v), bf16_round(dout));
+    const double fb = c.S == 1 ? nrm(rb.dv) : 0.0;
+    check(o, rb.o, kTcRounded, "attn_tc fwd o bf16-ref " + shape);
+    check(lse, rb.lse, kTcRounded, "attn_tc fwd lse bf16-ref " + shape, fl);
+    check(dq, rb.dq, kTcRounded, "attn_tc bwd dq bf16-ref " + shape, fb);
+    check(dk, rb.dk, kTcRounded, "attn_tc bwd dk bf16-ref " + shape, fb);
+    check(dv, rb.dv, kTcRounded, "attn_tc bwd dv bf16-ref " + shape);
+    if (c.check_inputs) {
+      const Ref rf = cpu_ref(s, q, k, v, dout);
+      const double ff = c.S == 1 ? nrm(rf.dv) : 0.0;
+      const double ro = check(o, rf.o, kTcInputs, "attn_tc fwd o " + shape);
+      EXPECT_GT(ro, 1e-5) << "as exact as fp32: are the inputs really rounded to bf16?";
+      check(lse, rf.lse, kTcInputs, "attn_tc fwd lse " + shape, fl);
+      check(dq, rf.dq, kTcInputs, "attn_tc bwd dq " + shape, ff);
+      check(dk, rf.dk, kTcInputs, "attn_tc bwd dk " + shape, ff);
+      check(dv, rf.dv, kTcInputs, "attn_tc bwd dv " + shape);
+    }
+  }
+
+  static inline std::string reason_;
+  static inline cuda::CudaBackend* be_ = nullptr;
+  std::mt19937_64 rng_;
+};
+
+TEST_F(CudaAttentionTc, Supported) {
+  for (int hd : {64, 128}) {
+    EXPECT_TRUE(cuda::k::attention_tc_supported(AttnShape{2, 100, 8, 8, hd, 0, 0.1})) << hd;
+    EXPECT_TRUE(cuda::k::attention_tc_supported(AttnShape{2, 100, 8, 2, hd, 32, 0.1})) << hd;
+    EXPECT_FALSE(cuda::k::attention_tc_supported(AttnShape{2, 100, 6, 4, hd, 0, 0.1})) << "H % KV != 0";
+  }
+  for (int hd : {1, 16, 32, 48, 96, 100, 127, 160, 256})
+    EXPECT_FALSE(cuda::k::attention_tc_supported(AttnShape{1, 16, 2, 2, hd, 0, 0.1})) << hd;
+  // Unsupported shapes are refused by the launchers without launching anything.
+  const AttnShape bad{1, 4, 1, 1, 96, 0, 0.1};
+  DeviceBuffer<float> x(4 * 96), lse(4);
+  EXPECT_EQ(cuda::k::attention_tc_forward(x.data(), lse.data(), x.data(), x.data(), x.data(), bad, st()),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::k::attention_tc_backward(x.data(), x.data(), x.data(), x.data(), x.data(), x.data(), x.data(),
+                                           x.data(), lse.data(), bad, lse.data(), st()),
+            cudaErrorInvalidValue);
+  be_->synchronize();
+}
+
+// S 1 / 17 / 128 / 300 (a single row, less than a tile, exactly two tiles, a ragged last tile),
+// head_dim 64 and 128, MHA and GQA 4:1 (two KV groups, so the group index is exercised), windows
+// 0 (causal), 5 (inside one tile), 64 (one tile wide: tiles skipped and partly masked).
+TEST_F(CudaAttentionTc, MatchesCpuAcrossShapes) {
+  for (int hd : {64, 128})
+    for (int S : {1, 17, 128, 300})
+      for (int gqa = 0; gqa < 2; ++gqa)
+        for (int W : {0, 5, 64}) {
+          Case c{2, S, gqa ? 8 : 2, 2, hd, W};
+          run_case(c);
+          if (HasFatalFailure()) return;
+        }
+}
+
+// Sharp softmax (scores of tens): the online rescaling does most of the work. Only the rounded-input
+// reference applies (rounding q and k moves scores this large by more than 1e-2 relative in P).
+TEST_F(CudaAttentionTc, SharpSoftmax) {
+  for (int hd : {64, 128}) {
+    Case c{2, 300, 8, 2, hd, 0, 6.f, false};
+    run_case(c);
+    Case w{1, 300, 4, 4, hd, 100, 6.f, false};
+    run_case(w);
+  }
+}
+
+// Inputs at an address 4 bytes past a 16-byte boundary: the scalar load path.
+TEST_F(CudaAttentionTc, UnalignedInputs) {
+  Case c{2, 77, 8, 2, 64, 0};
+  c.offset = 1;
+  run_case(c);
+  Case d{1, 130, 4, 1, 128, 17};
+  d.offset = 3;
+  run_case(d);
+}
+
+}  // namespace
+}  // namespace ladder
