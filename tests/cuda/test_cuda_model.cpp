@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "../model_test_configs.h"
 #include "../test_util.h"
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
@@ -30,6 +31,8 @@
 
 namespace ladder {
 namespace {
+
+using namespace test;  // model_test_configs.h
 
 // One forward+backward in fp32. Both backends compute every op in fp32 but reduce in different
 // orders (cuBLASLt vs OpenBLAS blocking, tree vs sequential sums), so each op differs by a few ulps
@@ -62,82 +65,6 @@ double rel_err(const float* gpu, const float* cpu, size_t n) {
 // are printed as "[ tensor   ]" lines, in tests.log only.
 void print_err(const std::string& what, double e) { std::printf("[ rel err  ] %-40s %.3e\n", what.c_str(), e); }
 void print_tensor_err(const std::string& what, double e) { std::printf("[ tensor   ] %-64s %.3e\n", what.c_str(), e); }
-
-Config base_config() {
-  Config c;
-  c.source = "cuda-model-test";
-  auto& m = c.model;
-  m.vocab_size = 160;
-  m.d_model = 64;
-  m.n_layers = 3;
-  m.n_heads = 4;
-  m.n_kv_heads = 2;  // GQA 2:1
-  m.head_dim = 16;
-  m.d_ff = 96;
-  m.seq_len = 32;
-  m.rope_theta = 10000;
-  m.z_loss = 1e-4;
-  c.run.batch_size = 2;
-  c.run.grad_accum = 2;
-  c.run.seed = 3;
-  c.optim.lr = 3e-3;
-  c.optim.clip = 1.0;
-  return c;
-}
-
-Config dense_config() {
-  Config c = base_config();
-  c.model.window = 8;       // short layers: sliding window of 8 ...
-  c.model.long_every = 2;   // ... layer 1 long (full causal)
-  return c;
-}
-
-Config moe_config() {
-  Config c = base_config();
-  auto& m = c.model;
-  m.moe_experts = 8;
-  m.moe_top_k = 2;
-  m.moe_expert_ff = 32;
-  m.moe_shared_expert = true;
-  m.moe_shared_ff = 48;
-  m.moe_combine = "normalized";
-  m.moe_route_scale = 2.5;
-  m.moe_balance = "quantile";
-  m.router_z_loss = 1e-3;
-  m.moe_layers = "0,2";  // layer 1 dense: mixed models too
-  return c;
-}
-
-constexpr int kEod = 3;
-
-Config switches_config() {
-  Config c = base_config();
-  auto& m = c.model;
-  m.half_rope = true;
-  m.qk_norm_gain = false;
-  m.q_scale = 1.3;
-  m.window = 8;
-  m.long_every = 2;
-  m.last_layer_long = true;
-  m.pko = true;
-  m.eod_id = kEod;
-  m.xsa = true;
-  m.attn_gate = true;
-  m.gated_norm_rank = 8;
-  return c;
-}
-
-// Uniform tokens; every 11th position an end-of-document id, so PKO resets inside sequences.
-void make_batch(const Config& c, uint64_t seed, std::vector<int32_t>& in, std::vector<int32_t>& tg) {
-  const size_t N = size_t(c.run.batch_size) * c.model.seq_len;
-  in.resize(N);
-  tg.resize(N);
-  Philox r(seed, stream_id("cuda-model-batch"));
-  for (size_t i = 0; i < N; ++i) {
-    in[i] = i % 11 == 5 ? kEod : int32_t(r.u64(2 * i) % uint64_t(c.model.vocab_size));
-    tg[i] = int32_t(r.u64(2 * i + 1) % uint64_t(c.model.vocab_size));
-  }
-}
 
 class CudaModel : public ::testing::Test {
  protected:

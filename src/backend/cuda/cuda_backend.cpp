@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "backend/cuda/attention_tc.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/kernels.cuh"
@@ -159,11 +160,17 @@ class CudaBackendImpl final : public CudaBackend {
   void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
                          const AttnShape& s) override {
     check_attn(s);
+    if (tc_attention(s)) return check(k::attention_tc_forward(o, lse, q, k, v, s, st_), "attention_tc_forward");
     check(k::attention_forward(o, lse, q, k, v, s, st_), "attention_forward");
   }
   void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
                           const float* v, const float* o, const float* lse, const AttnShape& s) override {
     check_attn(s);
+    if (tc_attention(s)) {  // the same condition as the forward: both passes use one kernel family
+      float_scratch_.reserve(k::attention_tc_backward_scratch_floats(s), "attention backward scratch");
+      return check(k::attention_tc_backward(dq, dk, dv, dout, q, k, v, o, lse, s, float_scratch_.data(), st_),
+                   "attention_tc_backward");
+    }
     float_scratch_.reserve(k::attention_backward_scratch_floats(s), "attention backward scratch");
     check(k::attention_backward(dq, dk, dv, dout, q, k, v, o, lse, s, float_scratch_.data(), st_),
           "attention_backward");
@@ -366,6 +373,10 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
  private:
+  // bf16 precision runs attention on the tensor cores (attention_tc.cu) where that kernel supports
+  // the shape and the device (head_dim 64 or 128, enough shared memory); elsewhere the fp32 kernel.
+  bool tc_attention(const AttnShape& s) const { return opt_.bf16 && k::attention_tc_supported(s); }
+
   void post(const char* op) {
     if (!sync_each_) return;
     const cudaError_t e = cudaStreamSynchronize(st_);

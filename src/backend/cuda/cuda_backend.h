@@ -37,6 +37,8 @@ struct CudaOptions {
   // GEMMs on the tensor cores in bf16: both operands rounded to bf16 (8-bit mantissa, about 4e-3
   // relative error per product), fp32 accumulation, fp32 output. The operands are cast into
   // scratch per call (the AMP-style first step: activations stay fp32 in memory). Wins over tf32.
+  // Attention then runs on the tensor cores too (attention_tc.cu: bf16 MMA, fp32 softmax and
+  // accumulators) for head_dim 64 and 128.
   bool bf16 = false;
 };
 
