@@ -322,6 +322,22 @@ TEST_F(CudaMoe, BalanceValuesAndQuantileBetaAreExact) {
   exact(down(d_beta, E), beta, "moe_quantile_beta T=100000");
 }
 
+TEST_F(CudaMoe, QuantileBetaInColumnChunks) {
+  // T = 2^22: 16 MiB of keys per column, so the 64 MiB scratch takes 4 columns at a time and
+  // E = 21 runs in 6 chunks, the last one a single column.
+  const int64_t T = int64_t(1) << 22;
+  const int E = 21, K = 3;
+  std::vector<float> vals(size_t(T) * E);
+  std::uniform_int_distribution<int> q(-20000, 20000);  // coarse values: many ties around the quantile
+  for (auto& x : vals) x = float(q(rng_)) * 1e-3f;
+  std::vector<double> beta(E);
+  cpu::moe_quantile_beta(beta.data(), vals.data(), T, E, K);
+  auto d_vals = up(vals);
+  auto d_beta = poisoned<double>(E);
+  be().moe_quantile_beta(d_beta.data(), d_vals.data(), T, E, K);
+  exact(down(d_beta, E), beta, "moe_quantile_beta T=2^22 E=21 (chunks)");
+}
+
 TEST_F(CudaMoe, CountLoadAndPkoResets) {
   for (int E : kEs) {
     const int NK = 500;

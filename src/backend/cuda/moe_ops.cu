@@ -293,24 +293,25 @@ __device__ __forceinline__ float key_float(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// keys[j * T + i] = float_key(vals[i * E + j]); 32x32 tiles through shared memory.
-__global__ void transpose_keys_kernel(uint32_t* keys, const float* vals, int64_t T, int E) {
+// keys[(j - j0) * T + i] = float_key(vals[i * E + j]) for the nc columns j0 <= j < j0 + nc;
+// 32x32 tiles through shared memory.
+__global__ void transpose_keys_kernel(uint32_t* keys, const float* vals, int64_t T, int E, int j0_cols, int nc) {
   __shared__ uint32_t tile[32][33];
   const int64_t tiles_t = (T + 31) / 32;
-  const int tiles_e = (E + 31) / 32;
+  const int tiles_e = (nc + 31) / 32;
   for (int64_t b = blockIdx.x; b < tiles_t * tiles_e; b += gridDim.x) {
     const int64_t i0 = (b / tiles_e) * 32;
-    const int j0 = int(b % tiles_e) * 32;
-    for (int r = threadIdx.y; r < 32; r += blockDim.y) {  // read rows i0+r, columns j0+tx
+    const int c0 = int(b % tiles_e) * 32;  // chunk-local column
+    for (int r = threadIdx.y; r < 32; r += blockDim.y) {  // read rows i0+r, columns c0+tx
       const int64_t i = i0 + r;
-      const int j = j0 + threadIdx.x;
-      if (i < T && j < E) tile[r][threadIdx.x] = float_key(vals[size_t(i) * E + j]);
+      const int c = c0 + threadIdx.x;
+      if (i < T && c < nc) tile[r][threadIdx.x] = float_key(vals[size_t(i) * E + j0_cols + c]);
     }
     __syncthreads();
-    for (int r = threadIdx.y; r < 32; r += blockDim.y) {  // write column j0+r, rows i0+tx
-      const int j = j0 + r;
+    for (int r = threadIdx.y; r < 32; r += blockDim.y) {  // write column c0+r, rows i0+tx
+      const int c = c0 + r;
       const int64_t i = i0 + threadIdx.x;
-      if (i < T && j < E) keys[size_t(j) * T + i] = tile[threadIdx.x][r];
+      if (i < T && c < nc) keys[size_t(c) * T + i] = tile[threadIdx.x][r];
     }
     __syncthreads();
   }
@@ -717,9 +718,19 @@ cudaError_t moe_balance_values(float* vals, const float* logits, const float* bi
   return cudaGetLastError();
 }
 
+// The transposed keys of a chunk of columns; chunks bound the scratch (T * E * 4 bytes at once
+// would be gigabytes for a large step) while keeping enough columns per launch to fill the device.
+static constexpr size_t kQuantileScratchCap = size_t(64) << 20;
+
+static int quantile_chunk_cols(int64_t T, int E) {
+  const size_t per_col = sizeof(uint32_t) * size_t(T);
+  const size_t cols = kQuantileScratchCap / per_col;
+  return int(cols < 1 ? 1 : (cols > size_t(E) ? size_t(E) : cols));
+}
+
 size_t moe_quantile_beta_scratch_bytes(int64_t T, int E) {
   if (T <= 0 || E <= 0) return 0;
-  return sizeof(uint32_t) * size_t(T) * size_t(E);
+  return sizeof(uint32_t) * size_t(T) * size_t(quantile_chunk_cols(T, E));
 }
 
 cudaError_t moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K, void* scratch,
@@ -730,10 +741,16 @@ cudaError_t moe_quantile_beta(double* beta, const float* vals, int64_t T, int E,
   const int64_t q64 = T * K / E;  // floor(T*K/E), at least 1 (the CPU's q); <= T since K <= E
   const int q = int(q64 < 1 ? 1 : q64);
   uint32_t* keys = static_cast<uint32_t*>(scratch);
-  const size_t tiles = size_t((T + 31) / 32) * size_t((E + 31) / 32);
-  transpose_keys_kernel<<<grid_for(tiles, 1), dim3(32, 8), 0, st>>>(keys, vals, T, E);
-  radix_select_kernel<<<unsigned(E), kSelThreads, 0, st>>>(beta, keys, int(T), q);
-  return cudaGetLastError();
+  const int chunk = quantile_chunk_cols(T, E);
+  for (int j0 = 0; j0 < E; j0 += chunk) {  // stream order: a chunk's select finishes before the next transpose
+    const int nc = E - j0 < chunk ? E - j0 : chunk;
+    const size_t tiles = size_t((T + 31) / 32) * size_t((nc + 31) / 32);
+    transpose_keys_kernel<<<grid_for(tiles, 1), dim3(32, 8), 0, st>>>(keys, vals, T, E, j0, nc);
+    radix_select_kernel<<<unsigned(nc), kSelThreads, 0, st>>>(beta + j0, keys, int(T), q);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 namespace {

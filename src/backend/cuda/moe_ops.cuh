@@ -52,7 +52,8 @@ cudaError_t moe_balance_values(float* vals, const float* logits, const float* bi
                                cudaStream_t st);
 // Exact q-th largest per column (a radix select on a transposed, order-preserving integer copy).
 // beta [E] doubles. Requires 1 <= T <= INT32_MAX and K <= E. `scratch` holds
-// moe_quantile_beta_scratch_bytes(T, E) bytes.
+// moe_quantile_beta_scratch_bytes(T, E) bytes: the keys of as many columns as fit in 64 MiB (at
+// least one), processed chunk after chunk.
 size_t moe_quantile_beta_scratch_bytes(int64_t T, int E);
 cudaError_t moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K, void* scratch,
                               size_t scratch_bytes, cudaStream_t st);
