@@ -15,6 +15,7 @@
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/lt_gemm.h"
 #include "backend/cuda/switch_optim_ops.cuh"
+#include "backend/cuda/moe_ops.cuh"
 
 namespace ladder {
 namespace cuda {
@@ -221,17 +222,20 @@ class CudaBackendImpl final : public CudaBackend {
     check(k::adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, st_), "adamw_update");
   }
 
-  // Ops the CPU backend gained with the MoE, attention-switch and optimizer work (issues 3, 4, 7)
-  // have no CUDA kernels yet (docs/cuda.md, "remaining plan"). They fail loudly rather than fall back
-  // to anything: the model is not wired to this backend yet either (check_run_device refuses).
-  [[noreturn]] static void missing(const char* op) {
-    fail("--device cuda: the CUDA backend has no kernel for '{}' yet (see docs/cuda.md)", op);
+  // MoE dispatch and the grouped GEMM (moe_ops.cu). Offsets stay on the device; nothing here waits.
+  void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
+                    const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C, int ldc,
+                    size_t strideC) override {
+    // fp32 CUDA-core kernel even when tf32 is on: exact fp32 is the goal here (docs/cuda.md).
+    moe_tiles_.reserve(k::grouped_gemm_scratch_ints(E), "grouped gemm tile prefix");
+    check(k::grouped_gemm(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc,
+                          strideC, moe_tiles_.data(), st_),
+          "grouped_gemm");
   }
-  void grouped_gemm(bool, bool, int, const int32_t*, int, int, int, float, const float*, int, const float*, int,
-                    size_t, float, float*, int, size_t) override {
-    missing("grouped_gemm");
+  void pko_resets(uint8_t* reset, const int32_t* ids, int N_tok, int S, int eod_id) override {
+    if (N_tok > 0 && S < 1) fail("pko_resets: sequence length must be >= 1 (got {})", S);
+    check(k::pko_resets(reset, ids, N_tok, S, eod_id, st_), "pko_resets");
   }
-  void pko_resets(uint8_t*, const int32_t*, int, int, int) override { missing("pko_resets"); }
   // Attention switches and GatedNorm's elementwise parts (switch_ops.cu).
   void pko_shift_forward(float* out, const float* k, const uint8_t* reset, int N_tok, int nkv, int hd,
                          int from_dim) override {
@@ -273,30 +277,51 @@ class CudaBackendImpl final : public CudaBackend {
                              bool accumulate_dx) override {
     check(k::sigmoid_gate_backward(dx, dg, dy, x, s, n, accumulate_dx, st_), "sigmoid_gate_backward");
   }
-  void moe_route(float*, int32_t*, float*, const float*, const float*, int, int, int, bool, double) override {
-    missing("moe_route");
+  void moe_route(float* lse, int32_t* expert, float* comb, const float* logits, const float* bias, int N, int E,
+                 int K, bool normalized, double route_scale) override {
+    if (N > 0 && (K < 1 || K > E)) fail("moe_route: need 1 <= K <= E (K = {}, E = {})", K, E);
+    check(k::moe_route(lse, expert, comb, logits, bias, N, E, K, normalized, route_scale, st_), "moe_route");
   }
-  void moe_sort(int32_t*, int32_t*, int32_t*, const int32_t*, int, int) override { missing("moe_sort"); }
-  void moe_gather(float*, const float*, const int32_t*, int, int, int) override { missing("moe_gather"); }
-  void moe_combine(float*, const float*, const float*, const int32_t*, int, int, int) override {
-    missing("moe_combine");
+  void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E) override {
+    if (E < 0 || (NK > 0 && E == 0)) fail("moe_sort: {} slots over {} experts", NK, E);
+    moe_scratch_.reserve(k::moe_sort_scratch_bytes(NK, E), "moe sort scratch");
+    check(k::moe_sort(offsets, row, slot, expert, NK, E, moe_scratch_.data(), moe_scratch_.bytes(), st_),
+          "moe_sort");
   }
-  void moe_combine_backward(float*, float*, const float*, const float*, const float*, const int32_t*, int, int,
-                            int) override {
-    missing("moe_combine_backward");
+  void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
+    check(k::moe_gather(xs, h, slot, NK, K, d, st_), "moe_gather");
   }
-  void moe_gather_backward(float*, const float*, const int32_t*, int, int, int) override {
-    missing("moe_gather_backward");
+  void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d) override {
+    check(k::moe_combine(out, y, comb, row, N, K, d, st_), "moe_combine");
   }
-  void moe_router_backward(float*, const float*, const float*, const int32_t*, const float*, int, int, int, bool,
-                           double, float) override {
-    missing("moe_router_backward");
+  void moe_combine_backward(float* dy, float* dcomb, const float* dout, const float* y, const float* comb,
+                            const int32_t* row, int N, int K, int d) override {
+    check(k::moe_combine_backward(dy, dcomb, dout, y, comb, row, N, K, d, st_), "moe_combine_backward");
   }
-  void moe_balance_values(float*, const float*, const float*, int, int, int) override {
-    missing("moe_balance_values");
+  void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) override {
+    check(k::moe_gather_backward(dh, dx, row, N, K, d, st_), "moe_gather_backward");
   }
-  void moe_quantile_beta(double*, const float*, int64_t, int, int) override { missing("moe_quantile_beta"); }
-  void moe_count_load(int64_t*, const int32_t*, int) override { missing("moe_count_load"); }
+  void moe_router_backward(float* ds, const float* logits, const float* lse, const int32_t* expert,
+                           const float* dcomb, int N, int E, int K, bool normalized, double route_scale,
+                           float z_scale) override {
+    check(k::moe_router_backward(ds, logits, lse, expert, dcomb, N, E, K, normalized, route_scale, z_scale, st_),
+          "moe_router_backward");
+  }
+  void moe_balance_values(float* vals, const float* logits, const float* bias, int N, int E, int K) override {
+    if (N > 0 && (K < 0 || K >= E)) fail("moe_balance_values: need K < E (K = {}, E = {})", K, E);
+    check(k::moe_balance_values(vals, logits, bias, N, E, K, st_), "moe_balance_values");
+  }
+  void moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K) override {
+    if (E <= 0) return;
+    if (T < 1 || T > INT32_MAX || K < 0 || K > E)
+      fail("moe_quantile_beta: need 1 <= T <= 2^31-1 tokens and K <= E (T = {}, K = {}, E = {})", T, K, E);
+    moe_scratch_.reserve(k::moe_quantile_beta_scratch_bytes(T, E), "moe quantile scratch");
+    check(k::moe_quantile_beta(beta, vals, T, E, K, moe_scratch_.data(), moe_scratch_.bytes(), st_),
+          "moe_quantile_beta");
+  }
+  void moe_count_load(int64_t* load, const int32_t* offsets, int E) override {
+    check(k::moe_count_load(load, offsets, E, st_), "moe_count_load");
+  }
   // The recipe optimizers (optim_ops.cu; Newton-Schulz's GEMMs through LtGemm). The synchronous
   // forms run the _async ones into sums_ and wait for the one double.
   double adam_moments(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1, float bc2,
@@ -448,6 +473,8 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
   DeviceBuffer<double> optim_scratch_;  // optim_partials()
   DeviceBuffer<float> ns_work_;         // newton_schulz5: Y, A, P
+  DeviceBuffer<char> moe_scratch_;      // moe_sort (CUB + keys), moe_quantile_beta (transposed keys)
+  DeviceBuffer<int32_t> moe_tiles_;     // grouped_gemm: per-expert row-tile prefix [E+1]
   double* host_sums_ = nullptr;
   std::map<std::tuple<int, int, double>, DeviceBuffer<float>> rope_;
 };

@@ -1,0 +1,627 @@
+// The CUDA MoE dispatch ops and the device-side grouped GEMM (backend/cuda/moe_ops.cu) against the
+// CPU kernels (backend/cpu/moe_kernels.h, cpu::grouped_gemm; float) on fresh random inputs, plus
+// the whole MoE block (model/moe.h) through BackendOps on the CUDA backend against the CPU backend.
+// Same conventions as test_cuda_kernels.cpp: the seed is printed, outputs are poisoned first (every
+// byte 0xFF: NaN for floats, -1 for integers) so an element a kernel never writes fails, float
+// outputs are compared by ||gpu - cpu|| / ||cpu|| ("[ rel err ]" lines), integer outputs and
+// selections (experts, rows, slots, offsets, loads, resets, balance values, quantile beta) exactly.
+// Without a GPU each test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/kernels.h"
+#include "backend/cpu/moe_kernels.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/device_memory.h"
+#include "core/error.h"
+#include "model/moe.h"
+
+namespace ladder {
+namespace {
+
+using cuda::DeviceBuffer;
+
+constexpr double kF32 = 5e-6;
+constexpr double kBlock = 1e-5;  // the whole MoE block, CUDA backend vs CPU backend
+
+class CudaMoe : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    reason_ = cuda::device_unavailable_reason();
+    if (reason_.empty()) be_ = cuda::make_backend().release();
+  }
+  static void TearDownTestSuite() {
+    delete be_;
+    be_ = nullptr;
+  }
+  void SetUp() override {
+    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
+    const uint64_t seed = std::random_device{}();
+    rng_.seed(seed);
+    RecordProperty("seed", std::to_string(seed));
+    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
+  }
+
+  cuda::CudaBackend& be() { return *be_; }
+
+  std::vector<float> randv(size_t n, float lo = -1.f, float hi = 1.f) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng_);
+    return v;
+  }
+  // Multiples of `step` in [-levels, levels] * step: many exact ties, and exact sums and products.
+  std::vector<float> quantized(size_t n, int levels, float step) {
+    std::uniform_int_distribution<int> d(-levels, levels);
+    std::vector<float> v(n);
+    for (auto& x : v) x = float(d(rng_)) * step;
+    return v;
+  }
+  int randint(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
+  // Skewed expert choice: experts >= E/2 + 1 never chosen, low experts far more often (u^3).
+  std::vector<int32_t> skewed_experts(size_t n, int E) {
+    std::uniform_real_distribution<double> u(0, 1);
+    const int used = std::max(1, E / 2 + 1);
+    std::vector<int32_t> v(n);
+    for (auto& x : v) x = std::min(used - 1, int(used * std::pow(u(rng_), 3.0)));
+    return v;
+  }
+
+  template <class T>
+  DeviceBuffer<T> up(const std::vector<T>& h) {
+    DeviceBuffer<T> d(h.size() ? h.size() : 1);
+    if (!h.empty()) d.upload(h);
+    return d;
+  }
+  template <class T>
+  DeviceBuffer<T> poisoned(size_t n) {
+    DeviceBuffer<T> d(n ? n : 1);
+    d.poison();
+    return d;
+  }
+  template <class T>
+  std::vector<T> down(const DeviceBuffer<T>& d, size_t n) {
+    be().synchronize();
+    std::vector<T> h = d.download();
+    h.resize(n);
+    return h;
+  }
+
+  // Fails on any non-finite GPU value where the CPU value is finite, then on the relative error.
+  static double check(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol,
+                      const std::string& what) {
+    EXPECT_EQ(gpu.size(), cpu.size()) << what;
+    size_t bad = 0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < cpu.size() && i < gpu.size(); ++i) {
+      if (!std::isfinite(gpu[i]) && std::isfinite(cpu[i])) {
+        if (bad++ < 3) ADD_FAILURE() << what << ": element " << i << " is " << gpu[i] << " (cpu " << cpu[i] << ")";
+        continue;
+      }
+      const double d = double(gpu[i]) - double(cpu[i]);
+      num += d * d;
+      den += double(cpu[i]) * double(cpu[i]);
+    }
+    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not written or not finite";
+    const double rel = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+    std::printf("[ rel err  ] %-44s %.3e (tol %.0e)\n", what.c_str(), rel, tol);
+    EXPECT_LE(rel, tol) << what;
+    return rel;
+  }
+  // Exact equality, element by element (integers; float selections compared with ==).
+  template <class T>
+  static void exact(const std::vector<T>& gpu, const std::vector<T>& cpu, const std::string& what) {
+    ASSERT_EQ(gpu.size(), cpu.size()) << what;
+    size_t bad = 0;
+    for (size_t i = 0; i < cpu.size(); ++i)
+      if (!(gpu[i] == cpu[i]) && bad++ < 5)
+        ADD_FAILURE() << what << ": element " << i << " is " << +gpu[i] << ", cpu " << +cpu[i];
+    std::printf("[ exact    ] %-44s %zu of %zu differ\n", what.c_str(), bad, cpu.size());
+    EXPECT_EQ(bad, 0u) << what;
+  }
+
+  static inline std::string reason_;
+  static inline cuda::CudaBackend* be_ = nullptr;
+  std::mt19937_64 rng_;
+};
+
+const int kEs[] = {8, 64, 65};
+const int kKs[] = {1, 2, 4};
+
+// ---------------------------------------------------------------------------------------------
+
+TEST_F(CudaMoe, RouteMatchesCpuIncludingTies) {
+  const int N = 203;
+  for (int E : kEs)
+    for (int K : kKs)
+      for (int variant = 0; variant < 3; ++variant) {
+        // 0: continuous scores and bias; 1: scores on a coarse grid, no bias (many exact ties);
+        // 2: coarse scores and a coarse bias (ties of s + bias between different s).
+        const bool normalized = variant != 0;
+        const std::string what = fmt::format("moe_route E={} K={} var={}", E, K, variant);
+        SCOPED_TRACE(what);
+        std::vector<float> logits, bias;
+        if (variant == 0) {
+          logits = randv(size_t(N) * E, -3.f, 3.f);
+          bias = randv(size_t(E), -0.5f, 0.5f);
+        } else {
+          logits = quantized(size_t(N) * E, 3, 0.5f);
+          bias = variant == 1 ? std::vector<float>(size_t(E), 0.f) : quantized(size_t(E), 2, 0.5f);
+        }
+        const size_t NK = size_t(N) * K;
+        std::vector<float> lse(N), comb(NK);
+        std::vector<int32_t> expert(NK);
+        cpu::moe_route<float>(lse.data(), expert.data(), comb.data(), logits.data(), bias.data(), N, E, K, normalized,
+                              2.5);
+        auto d_logits = up(logits), d_bias = up(bias);
+        auto d_lse = poisoned<float>(N), d_comb = poisoned<float>(NK);
+        auto d_expert = poisoned<int32_t>(NK);
+        be().moe_route(d_lse.data(), d_expert.data(), d_comb.data(), d_logits.data(), d_bias.data(), N, E, K,
+                       normalized, 2.5);
+        exact(down(d_expert, NK), expert, what + " expert");
+        check(down(d_lse, N), lse, kF32, what + " lse");
+        check(down(d_comb, NK), comb, kF32, what + " comb");
+      }
+}
+
+TEST_F(CudaMoe, SortIsTheCpuSortBitForBit) {
+  const int N = 203;
+  for (int E : kEs)
+    for (int K : kKs) {
+      const std::string what = fmt::format("moe_sort E={} K={}", E, K);
+      SCOPED_TRACE(what);
+      const int NK = N * K;
+      auto expert = skewed_experts(size_t(NK), E);  // upper experts empty, lower ones crowded
+      std::vector<int32_t> off(E + 1), row(NK), slot(NK);
+      cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+      ASSERT_EQ(off[E], NK);
+      auto d_expert = up(expert);
+      auto d_off = poisoned<int32_t>(E + 1), d_row = poisoned<int32_t>(NK), d_slot = poisoned<int32_t>(NK);
+      be().moe_sort(d_off.data(), d_row.data(), d_slot.data(), d_expert.data(), NK, E);
+      exact(down(d_off, E + 1), off, what + " offsets");
+      exact(down(d_row, NK), row, what + " row");
+      exact(down(d_slot, NK), slot, what + " slot");
+    }
+  // No slots at all: every offset 0.
+  auto d_off = poisoned<int32_t>(9);
+  be().moe_sort(d_off.data(), nullptr, nullptr, nullptr, 0, 8);
+  exact(down(d_off, 9), std::vector<int32_t>(9, 0), "moe_sort NK=0");
+  // Every slot on the last expert (E = 65: the top key bit is in use).
+  const int E = 65, NK = 77;
+  std::vector<int32_t> expert(NK, E - 1), off(E + 1), row(NK), slot(NK);
+  cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+  auto d_expert = up(expert);
+  auto d_off2 = poisoned<int32_t>(E + 1), d_row = poisoned<int32_t>(NK), d_slot = poisoned<int32_t>(NK);
+  be().moe_sort(d_off2.data(), d_row.data(), d_slot.data(), d_expert.data(), NK, E);
+  exact(down(d_off2, E + 1), off, "moe_sort all on expert 64 offsets");
+  exact(down(d_row, NK), row, "moe_sort all on expert 64 row");
+  exact(down(d_slot, NK), slot, "moe_sort all on expert 64 slot");
+}
+
+TEST_F(CudaMoe, GatherCombineAndBackward) {
+  const int N = 131;
+  for (int E : kEs)
+    for (int K : kKs)
+      for (int d : {1, 37, 300}) {
+        const std::string what = fmt::format("E={} K={} d={}", E, K, d);
+        SCOPED_TRACE(what);
+        const int NK = N * K;
+        auto expert = skewed_experts(size_t(NK), E);
+        std::vector<int32_t> off(E + 1), row(NK), slot(NK);
+        cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+        auto h = randv(size_t(N) * d), y = randv(size_t(NK) * d), comb = randv(size_t(NK), 0.f, 1.f);
+        auto out0 = randv(size_t(N) * d), dout = randv(size_t(N) * d), dx = randv(size_t(NK) * d);
+        auto d_row = up(row), d_slot = up(slot);
+        auto d_h = up(h), d_y = up(y), d_comb = up(comb), d_dout = up(dout), d_dx = up(dx);
+
+        std::vector<float> xs(size_t(NK) * d);
+        cpu::moe_gather<float>(xs.data(), h.data(), slot.data(), NK, K, d);
+        auto d_xs = poisoned<float>(xs.size());
+        be().moe_gather(d_xs.data(), d_h.data(), d_slot.data(), NK, K, d);
+        check(down(d_xs, xs.size()), xs, 0.0, "moe_gather " + what);
+
+        std::vector<float> out = out0;  // accumulates: starts from random values
+        cpu::moe_combine<float>(out.data(), y.data(), comb.data(), row.data(), N, K, d);
+        auto d_out = up(out0);
+        be().moe_combine(d_out.data(), d_y.data(), d_comb.data(), d_row.data(), N, K, d);
+        check(down(d_out, out.size()), out, kF32, "moe_combine " + what);
+
+        std::vector<float> dy(size_t(NK) * d), dcomb(NK);
+        cpu::moe_combine_backward<float>(dy.data(), dcomb.data(), dout.data(), y.data(), comb.data(), row.data(), N,
+                                         K, d);
+        auto d_dy = poisoned<float>(dy.size()), d_dcomb = poisoned<float>(NK);
+        be().moe_combine_backward(d_dy.data(), d_dcomb.data(), d_dout.data(), d_y.data(), d_comb.data(),
+                                  d_row.data(), N, K, d);
+        check(down(d_dy, dy.size()), dy, 0.0, "moe_combine_backward dy " + what);  // one product each
+        check(down(d_dcomb, NK), dcomb, kF32, "moe_combine_backward dcomb " + what);
+
+        std::vector<float> dh(size_t(N) * d);
+        cpu::moe_gather_backward<float>(dh.data(), dx.data(), row.data(), N, K, d);
+        auto d_dh = poisoned<float>(dh.size());
+        be().moe_gather_backward(d_dh.data(), d_dx.data(), d_row.data(), N, K, d);
+        check(down(d_dh, dh.size()), dh, kF32, "moe_gather_backward " + what);
+      }
+}
+
+TEST_F(CudaMoe, RouterBackwardMatchesCpu) {
+  const int N = 157;
+  for (int E : kEs)
+    for (int K : kKs)
+      for (int variant = 0; variant < 3; ++variant) {
+        // 0: plain sigmoid, no z-loss; 1: normalized, z-loss; 2: plain sigmoid, z-loss.
+        const bool normalized = variant == 1;
+        const float z = variant == 0 ? 0.f : 3e-2f;
+        const std::string what = fmt::format("moe_router_backward E={} K={} var={}", E, K, variant);
+        SCOPED_TRACE(what);
+        const size_t NK = size_t(N) * K;
+        auto logits = randv(size_t(N) * E, -3.f, 3.f), bias = randv(size_t(E), -0.3f, 0.3f);
+        auto dcomb = randv(NK);
+        std::vector<float> lse(N), comb(NK), ds(size_t(N) * E);
+        std::vector<int32_t> expert(NK);
+        cpu::moe_route<float>(lse.data(), expert.data(), comb.data(), logits.data(), bias.data(), N, E, K, normalized,
+                              1.7);
+        cpu::moe_router_backward<float>(ds.data(), logits.data(), lse.data(), expert.data(), dcomb.data(), N, E, K,
+                                        normalized, 1.7, z);
+        auto d_logits = up(logits), d_lse = up(lse), d_dcomb = up(dcomb);
+        auto d_expert = up(expert);
+        auto d_ds = poisoned<float>(ds.size());
+        be().moe_router_backward(d_ds.data(), d_logits.data(), d_lse.data(), d_expert.data(), d_dcomb.data(), N, E,
+                                 K, normalized, 1.7, z);
+        check(down(d_ds, ds.size()), ds, kF32, what);
+      }
+}
+
+TEST_F(CudaMoe, BalanceValuesAndQuantileBetaAreExact) {
+  for (int E : kEs)
+    for (int K : kKs)
+      for (int T : {1, 10, 777}) {
+        for (int ties = 0; ties < 2; ++ties) {
+          const std::string what = fmt::format("E={} K={} T={}{}", E, K, T, ties ? " ties" : "");
+          SCOPED_TRACE(what);
+          auto logits = ties ? quantized(size_t(T) * E, 4, 0.25f) : randv(size_t(T) * E, -4.f, 4.f);
+          auto bias = ties ? quantized(size_t(E), 1, 0.25f) : randv(size_t(E), -0.5f, 0.5f);
+          std::vector<float> vals(size_t(T) * E);
+          cpu::moe_balance_values<float>(vals.data(), logits.data(), bias.data(), T, E, K);
+          auto d_logits = up(logits), d_bias = up(bias);
+          auto d_vals = poisoned<float>(vals.size());
+          be().moe_balance_values(d_vals.data(), d_logits.data(), d_bias.data(), T, E, K);
+          auto got = down(d_vals, vals.size());
+          // s - alpha with the same alpha is the same float subtraction: exact.
+          exact(got, vals, "moe_balance_values " + what);
+
+          // beta from the same vals on both sides (the CPU's), so the selection alone is tested;
+          // negative zeros included (they equal +0 in the selection).
+          std::vector<float> v2 = vals;
+          if (ties && !v2.empty()) v2[0] = -0.f;
+          std::vector<double> beta(E);
+          cpu::moe_quantile_beta(beta.data(), v2.data(), T, E, K);
+          auto d_v2 = up(v2);
+          auto d_beta = poisoned<double>(E);
+          be().moe_quantile_beta(d_beta.data(), d_v2.data(), T, E, K);
+          exact(down(d_beta, E), beta, "moe_quantile_beta " + what);
+        }
+      }
+  // A large column: T = 100000 (several grid-stride passes of the select and transpose).
+  const int T = 100000, E = 8, K = 2;
+  auto vals = randv(size_t(T) * E, -5.f, 5.f);
+  for (size_t i = 0; i < vals.size(); i += 3) vals[i] = std::round(vals[i] * 4.f) / 4.f;  // ties
+  std::vector<double> beta(E);
+  cpu::moe_quantile_beta(beta.data(), vals.data(), T, E, K);
+  auto d_vals = up(vals);
+  auto d_beta = poisoned<double>(E);
+  be().moe_quantile_beta(d_beta.data(), d_vals.data(), T, E, K);
+  exact(down(d_beta, E), beta, "moe_quantile_beta T=100000");
+}
+
+TEST_F(CudaMoe, QuantileBetaInColumnChunks) {
+  // T = 2^22: 16 MiB of keys per column, so the 64 MiB scratch takes 4 columns at a time and
+  // E = 21 runs in 6 chunks, the last one a single column.
+  const int64_t T = int64_t(1) << 22;
+  const int E = 21, K = 3;
+  std::vector<float> vals(size_t(T) * E);
+  std::uniform_int_distribution<int> q(-20000, 20000);  // coarse values: many ties around the quantile
+  for (auto& x : vals) x = float(q(rng_)) * 1e-3f;
+  std::vector<double> beta(E);
+  cpu::moe_quantile_beta(beta.data(), vals.data(), T, E, K);
+  auto d_vals = up(vals);
+  auto d_beta = poisoned<double>(E);
+  be().moe_quantile_beta(d_beta.data(), d_vals.data(), T, E, K);
+  exact(down(d_beta, E), beta, "moe_quantile_beta T=2^22 E=21 (chunks)");
+}
+
+TEST_F(CudaMoe, CountLoadAndPkoResets) {
+  for (int E : kEs) {
+    const int NK = 500;
+    auto expert = skewed_experts(size_t(NK), E);
+    std::vector<int32_t> off(E + 1), row(NK), slot(NK);
+    cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+    std::vector<int64_t> load(E);
+    for (auto& x : load) x = randint(0, 1000);
+    auto d_load = up(load);
+    auto d_off = up(off);
+    cpu::moe_count_load(load.data(), off.data(), E);
+    be().moe_count_load(d_load.data(), d_off.data(), E);
+    exact(down(d_load, E), load, fmt::format("moe_count_load E={}", E));
+  }
+  for (int S : {1, 7, 64}) {
+    const int N_tok = 3 * S + (S > 1 ? 5 : 0), eod = 3;
+    std::vector<int32_t> ids(N_tok);
+    for (auto& x : ids) x = randint(0, 5);  // eod often, also at sequence ends
+    std::vector<uint8_t> reset(N_tok);
+    cpu::pko_resets(reset.data(), ids.data(), N_tok, S, eod);
+    auto d_ids = up(ids);
+    auto d_reset = poisoned<uint8_t>(N_tok);
+    be().pko_resets(d_reset.data(), d_ids.data(), N_tok, S, eod);
+    exact(down(d_reset, N_tok), reset, fmt::format("pko_resets S={}", S));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMM
+
+struct GroupedCase {
+  bool rows_out, transB;
+  int E, M, N, K;  // rows_out: N x K per expert (M unused); else M x N per expert (K unused)
+  int pad;         // extra floats per row of every operand
+  float alpha, beta;
+  int max_rows;    // rows per expert drawn from [0, max_rows]; some experts forced empty
+};
+
+std::vector<int32_t> random_offsets(std::mt19937_64& rng, int E, int max_rows) {
+  std::vector<int32_t> off(E + 1, 0);
+  std::uniform_int_distribution<int> rows(0, max_rows), coin(0, 3);
+  for (int e = 0; e < E; ++e) {
+    int r = coin(rng) == 0 ? 0 : rows(rng);  // about a quarter empty
+    if (e == 1) r = 0;                       // at least one empty expert
+    if (e == 2) r = max_rows * 3 + 7;        // one crowded expert (several row tiles, a partial one)
+    off[e + 1] = off[e] + r;
+  }
+  return off;
+}
+
+TEST_F(CudaMoe, GroupedGemmBothShapes) {
+  const GroupedCase cases[] = {
+      // rows_out = true (forward / data gradient), both transB, beta 0 on a poisoned C and beta != 0.
+      {true, true, 8, 0, 75, 37, 0, 1.f, 0.f, 50},
+      {true, false, 8, 0, 75, 37, 3, 0.7f, 0.f, 50},
+      {true, true, 65, 0, 130, 67, 1, -1.3f, 0.5f, 20},
+      {true, false, 65, 0, 33, 129, 0, 1.f, 1.f, 20},
+      {true, true, 64, 0, 64, 64, 0, 1.f, 0.f, 64},
+      {true, false, 8, 0, 200, 512, 2, 0.25f, -0.75f, 90},
+      {true, true, 8, 0, 5, 0, 0, 1.f, 0.5f, 10},  // K = 0: C = beta C
+      // rows_out = false (weight gradient), beta 0 poisoned, 1 (accumulate) and other.
+      {false, false, 8, 70, 45, 0, 0, 1.f, 0.f, 50},
+      {false, true, 8, 70, 45, 0, 5, 0.7f, 1.f, 50},  // transB is unused by this shape
+      {false, false, 65, 33, 130, 0, 1, -1.3f, 0.5f, 20},
+      {false, false, 64, 64, 64, 0, 0, 1.f, 1.f, 64},
+      {false, false, 8, 129, 200, 0, 3, 0.5f, 0.f, 300},
+  };
+  for (const auto& c : cases) {
+    const std::string what = fmt::format("grouped_gemm rows_out={} tB={} E={} M={} N={} K={} a={} b={}",
+                                         int(c.rows_out), int(c.transB), c.E, c.M, c.N, c.K, c.alpha, c.beta);
+    SCOPED_TRACE(what);
+    const auto off = random_offsets(rng_, c.E, c.max_rows);
+    const int total = off[c.E];
+    std::vector<float> A, B, C;
+    int lda, ldb, ldc;
+    size_t sB = 0, sC = 0;
+    if (c.rows_out) {
+      lda = std::max(1, c.K + c.pad);
+      ldb = std::max(1, (c.transB ? c.K : c.N) + c.pad);
+      ldc = c.N + c.pad;
+      sB = size_t(c.transB ? c.N : c.K) * ldb + 3;
+      A = randv(size_t(total) * lda);
+      B = randv(sB * c.E);
+      C = randv(size_t(total) * ldc);
+    } else {
+      lda = c.M + c.pad;
+      ldb = c.N + c.pad;
+      ldc = c.N + c.pad;
+      sC = size_t(c.M) * ldc + 2;
+      A = randv(size_t(total) * lda);
+      B = randv(size_t(total) * ldb);
+      C = randv(sC * c.E);
+    }
+    auto d_off = up(off);
+    auto d_A = up(A), d_B = up(B);
+    std::vector<float> first;
+    for (int rep = 0; rep < 2; ++rep) {
+      DeviceBuffer<float> d_C(C.size() ? C.size() : 1);
+      if (c.beta == 0.f) d_C.poison(); else d_C.upload(C);  // beta 0 must not read C
+      be().grouped_gemm(c.rows_out, c.transB, c.E, d_off.data(), c.M, c.N, c.K, c.alpha, d_A.data(), lda, d_B.data(),
+                        ldb, sB, c.beta, d_C.data(), ldc, sC);
+      auto got = down(d_C, C.size());
+      std::vector<float> ref = C;
+      cpu::grouped_gemm<float>(c.rows_out, c.transB, c.E, off.data(), c.M, c.N, c.K, c.alpha, A.data(), lda,
+                               B.data(), ldb, sB, c.beta, ref.data(), ldc, sC);
+      // Compare the logical output (padding is not part of it), and that padding kept its value
+      // when C was not poisoned.
+      std::vector<float> g, r;
+      size_t pad_changed = 0;
+      const int blocks = c.rows_out ? 1 : c.E, rows = c.rows_out ? total : c.M;
+      for (int e = 0; e < blocks; ++e)
+        for (int i = 0; i < rows; ++i)
+          for (int j = 0; j < ldc; ++j) {
+            const size_t at = size_t(e) * sC + size_t(i) * ldc + j;
+            if (j < c.N) {
+              g.push_back(got[at]);
+              r.push_back(ref[at]);
+            } else if (c.beta != 0.f && std::memcmp(&got[at], &C[at], sizeof(float)) != 0) {
+              ++pad_changed;
+            }
+          }
+      EXPECT_EQ(pad_changed, 0u) << "elements outside the output were written";
+      if (g.empty()) continue;
+      check(g, r, kF32, what);
+      if (rep == 0) {
+        first = got;
+      } else {
+        EXPECT_EQ(std::memcmp(first.data(), got.data(), got.size() * sizeof(float)), 0)
+            << "not bitwise reproducible run to run";
+      }
+    }
+  }
+}
+
+TEST_F(CudaMoe, GroupedGemmAllExpertsEmpty) {
+  const int E = 5, M = 20, N = 30;
+  std::vector<int32_t> off(E + 1, 0);
+  auto d_off = up(off);
+  auto C = randv(size_t(E) * M * N);
+  for (float beta : {0.f, 1.f, -2.f}) {
+    DeviceBuffer<float> d_C(C.size());
+    if (beta == 0.f) d_C.poison(); else d_C.upload(C);
+    be().grouped_gemm(false, false, E, d_off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta, d_C.data(), N,
+                      size_t(M) * N);
+    std::vector<float> ref = C;
+    cpu::grouped_gemm<float>(false, false, E, off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta, ref.data(),
+                             N, size_t(M) * N);
+    check(down(d_C, C.size()), ref, 0.0, fmt::format("grouped_gemm all empty beta={}", beta));
+    // rows_out = true with no rows: nothing to do, C untouched.
+    DeviceBuffer<float> d_R(7);
+    d_R.upload(C.data(), 7);
+    be().grouped_gemm(true, true, E, d_off.data(), 0, N, M, 1.f, nullptr, M, nullptr, M, size_t(N) * M, beta,
+                      d_R.data(), N, 0);
+    check(down(d_R, 7), std::vector<float>(C.begin(), C.begin() + 7), 0.0, "grouped_gemm rows_out no rows");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The whole block: moe_forward / moe_backward through BackendOps, CUDA backend vs CPU backend.
+
+// Arrays of MoeActs / MoeScratch: host storage for the CPU side, device storage for the GPU side.
+struct HostArrays {
+  std::vector<std::vector<double>> store;  // double: 8-byte aligned storage for any element type
+  void fill(const std::vector<std::pair<void**, size_t>>& req) {
+    for (auto& [ptr, bytes] : req) {
+      store.emplace_back(bytes / sizeof(double) + 1, 0.0);
+      *ptr = store.back().data();
+    }
+  }
+};
+struct DeviceArrays {
+  std::vector<DeviceBuffer<char>> store;
+  void fill(const std::vector<std::pair<void**, size_t>>& req) {
+    for (auto& [ptr, bytes] : req) {
+      store.emplace_back(bytes ? bytes : 1, "moe test array");
+      store.back().poison();
+      *ptr = store.back().data();
+    }
+  }
+};
+
+TEST_F(CudaMoe, MoeBlockForwardBackwardMatchesCpuBackend) {
+  struct BlockCase {
+    int N, d, E, K, I, Is;
+    bool normalized;
+  };
+  const BlockCase cases[] = {{70, 40, 8, 2, 24, 16, true}, {97, 33, 65, 4, 19, 0, false}, {64, 48, 64, 1, 32, 8, true}};
+  auto cpu_be = make_cpu_backend(2);
+  for (const auto& bc : cases) {
+    const std::string what = fmt::format("moe block N={} d={} E={} K={} I={} Is={}", bc.N, bc.d, bc.E, bc.K, bc.I,
+                                         bc.Is);
+    SCOPED_TRACE(what);
+    MoeDims D;
+    D.N = bc.N;
+    D.d = bc.d;
+    D.E = bc.E;
+    D.K = bc.K;
+    D.I = bc.I;
+    D.Is = bc.Is;
+    D.normalized = bc.normalized;
+    D.route_scale = 2.5;
+    const size_t N = D.N, d = D.d, E = D.E, I = D.I, Is = D.Is;
+    // h and the router on coarse binary grids: every router score is exact in fp32 whatever the
+    // summation order, so both backends route the same (ties included) and the comparison is about
+    // the kernels, not about a near-tie flipping one expert.
+    auto h = quantized(N * d, 8, 0.125f);
+    auto router = quantized(E * d, 8, 0.0625f);
+    auto bias = quantized(E, 4, 1.f / 64);
+    auto wg = randv(E * I * d, -0.2f, 0.2f), wu = randv(E * I * d, -0.2f, 0.2f), wd = randv(E * d * I, -0.2f, 0.2f);
+    auto sg = randv(Is * d, -0.2f, 0.2f), su = randv(Is * d, -0.2f, 0.2f), sd = randv(d * Is, -0.2f, 0.2f);
+    // out and the gradients accumulate: small random starting values, so that a kernel which
+    // overwrote instead of adding fails, while the block's own contribution dominates the norm.
+    auto small = [&](size_t n) { return randv(n, -1e-3f, 1e-3f); };
+    auto out0 = small(N * d), dout = randv(N * d);
+    auto g_router = small(E * d), g_wg = small(E * I * d), g_wu = small(E * I * d), g_wd = small(E * d * I);
+    auto g_sg = small(Is * d), g_su = small(Is * d), g_sd = small(d * Is);
+    const float z_scale = 0.01f;
+
+    // CPU backend.
+    MoeWeights<float> Wc{router.data(), bias.data(), wg.data(), wu.data(), wd.data(),
+                         Is ? sg.data() : nullptr, Is ? su.data() : nullptr, Is ? sd.data() : nullptr};
+    auto c_out = out0;
+    auto cg_router = g_router, cg_wg = g_wg, cg_wu = g_wu, cg_wd = g_wd, cg_sg = g_sg, cg_su = g_su, cg_sd = g_sd;
+    MoeGrads<float> Gc{cg_router.data(), cg_wg.data(), cg_wu.data(), cg_wd.data(),
+                       Is ? cg_sg.data() : nullptr, Is ? cg_su.data() : nullptr, Is ? cg_sd.data() : nullptr};
+    MoeActs<float> Ac;
+    MoeScratch<float> Sc;
+    HostArrays hc;
+    hc.fill(moe_act_requests<float>(D, Ac));
+    hc.fill(moe_scratch_requests<float>(D, Sc));
+    std::vector<float> c_dh(N * d);
+    BackendOps cops{cpu_be.get()};
+    moe_forward<float>(cops, D, Wc, Ac, h.data(), c_out.data());
+    moe_backward<float>(cops, D, Wc, Gc, Ac, Sc, h.data(), dout.data(), c_dh.data(), z_scale);
+
+    // CUDA backend, the same inputs uploaded.
+    auto dh_ = up(h), d_router = up(router), d_bias = up(bias), d_wg = up(wg), d_wu = up(wu), d_wd = up(wd);
+    auto d_sg = up(sg), d_su = up(su), d_sd = up(sd), d_out = up(out0), d_dout = up(dout);
+    auto dg_router = up(g_router), dg_wg = up(g_wg), dg_wu = up(g_wu), dg_wd = up(g_wd);
+    auto dg_sg = up(g_sg), dg_su = up(g_su), dg_sd = up(g_sd);
+    auto d_dh = poisoned<float>(N * d);
+    MoeWeights<float> Wg{d_router.data(), d_bias.data(), d_wg.data(), d_wu.data(), d_wd.data(),
+                         Is ? d_sg.data() : nullptr, Is ? d_su.data() : nullptr, Is ? d_sd.data() : nullptr};
+    MoeGrads<float> Gg{dg_router.data(), dg_wg.data(), dg_wu.data(), dg_wd.data(),
+                       Is ? dg_sg.data() : nullptr, Is ? dg_su.data() : nullptr, Is ? dg_sd.data() : nullptr};
+    MoeActs<float> Ag;
+    MoeScratch<float> Sg;
+    DeviceArrays dv;
+    dv.fill(moe_act_requests<float>(D, Ag));
+    dv.fill(moe_scratch_requests<float>(D, Sg));
+    BackendOps gops{&be()};
+    moe_forward<float>(gops, D, Wg, Ag, dh_.data(), d_out.data());
+    moe_backward<float>(gops, D, Wg, Gg, Ag, Sg, dh_.data(), d_dout.data(), d_dh.data(), z_scale);
+    be().synchronize();
+
+    auto dl = [&](const void* p, size_t n) {
+      std::vector<float> v(n);
+      if (n) cuda::copy_d2h(v.data(), p, n * sizeof(float));
+      return v;
+    };
+    auto dli = [&](const int32_t* p, size_t n) {
+      std::vector<int32_t> v(n);
+      if (n) cuda::copy_d2h(v.data(), p, n * sizeof(int32_t));
+      return v;
+    };
+    const size_t NK = N * size_t(D.K);
+    exact(dli(Ag.expert, NK), std::vector<int32_t>(Ac.expert, Ac.expert + NK), what + " expert");
+    exact(dli(Ag.offsets, E + 1), std::vector<int32_t>(Ac.offsets, Ac.offsets + E + 1), what + " offsets");
+    exact(dli(Ag.row, NK), std::vector<int32_t>(Ac.row, Ac.row + NK), what + " row");
+    check(dl(Ag.logits, N * E), std::vector<float>(Ac.logits, Ac.logits + N * E), 0.0, what + " logits (exact)");
+    check(dl(Ag.y, NK * d), std::vector<float>(Ac.y, Ac.y + NK * d), kBlock, what + " y");
+    check(dl(d_out.data(), N * d), c_out, kBlock, what + " out");
+    check(dl(d_dh.data(), N * d), c_dh, kBlock, what + " dh");
+    check(dl(dg_router.data(), E * d), cg_router, kBlock, what + " d router");
+    check(dl(dg_wg.data(), E * I * d), cg_wg, kBlock, what + " d wg");
+    check(dl(dg_wu.data(), E * I * d), cg_wu, kBlock, what + " d wu");
+    check(dl(dg_wd.data(), E * d * I), cg_wd, kBlock, what + " d wd");
+    if (Is) {
+      check(dl(dg_sg.data(), Is * d), cg_sg, kBlock, what + " d sg");
+      check(dl(dg_su.data(), Is * d), cg_su, kBlock, what + " d su");
+      check(dl(dg_sd.data(), d * Is), cg_sd, kBlock, what + " d sd");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ladder
