@@ -22,6 +22,7 @@
 #include <cassert>
 #include <chrono>
 #include <cmath>
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -34,6 +35,10 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define __global__
 #define __device__
@@ -170,10 +175,23 @@ inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2
 // ---- blocks, barriers, shared memory ---------------------------------------------------------
 namespace emu {
 
+// Sleeping on a 32-bit counter with the raw futex system call rather than std::atomic::wait:
+// libstdc++'s wait goes through a shared pool whose seq_cst counters ThreadSanitizer would read
+// as synchronization between every pair of waiting threads, hiding real races. The raw call is
+// invisible to it; the only edges it sees are the counter's release/acquire, the intended ones.
+inline void futex_wait(std::atomic<unsigned>& a, unsigned v) {
+  static_assert(sizeof(std::atomic<unsigned>) == sizeof(unsigned));
+  while (a.load(std::memory_order_acquire) == v)
+    syscall(SYS_futex, reinterpret_cast<unsigned*>(&a), FUTEX_WAIT_PRIVATE, v, nullptr, nullptr, 0);
+}
+inline void futex_wake_all(std::atomic<unsigned>& a) {
+  syscall(SYS_futex, reinterpret_cast<unsigned*>(&a), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
 // A barrier for `n` threads that knows which threads have left the kernel: completing a phase
 // without them means a barrier in divergent code, which is reported instead of silently passing.
-// Arrivals count under a mutex; waiters sleep on the generation counter (a futex: no thundering
-// herd on the mutex when hundreds of threads wake). ThreadSanitizer sees both edges.
+// Arrivals count under a mutex; waiters sleep on the generation counter (no thundering herd on the
+// mutex when hundreds of threads wake).
 class Barrier {
  public:
   explicit Barrier(int n) : expected_(n) {}
@@ -183,11 +201,11 @@ class Barrier {
     if (++arrived_ == expected_) {
       complete(what);
       l.unlock();
-      gen_.notify_all();
+      futex_wake_all(gen_);
       return;
     }
     l.unlock();
-    while (gen_.load(std::memory_order_acquire) == gen) gen_.wait(gen, std::memory_order_acquire);
+    futex_wait(gen_, gen);
   }
   void drop() {  // the calling thread has returned from the kernel
     bool done = false;
@@ -197,7 +215,7 @@ class Barrier {
       ++dropped_;
       if (arrived_ > 0 && arrived_ == expected_) done = (complete("barrier"), true);
     }
-    if (done) gen_.notify_all();
+    if (done) futex_wake_all(gen_);
   }
 
  private:
@@ -344,10 +362,11 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
   blockDim = block;
   const unsigned n = block.x;
   const size_t blocks = size_t(grid.x) * grid.y * grid.z;
+  if (blocks >= UINT_MAX) die("grids of 2^32 blocks or more are not emulated");
   std::unique_ptr<Block> cur;
   dim3 cur_idx;
   // The host starts a block by bumping `started`; the last thread to return wakes the host.
-  std::atomic<size_t> started{0};
+  std::atomic<unsigned> started{0};
   std::atomic<unsigned> finished{0};
   std::mutex host_m;
   std::condition_variable host_cv;
@@ -356,9 +375,8 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
   for (unsigned t = 0; t < n; ++t)
     pool.emplace_back([&, t] {
       threadIdx = dim3(t);
-      for (size_t i = 1; i <= blocks; ++i) {
-        for (size_t s = started.load(std::memory_order_acquire); s < i; s = started.load(std::memory_order_acquire))
-          started.wait(s, std::memory_order_acquire);
+      for (unsigned i = 1; i <= blocks; ++i) {
+        futex_wait(started, i - 1);
         blockIdx = cur_idx;
         t_shfl_parity = 0;
         kernel(args...);  // each thread its own copies of the parameters
@@ -371,7 +389,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
         }
       }
     });
-  size_t i = 0;
+  unsigned i = 0;
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -387,7 +405,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
         finished.store(0, std::memory_order_relaxed);
         host_done = false;
         started.store(++i, std::memory_order_release);
-        started.notify_all();
+        futex_wake_all(started);
         {
           std::unique_lock<std::mutex> l(host_m);
           if (!host_cv.wait_for(l, std::chrono::seconds(block_timeout_s()), [&] { return host_done; }))

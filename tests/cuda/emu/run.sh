@@ -6,15 +6,32 @@
 # tsan: ThreadSanitizer (shared-memory races between barriers, what compute-sanitizer's racecheck
 # reports on a GPU). Sanitizer modes set EMU_QUICK=1 (fewer shapes). Uses the CPU build directory
 # (BUILD_DIR, default build), configuring it if needed; the sanitizer binaries are built on demand.
+#   bash tests/cuda/emu/run.sh tc [plain|asan|tsan] [quick]
+# the tensor-core attention's own emulated test (emu_attention_tc.cpp, attention_tc.cu), standalone.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 mode=${1:-plain}
 shift || true
+if [ "$mode" = tc ]; then
+  sub=${1:-plain}
+  shift || true
+  out=${EMU_OUT:-/tmp/ladder-emu-attn-tc}
+  python3 tests/cuda/emu/emulate.py src/backend/cuda/attention_tc.cu "$out/attention_tc_emu.inc" >/dev/null
+  flags="-std=c++20 -pthread -g -fno-strict-aliasing -Isrc -Itests/cuda/emu -I$out"
+  case $sub in
+    plain) flags="$flags -O2" ;;
+    asan) flags="$flags -O1 -fsanitize=address,undefined -fno-omit-frame-pointer" ;;
+    tsan) flags="$flags -O1 -fsanitize=thread" ;;
+    *) echo "usage: run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;;
+  esac
+  g++ $flags tests/cuda/emu/emu_attention_tc.cpp -o "$out/emu_$sub"
+  exec "$out/emu_$sub" "$@"
+fi
 BUILD=${BUILD_DIR:-build}
 case $mode in
   plain) target=ladder_emu_tests ;;
   asan | tsan) target=ladder_emu_tests_$mode ;;
-  *) echo "usage: run.sh [plain|asan|tsan] [gtest arguments...]"; exit 2 ;;
+  *) echo "usage: run.sh [plain|asan|tsan] [gtest arguments...] | run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;;
 esac
 [ -f "$BUILD/build.ninja" ] || cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD" -j "${JOBS:-2}" --target "$target"
