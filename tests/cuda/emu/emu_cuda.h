@@ -1,31 +1,53 @@
-// A host emulation of the small part of CUDA that attention_tc.cu uses, so that its kernels run
-// unchanged on a machine without a GPU (tests/cuda/emu/run.sh). Every CUDA thread is a std::thread;
-// __syncthreads and __syncwarp are std::barrier waits; shuffles go through a per-warp exchange
-// array; WMMA fragments hold the whole 16x16 tile and the collective operations (load, mma, store)
-// are done by lane 0 of the warp only (the other lanes' fragments are unused), with the pointer
-// alignment and ldm rules of the CUDA documentation asserted. Shared memory is a heap block of
-// exactly the dynamic size asked for, so AddressSanitizer catches overflows of it; ThreadSanitizer
-// sees the barriers and so reports shared-memory races the way racecheck would.
-// What it cannot show: anything about real fragment layouts, timing, or device-specific numerics
-// of the MMA (it accumulates each 16-term dot product in fp32 in index order).
+// A host emulation of the part of CUDA that the kernels in src/backend/cuda/*.cu use, so that their
+// own source runs unchanged (after tests/cuda/emu/emulate.py rewrites the launch syntax and the
+// __shared__ declarations) on a machine without a GPU, against the CPU kernels (docs/cuda.md, "Kernels
+// on the CPU").
+//
+// Model: every CUDA thread is a std::thread; blocks run one after another, the threads of a block
+// concurrently (a pool of blockDim threads per launch, reused block after block). __syncthreads and
+// __syncwarp are barrier waits; shuffles go through a per-warp exchange array. A thread that leaves
+// the kernel drops out of its barriers, and a barrier (or full-mask shuffle) that then completes
+// without it fails loudly: that is a divergent __syncthreads / shuffle, undefined on the device.
+// Shared memory is heap memory of exactly the size declared (each static __shared__ array its own
+// block, the dynamic buffer another), filled with 0xFF bytes (NaN as float or double), so that
+// AddressSanitizer catches overflows and reads of unwritten shared memory show up as NaN in results.
+// ThreadSanitizer sees the barriers (mutex + condition variable) and so reports shared-memory races
+// between them the way racecheck would. WMMA fragments hold the whole 16x16 tile and the collective
+// operations are done by lane 0 of the warp (other lanes' fragments are unused).
+// What it cannot show: real fragment layouts, the device memory model, timing, warp scheduling, or
+// device numerics of MMA and of the SFU intrinsics (__expf maps to std::exp).
 #pragma once
-#include <barrier>
+#include <algorithm>
+#include <atomic>
 #include <cassert>
+#include <chrono>
 #include <cmath>
+#include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <new>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __constant__
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -34,14 +56,50 @@ struct dim3 {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(8) float2 {
+  float x, y;
+};
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
 
+// ---- runtime API (the subset the launchers and their callers use) ------------------------------
 using cudaStream_t = void*;
-enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+};
+enum cudaMemcpyKind { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice, cudaMemcpyDefault };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
-constexpr size_t kEmuSmemOptin = 232448;  // H100 / H200: 227 KiB
-inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+struct cudaFuncAttributes {
+  size_t sharedSizeBytes = 0, constSizeBytes = 0, localSizeBytes = 0;
+  int maxThreadsPerBlock = 1024, numRegs = 0, ptxVersion = 90, binaryVersion = 90;
+};
+constexpr size_t kEmuSmemOptin = 232448;  // H100 / H200: 227 KiB of dynamic shared memory per block
+constexpr size_t kEmuSmemDefault = 48 * 1024;  // without cudaFuncSetAttribute; also the static limit
+
+namespace emu {
+[[noreturn]] inline void die(const char* what) {
+  std::fprintf(stderr, "emu_cuda: %s\n", what);
+  std::fflush(stderr);
+  std::abort();
+}
+inline cudaError_t g_last_error = cudaSuccess;  // launches happen on one host thread
+}  // namespace emu
+
+inline cudaError_t cudaGetLastError() { return std::exchange(emu::g_last_error, cudaSuccess); }
+inline cudaError_t cudaPeekAtLastError() { return emu::g_last_error; }
+inline const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+  }
+  return "unknown error";
+}
 inline cudaError_t cudaGetDevice(int* d) {
   *d = 0;
   return cudaSuccess;
@@ -54,9 +112,43 @@ template <class F>
 cudaError_t cudaFuncSetAttribute(F*, cudaFuncAttribute, int bytes) {
   return size_t(bytes) <= kEmuSmemOptin ? cudaSuccess : cudaErrorInvalidValue;
 }
+template <class F>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, F*) {
+  *a = cudaFuncAttributes{};
+  return cudaSuccess;
+}
+// Device memory is host memory here; the stream is ignored (every launch completes before returning).
+inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t = nullptr) {
+  if (n) std::memset(p, v, n);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemset(void* p, int v, size_t n) { return cudaMemsetAsync(p, v, n); }
+inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t = nullptr) {
+  if (n) std::memmove(d, s, n);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind k) { return cudaMemcpyAsync(d, s, n, k); }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 
+// ---- device functions ----------------------------------------------------------------------
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long min(unsigned long a, unsigned long b) { return a < b ? a : b; }
+inline unsigned long max(unsigned long a, unsigned long b) { return a > b ? a : b; }
+// Intrinsics map to the accurate host functions: the device's fast versions differ in the last bits.
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
+template <class T>
+inline T __ldg(const T* p) { return *p; }
 
 // ---- bf16 ------------------------------------------------------------------------------------
 struct __nv_bfloat16 {
@@ -80,71 +172,259 @@ inline float __bfloat162float(__nv_bfloat16 b) {
 }
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
 
-// ---- threads -----------------------------------------------------------------------------------
+// ---- blocks, barriers, shared memory ---------------------------------------------------------
 namespace emu {
-struct Block {
-  std::unique_ptr<std::barrier<>> all;
-  std::vector<std::unique_ptr<std::barrier<>>> warp;
-  std::vector<float> xchg;  // [warps][32]
-};
-inline Block* g_block = nullptr;
-inline unsigned char* g_smem = nullptr;
-inline size_t g_smem_bytes = 0;
-}  // namespace emu
-inline thread_local dim3 threadIdx, blockIdx;
-inline dim3 gridDim, blockDim;
 
-inline void __syncthreads() { emu::g_block->all->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::g_block->warp[threadIdx.x / 32]->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned mask, float v, int o) {
-  assert(mask == 0xffffffffu);
-  const unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
-  float* x = emu::g_block->xchg.data() + w * 32;
-  x[l] = v;
-  __syncwarp();
-  const float r = x[l ^ unsigned(o)];
-  __syncwarp();
-  return r;
+// Sleeping on a 32-bit counter with the raw futex system call rather than std::atomic::wait:
+// libstdc++'s wait goes through a shared pool whose seq_cst counters ThreadSanitizer would read
+// as synchronization between every pair of waiting threads, hiding real races. The raw call is
+// invisible to it; the only edges it sees are the counter's release/acquire, the intended ones.
+inline void futex_wait(std::atomic<unsigned>& a, unsigned v) {
+  static_assert(sizeof(std::atomic<unsigned>) == sizeof(unsigned));
+  while (a.load(std::memory_order_acquire) == v)
+    syscall(SYS_futex, reinterpret_cast<unsigned*>(&a), FUTEX_WAIT_PRIVATE, v, nullptr, nullptr, 0);
+}
+inline void futex_wake_all(std::atomic<unsigned>& a) {
+  syscall(SYS_futex, reinterpret_cast<unsigned*>(&a), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
 }
 
+// A barrier for `n` threads that knows which threads have left the kernel: completing a phase
+// without them means a barrier in divergent code, which is reported instead of silently passing.
+// Arrivals count under a mutex; waiters sleep on the generation counter (no thundering herd on the
+// mutex when hundreds of threads wake).
+class Barrier {
+ public:
+  explicit Barrier(int n) : expected_(n) {}
+  void wait(const char* what) {
+    std::unique_lock<std::mutex> l(m_);
+    const unsigned gen = gen_.load(std::memory_order_relaxed);
+    if (++arrived_ == expected_) {
+      complete(what);
+      l.unlock();
+      futex_wake_all(gen_);
+      return;
+    }
+    l.unlock();
+    futex_wait(gen_, gen);
+  }
+  void drop() {  // the calling thread has returned from the kernel
+    bool done = false;
+    {
+      std::lock_guard<std::mutex> l(m_);
+      --expected_;
+      ++dropped_;
+      if (arrived_ > 0 && arrived_ == expected_) done = (complete("barrier"), true);
+    }
+    if (done) futex_wake_all(gen_);
+  }
+
+ private:
+  void complete(const char* what) {
+    if (dropped_) {
+      std::fprintf(stderr, "emu_cuda: %s completed after %d thread(s) of the group had returned\n", what, dropped_);
+      die("divergent barrier: every thread of the block (warp) must reach it");
+    }
+    arrived_ = 0;
+    gen_.fetch_add(1, std::memory_order_release);
+  }
+  std::mutex m_;
+  int expected_, arrived_ = 0, dropped_ = 0;
+  std::atomic<unsigned> gen_{0};
+};
+
+struct Block {
+  explicit Block(unsigned threads) : all(int(threads)), xchg(2 * size_t(threads)) {
+    for (unsigned w = 0; w < threads / 32; ++w) warp.push_back(std::make_unique<Barrier>(32));
+  }
+  Barrier all;
+  std::vector<std::unique_ptr<Barrier>> warp;
+  std::vector<uint64_t> xchg;  // [2 buffers][threads]: shuffle slots (8 bytes each)
+  // Static __shared__ arrays, one heap block each, keyed by their declaration's address.
+  std::mutex shared_m;
+  std::vector<std::pair<const void*, void*>> shared;
+  size_t shared_bytes = 0;
+  ~Block() {
+    for (auto& [k, p] : shared) ::operator delete(p, std::align_val_t{16});
+  }
+};
+
+inline Block* g_block = nullptr;
+inline unsigned char* g_smem = nullptr;  // dynamic shared memory of the running block
+inline size_t g_smem_bytes = 0;
+inline thread_local unsigned t_shfl_parity = 0;
+
+// The static __shared__ array declared at `key` (emulate.py rewrites `__shared__ T name[N]` into
+// EMU_SHARED): the first thread of the block to get there allocates it, the others get the same.
+inline void* shared_static(const void* key, size_t bytes, size_t align) {
+  Block& b = *g_block;
+  std::lock_guard<std::mutex> l(b.shared_m);
+  for (auto& [k, p] : b.shared)
+    if (k == key) return p;
+  if (align > 16) die("static __shared__ alignment above 16 bytes is not emulated");
+  b.shared_bytes += bytes;
+  if (b.shared_bytes > kEmuSmemDefault) die("static __shared__ arrays exceed 48 KiB (ptxas would refuse)");
+  void* p = ::operator new(bytes, std::align_val_t{16});
+  std::memset(p, 0xFF, bytes);
+  b.shared.emplace_back(key, p);
+  return p;
+}
+}  // namespace emu
+
+#define EMU_SHARED(T, name, dims)        \
+  static const char emu_key_##name = 0; \
+  T(&name) dims = *static_cast<T(*) dims>(::emu::shared_static(&emu_key_##name, sizeof(T dims), alignof(T)))
+
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 gridDim, blockDim;
+constexpr int warpSize = 32;
+
+inline void __syncthreads() { emu::g_block->all.wait("__syncthreads"); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  if (mask != 0xffffffffu) emu::die("__syncwarp with a partial mask is not emulated");
+  emu::g_block->warp[threadIdx.x / 32]->wait("__syncwarp");
+}
+inline void __threadfence_block() {}
+inline void __threadfence() {}
+
 namespace emu {
-// Runs grid x block threads, one block at a time. Grid-stride kernels launched with 256 threads
-// (the D kernel) run with at most 4 blocks: same result, far fewer threads.
+// Every lane of the warp publishes its value, waits at the warp barrier, then reads lane src(lane).
+// Two slot buffers used alternately: a lane can only overwrite a slot of buffer p two shuffles
+// later, after the next shuffle's barrier, which every reader of this one has reached. So one
+// barrier per shuffle suffices.
+template <class T, class Src>
+T shfl(unsigned mask, T v, Src src) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffle of a type above 8 bytes");
+  if (mask != 0xffffffffu) die("shuffle with a partial mask is not emulated");
+  const unsigned lane = threadIdx.x % 32, base = threadIdx.x - lane;
+  uint64_t* buf = g_block->xchg.data() + size_t(t_shfl_parity) * blockDim.x + base;
+  t_shfl_parity ^= 1u;
+  std::memcpy(&buf[lane], &v, sizeof(T));
+  g_block->warp[threadIdx.x / 32]->wait("full-mask shuffle");
+  T r;
+  std::memcpy(&r, &buf[src(lane)], sizeof(T));
+  return r;
+}
+}  // namespace emu
+
+template <class T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  return emu::shfl(mask, v, [&](unsigned l) {
+    const unsigned s = l ^ unsigned(lane_mask);
+    return (s / unsigned(width)) == (l / unsigned(width)) ? s : l;  // outside the segment: own value
+  });
+}
+template <class T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  return emu::shfl(mask, v, [&](unsigned l) { return (l % unsigned(width)) + delta < unsigned(width) ? l + delta : l; });
+}
+template <class T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  return emu::shfl(mask, v, [&](unsigned l) { return (l % unsigned(width)) >= delta ? l - delta : l; });
+}
+template <class T>
+T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+  return emu::shfl(mask, v, [&](unsigned l) { return l - l % unsigned(width) + unsigned(src_lane) % unsigned(width); });
+}
+
+// ---- launches ----------------------------------------------------------------------------------
+namespace emu {
+
+// Grid-stride kernels (emulate.py's list) run with at most this many blocks in x: their result does
+// not depend on the grid, and 3 blocks (odd) still send some threads around the stride loop.
+constexpr unsigned kGridStrideCap = 3;
+
+inline bool bad_config(dim3 g, dim3 b, size_t smem) {
+  const size_t threads = size_t(b.x) * b.y * b.z;
+  return g.x == 0 || g.y == 0 || g.z == 0 || g.y > 65535 || g.z > 65535 || threads == 0 || threads > 1024 ||
+         b.z > 64 || smem > kEmuSmemOptin;
+}
+
+// How long one block may run before the emulation calls it a deadlock (EMU_BLOCK_TIMEOUT seconds).
+inline int block_timeout_s() {
+  static const int s = [] {
+    const char* e = std::getenv("EMU_BLOCK_TIMEOUT");
+    return e ? std::atoi(e) : 120;
+  }();
+  return s;
+}
+
+// Runs the grid one block at a time on a pool of blockDim threads. Launch errors set the error
+// cudaGetLastError returns, as on the device; the kernel then does not run.
 template <class... P, class... A>
-void launch(dim3 grid, dim3 block, size_t smem, void (*kernel)(P...), A... args) {
-  if (block.x == 256 && grid.y == 1 && grid.z == 1 && grid.x > 4) grid.x = 4;
-  assert(block.y == 1 && block.z == 1 && block.x % 32 == 0);
+void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)(P...), A... args) {
+  if (bad_config(grid, block, smem)) {
+    g_last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  if (block.y != 1 || block.z != 1 || block.x % 32) die("only 1-D blocks of whole warps are emulated");
+  if (grid_stride && grid.x > kGridStrideCap) grid.x = kGridStrideCap;
   gridDim = grid;
   blockDim = block;
+  const unsigned n = block.x;
+  const size_t blocks = size_t(grid.x) * grid.y * grid.z;
+  if (blocks >= UINT_MAX) die("grids of 2^32 blocks or more are not emulated");
+  std::unique_ptr<Block> cur;
+  dim3 cur_idx;
+  // The host starts a block by bumping `started`; the last thread to return wakes the host.
+  std::atomic<unsigned> started{0};
+  std::atomic<unsigned> finished{0};
+  std::mutex host_m;
+  std::condition_variable host_cv;
+  bool host_done = false;
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < n; ++t)
+    pool.emplace_back([&, t] {
+      threadIdx = dim3(t);
+      for (unsigned i = 1; i <= blocks; ++i) {
+        futex_wait(started, i - 1);
+        blockIdx = cur_idx;
+        t_shfl_parity = 0;
+        kernel(args...);  // each thread its own copies of the parameters
+        cur->all.drop();
+        cur->warp[t / 32]->drop();
+        if (finished.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+          std::lock_guard<std::mutex> l(host_m);
+          host_done = true;
+          host_cv.notify_one();
+        }
+      }
+    });
+  unsigned i = 0;
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
-        Block b;
-        b.all = std::make_unique<std::barrier<>>(block.x);
-        for (unsigned w = 0; w < block.x / 32; ++w) b.warp.push_back(std::make_unique<std::barrier<>>(32));
-        b.xchg.assign(block.x, 0.f);
-        g_block = &b;
+        cur = std::make_unique<Block>(n);
+        g_block = cur.get();
+        cur_idx = dim3(bx, by, bz);
         // Exactly the requested bytes (ASan sees an overflow), 128-byte aligned like the device's
         // dynamic shared memory, filled with NaN bytes: a read nobody wrote shows in the results.
-        assert(smem % 128 == 0);
-        std::unique_ptr<unsigned char, decltype(&std::free)> heap(
-            smem ? static_cast<unsigned char*>(std::aligned_alloc(128, smem)) : nullptr, &std::free);
-        if (smem) std::memset(heap.get(), 0xFF, smem);
-        g_smem = heap.get();
+        unsigned char* heap = smem ? static_cast<unsigned char*>(::operator new(smem, std::align_val_t{128})) : nullptr;
+        if (smem) std::memset(heap, 0xFF, smem);
+        g_smem = heap;
         g_smem_bytes = smem;
-        std::vector<std::thread> th;
-        for (unsigned t = 0; t < block.x; ++t)
-          th.emplace_back([&, t] {
-            threadIdx = dim3(t);
-            blockIdx = dim3(bx, by, bz);
-            kernel(args...);
-          });
-        for (auto& x : th) x.join();
+        finished.store(0, std::memory_order_relaxed);
+        host_done = false;
+        started.store(++i, std::memory_order_release);
+        futex_wake_all(started);
+        {
+          std::unique_lock<std::mutex> l(host_m);
+          if (!host_cv.wait_for(l, std::chrono::seconds(block_timeout_s()), [&] { return host_done; }))
+            die("a block ran too long: deadlock at a __syncthreads or shuffle some threads never reach?");
+        }
+        if (heap) ::operator delete(heap, std::align_val_t{128});
+        g_smem = nullptr;
+        g_smem_bytes = 0;
         g_block = nullptr;
+        cur.reset();
       }
+  for (auto& th : pool) th.join();
 }
 }  // namespace emu
-#define EMU_LAUNCH(grid, block, smem, stream, kernel, ...) emu::launch(grid, block, smem, kernel, __VA_ARGS__)
+// `kernel<<<grid, block, smem, stream>>>(args)` as emulate.py rewrites it.
+#define EMU_LAUNCH(grid, block, smem, stream, kernel, ...) \
+  ::emu::launch(false, grid, block, smem, kernel __VA_OPT__(, ) __VA_ARGS__)
+#define EMU_LAUNCH_GRID_STRIDE(grid, block, smem, stream, kernel, ...) \
+  ::emu::launch(true, grid, block, smem, kernel __VA_OPT__(, ) __VA_ARGS__)
 
 // ---- WMMA --------------------------------------------------------------------------------------
 namespace nvcuda::wmma {
@@ -167,7 +447,7 @@ inline void check_ptr(const void* p, unsigned ldm, size_t elem) {
   assert((ldm * elem) % 16 == 0 && "ldm: multiple of 8 for 16-bit types, of 4 for float");
   const unsigned char* c = static_cast<const unsigned char*>(p);
   if (c >= emu::g_smem && c < emu::g_smem + emu::g_smem_bytes) {
-    const size_t last = (size_t(15) * ldm + 15) * elem + elem;
+    [[maybe_unused]] const size_t last = (size_t(15) * ldm + 15) * elem + elem;
     assert(c + last <= emu::g_smem + emu::g_smem_bytes && "WMMA tile overruns shared memory");
   }
 }

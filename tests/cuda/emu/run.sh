@@ -1,30 +1,44 @@
 #!/usr/bin/env bash
-# Host emulation of the tensor-core attention kernels (no GPU needed; see emu_cuda.h):
-#   bash tests/cuda/emu/run.sh [plain|asan|tsan] [quick]
-# plain (default): all test shapes at -O2; asan: AddressSanitizer + UBSan (out-of-bounds global and
-# shared memory); tsan: ThreadSanitizer (shared-memory races between barriers), quick shapes only.
+# The CUDA kernels' own source on the CPU (docs/cuda.md, "Kernels on the CPU: host emulation"):
+#   bash tests/cuda/emu/run.sh [plain|asan|tsan] [gtest arguments...]
+# plain: the CudaEmu tests as CTest runs them. asan: AddressSanitizer + UBSan (out-of-bounds global
+# and shared memory, every __shared__ array being its own exact-size heap block; undefined behaviour).
+# tsan: ThreadSanitizer (shared-memory races between barriers, what compute-sanitizer's racecheck
+# reports on a GPU). Sanitizer modes set EMU_QUICK=1 (fewer shapes). Uses the CPU build directory
+# (BUILD_DIR, default build), configuring it if needed; the sanitizer binaries are built on demand.
+#   bash tests/cuda/emu/run.sh tc [plain|asan|tsan] [quick]
+# the tensor-core attention's own emulated test (emu_attention_tc.cpp, attention_tc.cu), standalone.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 mode=${1:-plain}
 shift || true
-out=${EMU_OUT:-/tmp/ladder-emu-attn-tc}
-mkdir -p "$out"
-# kernel<<<grid, block, smem, stream>>>(args)  ->  EMU_LAUNCH(grid, block, smem, stream, kernel, args)
-python3 - src/backend/cuda/attention_tc.cu "$out/attention_tc_emu.inc" <<'PY'
-import re, sys
-s = open(sys.argv[1]).read()
-s = s.replace("extern __shared__ __align__(128) unsigned char smem[];", "unsigned char* smem = emu::g_smem;")
-s, n = re.subn(r"([A-Za-z_]\w*(?:<\w+>)?)<<<(.*?)>>>\(", r"EMU_LAUNCH(\2, \1, ", s)
-assert n == 4, n
-assert "__shared__" not in s
-open(sys.argv[2], "w").write(s)
-PY
-flags="-std=c++20 -pthread -g -fno-strict-aliasing -Isrc -Itests/cuda/emu -I$out"
+if [ "$mode" = tc ]; then
+  sub=${1:-plain}
+  shift || true
+  out=${EMU_OUT:-/tmp/ladder-emu-attn-tc}
+  python3 tests/cuda/emu/emulate.py src/backend/cuda/attention_tc.cu "$out/attention_tc_emu.inc" >/dev/null
+  flags="-std=c++20 -pthread -g -fno-strict-aliasing -Isrc -Itests/cuda/emu -I$out"
+  case $sub in
+    plain) flags="$flags -O2" ;;
+    asan) flags="$flags -O1 -fsanitize=address,undefined -fno-omit-frame-pointer" ;;
+    tsan) flags="$flags -O1 -fsanitize=thread" ;;
+    *) echo "usage: run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;;
+  esac
+  g++ $flags tests/cuda/emu/emu_attention_tc.cpp -o "$out/emu_$sub"
+  exec "$out/emu_$sub" "$@"
+fi
+BUILD=${BUILD_DIR:-build}
 case $mode in
-  plain) flags="$flags -O2" ;;
-  asan) flags="$flags -O1 -fsanitize=address,undefined -fno-omit-frame-pointer" ;;
-  tsan) flags="$flags -O1 -fsanitize=thread" ;;
-  *) echo "mode: plain|asan|tsan"; exit 2 ;;
+  plain) target=ladder_emu_tests ;;
+  asan | tsan) target=ladder_emu_tests_$mode ;;
+  *) echo "usage: run.sh [plain|asan|tsan] [gtest arguments...] | run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;;
 esac
-g++ $flags tests/cuda/emu/emu_attention_tc.cpp -o "$out/emu_$mode"
-"$out/emu_$mode" "$@"
+[ -f "$BUILD/build.ninja" ] || cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$BUILD" -j "${JOBS:-2}" --target "$target"
+case $mode in
+  asan) export EMU_QUICK=1 ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1}
+        export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} ;;
+  # One OpenMP thread: the CPU references run in libgomp, which TSan cannot see into.
+  tsan) export EMU_QUICK=1 OMP_NUM_THREADS=1 TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1} ;;
+esac
+exec "$BUILD/tests/cuda/emu/$target" "$@"

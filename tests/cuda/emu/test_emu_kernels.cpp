@@ -1,0 +1,544 @@
+// The CUDA kernels' own source (src/backend/cuda/{ops,attention,switch_ops,optim_ops}.cu, rewritten
+// by emulate.py, run by emu_cuda.h's host threads) against the CPU kernels (float), with no GPU.
+// Pointers are host pointers: the emulated "device" memory is the host's. Every output is poisoned
+// with 0xFF bytes (NaN) first, so an element a kernel never writes fails; buffers are exactly the
+// size the launcher is told, so AddressSanitizer (run.sh asan) sees any overrun.
+// Tolerances as in tests/cuda: ||emu - cpu|| / ||cpu|| <= 5e-6 for fp32, exact for copies and
+// integer work, 1e-6 relative for returned double sums. Shapes are small and odd (the emulation
+// runs a std::thread per CUDA thread); EMU_SEED=N repeats a run's inputs; EMU_QUICK=1 (run.sh's
+// sanitizer modes) drops the costlier shapes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cpu/optim_kernels.h"
+#include "backend/cuda/kernels.cuh"
+#include "backend/cuda/switch_optim_ops.cuh"
+#include "emu_cuda.h"
+
+namespace ladder {
+namespace {
+
+namespace k = cuda::k;
+constexpr double kF32 = 5e-6;
+constexpr double kSum = 1e-6;
+
+bool quick() {
+  static const bool q = std::getenv("EMU_QUICK") && std::string(std::getenv("EMU_QUICK")) != "0";
+  return q;
+}
+
+class CudaEmu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* env = std::getenv("EMU_SEED");
+    const uint64_t seed = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
+    rng_.seed(seed);
+    std::printf("[ seed     ] %llu (EMU_SEED=%llu repeats it)\n", static_cast<unsigned long long>(seed),
+                static_cast<unsigned long long>(seed));
+  }
+  std::vector<float> randv(size_t n, float lo = -1.f, float hi = 1.f) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng_);
+    return v;
+  }
+  template <class T = float>
+  static std::vector<T> poisoned(size_t n) {
+    std::vector<T> v(n);
+    if (n) std::memset(v.data(), 0xFF, n * sizeof(T));
+    return v;
+  }
+  static void ok(cudaError_t e, const std::string& what) { ASSERT_EQ(e, cudaSuccess) << what; }
+
+  // Any non-finite value where the CPU's is finite fails, then the relative error over the output.
+  // `floor` stands in for ||cpu|| when the exact result is zero and both sides hold rounding only.
+  static double check(const std::vector<float>& got, const std::vector<float>& ref, double tol,
+                      const std::string& what, double floor = 0) {
+    EXPECT_EQ(got.size(), ref.size()) << what;
+    size_t bad = 0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size() && i < got.size(); ++i) {
+      if (!std::isfinite(got[i]) && std::isfinite(ref[i])) {
+        if (bad++ < 3) ADD_FAILURE() << what << ": element " << i << " is " << got[i] << " (cpu " << ref[i] << ")";
+        continue;
+      }
+      const double d = double(got[i]) - double(ref[i]);
+      num += d * d;
+      den += double(ref[i]) * double(ref[i]);
+    }
+    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not written or not finite";
+    const double rel = std::sqrt(num) / std::max({std::sqrt(den), floor, 1e-30});
+    std::printf("[ rel err  ] %-48s %.3e (tol %.0e)\n", what.c_str(), rel, tol);
+    EXPECT_LE(rel, tol) << what;
+    return rel;
+  }
+  static void check_sum(double got, double ref, const std::string& what) {
+    const double rel = std::abs(got - ref) / std::max(std::abs(ref), 1e-300);
+    std::printf("[ rel err  ] %-48s %.3e (tol %.0e)\n", what.c_str(), rel, kSum);
+    EXPECT_TRUE(std::isfinite(got)) << what;
+    EXPECT_LE(rel, kSum) << what << ": emu " << got << " cpu " << ref;
+  }
+  template <class T>
+  static void exact(const std::vector<T>& got, const std::vector<T>& ref, const std::string& what) {
+    ASSERT_EQ(got.size(), ref.size()) << what;
+    size_t diff = 0;
+    for (size_t i = 0; i < ref.size(); ++i) diff += std::memcmp(&got[i], &ref[i], sizeof(T)) != 0;
+    std::printf("[ exact    ] %-48s %zu of %zu differ\n", what.c_str(), diff, ref.size());
+    EXPECT_EQ(diff, 0u) << what;
+  }
+  static std::string fmt(const char* f, auto... a) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, f, a...);
+    return buf;
+  }
+
+  std::mt19937_64 rng_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// ops.cu
+
+TEST_F(CudaEmu, EmbeddingForwardBackward) {
+  for (auto [N, V, D] : {std::tuple{37, 11, 45}, {5, 300, 300}, {1, 3, 7}}) {
+    const std::string what = fmt("embedding N=%d V=%d D=%d", N, V, D);
+    std::vector<int32_t> ids(N);
+    std::uniform_int_distribution<int> id(0, V - 1);
+    for (auto& x : ids) x = id(rng_);
+    const auto table = randv(size_t(V) * D), dout = randv(size_t(N) * D), dtable0 = randv(size_t(V) * D);
+
+    auto out = poisoned(size_t(N) * D), ref = out;
+    ok(k::embedding_forward(out.data(), table.data(), ids.data(), N, D, nullptr), what);
+    cpu::embedding_forward<float>(ref.data(), table.data(), ids.data(), N, D);
+    exact(out, ref, what + " fwd");
+
+    // Exactly the scratch the launcher asks for: the CUB stand-in uses all of its temp storage.
+    std::vector<unsigned char> scratch(k::embedding_backward_scratch_bytes(N));
+    auto dt = dtable0, dref = dtable0;
+    EXPECT_EQ(k::embedding_backward(dt.data(), dout.data(), ids.data(), N, D, scratch.data(), scratch.size() - 1,
+                                    nullptr),
+              cudaErrorInvalidValue);
+    ok(k::embedding_backward(dt.data(), dout.data(), ids.data(), N, D, scratch.data(), scratch.size(), nullptr),
+       what);
+    cpu::embedding_backward<float>(dref.data(), dout.data(), ids.data(), N, D);
+    exact(dt, dref, what + " bwd (the CPU's order: bitwise)");
+  }
+}
+
+TEST_F(CudaEmu, RmsNormForwardBackward) {
+  // N above 128 gives dgain several row chunks; D above 256 sends the block around its column loop.
+  for (auto [N, D] : {std::pair{37, 45}, {131, 300}, {1, 7}}) {
+    for (bool with_gain : {true, false}) {
+      if (N == 131 && (!with_gain || quick())) continue;  // the row kernels cost ~1 ms per row here
+      const std::string what = fmt("rmsnorm N=%d D=%d gain=%d", N, D, int(with_gain));
+      const size_t n = size_t(N) * D;
+      const auto x = randv(n), g = randv(size_t(D), 0.5f, 1.5f), dy = randv(n), dx0 = randv(n),
+                 dg0 = randv(size_t(D));
+      const float* gain = with_gain ? g.data() : nullptr;
+      auto y = poisoned(n), rstd = poisoned(size_t(N));
+      std::vector<float> yr(n), rr(N);
+      ok(k::rmsnorm_forward(y.data(), rstd.data(), x.data(), gain, N, D, 1e-5f, nullptr), what);
+      cpu::rmsnorm_forward<float>(yr.data(), rr.data(), x.data(), gain, N, D, 1e-5f);
+      check(y, yr, kF32, what + " y");
+      check(rstd, rr, kF32, what + " rstd");
+      for (bool acc : {false, true}) {
+        auto dx = acc ? dx0 : poisoned(n), dxr = dx0, dg = dg0, dgr = dg0;
+        std::vector<float> scratch = poisoned(k::rmsnorm_backward_scratch_floats(N, D));
+        ok(k::rmsnorm_backward(dx.data(), with_gain ? dg.data() : nullptr, dy.data(), x.data(), gain, rr.data(), N,
+                               D, acc, scratch.data(), nullptr),
+           what);
+        cpu::rmsnorm_backward<float>(dxr.data(), with_gain ? dgr.data() : nullptr, dy.data(), x.data(), gain,
+                                     rr.data(), N, D, acc);
+        check(dx, dxr, kF32, what + (acc ? " dx (+=)" : " dx"));
+        if (with_gain) check(dg, dgr, kF32, what + " dgain (+=)");
+      }
+    }
+  }
+}
+
+TEST_F(CudaEmu, RopeForwardBackward) {
+  const int B = 3, S = 13, nh = 3, hd = 18;
+  const float theta = 10000.f;
+  for (int rot : {hd, 10, 2}) {
+    const std::string what = fmt("rope B=%d S=%d nh=%d hd=%d rot=%d", B, S, nh, hd, rot);
+    // The backend's table (cuda_backend.cpp rope_table): cos then sin, [S, rot/2], in double.
+    const int half = rot / 2;
+    std::vector<float> tab(2 * size_t(S) * half);
+    for (int i = 0; i < half; ++i) {
+      const double inv_freq = std::pow(double(theta), -2.0 * i / double(rot));
+      for (int p = 0; p < S; ++p) {
+        tab[size_t(p) * half + i] = float(std::cos(double(p) * inv_freq));
+        tab[size_t(S) * half + size_t(p) * half + i] = float(std::sin(double(p) * inv_freq));
+      }
+    }
+    const auto x0 = randv(size_t(B) * S * nh * hd);
+    auto x = x0, xr = x0;
+    ok(k::rope_apply(x.data(), tab.data(), B * S, S, nh, hd, rot, 1.f, nullptr), what);
+    cpu::rope_forward<float>(xr.data(), B * S, S, nh, hd, rot, theta);
+    check(x, xr, kF32, what + " fwd");
+    x = x0, xr = x0;
+    ok(k::rope_apply(x.data(), tab.data(), B * S, S, nh, hd, rot, -1.f, nullptr), what);
+    cpu::rope_backward<float>(xr.data(), B * S, S, nh, hd, rot, theta);
+    check(x, xr, kF32, what + " bwd");
+  }
+}
+
+TEST_F(CudaEmu, SwigluForwardBackward) {
+  const size_t n = 1001;  // above the 3 x 256 threads of the capped grid: the stride loop runs
+  const auto g = randv(n, -5.f, 5.f), u = randv(n), dh = randv(n);
+  auto h = poisoned(n), dg = poisoned(n), du = poisoned(n);
+  std::vector<float> hr(n), dgr(n), dur(n);
+  ok(k::swiglu_forward(h.data(), g.data(), u.data(), n, nullptr), "swiglu");
+  ok(k::swiglu_backward(dg.data(), du.data(), dh.data(), g.data(), u.data(), n, nullptr), "swiglu");
+  cpu::swiglu_forward<float>(hr.data(), g.data(), u.data(), n);
+  cpu::swiglu_backward<float>(dgr.data(), dur.data(), dh.data(), g.data(), u.data(), n);
+  check(h, hr, kF32, "swiglu fwd");
+  check(dg, dgr, kF32, "swiglu bwd dg");
+  check(du, dur, kF32, "swiglu bwd du");
+}
+
+TEST_F(CudaEmu, SoftmaxXentAndReducePairs) {
+  // V below and above the 512 threads of a row's block.
+  for (auto [N, V] : {std::pair{7, 1003}, {5, 37}}) {
+    const std::string what = fmt("xent N=%d V=%d", N, V);
+    const auto logits = randv(size_t(N) * V, -4.f, 4.f);
+    std::vector<int32_t> tgt(N);
+    std::uniform_int_distribution<int> t(0, V - 1);
+    for (auto& x : tgt) x = t(rng_);
+    const float z = 1e-3f, gs = 1.f / float(N);
+
+    auto grad = logits, gref = logits;
+    auto rows = poisoned<double>(2 * size_t(N)), sums = poisoned<double>(2);
+    ok(k::softmax_xent(grad.data(), tgt.data(), N, V, z, gs, rows.data(), nullptr), what);
+    ok(k::reduce_pairs(rows.data(), N, sums.data(), nullptr), what);
+    const cpu::XentSums r = cpu::softmax_xent<float>(gref.data(), tgt.data(), N, V, z, gs);
+    check(grad, gref, kF32, what + " grad");
+    check_sum(sums[0], r.xent, what + " sum xent");
+    check_sum(sums[1], r.lse_sq, what + " sum lse^2");
+
+    auto losses = poisoned(size_t(N));
+    std::vector<float> lref(N), untouched = logits;
+    ok(k::softmax_xent_forward(untouched.data(), tgt.data(), N, V, losses.data(), rows.data(), nullptr), what);
+    ok(k::reduce_pairs(rows.data(), N, sums.data(), nullptr), what);
+    const cpu::XentSums f = cpu::softmax_xent_forward<float>(logits.data(), tgt.data(), N, V, lref.data());
+    exact(untouched, logits, what + " forward leaves logits");
+    check(losses, lref, kF32, what + " losses");
+    check_sum(sums[0], f.xent, what + " fwd sum xent");
+  }
+}
+
+TEST_F(CudaEmu, SumSquaresAddScaleAdamW) {
+  for (size_t n : {size_t(0), size_t(5003)}) {
+    if (quick() && !n) continue;
+    const auto x = randv(n);
+    std::vector<double> scratch = poisoned<double>(k::sum_squares_scratch_doubles()), out = poisoned<double>(1);
+    ok(k::sum_squares(x.data(), n, out.data(), scratch.data(), nullptr), "sum_squares");
+    if (n) check_sum(out[0], cpu::sum_squares<float>(x.data(), n), fmt("sum_squares n=%zu", n));
+    else EXPECT_EQ(out[0], 0.0);
+  }
+  const size_t n = 1001;
+  const auto x = randv(n), y0 = randv(n);
+  auto y = y0, yr = y0;
+  ok(k::add_inplace(y.data(), x.data(), n, nullptr), "add");
+  cpu::add_inplace<float>(yr.data(), x.data(), n);
+  exact(y, yr, "add_inplace");
+  ok(k::scale_inplace(y.data(), 0.37f, n, nullptr), "scale");
+  cpu::scale_inplace<float>(yr.data(), 0.37f, n);
+  exact(y, yr, "scale_inplace");
+
+  auto p = randv(n), g = randv(n), m = randv(n, -0.1f, 0.1f), v = randv(n, 0.f, 0.01f);
+  auto pr = p, mr = m, vr = v;
+  ok(k::adamw_update(p.data(), g.data(), m.data(), v.data(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.19f, 0.0975f,
+                     nullptr),
+     "adamw");
+  cpu::adamw_update<float>(pr.data(), g.data(), mr.data(), vr.data(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.19f,
+                           0.0975f);
+  check(p, pr, kF32, "adamw p");
+  check(m, mr, kF32, "adamw m");
+  check(v, vr, kF32, "adamw v");
+}
+
+TEST_F(CudaEmu, ScaleMatrixBf16FillUniform) {
+  const int M = 7, N = 33, ld = 40;
+  for (float beta : {0.f, 0.5f}) {
+    auto C = beta == 0.f ? poisoned(size_t(M) * ld) : randv(size_t(M) * ld);
+    auto ref = C;
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) ref[size_t(i) * ld + j] = beta == 0.f ? 0.f : beta * ref[size_t(i) * ld + j];
+    ok(k::scale_matrix(C.data(), M, N, ld, beta, nullptr), "scale_matrix");
+    exact(C, ref, fmt("scale_matrix beta=%g (columns past N untouched)", beta));
+  }
+  // Round to nearest even, written out here (an independent reference).
+  auto bf16 = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  };
+  const auto in = randv(size_t(M) * ld, -100.f, 100.f);
+  auto out = poisoned<uint16_t>(in.size());
+  std::vector<uint16_t> ref(in.size());
+  for (size_t i = 0; i < in.size(); ++i) ref[i] = bf16(in[i]);
+  ok(k::f32_to_bf16(out.data(), in.data(), in.size(), nullptr), "bf16");
+  exact(out, ref, "f32_to_bf16");
+  auto out2 = poisoned<uint16_t>(size_t(M) * N);
+  std::vector<uint16_t> ref2(out2.size());
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) ref2[size_t(i) * N + j] = bf16(in[size_t(i) * ld + j]);
+  ok(k::f32_to_bf16_2d(out2.data(), in.data(), M, N, ld, nullptr), "bf16 2d");
+  exact(out2, ref2, "f32_to_bf16_2d");
+
+  // fill_uniform depends on (seed, i) only: the same values whatever grid the emulation runs.
+  const size_t n = 2049;
+  auto f = poisoned(n);
+  ok(k::fill_uniform(f.data(), n, 42, -2.f, 3.f, nullptr), "fill_uniform");
+  std::vector<float> fr(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t z = 42 + 0x9E3779B97F4A7C15ull * (i + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    fr[i] = -2.f + 5.f * float(z >> 40) * (1.0f / 16777216.0f);
+  }
+  exact(f, fr, "fill_uniform");
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention.cu (fp32 flash kernels)
+
+TEST_F(CudaEmu, AttentionForwardBackward) {
+  // hd 16 / 40 / 64 / 128 (the 32-, 64- and 128-wide kernels, with padding), S not a multiple of the
+  // 32-key tiles nor of the rows per block (128 / 64 / 32), causal and windowed, MHA and GQA.
+  const cpu::AttnShape shapes[] = {
+      {2, 37, 2, 1, 16, 0, 0}, {1, 45, 4, 2, 40, 7, 0}, {1, 70, 2, 2, 64, 0, 0},
+      {1, 33, 3, 1, 128, 20, 0}, {1, 66, 2, 1, 128, 0, 0}, {1, 1, 2, 2, 64, 0, 0},
+  };
+  for (cpu::AttnShape s : shapes) {
+    if (quick() && (s.hd == 64 || s.S == 66)) continue;
+    s.scale = 1.0 / std::sqrt(double(s.hd));
+    const std::string what = fmt("attn B=%d S=%d H=%d KV=%d hd=%d W=%d", s.B, s.S, s.H, s.KV, s.hd, s.window);
+    const size_t nq = size_t(s.B) * s.S * s.H * s.hd, nk = size_t(s.B) * s.S * s.KV * s.hd,
+                 nl = size_t(s.B) * s.H * s.S;
+    const auto q = randv(nq, -2.f, 2.f), kk = randv(nk, -2.f, 2.f), v = randv(nk), dout = randv(nq);
+    auto o = poisoned(nq), lse = poisoned(nl);
+    std::vector<float> orf(nq), lr(nl);
+    ok(k::attention_forward(o.data(), lse.data(), q.data(), kk.data(), v.data(), s, nullptr), what);
+    cpu::attention_forward<float>(orf.data(), lr.data(), q.data(), kk.data(), v.data(), s);
+    check(o, orf, kF32, what + " o");
+    check(lse, lr, kF32, what + " lse");
+
+    auto dq = poisoned(nq), dk = poisoned(nk), dv = poisoned(nk);
+    auto scratch = poisoned(k::attention_backward_scratch_floats(s));
+    std::vector<float> dqr(nq), dkr(nk), dvr(nk);
+    ok(k::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), kk.data(), v.data(), orf.data(),
+                             lr.data(), s, scratch.data(), nullptr),
+       what);
+    cpu::attention_backward<float>(dqr.data(), dkr.data(), dvr.data(), dout.data(), q.data(), kk.data(), v.data(),
+                                   orf.data(), lr.data(), s);
+    // S == 1: one key per query, p = 1 and dS = dO.V - dO.O = 0, so dq and dk are rounding noise
+    // on both sides; measure them against ||dv|| instead.
+    double fl = 0;
+    if (s.S == 1)
+      for (float e : dvr) fl += double(e) * e;
+    check(dq, dqr, kF32, what + " dq", std::sqrt(fl));
+    check(dk, dkr, kF32, what + " dk", std::sqrt(fl));
+    check(dv, dvr, kF32, what + " dv");
+  }
+  const cpu::AttnShape big{1, 4, 2, 2, 129, 0, 0.1};
+  EXPECT_EQ(k::attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr, big, nullptr), cudaErrorInvalidValue);
+}
+
+// ---------------------------------------------------------------------------------------------
+// switch_ops.cu
+
+TEST_F(CudaEmu, PkoShiftForwardBackward) {
+  for (auto [B, S, nkv, hd] : {std::tuple{3, 41, 2, 16}, {2, 37, 3, 40}}) {
+    const int N = B * S;
+    std::vector<uint8_t> reset(N);
+    std::bernoulli_distribution doc(0.125);
+    for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng_)) ? 1 : 0;
+    const size_t n = size_t(N) * nkv * hd;
+    const auto kx = randv(n), dout = randv(n);
+    for (int from : {hd / 2, 0, hd, 3}) {
+      const std::string what = fmt("pko B=%d S=%d nkv=%d hd=%d from=%d", B, S, nkv, hd, from);
+      auto out = poisoned(n), dk = poisoned(n);
+      std::vector<float> outr(n), dkr(n);
+      ok(k::pko_shift_forward(out.data(), kx.data(), reset.data(), N, nkv, hd, from, nullptr), what);
+      ok(k::pko_shift_backward(dk.data(), dout.data(), reset.data(), N, nkv, hd, from, nullptr), what);
+      cpu::pko_shift_forward<float>(outr.data(), kx.data(), reset.data(), N, nkv, hd, from);
+      cpu::pko_shift_backward<float>(dkr.data(), dout.data(), reset.data(), N, nkv, hd, from);
+      exact(out, outr, what + " fwd");
+      exact(dk, dkr, what + " bwd");
+    }
+  }
+}
+
+TEST_F(CudaEmu, XsaForwardBackwardWithGqa) {
+  for (auto [N, H, KV, hd] : {std::tuple{13, 4, 4, 64}, {11, 8, 4, 40}, {7, 4, 1, 130}, {9, 6, 3, 17}}) {
+    const std::string what = fmt("xsa N=%d H=%d KV=%d hd=%d", N, H, KV, hd);
+    const size_t ny = size_t(N) * H * hd, nv = size_t(N) * KV * hd;
+    const auto y = randv(ny), v = randv(nv), dz = randv(ny);
+    auto z = poisoned(ny), dy = poisoned(ny), dv = poisoned(nv);
+    std::vector<float> zr(ny), dyr(ny), dvr(nv);
+    ok(k::xsa_forward(z.data(), y.data(), v.data(), N, H, KV, hd, nullptr), what);
+    ok(k::xsa_backward(dy.data(), dv.data(), dz.data(), y.data(), v.data(), N, H, KV, hd, nullptr), what);
+    cpu::xsa_forward<float>(zr.data(), y.data(), v.data(), N, H, KV, hd);
+    cpu::xsa_backward<float>(dyr.data(), dvr.data(), dz.data(), y.data(), v.data(), N, H, KV, hd);
+    check(z, zr, kF32, what + " fwd");
+    check(dy, dyr, kF32, what + " bwd dy");
+    check(dv, dvr, kF32, what + " bwd dv");
+    // In place as the contract allows (z over y; dy over dz): the same bits.
+    auto yz = y, dzy = dz, dv2 = poisoned(nv);
+    ok(k::xsa_forward(yz.data(), yz.data(), v.data(), N, H, KV, hd, nullptr), what);
+    ok(k::xsa_backward(dzy.data(), dv2.data(), dzy.data(), y.data(), v.data(), N, H, KV, hd, nullptr), what);
+    exact(yz, z, what + " fwd in place");
+    exact(dzy, dy, what + " bwd in place dy");
+    exact(dv2, dv, what + " bwd in place dv");
+  }
+}
+
+TEST_F(CudaEmu, HeadGateForwardBackward) {
+  for (auto [N, H, hd] : {std::tuple{13, 4, 64}, {9, 3, 40}, {5, 2, 0}, {7, 5, 130}}) {
+    const std::string what = fmt("head_gate N=%d H=%d hd=%d", N, H, hd);
+    const size_t n = size_t(N) * H * hd, nr = size_t(N) * H;
+    const auto x = randv(n), logit = randv(nr, -4.f, 4.f), dout = randv(n);
+    auto out = poisoned(n), fac = poisoned(nr);
+    std::vector<float> outr(n), facr(nr);
+    ok(k::head_gate_forward(out.data(), fac.data(), x.data(), logit.data(), N, H, hd, nullptr), what);
+    cpu::head_gate_forward<float>(outr.data(), facr.data(), x.data(), logit.data(), N, H, hd);
+    check(out, outr, kF32, what + " fwd");
+    check(fac, facr, kF32, what + " factor");
+    auto dx = poisoned(n), dl = poisoned(nr);
+    std::vector<float> dxr(n), dlr(nr);
+    ok(k::head_gate_backward(dx.data(), dl.data(), dout.data(), x.data(), facr.data(), N, H, hd, nullptr), what);
+    cpu::head_gate_backward<float>(dxr.data(), dlr.data(), dout.data(), x.data(), facr.data(), N, H, hd);
+    check(dx, dxr, kF32, what + " bwd dx");
+    check(dl, dlr, kF32, what + " bwd dlogit");
+    auto xo = x, dd = dout, dl2 = poisoned(nr), fac2 = poisoned(nr);
+    ok(k::head_gate_forward(xo.data(), fac2.data(), xo.data(), logit.data(), N, H, hd, nullptr), what);
+    ok(k::head_gate_backward(dd.data(), dl2.data(), dd.data(), x.data(), facr.data(), N, H, hd, nullptr), what);
+    exact(xo, out, what + " fwd in place");
+    exact(dd, dx, what + " bwd in place");
+  }
+}
+
+TEST_F(CudaEmu, SiluAndSigmoidGate) {
+  const size_t n = 1001;
+  const auto u = randv(n, -6.f, 6.f), da = randv(n), x = randv(n), g0 = randv(n, -6.f, 6.f), dy = randv(n);
+  auto a = poisoned(n), du = poisoned(n);
+  std::vector<float> ar(n), dur(n);
+  ok(k::silu_forward(a.data(), u.data(), n, nullptr), "silu");
+  ok(k::silu_backward(du.data(), da.data(), u.data(), n, nullptr), "silu");
+  cpu::silu_forward<float>(ar.data(), u.data(), n);
+  cpu::silu_backward<float>(dur.data(), da.data(), u.data(), n);
+  check(a, ar, kF32, "silu fwd");
+  check(du, dur, kF32, "silu bwd");
+  auto dd = da;
+  ok(k::silu_backward(dd.data(), dd.data(), u.data(), n, nullptr), "silu");
+  exact(dd, du, "silu bwd in place");
+
+  auto g = g0, s = g0, y = poisoned(n);
+  std::vector<float> yr(n);
+  ok(k::sigmoid_gate_forward(y.data(), g.data(), x.data(), n, nullptr), "sigmoid_gate");
+  cpu::sigmoid_gate_forward<float>(yr.data(), s.data(), x.data(), n);
+  check(y, yr, kF32, "sigmoid_gate fwd y");
+  check(g, s, kF32, "sigmoid_gate fwd s");
+  for (bool acc : {false, true}) {
+    const auto dx0 = randv(n);
+    auto dx = acc ? dx0 : poisoned(n), dg = poisoned(n), dxr = dx0;
+    std::vector<float> dgr(n);
+    ok(k::sigmoid_gate_backward(dx.data(), dg.data(), dy.data(), x.data(), s.data(), n, acc, nullptr), "sg");
+    cpu::sigmoid_gate_backward<float>(dxr.data(), dgr.data(), dy.data(), x.data(), s.data(), n, acc);
+    check(dx, dxr, kF32, acc ? "sigmoid_gate bwd dx (+=)" : "sigmoid_gate bwd dx");
+    check(dg, dgr, kF32, "sigmoid_gate bwd dg");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// optim_ops.cu (the fixed 512 x 256 reduction grid runs in full: it sets the summation order)
+
+TEST_F(CudaEmu, AdamMomentsAndApply) {
+  const float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f;
+  for (size_t n : {size_t(3001)}) {  // n == 0: axpy_sumsq below
+    auto w = randv(n), m = randv(n, -0.1f, 0.1f), v = randv(n, 0.f, 0.01f);
+    const auto g = randv(n, -0.5f, 0.5f);
+    auto wr = w, mr = m, vr = v;
+    const float bc1 = 0.19f, bc2 = 0.0975f;
+    auto out = poisoned<double>(1), partials = poisoned<double>(size_t(k::optim_reduce_blocks()));
+    ok(k::adam_moments(m.data(), v.data(), g.data(), n, b1, b2, bc1, bc2, eps, out.data(), partials.data(), nullptr),
+       "adam_moments");
+    const double cu = cpu::adam_moments<float>(mr.data(), vr.data(), g.data(), n, b1, b2, bc1, bc2, eps);
+    if (n) check_sum(out[0], cu, "adam_moments ||U||^2");
+    else EXPECT_EQ(out[0], 0.0);
+    const float alpha = n ? float(-1e-2 / std::sqrt(cu)) : 1.f;
+    out = poisoned<double>(1);
+    ok(k::adam_apply(w.data(), m.data(), v.data(), n, bc1, bc2, eps, alpha, out.data(), partials.data(), nullptr),
+       "adam_apply");
+    const double cw = cpu::adam_apply<float>(wr.data(), mr.data(), vr.data(), n, bc1, bc2, eps, alpha);
+    if (n) check_sum(out[0], cw, "adam_apply ||w||^2");
+    else EXPECT_EQ(out[0], 0.0);
+    check(m, mr, kF32, fmt("adam n=%zu m", n));
+    check(v, vr, kF32, fmt("adam n=%zu v", n));
+    check(w, wr, kF32, fmt("adam n=%zu w", n));
+  }
+}
+
+TEST_F(CudaEmu, MuonMomentumAxpySumsqNewtonSchulzPieces) {
+  const size_t n = 1001;
+  auto B = randv(n), Br = B, D = poisoned(n), w = randv(n), wr = w;
+  const auto G = randv(n), x = randv(n);
+  std::vector<float> Dr(n);
+  ok(k::muon_momentum(B.data(), D.data(), G.data(), n, 0.95f, nullptr), "muon");
+  cpu::muon_momentum<float>(Br.data(), Dr.data(), G.data(), n, 0.95f);
+  check(B, Br, kF32, "muon_momentum B");
+  check(D, Dr, kF32, "muon_momentum D");
+
+  auto out = poisoned<double>(1), partials = poisoned<double>(size_t(k::optim_reduce_blocks()));
+  ok(k::axpy_sumsq(w.data(), x.data(), n, -0.37f, out.data(), partials.data(), nullptr), "axpy");
+  const double cs = cpu::axpy_sumsq<float>(wr.data(), x.data(), n, -0.37f);
+  check(w, wr, kF32, "axpy_sumsq w");
+  check_sum(out[0], cs, "axpy_sumsq ||w||^2");
+  out = poisoned<double>(1);
+  ok(k::axpy_sumsq(nullptr, nullptr, 0, 1.f, out.data(), partials.data(), nullptr), "axpy");
+  EXPECT_EQ(out[0], 0.0) << "n == 0 still writes its zero sum";
+
+  // Newton-Schulz's non-GEMM pieces (the GEMMs need cuBLASLt: not emulated).
+  const double ss = 12.5;
+  auto y = poisoned(n), yr = x;
+  ok(k::scale_by_inv_norm(y.data(), x.data(), n, &ss, nullptr), "scale_by_inv_norm");
+  const float inv = float(1.0 / (std::sqrt(ss) + 1e-8));
+  for (auto& e : yr) e *= inv;
+  exact(y, yr, "scale_by_inv_norm");
+  const int m = 37;
+  const auto A = randv(size_t(m) * m);
+  auto P = poisoned(A.size()), Pr = A;
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < m; ++j) {
+      const float bv = -4.7750f * A[size_t(i) * m + j];
+      Pr[size_t(i) * m + j] = i == j ? bv + 3.4445f : bv;
+    }
+  ok(k::ns_poly_init(P.data(), A.data(), m, 3.4445f, -4.7750f, nullptr), "ns_poly_init");
+  exact(P, Pr, "ns_poly_init");
+}
+
+// The emulation itself: a launch error is reported through cudaGetLastError, as on the device.
+TEST_F(CudaEmu, LaunchErrorsReachCudaGetLastError) {
+  std::vector<double> row(2, 0.0), sums(2);
+  // reduce_pairs launches 1024 threads: fine. A grid of 0 blocks is a configuration error.
+  ok(k::reduce_pairs(row.data(), 1, sums.data(), nullptr), "reduce_pairs");
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<float> o(4), l(1);
+  const cpu::AttnShape s{1, 1, 70000, 1, 16, 0, 0.25};  // grid.y = H above 65535
+  EXPECT_EQ(k::attention_forward(o.data(), l.data(), o.data(), o.data(), o.data(), s, nullptr),
+            cudaErrorInvalidConfiguration);
+}
+
+}  // namespace
+}  // namespace ladder
