@@ -121,6 +121,51 @@ TEST(DeviceEmulation, MoeAdamwIsBitIdenticalWithoutHostAccess) { train_and_compa
 TEST(DeviceEmulation, SwitchesMuonhIsBitIdenticalWithoutHostAccess) { train_and_compare(switches_config(), "muonh"); }
 TEST(DeviceEmulation, MoeMuonhIsBitIdenticalWithoutHostAccess) { train_and_compare(moe_config(), "muonh"); }
 
+TEST(DeviceEmulation, RecomputeMoeSwitchesIsBitIdenticalWithoutHostAccess) {
+  Config c = switches_config();
+  const Config m = moe_config();
+  c.model.moe_experts = m.model.moe_experts;
+  c.model.moe_top_k = m.model.moe_top_k;
+  c.model.moe_expert_ff = m.model.moe_expert_ff;
+  c.model.moe_balance = m.model.moe_balance;
+  c.model.router_z_loss = m.model.router_z_loss;
+  c.model.moe_layers = m.model.moe_layers;
+  c.model.recompute = true;
+  train_and_compare(c, "adamw");
+}
+
+// Activation recomputation changes memory, never results: losses and every gradient bit for bit,
+// for dense, MoE (mixed with a dense layer) and every switch, over two micro-batches.
+TEST(Recompute, SameGradientsBitForBitWithLessActivationMemory) {
+  for (Config c : {dense_config(), moe_config(), switches_config()}) {
+    c.model.n_layers = 4;
+    Config r = c;
+    r.model.recompute = true;
+    validate(c);
+    validate(r);
+    auto be = make_cpu_backend(0);
+    Transformer a(c.model, c.run.batch_size, *be), b(r.model, r.run.batch_size, *be);
+    a.init(9);
+    b.init(9);
+    EXPECT_LT(double(b.activation_bytes()), 0.7 * double(a.activation_bytes())) << c.model.moe_layers;
+    for (int mb = 0; mb < 2; ++mb) {
+      std::vector<int32_t> in, tg;
+      make_batch(c, 40 + mb, in, tg);
+      const LossSums la = a.forward_backward(in.data(), tg.data(), 1e-3f);
+      const LossSums lb = b.forward_backward(in.data(), tg.data(), 1e-3f);
+      EXPECT_EQ(la.xent, lb.xent);
+      EXPECT_EQ(la.router_z, lb.router_z);
+    }
+    for (size_t i = 0; i < a.params().size(); ++i)
+      EXPECT_EQ(0, std::memcmp(a.params()[i].g, b.params()[i].g, a.params()[i].numel * sizeof(float)))
+          << a.params()[i].name;
+    const auto sa = a.take_moe_stats(), sb = b.take_moe_stats();  // statistics recorded once, not twice
+    ASSERT_EQ(sa.size(), sb.size());
+    for (size_t l = 0; l < sa.size(); ++l) EXPECT_EQ(sa[l].load_mean, sb[l].load_mean);
+    EXPECT_EQ(a.balance_beta(), b.balance_beta());
+  }
+}
+
 // The guard itself: a host read of backend memory outside an op dies with the message.
 TEST(DeviceEmulationDeathTest, HostReadOfBackendMemoryFaults) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");

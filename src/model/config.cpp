@@ -62,6 +62,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, eod_id, "end-of-document token id (PKO document starts); -1 = the data directory's meta.json eod_id"),
       LADDER_FIELD(model, xsa, "exclusive self attention: per head z = y - (y.v/||v||^2) v, v the token's own value vector"),
       LADDER_FIELD(model, attn_gate, "per-head attention output gate 2*sigmoid(h W_g), h the block's normed attention input, W_g [H, d] zero at init"),
+      LADDER_FIELD(model, recompute, "activation recomputation: keep only each layer's input and re-run the layer's forward in the backward (about one more forward of compute; saved activations drop to one layer's plus the residual stream; same results bit for bit)"),
       LADDER_FIELD(model, gated_norm_rank, "GatedNorm x*sigmoid(W_up SiLU(W_down x)) after each d-wide RMSNorm (block norms and final norm) with this rank; 0 = off (recipe V1: 128)"),
       LADDER_FIELD(optim, name, "optimizer preset: adamw | adam | adamh | muon | muonh (which tensors each optimizer gets: docs/optimizers.md)"),
       LADDER_FIELD(optim, lr, "peak learning rate"),

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -126,16 +127,24 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   const MoeDims md = moe_dims();
   int moe_index = 0;
   // GatedNorm: parameters and saved activations of one norm site.
-  auto plan_gated_norm = [&](GatedNormActs& gn) {
+  auto plan_gated_norm = [&](GatedNormActs& gn, std::vector<Req>& into) {
     if (R == 0) return;
     gn.down = &params_[pi++];
     gn.up = &params_[pi++];
-    reqs.insert(reqs.end(), {{&gn.n, N * d}, {&gn.u, N * R}, {&gn.a, N * R}, {&gn.s, N * d}});
+    into.insert(into.end(), {{&gn.n, N * d}, {&gn.u, N * R}, {&gn.a, N * R}, {&gn.s, N * d}});
   };
+  // Activation recomputation (model.recompute): only each layer's input L.x is kept; every other
+  // saved tensor of a layer lives in one set shared by all layers of the same kind (dense or MoE,
+  // with or without the PKO key buffer), which the backward refills by re-running the layer's
+  // forward just before its backward. `shared` maps a layer kind to the first layer that owns the
+  // set; later layers of that kind alias its pointers (resolved after the arena is carved).
+  std::map<int, std::vector<Req>> shared;
+  std::vector<std::pair<float**, float**>> aliases;  // (layer's pointer, owner's pointer)
   for (int l = 0; l < cfg.n_layers; ++l) {
     Layer& L = layers_[l];
+    std::vector<Req> lreqs;  // this layer's saved tensors except L.x
     L.ln1 = &params_[pi++];
-    plan_gated_norm(L.gn1);
+    plan_gated_norm(L.gn1, lreqs);
     L.wq = &params_[pi++];
     L.wk = &params_[pi++];
     L.wv = &params_[pi++];
@@ -144,14 +153,15 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     L.kn = cfg.learned_qk_gain() ? &params_[pi++] : nullptr;
     L.wgate = cfg.attn_gate ? &params_[pi++] : nullptr;
     L.ln2 = &params_[pi++];
-    plan_gated_norm(L.gn2);
+    plan_gated_norm(L.gn2, lreqs);
     L.window = cfg.layer_window(l);
-    if (cfg.pko && cfg.is_long_layer(l)) reqs.push_back({&L.ks, N * KV * hd});
-    if (cfg.xsa) reqs.push_back({&L.z, N * H * hd});
-    if (cfg.attn_gate) reqs.insert(reqs.end(), {{&L.ga, N * H}, {&L.gf, N * H}, {&L.og, N * H * hd}});
-    reqs.insert(reqs.end(), {{&L.x, N * d}, {&L.h1, N * d}, {&L.r1, N}, {&L.q, N * H * hd},
-                             {&L.k, N * KV * hd}, {&L.v, N * KV * hd}, {&L.o, N * H * hd},
-                             {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d}, {&L.r2, N}});
+    if (cfg.pko && cfg.is_long_layer(l)) lreqs.push_back({&L.ks, N * KV * hd});
+    if (cfg.xsa) lreqs.push_back({&L.z, N * H * hd});
+    if (cfg.attn_gate) lreqs.insert(lreqs.end(), {{&L.ga, N * H}, {&L.gf, N * H}, {&L.og, N * H * hd}});
+    reqs.push_back({&L.x, N * d});
+    lreqs.insert(lreqs.end(), {{&L.h1, N * d}, {&L.r1, N}, {&L.q, N * H * hd},
+                               {&L.k, N * KV * hd}, {&L.v, N * KV * hd}, {&L.o, N * H * hd},
+                               {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d}, {&L.r2, N}});
     if (cfg.is_moe_layer(int(l))) {
       L.moe = true;
       L.moe_index = moe_index++;
@@ -169,24 +179,34 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
       L.gate = L.up = L.act = nullptr;
       // MoE arrays are float or int32: 4 bytes either way, so they come from the same arena.
       for (auto& [ptr, bytes] : moe_act_requests<float>(md, L.ma))
-        reqs.push_back({reinterpret_cast<float**>(ptr), bytes / sizeof(float)});
+        lreqs.push_back({reinterpret_cast<float**>(ptr), bytes / sizeof(float)});
     } else {
       L.wg = &params_[pi++];
       L.wu = &params_[pi++];
       L.wd = &params_[pi++];
-      reqs.insert(reqs.end(), {{&L.gate, N * I}, {&L.up, N * I}, {&L.act, N * I}});
+      lreqs.insert(lreqs.end(), {{&L.gate, N * I}, {&L.up, N * I}, {&L.act, N * I}});
     }
     if (cfg.qk_norm) {
-      reqs.insert(reqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}, {&L.qrs, N * H}, {&L.krs, N * KV}});
+      lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}, {&L.qrs, N * H}, {&L.krs, N * KV}});
     } else {
       L.qrs = L.krs = nullptr;
-      reqs.insert(reqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}});
+      lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}});
+    }
+    // Same kind => same request list in the same order.
+    const int kind = (L.moe ? 1 : 0) + (cfg.pko && cfg.is_long_layer(l) ? 2 : 0);
+    auto owner = shared.find(kind);
+    if (!cfg.recompute || owner == shared.end()) {
+      reqs.insert(reqs.end(), lreqs.begin(), lreqs.end());
+      if (cfg.recompute) shared.emplace(kind, lreqs);
+    } else {
+      LADDER_ASSERT(owner->second.size() == lreqs.size());
+      for (size_t i = 0; i < lreqs.size(); ++i) aliases.push_back({lreqs[i].ptr, owner->second[i].ptr});
     }
   }
   const size_t Idense = moe_index == cfg.n_layers ? 0 : size_t(I);  // dense MLP scratch, if any dense layer
   embed_ = &params_[0];
   norm_f_ = &params_[pi++];
-  plan_gated_norm(gnf_);
+  plan_gated_norm(gnf_, reqs);
   head_ = &params_[pi++];
   LADDER_ASSERT(pi == params_.size());
   if (cfg.xsa) reqs.push_back({&d_vx_, N * KV * hd});
@@ -208,6 +228,7 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   for (auto& r : reqs) abytes += Arena::padded(r.n);
   acts_arena_.reserve(abytes, be_, "activations");
   for (auto& r : reqs) *r.ptr = acts_arena_.alloc(r.n);
+  for (auto& [ptr, from] : aliases) *ptr = *from;
 
   // The host edge, in backend memory: ids and targets of one micro-batch, PKO flags, the sums a
   // forward downloads once, per-tensor gradient sums of squares, MoE load counts and betas.
@@ -467,39 +488,46 @@ void Transformer::upload_batch(const int32_t* inputs, const int32_t* targets) {
   if (targets) be_.upload(targets_, targets, sizeof(int32_t) * size_t(N));
 }
 
-void Transformer::forward(bool training) {
+// One block: fills layer l's saved activations from L.x and writes the next layer's input (or
+// x_final_). With recomputation the backward calls it again for the same layer, with the same input
+// and so the same results bit for bit, and with record = false (no load/balance statistics twice).
+void Transformer::layer_forward(size_t l, bool record, bool balance) {
   const int N = N_, d = cfg_.d_model, I = cfg_.ff();
+  Layer& L = layers_[l];
+  norm_forward(L.h1, L.r1, L.x, L.ln1, L.gn1);
+  attn_forward(L);
+  norm_forward(L.h2, L.r2, L.mid, L.ln2, L.gn2);
+  float* next = l + 1 < layers_.size() ? layers_[l + 1].x : x_final_;
+  be_.copy(next, L.mid, sizeof(float) * size_t(N) * d);
+  if (L.moe) {
+    const MoeDims md = moe_dims();
+    const size_t mi = size_t(L.moe_index);
+    moe_forward<float>(ops_, md, moe_weights(L), L.ma, L.h2, next);
+    // Router z term of this layer: a device double, read with the loss sums (read_sums).
+    be_.sum_squares_async(L.ma.lse, size_t(N), sums_ + 2 * size_t(n_chunks_) + mi);
+    if (record) {
+      be_.moe_count_load(load_ + mi * size_t(md.E), L.ma.offsets, md.E);
+      if (balance)
+        be_.moe_balance_values(balance_vals(L.moe_index) + size_t(balance_tokens_) * md.E, L.ma.logits, L.bias->w, N,
+                               md.E, md.K);
+    }
+    return;
+  }
+  be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wg->w, d, 0.f, L.gate, I);
+  be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wu->w, d, 0.f, L.up, I);
+  be_.swiglu_forward(L.act, L.gate, L.up, size_t(N) * I);
+  be_.gemm(false, true, N, d, I, 1.f, L.act, I, L.wd->w, I, 1.f, next, d);
+}
+
+void Transformer::forward(bool training) {
+  const int N = N_, d = cfg_.d_model;
   const MoeDims md = moe_dims();
   const bool balance = training && cfg_.moe_quantile_balance() && n_moe_ > 0 && md.K < md.E;
   if (balance && balance_tokens_ + N > balance_cap_)  // unplanned: see reserve_balance_tokens
     reserve_balance_tokens(std::max<int64_t>(balance_tokens_ + N, 2 * balance_cap_));
   be_.embedding_forward(layers_[0].x, embed_->w, ids_, N, d);
   if (cfg_.pko) compute_resets();
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    Layer& L = layers_[l];
-    norm_forward(L.h1, L.r1, L.x, L.ln1, L.gn1);
-    attn_forward(L);
-    norm_forward(L.h2, L.r2, L.mid, L.ln2, L.gn2);
-    float* next = l + 1 < layers_.size() ? layers_[l + 1].x : x_final_;
-    be_.copy(next, L.mid, sizeof(float) * size_t(N) * d);
-    if (L.moe) {
-      const size_t mi = size_t(L.moe_index);
-      moe_forward<float>(ops_, md, moe_weights(L), L.ma, L.h2, next);
-      // Router z term of this layer: a device double, read with the loss sums (read_sums).
-      be_.sum_squares_async(L.ma.lse, size_t(N), sums_ + 2 * size_t(n_chunks_) + mi);
-      if (training) {
-        be_.moe_count_load(load_ + mi * size_t(md.E), L.ma.offsets, md.E);
-        if (balance)
-          be_.moe_balance_values(balance_vals(L.moe_index) + size_t(balance_tokens_) * md.E, L.ma.logits, L.bias->w, N,
-                                 md.E, md.K);
-      }
-      continue;
-    }
-    be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wg->w, d, 0.f, L.gate, I);
-    be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wu->w, d, 0.f, L.up, I);
-    be_.swiglu_forward(L.act, L.gate, L.up, size_t(N) * I);
-    be_.gemm(false, true, N, d, I, 1.f, L.act, I, L.wd->w, I, 1.f, next, d);
-  }
+  for (size_t l = 0; l < layers_.size(); ++l) layer_forward(l, training, balance);
   if (training && !layers_.empty() && cfg_.moe()) {
     stats_tokens_ += N;
     if (balance) balance_tokens_ += N;
@@ -552,6 +580,10 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
   const float z_scale = n_moe_ > 0 ? float(cfg_.router_z_loss / double(n_moe_)) * grad_scale : 0.f;
   for (int l = int(layers_.size()) - 1; l >= 0; --l) {
     Layer& L = layers_[l];
+    // Recomputation: the shared activations hold the last layer's after the forward; every other
+    // layer is re-run from its saved input. Its output lands in layer l+1's input buffer (or
+    // x_final_), which the backward has finished with.
+    if (cfg_.recompute && l + 1 < int(layers_.size())) layer_forward(size_t(l), /*record=*/false, false);
     if (L.moe) {
       // MoE: next = mid + MoE(h2); d_h = d(h2).
       MoeGrads<float> G{L.router->g, L.eg->g, L.eu->g, L.ed->g, L.sg ? L.sg->g : nullptr,

@@ -174,6 +174,8 @@ class Transformer {
   // Fills saved activations up to the final norm from ids_ (uploaded by the caller). training:
   // record MoE load and balancing data.
   void forward(bool training = false);
+  // Layer l's block (norms, attention, MLP or MoE) from L.x; record: MoE load and balancing data.
+  void layer_forward(size_t l, bool record, bool balance);
   // After the LM head: the one download of the loss and router sums of this call, into a LossSums.
   LossSums read_sums(int chunks, bool training);
   MoeDims moe_dims() const;
