@@ -9,7 +9,8 @@
 # (carried with the call). Which one ran is printed.
 #   GPU_CHECK_BUILD=0      skip the device build, use gpu-bundle/ directly (saves ~1-2 minutes)
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
-#   GPU_CHECK_MODELS="dense-d1024 moe-d1024"   which configs/gpu presets to benchmark (default: all four)
+#   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   presets:precision to benchmark (default: the
+#                          four presets in bf16, then the d=1024 pair in tf32, while under 7 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -71,39 +72,11 @@ grep -E "^\[  (FAILED|PASSED)  \]" "$OUT/tests.log" | sort -u | head -n 20
 echo "skipped: $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log")"
 grep -B1 -A3 "Failure" "$OUT/tests.log" | head -n 40
 
-# ---- 3. benchmark -------------------------------------------------------------------------------
-log "benchmark (log: bench.log)"
-timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
-BENCH_RC=$?
-
-# ---- 3b. model benchmarks: `ladder bench --device cuda` on each preset, bf16 GEMMs and TF32 GEMMs;
-# MFU is against the GEMM rate the same run measures at the same precision (and the JSON has both).
-log "model benchmarks (log: models.log)"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024 moe-d1024 dense-d2048 moe-d2048}
-: >"$OUT/models.log"
-MODEL_ROWS=""
-for m in $MODELS; do
-  for prec in BF16 TF32; do
-    [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $m $prec: over 7 minutes"; continue; }
-    echo "=== $m $prec" >>"$OUT/models.log"
-    env "LADDER_CUDA_$prec=1" timeout 100 "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda --steps 4 \
-      --json >>"$OUT/models.log" 2>&1
-    rc=$?
-    row=$(tail -n 1 "$OUT/models.log" | python3 -c 'import json,sys
-try:
-    j = json.loads(sys.stdin.read())
-    print("%10.0f %9.1f %9.1f %6.1f%%" % (j["tokens_per_s"], j["train_gflops"] / 1e3, j["sgemm_gflops"] / 1e3, 100 * j["mfu"]))
-except Exception:
-    print("   (failed: see models.log)")' 2>/dev/null)
-    MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s' "$m" "$prec" "$rc" "$row")"$'\n'
-  done
-done
-
-# ---- 4. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
+# ---- 3. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
 SAN_RC=skipped
-if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 300 ]; then
+if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
   log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
-  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs'
+  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaSwitchOptim.*'
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
     >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
@@ -113,10 +86,38 @@ if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/nu
   tail -n 3 "$OUT/sanitizer.log"
 fi
 
-# ---- 5. the table, last -------------------------------------------------------------------------
+# ---- 4. micro-benchmark -------------------------------------------------------------------------------
+log "benchmark (log: bench.log)"
+timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
+BENCH_RC=$?
+
+# ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
+# precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
+log "model benchmarks (log: models.log)"
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:tf32 moe-d1024:tf32}
+: >"$OUT/models.log"
+MODEL_ROWS=""
+for mp in $MODELS; do
+  m=${mp%%:*}
+  prec=${mp#*:}
+  [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $m $prec: over 7 minutes"; continue; }
+  echo "=== $m $prec" >>"$OUT/models.log"
+  timeout 100 "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda --set "run.precision=$prec" \
+    --steps 4 --json >>"$OUT/models.log" 2>&1
+  rc=$?
+  row=$(tail -n 1 "$OUT/models.log" | python3 -c 'import json,sys
+try:
+    j = json.loads(sys.stdin.read())
+    print("%10.0f %9.1f %9.1f %6.1f%%" % (j["tokens_per_s"], j["train_gflops"] / 1e3, j["sgemm_gflops"] / 1e3, 100 * j["mfu"]))
+except Exception:
+    print("   (failed: see models.log)")' 2>/dev/null)
+  MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s' "$m" "$prec" "$rc" "$row")"$'\n'
+done
+
+# ---- 6. the table, last -------------------------------------------------------------------------
 echo
 echo "== gpu-check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), build: $BIN, $(($(date +%s) - T0)) s =="
-echo "GPU tests: exit $TEST_RC; $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep -c '^\[  FAILED  \] Cuda\(Kernels\|Probe\|Model\|Train\)' "$OUT/tests.log") failed; sanitizer exit: $SAN_RC"
+echo "GPU tests: exit $TEST_RC; $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep '^\[  FAILED  \] Cuda' "$OUT/tests.log" | awk '{print $4}' | sort -u | wc -l) failed; sanitizer exit: $SAN_RC"
 echo "largest relative error per op (vs the CPU kernels):"
 grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
   op = $5; for (i = 6; i <= NF && $i !~ /^[0-9.]+e[-+][0-9]+$/; ++i) if ($i !~ /=|[0-9]x[0-9]/) op = op " " $i;
@@ -125,6 +126,6 @@ echo "benchmark: exit $BENCH_RC"
 sed -n '/^| what/,$p' "$OUT/bench.log"
 [ "$BENCH_RC" = 0 ] || tail -n 5 "$OUT/bench.log"
 echo "model benchmarks (ladder bench --device cuda, median of 4 steps; MFU = model TFLOP/s / same-run GEMM TFLOP/s):"
-echo "preset       gemm  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU"
+echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU"
 printf '%s' "$MODEL_ROWS"
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
