@@ -104,6 +104,13 @@ class Backend : public MemorySpace {
   // Muon's orthogonalization of one row-major [rows, cols] matrix, in place (normalization + the 5
   // Newton-Schulz steps); the backend owns the workspace.
   virtual void newton_schulz5(float* X, int rows, int cols) = 0;
+
+  // The model's weights live in [base, base + bytes) of this backend's memory (the parameter arena).
+  // A backend may keep a derived copy of them (the CUDA backend's bf16 mirror for bf16 GEMMs, made
+  // once per optimizer step instead of once per GEMM); it must notice every write into the range
+  // through its own ops. Unregister before the memory is freed.
+  virtual void register_weights(const void* base, size_t bytes) { (void)base, (void)bytes; }
+  virtual void unregister_weights(const void* base) { (void)base; }
 };
 
 // The CPU backend. `threads` <= 0: all cores. Sets the OpenMP and OpenBLAS thread counts.

@@ -150,6 +150,8 @@ class ForwardingBackend : public Backend {
     wrap("newton-schulz", 0, [&] { b_->newton_schulz5(X, rows, cols); });
   }
 
+  void register_weights(const void* base, size_t bytes) override { b_->register_weights(base, bytes); }
+  void unregister_weights(const void* base) override { b_->unregister_weights(base); }
   // Memory, and the ops that write their sums to backend memory.
   bool is_host() const override { return b_->is_host(); }
   void* mem_alloc(size_t bytes, const char* what) override { return b_->mem_alloc(bytes, what); }

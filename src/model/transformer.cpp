@@ -112,6 +112,7 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     p.w = params_arena_.alloc(p.numel);
     p.g = grads_arena_.alloc(p.numel);
   }
+  be_.register_weights(params_arena_.base(), params_arena_.capacity());
   size_t bbytes = 0;
   for (auto& b : buffers_) bbytes += Arena::padded(b.numel);
   buffers_arena_.reserve(bbytes, be_, "MoE selection biases");
@@ -251,6 +252,8 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   host_bias_.assign(size_t(cfg.moe_experts), 0.0f);
   if (cfg.moe_quantile_balance() && n_moe_ > 0) reserve_balance_tokens(N_);
 }
+
+Transformer::~Transformer() { be_.unregister_weights(params_arena_.base()); }
 
 void Transformer::download(const Param& p, float* host) const { be_.download(host, p.w, p.numel * sizeof(float)); }
 void Transformer::upload(const Param& p, const float* host) { be_.upload(p.w, host, p.numel * sizeof(float)); }

@@ -68,6 +68,9 @@ class Transformer {
  public:
   // `batch` sequences of cfg.seq_len tokens per forward pass.
   Transformer(const ModelConfig& cfg, int batch, Backend& be);
+  ~Transformer();
+  Transformer(const Transformer&) = delete;
+  Transformer& operator=(const Transformer&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   int batch() const { return B_; }

@@ -262,6 +262,49 @@ TEST_F(CudaModel, FiftyMuonHStepsFollowTheCpu) {
   train_both(switches_config(), "muonh", 50, "switches");
 }
 
+// run.precision bf16 (bf16 GEMMs reading the weights' bf16 mirror, tensor-core attention where the
+// head size allows; every other op fp32): 30 AdamW steps on one repeated batch, so the loss falls
+// far. It must fall like the CPU's: within 3e-2 relative per step (bf16 operands: about 4e-3 per
+// GEMM, compounding over layers and steps) and by at least 90% as much overall. A mirror that were
+// not re-cast after the optimizer's updates would leave the GPU on its initial weights: no descent.
+TEST_F(CudaModel, Bf16StepsFollowTheCpuAndTheWeightMirrorTracksUpdates) {
+  for (Config c : {dense_config(), moe_config()}) {
+    c.optim.name = "adamw";
+    c.run.steps = 30;
+    c.model.head_dim = 64;  // the tensor-core attention's head sizes are 64 and 128
+    validate(c);
+    auto bf = make_cuda_backend("bf16");
+    ASSERT_EQ(bf->name(), "cuda-bf16");
+    Transformer mg(c.model, c.run.batch_size, *bf), mc(c.model, c.run.batch_size, *cpu_);
+    mg.init(3);
+    mc.init(3);
+    auto og = make_optimizer(c, mg, *bf), oc = make_optimizer(c, mc, *cpu_);
+    std::vector<int32_t> bi, bt, in, tg;
+    make_batch(c, 77, bi, bt);
+    in.resize(bi.size());
+    tg.resize(bi.size());
+    auto batch = [&](int32_t* a, int32_t* y) {
+      std::copy(bi.begin(), bi.end(), a);
+      std::copy(bt.begin(), bt.end(), y);
+    };
+    double first_g = 0, first_c = 0, last_g = 0, last_c = 0, worst = 0;
+    for (int t = 0; t < c.run.steps; ++t) {
+      const double lg = train_step(c, t, mg, *og, *bf, batch, in.data(), tg.data()).loss;
+      const double lc = train_step(c, t, mc, *oc, *cpu_, batch, in.data(), tg.data()).loss;
+      if (t == 0) first_g = lg, first_c = lc;
+      last_g = lg, last_c = lc;
+      worst = std::max(worst, std::fabs(lg - lc) / lc);
+      ASSERT_TRUE(std::isfinite(lg)) << "step " << t;
+    }
+    std::printf("[ step     ] bf16 %s loss %.4f -> %.4f (cpu %.4f -> %.4f)\n", c.model.moe() ? "moe" : "dense",
+                first_g, last_g, first_c, last_c);
+    print_err(std::string("bf16 ") + (c.model.moe() ? "moe" : "dense") + " 30-step loss (worst step)", worst);
+    EXPECT_LT(worst, 3e-2);
+    ASSERT_GT(first_c - last_c, 0.5) << "the CPU run did not learn: the test proves nothing";
+    EXPECT_GT(first_g - last_g, 0.9 * (first_c - last_c)) << "bf16 run learned less: stale weight mirror?";
+  }
+}
+
 // The arenas are planned at construction and the backend's scratch grows during the first step
 // only: steps 2..5 must leave the device's free memory exactly where it was.
 TEST_F(CudaModel, StepsAfterTheFirstAllocateNoDeviceMemory) {

@@ -88,11 +88,13 @@ class CudaBackendImpl final : public CudaBackend {
     return p;
   }
   void mem_free(void* p) override {
+    touch(p);
     if (!p) return;
     synchronize();
     device_free(p);
   }
   void upload(void* dst, const void* src, size_t bytes) override {
+    touch(dst);
     if (!bytes) return;
     // Synchronous with respect to the host buffer (pageable memory): the caller may reuse it at once.
     LADDER_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st_));
@@ -104,11 +106,13 @@ class CudaBackendImpl final : public CudaBackend {
     synchronize();
   }
   void copy(void* dst, const void* src, size_t bytes) override {
+    touch(dst);
     if (!bytes || dst == src) return;
     LADDER_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st_));
     post("copy");
   }
   void zero(void* p, size_t bytes) override {
+    touch(p);
     if (!bytes) return;
     LADDER_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, st_));
     post("zero");
@@ -116,19 +120,48 @@ class CudaBackendImpl final : public CudaBackend {
 
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) override {
+    touch(C);
     if (opt_.bf16 && M > 0 && N > 0 && K > 0) {
-      // Both operands into packed bf16 scratch (one pass each), then one bf16 x bf16 -> fp32 GEMM.
+      // bf16 x bf16 -> fp32 on the tensor cores. An operand inside the registered weights is read
+      // from their bf16 mirror (cast once per optimizer step, same leading dimension); any other
+      // operand is cast into packed scratch (one pass).
       const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
-      bf16_a_.reserve(size_t(ar) * ac, "bf16 GEMM operand A");
-      bf16_b_.reserve(size_t(br) * bc, "bf16 GEMM operand B");
-      check(k::f32_to_bf16_2d(bf16_a_.data(), A, ar, ac, lda, st_), "gemm (bf16 cast of A)");
-      check(k::f32_to_bf16_2d(bf16_b_.data(), B, br, bc, ldb, st_), "gemm (bf16 cast of B)");
-      gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, bf16_a_.data(), ac, bf16_b_.data(), bc, beta, C, ldc);
+      auto operand = [&](const float* X, int rows, int cols, int ld, DeviceBuffer<uint16_t>& scratch,
+                         const char* what, int& ld_out) -> const uint16_t* {
+        if (const uint16_t* m = mirrored(X, size_t(rows - 1) * ld + cols)) {
+          ld_out = ld;
+          return m;
+        }
+        scratch.reserve(size_t(rows) * cols, what);
+        check(k::f32_to_bf16_2d(scratch.data(), X, rows, cols, ld, st_), what);
+        ld_out = cols;
+        return scratch.data();
+      };
+      int la = 0, lb = 0;
+      const uint16_t* a = operand(A, ar, ac, lda, bf16_a_, "gemm (bf16 cast of A)", la);
+      const uint16_t* b = operand(B, br, bc, ldb, bf16_b_, "gemm (bf16 cast of B)", lb);
+      gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, beta, C, ldc);
       post("gemm");
       return;
     }
     gemm_->run(opt_.tf32 ? GemmType::TF32 : GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     post("gemm");
+  }
+
+  // ---- the bf16 mirror of the registered weights (Backend::register_weights)
+  void register_weights(const void* base, size_t bytes) override {
+    unregister_weights(base);
+    if (!base || bytes == 0) return;
+    mirrors_.push_back(std::make_unique<Mirror>());
+    mirrors_.back()->base = static_cast<const char*>(base);
+    mirrors_.back()->bytes = bytes;
+  }
+  void unregister_weights(const void* base) override {
+    for (size_t i = 0; i < mirrors_.size(); ++i)
+      if (mirrors_[i]->base == base) {
+        mirrors_.erase(mirrors_.begin() + long(i));
+        return;
+      }
   }
 
   void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) override {
@@ -205,8 +238,14 @@ class CudaBackendImpl final : public CudaBackend {
     check(k::reduce_pairs(row_sums_.data(), N, d_sums, st_), "softmax_xent_forward (sums)");
   }
 
-  void add_inplace(float* y, const float* x, size_t n) override { check(k::add_inplace(y, x, n, st_), "add_inplace"); }
-  void scale_inplace(float* x, float s, size_t n) override { check(k::scale_inplace(x, s, n, st_), "scale_inplace"); }
+  void add_inplace(float* y, const float* x, size_t n) override {
+    touch(y);
+    check(k::add_inplace(y, x, n, st_), "add_inplace");
+  }
+  void scale_inplace(float* x, float s, size_t n) override {
+    touch(x);
+    check(k::scale_inplace(x, s, n, st_), "scale_inplace");
+  }
   double sum_squares(const float* x, size_t n) override {
     sum_squares_async(x, n, sums_.data());
     LADDER_CUDA_CHECK(cudaMemcpyAsync(host_sums_, sums_.data(), sizeof(double), cudaMemcpyDeviceToHost, st_));
@@ -219,6 +258,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2, float eps,
                     float wd, float bc1, float bc2) override {
+    touch(p);
     check(k::adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, st_), "adamw_update");
   }
 
@@ -331,10 +371,12 @@ class CudaBackendImpl final : public CudaBackend {
   }
   double adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
                     float alpha) override {
+    touch(w);
     adam_apply_async(w, m, v, n, bc1, bc2, eps, alpha, sums_.data());
     return fetch_sum();
   }
   double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
+    touch(w);
     axpy_sumsq_async(w, x, n, alpha, sums_.data());
     return fetch_sum();
   }
@@ -344,12 +386,15 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void adam_apply_async(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
                         float alpha, double* d_out) override {
+    touch(w);
     check(k::adam_apply(w, m, v, n, bc1, bc2, eps, alpha, d_out, optim_partials(), st_), "adam_apply");
   }
   void axpy_sumsq_async(float* w, const float* x, size_t n, float alpha, double* d_out) override {
+    touch(w);
     check(k::axpy_sumsq(w, x, n, alpha, d_out, optim_partials(), st_), "axpy_sumsq");
   }
   void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) override {
+    touch(B);
     check(k::muon_momentum(B, D, G, n, mu, st_), "muon_momentum");
   }
   // cpu::newton_schulz5's math on the device, nothing waiting: the norm is summed on the device and
@@ -360,6 +405,7 @@ class CudaBackendImpl final : public CudaBackend {
   // is A^2 as on the CPU, whose syrk makes it exactly symmetric). Plain GEMMs rather than the CPU's
   // syrk: 4 m^2 n + 2 m^3 flops per step (m = min(rows, cols), n = max), on tensor cores with TF32.
   void newton_schulz5(float* X, int rows, int cols) override {
+    touch(X);
     if (rows <= 0 || cols <= 0) return;
     const bool tall = rows > cols;
     const int m = tall ? cols : rows, n = tall ? rows : cols;
@@ -398,6 +444,37 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
  private:
+  struct Mirror {
+    const char* base = nullptr;
+    size_t bytes = 0;
+    DeviceBuffer<uint16_t> bf16;  // bytes / 4 values, made on first use after a write
+    bool valid = false;
+  };
+  Mirror* mirror_of(const void* p) {
+    const char* c = static_cast<const char*>(p);
+    for (auto& m : mirrors_)
+      if (c >= m->base && c < m->base + m->bytes) return m.get();
+    return nullptr;
+  }
+  // Any op writing through p invalidates the mirror holding p (the optimizer's updates, uploads of
+  // a checkpoint, init): the next bf16 GEMM re-casts the weights, once.
+  void touch(const void* p) {
+    if (mirrors_.empty() || !p) return;
+    if (Mirror* m = mirror_of(p)) m->valid = false;
+  }
+  // The bf16 copy of the `count` floats at X, if X lies inside registered weights; else nullptr.
+  const uint16_t* mirrored(const float* X, size_t count) {
+    Mirror* m = mirror_of(X);
+    if (!m || reinterpret_cast<const char*>(X + count) > m->base + m->bytes) return nullptr;
+    const size_t n = m->bytes / sizeof(float);
+    if (!m->valid) {
+      m->bf16.reserve(n, "bf16 weight mirror");
+      check(k::f32_to_bf16(m->bf16.data(), reinterpret_cast<const float*>(m->base), n, st_), "bf16 weight mirror");
+      m->valid = true;
+    }
+    return m->bf16.data() + (reinterpret_cast<const char*>(X) - m->base) / sizeof(float);
+  }
+
   // bf16 precision runs attention on the tensor cores (attention_tc.cu) where that kernel supports
   // the shape and the device (head_dim 64 or 128, enough shared memory); elsewhere the fp32 kernel.
   bool tc_attention(const AttnShape& s) const { return opt_.bf16 && k::attention_tc_supported(s); }
@@ -469,6 +546,7 @@ class CudaBackendImpl final : public CudaBackend {
   std::unique_ptr<LtGemm> gemm_;
   DeviceBuffer<char> emb_scratch_;
   DeviceBuffer<uint16_t> bf16_a_, bf16_b_;  // bf16 GEMM operands (CudaOptions::bf16)
+  std::vector<std::unique_ptr<Mirror>> mirrors_;  // bf16 copies of registered weights
   DeviceBuffer<float> float_scratch_;
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
   DeviceBuffer<double> optim_scratch_;  // optim_partials()
