@@ -423,7 +423,9 @@ class CudaBackendImpl final : public CudaBackend {
     // X / (||X||_F + 1e-8) into Y, so that the 5 (odd) steps end back in X.
     check(k::sum_squares(X, mn, d_sumsq, partials, st_), "newton_schulz5 (norm)");
     check(k::scale_by_inv_norm(Y, X, mn, d_sumsq, st_), "newton_schulz5 (normalize)");
-    const GemmType type = opt_.tf32 ? GemmType::TF32 : GemmType::F32;
+    // On the tensor cores under tf32 and bf16 precision alike: TF32 reads the fp32 iterates as they
+    // are (bf16 would need a cast of X, A and P at each of the 5 steps) and keeps 10 mantissa bits.
+    const GemmType type = opt_.tf32 || opt_.bf16 ? GemmType::TF32 : GemmType::F32;
     float* cur = Y;
     float* nxt = X;
     for (int s = 0; s < 5; ++s) {
