@@ -144,6 +144,12 @@ __device__ __forceinline__ void load_regs(float (&r)[4][4], const Operand& op, i
   }
 }
 
+// Four bf16, one 8-byte shared-memory store (a warp's 32 stores: 256 bytes, no more wavefronts
+// than needed).
+struct alignas(8) Bf16x4 {
+  __nv_bfloat162 lo, hi;
+};
+
 // The registers into a stage slot as bf16, rounded to nearest even (8-byte aligned stores: the
 // group's first element is a multiple of 4 and both row pitches are multiples of 8 bytes).
 template <bool TC>
@@ -153,8 +159,8 @@ __device__ __forceinline__ void store_regs(bf16* s, const float (&r)[4][4]) {
     int x, t;
     group_coords<TC>(threadIdx.x + q * kThreads, x, t);
     bf16* d = TC ? s + x * kLdT + t : s + t * kLdX + x;
-    *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(r[q][0], r[q][1]);
-    *reinterpret_cast<__nv_bfloat162*>(d + 2) = __floats2bfloat162_rn(r[q][2], r[q][3]);
+    *reinterpret_cast<Bf16x4*>(d) =
+        Bf16x4{__floats2bfloat162_rn(r[q][0], r[q][1]), __floats2bfloat162_rn(r[q][2], r[q][3])};
   }
 }
 
