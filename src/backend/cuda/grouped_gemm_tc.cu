@@ -1,0 +1,370 @@
+// bf16 tensor-core grouped GEMM for the MoE experts (launchers and contract in grouped_gemm_tc.cuh;
+// the fp32 CUDA-core version it replaces under bf16 precision is in moe_ops.cu).
+//
+// Only the portable WMMA API (nvcuda::wmma, bf16 16x16x16 fragments, fp32 accumulators; sm_80 and
+// sm_90 alike, no wgmma) touches the tensor cores, and no fragment's element-to-thread mapping is
+// assumed: accumulators leave through store_matrix_sync into shared memory (as in attention_tc.cu).
+//
+// Tile product. A block of 256 threads (8 warps) computes a 128 x 128 fp32 output tile
+//      C_tile[x_a, x_b] = alpha * sum_t opA(x_a, t) opB(t, x_b) + beta * C_tile
+// walking the reduction index t in steps of 32. The two shapes differ only in how the operands are
+// addressed (x the output coordinate, t the reduction index):
+//   rows_out = true : opA(m, t) = A[(row0 + m) * lda + t]                      t-contiguous
+//                     opB(t, n) = B_e[n * ldb + t] (transB, t-contiguous) or B_e[t * ldb + n]
+//                     t runs over K; a tile is 128 of the expert's rows x 128 columns.
+//   rows_out = false: opA(m, t) = A[(r0 + t) * lda + m],  opB(t, n) = B[(r0 + t) * ldb + n]
+//                     (both x-contiguous); t runs over the expert's rows; a tile is 128x128 of C_e.
+// An operand tile lives in shared memory as bf16 in the layout its global memory has, so a thread's
+// 4 consecutive floats (one float4 where the operand is 16-byte aligned with ld % 4 == 0, else 4
+// scalar loads) become 4 consecutive bf16: t-contiguous tiles as [128 x][32 t] (ld 40), read as a
+// row_major matrix_a / col_major matrix_b; x-contiguous ones as [32 t][128 x] (ld 136), read as
+// col_major matrix_a / row_major matrix_b. Elements outside the operand (x >= its extent, t >= the
+// reduction length) are stored as zeros, so partial tiles add exact zeros and need no other path.
+// Pipeline: two shared stages; the global loads of step s+1 go to registers before the MMAs of
+// step s and are converted and stored into the other stage after them; one barrier per step.
+// Warps are 2 (rows) x 4 (columns), each owning a 64 x 32 block: 4 x 2 accumulator fragments.
+// Epilogue: each warp stores a 16 x 32 strip of accumulators at a time to its own staging area
+// (which aliases the operand stages, after the last step's barrier) and writes it out, lane = column,
+// 128 contiguous bytes per row: C = alpha * acc (+ beta * C, read only when beta != 0).
+//
+// Determinism: every output element is summed by one block, in 16-wide MMA chunks in increasing t,
+// independent of the grid and of which block takes the tile. No atomics, no split-K (see below).
+//
+// Which block does which tile, with offsets on the device only (the moe_ops.cu scheme):
+//   rows_out = false: the grid is E x tilesM x tilesN (known on the host); block -> (e, tile).
+//     Empty experts still write C_e = beta * C_e (zeros for beta 0, C not read); beta 1 exits early.
+//     The reduction over an expert's rows runs inside one block: a crowded expert with few output
+//     tiles is one long block (a fixed split over rows with a fixed-order second pass would spread
+//     it; not done: M x N of an MoE expert weight is many tiles already).
+//   rows_out = true: a one-block kernel writes the exclusive prefix of per-expert row tiles
+//     (ceil(rows_e / 128)) into scratch; the GEMM runs a persistent grid (2 blocks per SM) striding
+//     over the linear tile ids [0, row_tiles * tilesN), consecutive ids sharing a row tile; each id
+//     finds its expert by binary search in the prefix. Every tile costs the same (a full K loop).
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "backend/cuda/grouped_gemm_tc.cuh"
+
+namespace ladder::cuda::k {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+namespace wmma = nvcuda::wmma;
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kBX = 128;          // tile extent in both output dimensions (rows and columns)
+constexpr int kBK = 32;           // reduction step
+constexpr int kWM = 64, kWN = 32;  // warp block: 2 x 4 warps cover 128 x 128
+constexpr int kFM = kWM / 16, kFN = kWN / 16;
+constexpr int kLdT = kBK + 8;  // t-contiguous tile [kBX][kLdT] bf16 (80-byte rows)
+constexpr int kLdX = kBX + 8;  // x-contiguous tile [kBK][kLdX] bf16 (272-byte rows)
+constexpr size_t kTileT = size_t(kBX) * kLdT * sizeof(bf16);
+constexpr size_t kTileX = size_t(kBK) * kLdX * sizeof(bf16);
+constexpr size_t kOperand = kTileT > kTileX ? kTileT : kTileX;  // one slot size for either layout
+constexpr size_t kSmem = 2 * 2 * kOperand;                        // 2 stages x (A, B): 40 KiB
+constexpr int kLdE = kWN + 4;                                     // epilogue strip [16][kLdE] fp32
+constexpr size_t kEpiWarp = size_t(16) * kLdE * sizeof(float);
+constexpr int kBlocksPerSm = 2;
+constexpr int kDefaultSms = 132;
+// WMMA needs 32-byte aligned sub-tiles: every slot, row step of 16 and column step of 16 keeps that.
+static_assert(kTileT % 128 == 0 && kTileX % 128 == 0 && kOperand % 128 == 0, "operand slot alignment");
+static_assert((16 * kLdT * sizeof(bf16)) % 32 == 0 && (16 * kLdX * sizeof(bf16)) % 32 == 0, "fragment alignment");
+static_assert(kEpiWarp % 32 == 0 && kWarps * kEpiWarp <= kSmem, "epilogue staging fits the stages");
+static_assert(kSmem <= 48 * 1024, "no cudaFuncSetAttribute needed");
+static_assert(kBX * kBK == 4 * 4 * kThreads, "each thread stages 4 groups of 4 elements per operand");
+
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// An operand: element (x, t) at p[x * ld + t] (t-contiguous) or p[t * ld + x]; x < xlim valid.
+// `vec`: p is 16-byte aligned and ld % 4 == 0, so every group of 4 starting at a multiple of 4 is.
+struct Operand {
+  const float* p;
+  size_t ld;
+  int xlim;
+  bool vec;
+};
+
+// Thread `tid`'s q-th group of 4: t-contiguous groups walk t fastest (a warp reads 4 rows x 128
+// bytes), x-contiguous ones x (a warp reads 512 contiguous bytes of one t).
+template <bool TC>
+__device__ __forceinline__ void group_coords(int g, int& x, int& t) {
+  if (TC) {
+    x = g >> 3;
+    t = (g & 7) * 4;
+  } else {
+    t = g >> 5;
+    x = (g & 31) * 4;
+  }
+}
+
+template <bool TC>
+__device__ __forceinline__ void load_regs(float (&r)[4][4], const Operand& op, int t0, int tlim) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    int x, t;
+    group_coords<TC>(threadIdx.x + q * kThreads, x, t);
+    const int tt = t0 + t;
+    float v0 = 0.f, v1 = 0.f, v2 = 0.f, v3 = 0.f;
+    if (TC) {
+      if (x < op.xlim && tt < tlim) {
+        const float* p = op.p + size_t(x) * op.ld + tt;
+        if (op.vec && tt + 3 < tlim) {
+          const float4 f = *reinterpret_cast<const float4*>(p);
+          v0 = f.x, v1 = f.y, v2 = f.z, v3 = f.w;
+        } else {
+          v0 = p[0];
+          if (tt + 1 < tlim) v1 = p[1];
+          if (tt + 2 < tlim) v2 = p[2];
+          if (tt + 3 < tlim) v3 = p[3];
+        }
+      }
+    } else {
+      if (tt < tlim && x < op.xlim) {
+        const float* p = op.p + size_t(tt) * op.ld + x;
+        if (op.vec && x + 3 < op.xlim) {
+          const float4 f = *reinterpret_cast<const float4*>(p);
+          v0 = f.x, v1 = f.y, v2 = f.z, v3 = f.w;
+        } else {
+          v0 = p[0];
+          if (x + 1 < op.xlim) v1 = p[1];
+          if (x + 2 < op.xlim) v2 = p[2];
+          if (x + 3 < op.xlim) v3 = p[3];
+        }
+      }
+    }
+    r[q][0] = v0;
+    r[q][1] = v1;
+    r[q][2] = v2;
+    r[q][3] = v3;
+  }
+}
+
+// Four bf16, one 8-byte shared-memory store (a warp's 32 stores: 256 bytes, no more wavefronts
+// than needed).
+struct alignas(8) Bf16x4 {
+  __nv_bfloat162 lo, hi;
+};
+
+// The registers into a stage slot as bf16, rounded to nearest even (8-byte aligned stores: the
+// group's first element is a multiple of 4 and both row pitches are multiples of 8 bytes).
+template <bool TC>
+__device__ __forceinline__ void store_regs(bf16* s, const float (&r)[4][4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    int x, t;
+    group_coords<TC>(threadIdx.x + q * kThreads, x, t);
+    bf16* d = TC ? s + x * kLdT + t : s + t * kLdX + x;
+    *reinterpret_cast<Bf16x4*>(d) =
+        Bf16x4{__floats2bfloat162_rn(r[q][0], r[q][1]), __floats2bfloat162_rn(r[q][2], r[q][3])};
+  }
+}
+
+__device__ __forceinline__ bf16* slot(unsigned char* smem, int stage, int operand) {
+  return reinterpret_cast<bf16*>(smem + (size_t(stage) * 2 + operand) * kOperand);
+}
+
+// One 128 x 128 output tile; C points at its (0, 0), mlim/nlim bound its valid part, tlim is the
+// reduction length. Called by the whole block with block-uniform arguments (it synchronizes).
+template <bool A_TC, bool B_TC>
+__device__ void tile_product(unsigned char* smem, const Operand& a, const Operand& b, int tlim, float alpha,
+                             float beta, float* C, size_t ldc, int mlim, int nlim) {
+  using LA = std::conditional_t<A_TC, wmma::row_major, wmma::col_major>;
+  using LB = std::conditional_t<B_TC, wmma::col_major, wmma::row_major>;
+  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, LA>;
+  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, LB>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm0 = (warp >> 2) * kWM, wn0 = (warp & 3) * kWN;
+
+  FragC acc[kFM][kFN];
+#pragma unroll
+  for (int i = 0; i < kFM; ++i)
+#pragma unroll
+    for (int j = 0; j < kFN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+
+  const int steps = (tlim + kBK - 1) / kBK;
+  float ra[4][4], rb[4][4];
+  __syncthreads();  // the previous tile's epilogue (staging aliases stage 0) is done everywhere
+  if (steps > 0) {
+    load_regs<A_TC>(ra, a, 0, tlim);
+    load_regs<B_TC>(rb, b, 0, tlim);
+    store_regs<A_TC>(slot(smem, 0, 0), ra);
+    store_regs<B_TC>(slot(smem, 0, 1), rb);
+  }
+  __syncthreads();
+  for (int s = 0; s < steps; ++s) {
+    const bf16* As = slot(smem, s & 1, 0);
+    const bf16* Bs = slot(smem, s & 1, 1);
+    const bool more = s + 1 < steps;
+    if (more) {  // the next step's global loads in flight during the MMAs
+      load_regs<A_TC>(ra, a, (s + 1) * kBK, tlim);
+      load_regs<B_TC>(rb, b, (s + 1) * kBK, tlim);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      FragB fb[kFN];
+#pragma unroll
+      for (int j = 0; j < kFN; ++j) {
+        const int n = wn0 + j * 16;
+        if (B_TC) wmma::load_matrix_sync(fb[j], Bs + n * kLdT + kk, kLdT);
+        else wmma::load_matrix_sync(fb[j], Bs + kk * kLdX + n, kLdX);
+      }
+#pragma unroll
+      for (int i = 0; i < kFM; ++i) {
+        const int m = wm0 + i * 16;
+        FragA fa;
+        if (A_TC) wmma::load_matrix_sync(fa, As + m * kLdT + kk, kLdT);
+        else wmma::load_matrix_sync(fa, As + kk * kLdX + m, kLdX);
+#pragma unroll
+        for (int j = 0; j < kFN; ++j) wmma::mma_sync(acc[i][j], fa, fb[j], acc[i][j]);
+      }
+    }
+    if (more) {  // the other stage was last read in step s-1, which every warp finished
+      store_regs<A_TC>(slot(smem, (s + 1) & 1, 0), ra);
+      store_regs<B_TC>(slot(smem, (s + 1) & 1, 1), rb);
+    }
+    __syncthreads();
+  }
+
+  // Epilogue: the stages are free (last barrier above); each warp uses its own strip.
+  float* stg = reinterpret_cast<float*>(smem + size_t(warp) * kEpiWarp);
+  const int n = wn0 + lane;
+#pragma unroll
+  for (int i = 0; i < kFM; ++i) {
+#pragma unroll
+    for (int j = 0; j < kFN; ++j) wmma::store_matrix_sync(stg + j * 16, acc[i][j], kLdE, wmma::mem_row_major);
+    __syncwarp();
+    if (n < nlim) {
+      for (int r = 0; r < 16; ++r) {
+        const int m = wm0 + i * 16 + r;
+        if (m >= mlim) break;
+        float* c = C + size_t(m) * ldc + n;
+        const float v = alpha * stg[r * kLdE + lane];
+        *c = beta == 0.f ? v : v + beta * *c;  // beta 0: C is not read (it may hold NaN)
+      }
+    }
+    __syncwarp();  // the strip is read before the next one overwrites it
+  }
+}
+
+// tile_start[e] = sum_{e' < e} ceil(rows_e' / kBX), tile_start[E] = the total. One block; chunks of
+// kThreads experts: a warp scan, the warp totals through shared memory, a running carry that every
+// thread keeps (all compute the same value).
+__global__ void __launch_bounds__(kThreads) tc_row_tile_prefix_kernel(int32_t* tile_start, const int32_t* offsets,
+                                                                      int E) {
+  __shared__ int32_t warp_tot[kWarps];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int carry = 0;
+  for (int base = 0; base < E; base += kThreads) {
+    const int e = base + tid;
+    int own = 0;
+    if (e < E) {
+      const int rows = offsets[e + 1] - offsets[e];
+      own = rows > 0 ? (rows + kBX - 1) / kBX : 0;
+    }
+    int v = own;  // inclusive warp scan
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int nb = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += nb;
+    }
+    if (lane == 31) warp_tot[warp] = v;
+    __syncthreads();
+    int before = 0, chunk = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      const int t = warp_tot[w];
+      if (w < warp) before += t;
+      chunk += t;
+    }
+    if (e < E) tile_start[e] = carry + before + v - own;
+    carry += chunk;
+    __syncthreads();  // every thread has read warp_tot before the next chunk writes it
+  }
+  if (tid == 0) tile_start[E] = carry;
+}
+
+template <bool TRANSB>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    tc_rows_kernel(const int32_t* offsets, const int32_t* tile_start, int E, int N, int K, float alpha,
+                   const float* A, int lda, bool vecA, const float* B, int ldb, size_t strideB, bool vecB, float beta,
+                   float* C, int ldc) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tilesN = (N + kBX - 1) / kBX;
+  const int64_t total = int64_t(tile_start[E]) * tilesN;
+  for (int64_t id = blockIdx.x; id < total; id += gridDim.x) {
+    const int g = int(id / tilesN), nt = int(id % tilesN);
+    // The expert owning row tile g: the last e in [0, E) with tile_start[e] <= g (an empty expert
+    // shares its start with the next one and is skipped by taking the last).
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_start[mid] <= g) lo = mid; else hi = mid - 1;
+    }
+    const int e = lo;
+    const int row0 = offsets[e] + (g - tile_start[e]) * kBX;
+    const int rows = min(offsets[e + 1] - row0, kBX);
+    const int n0 = nt * kBX;
+    const float* Be = B + size_t(e) * strideB;
+    const Operand a{A + size_t(row0) * lda, size_t(lda), rows, vecA};
+    const Operand b = TRANSB ? Operand{Be + size_t(n0) * ldb, size_t(ldb), N - n0, vecB}
+                             : Operand{Be + n0, size_t(ldb), N - n0, vecB};
+    tile_product<true, TRANSB>(smem, a, b, K, alpha, beta, C + size_t(row0) * ldc + n0, size_t(ldc), rows, N - n0);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    tc_wgrad_kernel(const int32_t* offsets, int M, int N, float alpha, const float* A, int lda, bool vecA,
+                    const float* B, int ldb, bool vecB, float beta, float* C, int ldc, size_t strideC) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tilesM = (M + kBX - 1) / kBX, tilesN = (N + kBX - 1) / kBX;
+  const int64_t per_e = int64_t(tilesM) * tilesN;
+  const int e = int(blockIdx.x / per_e);
+  const int64_t rem = blockIdx.x % per_e;
+  const int m0 = int(rem / tilesN) * kBX, n0 = int(rem % tilesN) * kBX;
+  const int r0 = offsets[e];
+  const int rows = max(0, offsets[e + 1] - r0);
+  if (rows == 0 && beta == 1.f) return;  // C_e = 1 * C_e: nothing to write (block-uniform exit)
+  const Operand a{A + size_t(r0) * lda + m0, size_t(lda), M - m0, vecA};
+  const Operand b{B + size_t(r0) * ldb + n0, size_t(ldb), N - n0, vecB};
+  tile_product<false, false>(smem, a, b, rows, alpha, beta, C + size_t(e) * strideC + size_t(m0) * ldc + n0,
+                             size_t(ldc), M - m0, N - n0);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+size_t grouped_gemm_tc_scratch_ints(int E) { return size_t(E > 0 ? E : 0) + 1; }
+
+cudaError_t grouped_gemm_tc(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
+                            float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB, float beta,
+                            float* C, int ldc, size_t strideC, int32_t* tile_scratch, int sm_count, cudaStream_t st) {
+  if (E <= 0 || N <= 0) return cudaSuccess;
+  const bool vecA = aligned16(A) && lda % 4 == 0;
+  const bool vecB = aligned16(B) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);
+  if (rows_out) {
+    if (K < 0) return cudaErrorInvalidValue;
+    tc_row_tile_prefix_kernel<<<1, kThreads, 0, st>>>(tile_scratch, offsets, E);
+    const unsigned grid = unsigned(sm_count > 0 ? sm_count : kDefaultSms) * kBlocksPerSm;
+    if (transB) {
+      tc_rows_kernel<true><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, lda, vecA, B, ldb,
+                                                          strideB, vecB, beta, C, ldc);
+    } else {
+      tc_rows_kernel<false><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, lda, vecA, B,
+                                                           ldb, strideB, vecB, beta, C, ldc);
+    }
+  } else {
+    if (M <= 0) return cudaSuccess;
+    const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
+    if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+    tc_wgrad_kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, lda, vecA, B, ldb, vecB, beta,
+                                                               C, ldc, strideC);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace ladder::cuda::k

@@ -1,0 +1,32 @@
+// Launchers of the bf16 tensor-core grouped GEMM (grouped_gemm_tc.cu). Plain C++ declarations, like
+// moe_ops.cuh, so cuda_backend.cpp (host compiler) can call them. Each launcher enqueues its kernels
+// on `st` and returns cudaGetLastError() after the launches (launch errors only).
+//
+// Same contract and arguments as k::grouped_gemm (moe_ops.cuh, cpu::grouped_gemm in
+// backend/cpu/kernels.h), over the E expert row blocks [offsets[e], offsets[e+1]):
+//  rows_out = true:  C[rows_e, :N] = alpha * A[rows_e, :K] * op(B_e) + beta * C[rows_e]
+//  rows_out = false: C_e[M, N] = alpha * A[rows_e, :M]^T * B[rows_e, :N] + beta * C_e (transB unused)
+// with one difference in precision: the fp32 operands are rounded to bf16 (nearest even) on their
+// way into shared memory and multiplied on the tensor cores (WMMA bf16 16x16x16, fp32 accumulation).
+// Every output element is computed by one block in an order fixed by the problem shape (never by
+// the grid): bitwise reproducible run to run, no atomics. `offsets` stay on the device: nothing here
+// synchronizes with the host. beta == 0 never reads C. Any sizes, leading dimensions and
+// alignments (16-byte vector loads only where the operand allows them).
+//
+// `tile_scratch`: grouped_gemm_tc_scratch_ints(E) device ints (the per-expert row-tile prefix of
+// the rows_out shape). `sm_count`: the device's multiprocessor count (DeviceInfo::sm_count); it only
+// sizes the persistent grid of the rows_out shape (results do not depend on it); <= 0 assumes 132.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ladder::cuda::k {
+
+size_t grouped_gemm_tc_scratch_ints(int E);
+cudaError_t grouped_gemm_tc(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
+                            float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB, float beta,
+                            float* C, int ldc, size_t strideC, int32_t* tile_scratch, int sm_count, cudaStream_t st);
+
+}  // namespace ladder::cuda::k

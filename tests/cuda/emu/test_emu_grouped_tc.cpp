@@ -1,0 +1,100 @@
+// The bf16 tensor-core grouped GEMM (src/backend/cuda/grouped_gemm_tc.cu, rewritten by emulate.py,
+// run by emu_cuda.h's host threads) against cpu::grouped_gemm<float>, with no GPU: the cases and
+// bounds of tests/cuda/grouped_tc_cases.h, which the GPU test (tests/cuda/test_cuda_grouped_tc.cpp)
+// runs too. Pointers are host pointers (the emulated device memory is the host's). The emulated
+// WMMA multiplies the bf16 fragments in fp32 like the device (its internal summation order aside), so
+// this checks everything but the device's timing and memory model: tile mapping from device-side
+// offsets, staging, zero padding of partial tiles, layouts, epilogue, alpha/beta, determinism.
+// EMU_SEED=N repeats a run's inputs; EMU_QUICK=1 (sanitizer builds) drops the costlier shapes.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../grouped_tc_cases.h"
+#include "backend/cuda/grouped_gemm_tc.cuh"
+#include "emu_cuda.h"
+
+namespace ladder {
+namespace {
+
+namespace k = cuda::k;
+namespace gt = grouped_tc;
+
+bool quick() {
+  static const bool q = std::getenv("EMU_QUICK") && std::string(std::getenv("EMU_QUICK")) != "0";
+  return q;
+}
+
+class CudaEmuGroupedTc : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* env = std::getenv("EMU_SEED");
+    const uint64_t seed = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
+    rng_.seed(seed);
+    std::printf("[ seed     ] %llu (EMU_SEED=%llu repeats it)\n", static_cast<unsigned long long>(seed),
+                static_cast<unsigned long long>(seed));
+  }
+  // The launcher on host memory; `sms` sizes the rows_out grid (2 blocks per "SM").
+  static void launch(const gt::Case& c, const gt::Problem& p, std::vector<float>& C, int sms) {
+    std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
+    const int s = p.shift;
+    ASSERT_EQ(k::grouped_gemm_tc(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, p.A.data() + s,
+                                 p.lda, p.B.data() + s, p.ldb, p.sB, c.beta, C.data() + s, p.ldc, p.sC,
+                                 scratch.data(), sms, nullptr),
+              cudaSuccess);
+  }
+  std::mt19937_64 rng_;
+};
+
+TEST_F(CudaEmuGroupedTc, BothShapes) {
+  int i = 0;
+  for (const auto& c : gt::cases(quick()))  // the grid varies from case to case: 2, 4 or 6 blocks
+    gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { launch(c, p, C, 1 + i++ % 3); });
+}
+
+// The rows_out grid only sets which block takes which tile: 1, 3 and 64 blocks give the same bits.
+TEST_F(CudaEmuGroupedTc, GridIndependent) {
+  for (const gt::Case& c : {gt::Case{true, false, 5, 0, 150, 40, 1, 1.f, 0.5f, 45, 1},
+                            gt::Case{true, true, 4, 0, 64, 33, 0, -1.f, 0.f, 60}}) {
+    SCOPED_TRACE(c.name());
+    const gt::Problem p = gt::make_problem(c, rng_);
+    std::vector<std::vector<float>> out;
+    for (int half_sms : {0, 1, 32}) {  // sm_count <= 0 means the default (132 SMs, 264 blocks)
+      std::vector<float> C = p.C;
+      launch(c, p, C, half_sms);
+      out.push_back(C);
+    }
+    EXPECT_EQ(out[0], out[1]);
+    EXPECT_EQ(out[0], out[2]);
+  }
+}
+
+TEST_F(CudaEmuGroupedTc, AllExpertsEmpty) {
+  const int E = 5, M = 20, N = 30;
+  const std::vector<int32_t> off(E + 1, 0);
+  std::uniform_real_distribution<float> d(-1.f, 1.f);
+  std::vector<float> C(size_t(E) * M * N);
+  for (auto& x : C) x = d(rng_);
+  for (float beta : {0.f, 1.f, -2.f}) {
+    std::vector<float> got = C, ref = C;
+    ASSERT_EQ(k::grouped_gemm_tc(false, false, E, off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta,
+                                 got.data(), N, size_t(M) * N, nullptr, 2, nullptr),
+              cudaSuccess);
+    cpu::grouped_gemm<float>(false, false, E, off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta, ref.data(),
+                             N, size_t(M) * N);
+    EXPECT_EQ(got, ref) << "beta " << beta;
+  }
+  // rows_out with no rows: nothing to write, C untouched.
+  std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(E));
+  std::vector<float> got(C.begin(), C.begin() + 7);
+  ASSERT_EQ(k::grouped_gemm_tc(true, true, E, off.data(), 0, N, M, 1.f, nullptr, M, nullptr, M, size_t(N) * M, 0.f,
+                               got.data(), N, 0, scratch.data(), 2, nullptr),
+            cudaSuccess);
+  EXPECT_EQ(got, std::vector<float>(C.begin(), C.begin() + 7));
+}
+
+}  // namespace
+}  // namespace ladder

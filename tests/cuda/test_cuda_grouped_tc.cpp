@@ -1,0 +1,185 @@
+// The bf16 tensor-core grouped GEMM (backend/cuda/grouped_gemm_tc.cu) on the GPU against
+// cpu::grouped_gemm<float>: the cases, references and bounds of grouped_tc_cases.h (shared with the
+// emulated test tests/cuda/emu/test_emu_grouped_tc.cpp, where the same comparisons run without a
+// GPU). Both shapes, both transB, alpha/beta, beta 0 on a poisoned C, empty experts, skewed loads,
+// odd sizes, misaligned pointers, C outside the output untouched, two runs bitwise identical; plus a
+// throughput print (no assertion) at an MoE-like size against the fp32 kernel of moe_ops.cu.
+// Without a GPU each test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/moe_ops.cuh"
+#include "grouped_tc_cases.h"
+
+namespace ladder {
+namespace {
+
+using cuda::DeviceBuffer;
+namespace k = cuda::k;
+namespace gt = grouped_tc;
+
+class CudaGroupedTc : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    reason_ = cuda::device_unavailable_reason();
+    if (reason_.empty()) sms_ = cuda::probe_device().sm_count;
+  }
+  void SetUp() override {
+    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
+    const uint64_t seed = std::random_device{}();
+    rng_.seed(seed);
+    RecordProperty("seed", std::to_string(seed));
+    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
+  }
+  template <class T>
+  static DeviceBuffer<T> up(const std::vector<T>& h) {
+    DeviceBuffer<T> d(h.size() ? h.size() : 1);
+    if (!h.empty()) d.upload(h);
+    return d;
+  }
+  // The launcher on the legacy default stream (ordered with device_memory.h's copies).
+  static void run(const gt::Case& c, const gt::Problem& p, std::vector<float>& C, int sms) {
+    auto d_off = up(p.off);
+    auto d_A = up(p.A), d_B = up(p.B), d_C = up(C);
+    DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E));
+    const int s = p.shift;
+    ASSERT_EQ(k::grouped_gemm_tc(c.rows_out, c.transB, c.E, d_off.data(), c.M, c.N, c.K, c.alpha, d_A.data() + s,
+                                 p.lda, d_B.data() + s, p.ldb, p.sB, c.beta, d_C.data() + s, p.ldc, p.sC,
+                                 scratch.data(), sms, nullptr),
+              cudaSuccess);
+    cuda::device_synchronize();
+    C = d_C.download();
+    C.resize(p.C.size());
+  }
+
+  static inline std::string reason_;
+  static inline int sms_ = 0;
+  std::mt19937_64 rng_;
+};
+
+TEST_F(CudaGroupedTc, BothShapes) {
+  for (const auto& c : gt::cases(false))
+    gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
+}
+
+// Larger MoE-like problems (many row tiles, reductions over hundreds of steps), both shapes.
+TEST_F(CudaGroupedTc, LargeShapes) {
+  const gt::Case cases[] = {
+      {true, true, 16, 0, 1000, 777, 0, 1.f, 0.f, 600},
+      {true, false, 16, 0, 512, 1024, 1, 1.f, 1.f, 600, 1},
+      {false, false, 16, 768, 520, 0, 0, 1.f, 1.f, 600},
+      {false, false, 4, 300, 260, 0, 0, 1.f, 0.f, 2000, 0, true},
+  };
+  for (const auto& c : cases)
+    gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
+}
+
+// The rows_out grid only sets which block takes which tile: different grids give the same bits.
+TEST_F(CudaGroupedTc, GridIndependent) {
+  const gt::Case c{true, false, 9, 0, 300, 200, 1, 1.f, 0.5f, 200, 1};
+  const gt::Problem p = gt::make_problem(c, rng_);
+  std::vector<float> a = p.C, b = p.C, d = p.C;
+  run(c, p, a, 1);
+  run(c, p, b, sms_);
+  run(c, p, d, 3 * sms_ + 1);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a, d);
+}
+
+TEST_F(CudaGroupedTc, AllExpertsEmpty) {
+  const int E = 5, M = 20, N = 30;
+  const std::vector<int32_t> off(E + 1, 0);
+  auto d_off = up(off);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> C(size_t(E) * M * N);
+  for (auto& x : C) x = u(rng_);
+  for (float beta : {0.f, 1.f, -2.f}) {
+    auto d_C = up(C);
+    if (beta == 0.f) d_C.poison();
+    ASSERT_EQ(k::grouped_gemm_tc(false, false, E, d_off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta,
+                                 d_C.data(), N, size_t(M) * N, nullptr, sms_, nullptr),
+              cudaSuccess);
+    std::vector<float> ref = C;
+    cpu::grouped_gemm<float>(false, false, E, off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta, ref.data(),
+                             N, size_t(M) * N);
+    EXPECT_EQ(d_C.download(), ref) << "beta " << beta;
+  }
+  DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(E));
+  auto d_R = up(std::vector<float>(C.begin(), C.begin() + 7));
+  ASSERT_EQ(k::grouped_gemm_tc(true, true, E, d_off.data(), 0, N, M, 1.f, nullptr, M, nullptr, M, size_t(N) * M, 0.f,
+                               d_R.data(), N, 0, scratch.data(), sms_, nullptr),
+            cudaSuccess);
+  EXPECT_EQ(d_R.download(), std::vector<float>(C.begin(), C.begin() + 7));
+}
+
+// Throughput at an MoE-like size (E experts, uniform load, d_model x d_ff experts): the three GEMMs
+// of an expert FFN layer's forward and backward (rows_out with and without transB, weight gradient),
+// tensor-core kernel vs the fp32 kernel. Printed only: a number to read when a GPU is lent.
+TEST_F(CudaGroupedTc, Throughput) {
+  const int E = 64, rows_per = 512, d = 2048, f = 1024, total = E * rows_per;
+  std::vector<int32_t> off(E + 1);
+  for (int e = 0; e <= E; ++e) off[e] = e * rows_per;
+  auto d_off = up(off);
+  DeviceBuffer<float> X(size_t(total) * d), W(size_t(E) * f * d), Y(size_t(total) * f), G(size_t(E) * f * d);
+  std::vector<float> init(size_t(E) * f * d);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (auto& x : init) x = u(rng_);
+  W.upload(init);
+  init.resize(size_t(total) * d);
+  X.upload(init);
+  init.resize(size_t(total) * f);
+  Y.upload(init);
+  DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(E));
+  cudaEvent_t t0, t1;
+  ASSERT_EQ(cudaEventCreate(&t0), cudaSuccess);
+  ASSERT_EQ(cudaEventCreate(&t1), cudaSuccess);
+  const double flops = 2.0 * total * double(d) * f;
+  struct Op {
+    const char* name;
+    bool rows_out, transB;
+    int M, N, K, lda, ldb, ldc;
+    const float* A;
+    const float* B;
+    size_t sB, sC;
+    float* C;
+  };
+  const Op ops[] = {
+      // y = x W_e^T (W_e [f, d]); dx = dy W_e; dW_e = dy^T x
+      {"fwd  rows_out tB=1", true, true, 0, f, d, d, d, f, X.data(), W.data(), size_t(f) * d, 0, Y.data()},
+      {"dgrad rows_out tB=0", true, false, 0, d, f, f, d, d, Y.data(), W.data(), size_t(f) * d, 0, X.data()},
+      {"wgrad            ", false, false, f, d, 0, f, d, d, Y.data(), X.data(), 0, size_t(f) * d, G.data()},
+  };
+  for (const Op& o : ops)
+    for (int tc = 0; tc < 2; ++tc) {
+      auto launch = [&] {
+        return tc ? k::grouped_gemm_tc(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, o.lda, o.B,
+                                       o.ldb, o.sB, 0.f, o.C, o.ldc, o.sC, scratch.data(), sms_, nullptr)
+                  : k::grouped_gemm(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, o.lda, o.B,
+                                    o.ldb, o.sB, 0.f, o.C, o.ldc, o.sC, scratch.data(), nullptr);
+      };
+      ASSERT_EQ(launch(), cudaSuccess);  // warm-up
+      const int reps = tc ? 10 : 2;
+      cudaEventRecord(t0, nullptr);
+      for (int r = 0; r < reps; ++r) ASSERT_EQ(launch(), cudaSuccess);
+      cudaEventRecord(t1, nullptr);
+      cuda::device_synchronize();
+      float ms = 0;
+      cudaEventElapsedTime(&ms, t0, t1);
+      std::printf("[ thruput  ] %s %-5s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, tc ? "bf16" : "fp32",
+                  E, total, d, f, ms / reps, flops * reps / (ms * 1e-3) / 1e12);
+    }
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+}
+
+}  // namespace
+}  // namespace ladder
