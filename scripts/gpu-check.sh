@@ -46,13 +46,14 @@ if [ "${GPU_CHECK_BUILD:-1}" != 0 ] && command -v nvcc >/dev/null && command -v 
   fi
 fi
 if [ -z "$BIN" ]; then
-  if [ ! -x gpu-bundle/ladder_cuda_tests ]; then
-    echo "gpu-check: no device build and no gpu-bundle/ (run scripts/gpu-prepare.sh first and carry gpu-bundle)"
+  if [ ! -f gpu-bundle/bundle.tgz ]; then
+    echo "gpu-check: no device build and no gpu-bundle/bundle.tgz (run scripts/gpu-prepare.sh first and carry gpu-bundle)"
     exit 1
   fi
-  BIN=gpu-bundle
-  cat gpu-bundle/BUILD_INFO
-  export LD_LIBRARY_PATH="$PWD/gpu-bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  rm -rf gpu-bundle/x && mkdir -p gpu-bundle/x && tar xzf gpu-bundle/bundle.tgz -C gpu-bundle/x
+  BIN=gpu-bundle/x
+  cat "$BIN/BUILD_INFO"
+  export LD_LIBRARY_PATH="$PWD/$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 # cuBLASLt 13: the toolkit's, else one shipped in Python wheels (PyTorch's).
 if ldd "$BIN/ladder_cuda_tests" | grep -q "libcublasLt.so.13 => not found"; then
@@ -76,7 +77,7 @@ grep -B1 -A3 "Failure" "$OUT/tests.log" | head -n 40
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
   log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
-  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaSwitchOptim.*'
+  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaSwitchOptim.*:CudaGroupedTc.*'
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
     >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?

@@ -14,21 +14,28 @@ fi
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DLADDER_NATIVE=OFF -DLADDER_TESTS=ON >/dev/null
 cmake --build "$B" -j "${JOBS:-2}" --target ladder_cuda_tests ladder_cuda_bench ladder
+# Staged in gpu-bundle/stage, then packed into one gzip'd tar: the device tool carries at most 64 MiB,
+# and the three binaries (each with every kernel) plus OpenBLAS are ~66 MB raw, ~21 MB packed.
 rm -rf gpu-bundle
-mkdir -p gpu-bundle/lib
-cp "$B/ladder_cuda_tests" "$B/ladder_cuda_bench" "$B/ladder" gpu-bundle/
+S=gpu-bundle/stage
+mkdir -p "$S/lib"
+cp "$B/ladder_cuda_tests" "$B/ladder_cuda_bench" "$B/ladder" "$S/"
 # Bundle every resolved library except the C/C++ runtime (the GPU machine's own, newer ones) and
 # CUDA's (the driver there must be used; cuBLASLt comes from the toolkit there).
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libnvidia)'
-for bin in gpu-bundle/ladder_cuda_tests gpu-bundle/ladder_cuda_bench gpu-bundle/ladder; do
+for bin in "$S/ladder_cuda_tests" "$S/ladder_cuda_bench" "$S/ladder"; do
   ldd "$bin" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
 done | sort -u | while read -r name path; do
-  if ! [[ $name =~ $skip ]]; then cp -L "$path" "gpu-bundle/lib/$name"; fi
+  if ! [[ $name =~ $skip ]]; then cp -L "$path" "$S/lib/$name"; fi
 done
 {
   echo "commit $(git rev-parse HEAD)"
   echo "dirty $(git status --porcelain --untracked-files=no | wc -l) tracked files changed"
   echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(nvcc --version 2>/dev/null | tail -1)"
-} > gpu-bundle/BUILD_INFO
-ls -la gpu-bundle gpu-bundle/lib
+} > "$S/BUILD_INFO"
+cp "$S/BUILD_INFO" gpu-bundle/BUILD_INFO
+ls -la "$S" "$S/lib"
+tar czf gpu-bundle/bundle.tgz -C "$S" .
+rm -rf "$S"
+ls -la gpu-bundle
 du -sh gpu-bundle

@@ -12,6 +12,7 @@
 #include "backend/cuda/attention_tc.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_memory.h"
+#include "backend/cuda/grouped_gemm_tc.cuh"
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/lt_gemm.h"
 #include "backend/cuda/switch_optim_ops.cuh"
@@ -266,6 +267,15 @@ class CudaBackendImpl final : public CudaBackend {
   void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C, int ldc,
                     size_t strideC) override {
+    if (opt_.bf16) {
+      // bf16 precision: the tensor-core kernel (grouped_gemm_tc.cu), operands rounded to bf16 on
+      // the way into shared memory, fp32 accumulation; same contract, scheduling and determinism.
+      moe_tiles_.reserve(k::grouped_gemm_tc_scratch_ints(E), "grouped gemm tile prefix");
+      check(k::grouped_gemm_tc(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc,
+                               strideC, moe_tiles_.data(), info_.sm_count, st_),
+            "grouped_gemm_tc");
+      return;
+    }
     // fp32 CUDA-core kernel even when tf32 is on: exact fp32 is the goal here (docs/cuda.md).
     moe_tiles_.reserve(k::grouped_gemm_scratch_ints(E), "grouped gemm tile prefix");
     check(k::grouped_gemm(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc,
