@@ -164,7 +164,9 @@ TrainSummary train(const TrainOptions& opt) {
 
   const FlopsPerToken fpt = flops_per_token(cfg.model);
   const ParamCount pc = count_params(cfg.model);
-  const double peak = sgemm_gflops();
+  // MFU denominator: the machine's cached sgemm rate on the CPU; on a device, the backend's own GEMM
+  // measured now at its precision (half a second; the model's arenas are already allocated).
+  const double peak = be->is_host() ? sgemm_gflops() : backend_gemm_gflops(*be);
   const int64_t tokens_per_step = int64_t(rc.batch_size) * rc.grad_accum * cfg.model.seq_len;
   if (!opt.quiet) {
     fmt::print("resolved config ({}):\n{}", cfg.source, to_yaml(cfg));
@@ -177,9 +179,10 @@ TrainSummary train(const TrainOptions& opt) {
     fmt::print("parameters: {} total ({} non-embedding); FLOPs/token: {} forward without head, {} training with head\n",
                human_count(double(pc.total)), human_count(double(pc.non_embedding())),
                human_count(fpt.forward(false)), human_count(fpt.train(true)));
-    fmt::print("activations: {:.1f} MiB planned; {} threads; sgemm {:.1f} GFLOP/s (MFU denominator); "
+    fmt::print("activations: {:.1f} MiB planned; backend {} ({} CPU threads); {} {:.1f} GFLOP/s (MFU denominator); "
                "{} tokens/step; run dir {}\n",
-               model.activation_bytes() / 1048576.0, threads, peak, tokens_per_step, run_dir.string());
+               model.activation_bytes() / 1048576.0, be->name(), threads, be->is_host() ? "sgemm" : "GEMM", peak,
+               tokens_per_step, run_dir.string());
   }
 
   const int N = rc.batch_size * cfg.model.seq_len;
