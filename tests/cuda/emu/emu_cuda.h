@@ -94,6 +94,15 @@ inline cudaError_t g_last_error = cudaSuccess;  // launches happen on one host t
 }  // namespace emu
 
 inline cudaError_t cudaGetLastError() { return std::exchange(emu::g_last_error, cudaSuccess); }
+inline const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+  }
+  return "cudaErrorUnknown";
+}
 inline cudaError_t cudaPeekAtLastError() { return emu::g_last_error; }
 inline const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
@@ -144,6 +153,96 @@ inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyK
 inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind k) { return cudaMemcpyAsync(d, s, n, k); }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+
+// ---- the rest of the runtime a whole backend uses (tests/cuda/emu/CMakeLists.txt's
+// ladder_emu_backend_tests: cuda_backend.cpp and device_memory.cpp on this header) --------------
+// One device, an H200 as far as the backend can ask: sm_90, 132 SMs, 141 GiB. Device memory is
+// 256-byte aligned host memory (cudaMalloc's alignment), counted so that cudaMemGetInfo reports what
+// is in use and an allocation above the free amount fails with cudaErrorMemoryAllocation (no host
+// memory is touched for it). Streams are tokens: every launch and copy completes before returning,
+// so any stream order is trivially respected (what it cannot see: a missing synchronization).
+struct cudaDeviceProp {
+  char name[256] = "NVIDIA H200 (host emulation)";
+  size_t totalGlobalMem = size_t(141) << 30;
+  size_t sharedMemPerBlockOptin = kEmuSmemOptin;
+  int major = 9, minor = 0, multiProcessorCount = 132;
+};
+namespace emu {
+struct DeviceHeap {
+  std::mutex m;
+  std::vector<std::pair<void*, size_t>> live;  // few live allocations: a vector is enough
+  size_t used = 0;
+};
+inline DeviceHeap& device_heap() {
+  static DeviceHeap h;
+  return h;
+}
+inline int g_stream_tokens = 0;
+}  // namespace emu
+inline cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+inline cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
+  if (d != 0) return cudaErrorInvalidValue;
+  *p = cudaDeviceProp{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total_b) {
+  auto& h = emu::device_heap();
+  std::lock_guard<std::mutex> l(h.m);
+  *total_b = cudaDeviceProp{}.totalGlobalMem;
+  *free_b = *total_b - h.used;
+  return cudaSuccess;
+}
+inline cudaError_t cudaMalloc(void** p, size_t bytes) {
+  auto& h = emu::device_heap();
+  std::lock_guard<std::mutex> l(h.m);
+  *p = nullptr;
+  if (bytes > cudaDeviceProp{}.totalGlobalMem - h.used) return cudaErrorMemoryAllocation;
+  void* q = ::operator new(bytes ? bytes : 1, std::align_val_t{256}, std::nothrow);
+  if (!q) return cudaErrorMemoryAllocation;
+  h.live.emplace_back(q, bytes);
+  h.used += bytes;
+  *p = q;
+  return cudaSuccess;
+}
+template <class T>
+cudaError_t cudaMalloc(T** p, size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(p), bytes);
+}
+inline cudaError_t cudaFree(void* p) {
+  if (!p) return cudaSuccess;
+  auto& h = emu::device_heap();
+  std::lock_guard<std::mutex> l(h.m);
+  for (auto& e : h.live)
+    if (e.first == p) {
+      h.used -= e.second;
+      ::operator delete(p, std::align_val_t{256});
+      e = h.live.back();
+      h.live.pop_back();
+      return cudaSuccess;
+    }
+  return cudaErrorInvalidValue;  // not a pointer cudaMalloc returned (or freed twice)
+}
+inline cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  *p = ::operator new(bytes ? bytes : 1, std::align_val_t{256});
+  return cudaSuccess;
+}
+template <class T>
+cudaError_t cudaMallocHost(T** p, size_t bytes) {
+  return cudaMallocHost(reinterpret_cast<void**>(p), bytes);
+}
+inline cudaError_t cudaFreeHost(void* p) {
+  ::operator delete(p, std::align_val_t{256});
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreate(cudaStream_t* s) {
+  *s = &emu::g_stream_tokens;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
 
 // ---- device functions ----------------------------------------------------------------------
 inline int min(int a, int b) { return a < b ? a : b; }
