@@ -9,6 +9,9 @@
 #   bash tests/cuda/emu/run.sh tc [plain|asan|tsan] [quick]
 # the tensor-core attention's test alone (CudaEmu.AttentionTc*, test_emu_moe_tc.cpp): all the GPU
 # test's shapes (EMU_FULL=1), or with `quick` the CTest shapes (4 of them under asan/tsan).
+#   bash tests/cuda/emu/run.sh backend [gtest arguments...]
+# the whole CudaBackend on the emulator (ladder_emu_backend_tests: tests/cuda/*.cpp unchanged; some
+# of it is slow here, e.g. CudaMoe.QuantileBetaInColumnChunks runs 88M keys through the emulation).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 mode=${1:-plain}
@@ -23,8 +26,9 @@ fi
 BUILD=${BUILD_DIR:-build}
 case $mode in
   plain) target=ladder_emu_tests ;;
+  backend) target=ladder_emu_backend_tests ;;
   asan | tsan) target=ladder_emu_tests_$mode ;;
-  *) echo "usage: run.sh [plain|asan|tsan] [gtest arguments...] | run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;;
+  *) echo "usage: run.sh [plain|asan|tsan|backend] [gtest arguments...] | run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;;
 esac
 [ -f "$BUILD/build.ninja" ] || cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD" -j "${JOBS:-2}" --target "$target"
