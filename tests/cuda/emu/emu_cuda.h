@@ -72,7 +72,11 @@ enum cudaError_t {
 };
 enum cudaMemcpyKind { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice, cudaMemcpyDefault };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
-enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
+};
 struct cudaFuncAttributes {
   size_t sharedSizeBytes = 0, constSizeBytes = 0, localSizeBytes = 0;
   int maxThreadsPerBlock = 1024, numRegs = 0, ptxVersion = 90, binaryVersion = 90;
@@ -90,6 +94,15 @@ inline cudaError_t g_last_error = cudaSuccess;  // launches happen on one host t
 }  // namespace emu
 
 inline cudaError_t cudaGetLastError() { return std::exchange(emu::g_last_error, cudaSuccess); }
+inline const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+  }
+  return "cudaErrorUnknown";
+}
 inline cudaError_t cudaPeekAtLastError() { return emu::g_last_error; }
 inline const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
@@ -105,7 +118,17 @@ inline cudaError_t cudaGetDevice(int* d) {
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
-  *v = a == cudaDevAttrComputeCapabilityMajor ? 9 : int(kEmuSmemOptin);
+  switch (a) {
+    case cudaDevAttrMultiProcessorCount: *v = 132; break;  // H200
+    case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = int(kEmuSmemOptin); break;
+  }
+  return cudaSuccess;
+}
+// Persistent grids sized from this (grid-stride kernels) are capped by the launch anyway.
+template <class F>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, F*, int, size_t) {
+  *n = 4;
   return cudaSuccess;
 }
 template <class F>
@@ -131,6 +154,96 @@ inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind k
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 
+// ---- the rest of the runtime a whole backend uses (tests/cuda/emu/CMakeLists.txt's
+// ladder_emu_backend_tests: cuda_backend.cpp and device_memory.cpp on this header) --------------
+// One device, an H200 as far as the backend can ask: sm_90, 132 SMs, 141 GiB. Device memory is
+// 256-byte aligned host memory (cudaMalloc's alignment), counted so that cudaMemGetInfo reports what
+// is in use and an allocation above the free amount fails with cudaErrorMemoryAllocation (no host
+// memory is touched for it). Streams are tokens: every launch and copy completes before returning,
+// so any stream order is trivially respected (what it cannot see: a missing synchronization).
+struct cudaDeviceProp {
+  char name[256] = "NVIDIA H200 (host emulation)";
+  size_t totalGlobalMem = size_t(141) << 30;
+  size_t sharedMemPerBlockOptin = kEmuSmemOptin;
+  int major = 9, minor = 0, multiProcessorCount = 132;
+};
+namespace emu {
+struct DeviceHeap {
+  std::mutex m;
+  std::vector<std::pair<void*, size_t>> live;  // few live allocations: a vector is enough
+  size_t used = 0;
+};
+inline DeviceHeap& device_heap() {
+  static DeviceHeap h;
+  return h;
+}
+inline int g_stream_tokens = 0;
+}  // namespace emu
+inline cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+inline cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
+  if (d != 0) return cudaErrorInvalidValue;
+  *p = cudaDeviceProp{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total_b) {
+  auto& h = emu::device_heap();
+  std::lock_guard<std::mutex> l(h.m);
+  *total_b = cudaDeviceProp{}.totalGlobalMem;
+  *free_b = *total_b - h.used;
+  return cudaSuccess;
+}
+inline cudaError_t cudaMalloc(void** p, size_t bytes) {
+  auto& h = emu::device_heap();
+  std::lock_guard<std::mutex> l(h.m);
+  *p = nullptr;
+  if (bytes > cudaDeviceProp{}.totalGlobalMem - h.used) return cudaErrorMemoryAllocation;
+  void* q = ::operator new(bytes ? bytes : 1, std::align_val_t{256}, std::nothrow);
+  if (!q) return cudaErrorMemoryAllocation;
+  h.live.emplace_back(q, bytes);
+  h.used += bytes;
+  *p = q;
+  return cudaSuccess;
+}
+template <class T>
+cudaError_t cudaMalloc(T** p, size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(p), bytes);
+}
+inline cudaError_t cudaFree(void* p) {
+  if (!p) return cudaSuccess;
+  auto& h = emu::device_heap();
+  std::lock_guard<std::mutex> l(h.m);
+  for (auto& e : h.live)
+    if (e.first == p) {
+      h.used -= e.second;
+      ::operator delete(p, std::align_val_t{256});
+      e = h.live.back();
+      h.live.pop_back();
+      return cudaSuccess;
+    }
+  return cudaErrorInvalidValue;  // not a pointer cudaMalloc returned (or freed twice)
+}
+inline cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  *p = ::operator new(bytes ? bytes : 1, std::align_val_t{256});
+  return cudaSuccess;
+}
+template <class T>
+cudaError_t cudaMallocHost(T** p, size_t bytes) {
+  return cudaMallocHost(reinterpret_cast<void**>(p), bytes);
+}
+inline cudaError_t cudaFreeHost(void* p) {
+  ::operator delete(p, std::align_val_t{256});
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreate(cudaStream_t* s) {
+  *s = &emu::g_stream_tokens;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+
 // ---- device functions ----------------------------------------------------------------------
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
@@ -149,6 +262,23 @@ inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// Atomics on global or shared memory: std::atomic_ref (relaxed, as device atomics are), which
+// ThreadSanitizer sees as atomic, so only non-atomic accesses racing with them are reported.
+template <class T>
+inline T atomicAdd(T* p, T v) {
+  static_assert(std::is_arithmetic_v<T>);
+  return std::atomic_ref<T>(*p).fetch_add(v, std::memory_order_relaxed);
+}
 
 // ---- bf16 ------------------------------------------------------------------------------------
 struct __nv_bfloat16 {
@@ -252,6 +382,7 @@ inline Block* g_block = nullptr;
 inline unsigned char* g_smem = nullptr;  // dynamic shared memory of the running block
 inline size_t g_smem_bytes = 0;
 inline thread_local unsigned t_shfl_parity = 0;
+inline thread_local unsigned t_tid = 0;  // linear thread index in the block: x + X * (y + Y * z)
 
 // The static __shared__ array declared at `key` (emulate.py rewrites `__shared__ T name[N]` into
 // EMU_SHARED): the first thread of the block to get there allocates it, the others get the same.
@@ -270,9 +401,14 @@ inline void* shared_static(const void* key, size_t bytes, size_t align) {
 }
 }  // namespace emu
 
-#define EMU_SHARED(T, name, dims)        \
-  static const char emu_key_##name = 0; \
-  T(&name) dims = *static_cast<T(*) dims>(::emu::shared_static(&emu_key_##name, sizeof(T dims), alignof(T)))
+#define EMU_SHARED_A(T, name, dims, align) \
+  static const char emu_key_##name = 0;   \
+  T(&name) dims = *static_cast<T(*) dims>(  \
+      ::emu::shared_static(&emu_key_##name, sizeof(T dims), std::max<size_t>(alignof(T), align)))
+#define EMU_SHARED(T, name, dims) EMU_SHARED_A(T, name, dims, 1)
+#define EMU_SHARED_SCALAR(T, name, align) \
+  static const char emu_key_##name = 0;  \
+  T& name = *static_cast<T*>(::emu::shared_static(&emu_key_##name, sizeof(T), std::max<size_t>(alignof(T), align)))
 
 inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 gridDim, blockDim;
@@ -281,7 +417,7 @@ constexpr int warpSize = 32;
 inline void __syncthreads() { emu::g_block->all.wait("__syncthreads"); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   if (mask != 0xffffffffu) emu::die("__syncwarp with a partial mask is not emulated");
-  emu::g_block->warp[threadIdx.x / 32]->wait("__syncwarp");
+  emu::g_block->warp[emu::t_tid / 32]->wait("__syncwarp");
 }
 inline void __threadfence_block() {}
 inline void __threadfence() {}
@@ -295,11 +431,11 @@ template <class T, class Src>
 T shfl(unsigned mask, T v, Src src) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffle of a type above 8 bytes");
   if (mask != 0xffffffffu) die("shuffle with a partial mask is not emulated");
-  const unsigned lane = threadIdx.x % 32, base = threadIdx.x - lane;
-  uint64_t* buf = g_block->xchg.data() + size_t(t_shfl_parity) * blockDim.x + base;
+  const unsigned lane = t_tid % 32, base = t_tid - lane;
+  uint64_t* buf = g_block->xchg.data() + size_t(t_shfl_parity) * g_block->xchg.size() / 2 + base;
   t_shfl_parity ^= 1u;
   std::memcpy(&buf[lane], &v, sizeof(T));
-  g_block->warp[threadIdx.x / 32]->wait("full-mask shuffle");
+  g_block->warp[t_tid / 32]->wait("full-mask shuffle");
   T r;
   std::memcpy(&r, &buf[src(lane)], sizeof(T));
   return r;
@@ -356,11 +492,12 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
     g_last_error = cudaErrorInvalidConfiguration;
     return;
   }
-  if (block.y != 1 || block.z != 1 || block.x % 32) die("only 1-D blocks of whole warps are emulated");
+  // Warps are 32 consecutive linear thread indices, as on the device.
+  if ((size_t(block.x) * block.y * block.z) % 32) die("only blocks of whole warps are emulated");
   if (grid_stride && grid.x > kGridStrideCap) grid.x = kGridStrideCap;
   gridDim = grid;
   blockDim = block;
-  const unsigned n = block.x;
+  const unsigned n = block.x * block.y * block.z;
   const size_t blocks = size_t(grid.x) * grid.y * grid.z;
   if (blocks >= UINT_MAX) die("grids of 2^32 blocks or more are not emulated");
   std::unique_ptr<Block> cur;
@@ -374,7 +511,8 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
   std::vector<std::thread> pool;
   for (unsigned t = 0; t < n; ++t)
     pool.emplace_back([&, t] {
-      threadIdx = dim3(t);
+      threadIdx = dim3(t % block.x, t / block.x % block.y, t / (block.x * block.y));
+      t_tid = t;
       for (unsigned i = 1; i <= blocks; ++i) {
         futex_wait(started, i - 1);
         blockIdx = cur_idx;
@@ -440,7 +578,7 @@ struct fragment {
   float x[16][16];  // the logical matrix (lane 0's copy is the one used)
 };
 
-inline bool lane0() { return threadIdx.x % 32 == 0; }
+inline bool lane0() { return emu::t_tid % 32 == 0; }
 // Shared-memory pointers must lie in the block's dynamic buffer with the whole 16-row span inside.
 inline void check_ptr(const void* p, unsigned ldm, size_t elem) {
   assert(reinterpret_cast<uintptr_t>(p) % 32 == 0 && "WMMA pointers must be 256-bit aligned");

@@ -9,7 +9,8 @@ kept (a #line directive names the .cu file), so compiler and sanitizer reports p
   kernel<<<g, b[, smem[, st]]>>>(args)  ->  EMU_LAUNCH(g, b, smem, st, kernel, args)
       (EMU_LAUNCH_GRID_STRIDE for the kernels in GRID_STRIDE below: launched with at most
       emu::kGridStrideCap blocks, see emu_cuda.h)
-  __shared__ T name[A][B];              ->  EMU_SHARED(T, name, [A][B]);   one heap block per block
+  __shared__ [__align__(n)] T name[A][B];  ->  EMU_SHARED_A(T, name, [A][B], n);   one heap block per block
+  __shared__ [__align__(n)] T name;        ->  EMU_SHARED_SCALAR(T, name, n);       (n: 1 if absent)
   extern __shared__ T name[];           ->  T* name = reinterpret_cast<T*>(::emu::g_smem);
   #pragma unroll                        ->  (empty line: g++ would warn about an unknown pragma)
 
@@ -36,6 +37,13 @@ GRID_STRIDE = {
                       "head_gate_fwd_kernel", "head_gate_bwd_kernel", "silu_fwd_kernel", "silu_bwd_kernel",
                       "sigmoid_gate_fwd_kernel", "sigmoid_gate_bwd_kernel"],
     "optim_ops.cu": ["muon_momentum_kernel", "scale_by_inv_norm_kernel", "ns_poly_init_kernel"],
+    # moe_ops.cu: not listed, on purpose: radix_select_kernel (one block per column),
+    # row_tile_prefix_kernel (one block), grouped_wgrad_kernel (one block per tile, no stride).
+    "moe_ops.cu": ["route_kernel", "balance_values_kernel", "router_backward_kernel", "gather_kernel",
+                   "combine_kernel", "combine_backward_kernel", "gather_backward_kernel", "iota_kernel",
+                   "invert_perm_kernel", "offsets_from_sorted_kernel", "transpose_keys_kernel",
+                   "grouped_rows_kernel", "count_load_kernel", "pko_resets_kernel"],
+    "attention_tc.cu": ["tc_bwd_dot_kernel"],
 }
 
 
@@ -81,14 +89,22 @@ def rewrite(src, name):
     # One or more declarators: `__shared__ float a[N], b[N];` becomes one EMU_SHARED per array.
     decl = r"[A-Za-z_]\w*\s*(?:\[[^\]]+\]\s*)+"
 
+    # An __align__(n) after __shared__ is passed on (emu_cuda.h allocates up to 16-byte alignment and
+    # refuses more); a scalar (`__shared__ int s_rank;`) becomes a reference to a one-element block.
     def stat(m):
         out = []
-        for d in split_top(m.group(2)):
-            dm = re.fullmatch(r"([A-Za-z_]\w*)\s*((?:\[[^\]]+\]\s*)+)", d)
+        align = m.group(1) or "1"
+        for d in split_top(m.group(3)):
+            dm = re.fullmatch(r"([A-Za-z_]\w*)\s*((?:\[[^\]]+\]\s*)*)", d)
             dims = re.sub(r"\s+", "", dm.group(2))
-            out.append(f"EMU_SHARED({m.group(1)}, {dm.group(1)}, {dims});")
+            if dims:
+                out.append(f"EMU_SHARED_A({m.group(2)}, {dm.group(1)}, {dims}, {align});")
+            else:
+                out.append(f"EMU_SHARED_SCALAR({m.group(2)}, {dm.group(1)}, {align});")
         return keep_lines(m.group(0), " ".join(out))
-    src = re.sub(rf"(?<![\w])__shared__\s+([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s+({decl}(?:,\s*{decl})*);", stat, src)
+    decl = r"[A-Za-z_]\w*\s*(?:\[[^\]]+\]\s*)*"
+    src = re.sub(rf"(?<![\w])__shared__\s+(?:__align__\(\s*(\d+)\s*\)\s+)?([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s+"
+                 rf"({decl}(?:,\s*{decl})*);", stat, src)
 
     launches = 0
 

@@ -7,7 +7,11 @@
 # reports on a GPU). Sanitizer modes set EMU_QUICK=1 (fewer shapes). Uses the CPU build directory
 # (BUILD_DIR, default build), configuring it if needed; the sanitizer binaries are built on demand.
 #   bash tests/cuda/emu/run.sh tc [plain|asan|tsan] [quick]
-# the tensor-core attention's own emulated test (emu_attention_tc.cpp, attention_tc.cu), standalone.
+# the tensor-core attention's test alone (CudaEmu.AttentionTc*, test_emu_moe_tc.cpp): all the GPU
+# test's shapes (EMU_FULL=1), or with `quick` the CTest shapes (4 of them under asan/tsan).
+#   bash tests/cuda/emu/run.sh backend [gtest arguments...]
+# the whole CudaBackend on the emulator (ladder_emu_backend_tests: tests/cuda/*.cpp unchanged; some
+# of it is slow here, e.g. CudaMoe.QuantileBetaInColumnChunks runs 88M keys through the emulation).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 mode=${1:-plain}
@@ -15,23 +19,16 @@ shift || true
 if [ "$mode" = tc ]; then
   sub=${1:-plain}
   shift || true
-  out=${EMU_OUT:-/tmp/ladder-emu-attn-tc}
-  python3 tests/cuda/emu/emulate.py src/backend/cuda/attention_tc.cu "$out/attention_tc_emu.inc" >/dev/null
-  flags="-std=c++20 -pthread -g -fno-strict-aliasing -Isrc -Itests/cuda/emu -I$out"
-  case $sub in
-    plain) flags="$flags -O2" ;;
-    asan) flags="$flags -O1 -fsanitize=address,undefined -fno-omit-frame-pointer" ;;
-    tsan) flags="$flags -O1 -fsanitize=thread" ;;
-    *) echo "usage: run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;;
-  esac
-  g++ $flags tests/cuda/emu/emu_attention_tc.cpp -o "$out/emu_$sub"
-  exec "$out/emu_$sub" "$@"
+  case $sub in plain | asan | tsan) ;; *) echo "usage: run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;; esac
+  if [ "${1:-}" = quick ]; then export EMU_FULL=0; else export EMU_FULL=1; fi
+  exec bash tests/cuda/emu/run.sh "$sub" --gtest_filter='CudaEmu.AttentionTc*'
 fi
 BUILD=${BUILD_DIR:-build}
 case $mode in
   plain) target=ladder_emu_tests ;;
+  backend) target=ladder_emu_backend_tests ;;
   asan | tsan) target=ladder_emu_tests_$mode ;;
-  *) echo "usage: run.sh [plain|asan|tsan] [gtest arguments...] | run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;;
+  *) echo "usage: run.sh [plain|asan|tsan|backend] [gtest arguments...] | run.sh tc [plain|asan|tsan] [quick]"; exit 2 ;;
 esac
 [ -f "$BUILD/build.ninja" ] || cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD" -j "${JOBS:-2}" --target "$target"
