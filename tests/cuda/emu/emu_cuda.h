@@ -243,6 +243,29 @@ inline cudaError_t cudaStreamCreate(cudaStream_t* s) {
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+// Events: a host clock reading at record time (every launch has completed by then), so elapsed
+// times are the emulation's, meaningful only as "the timing code runs".
+struct EmuEvent {
+  std::chrono::steady_clock::time_point t;
+};
+using cudaEvent_t = EmuEvent*;
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) {
+  *e = new EmuEvent{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t = nullptr) {
+  e->t = std::chrono::steady_clock::now();
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
+  *ms = std::chrono::duration<float, std::milli>(b->t - a->t).count();
+  return cudaSuccess;
+}
 
 // ---- device functions ----------------------------------------------------------------------
 inline int min(int a, int b) { return a < b ? a : b; }
