@@ -37,6 +37,7 @@
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/attention_tc.cuh"
 #include "backend/cuda/cuda_backend.h"
+#include "cuda_fixture.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_memory.h"
 #include "core/error.h"
@@ -64,73 +65,8 @@ std::vector<float> bf16_round(std::vector<float> v) {
   return v;
 }
 
-class CudaAttentionTc : public ::testing::Test {
+class CudaAttentionTc : public test::CudaFixture {
  protected:
-  static void SetUpTestSuite() {
-    reason_ = cuda::device_unavailable_reason();
-    if (reason_.empty()) be_ = cuda::make_backend().release();
-  }
-  static void TearDownTestSuite() {
-    delete be_;
-    be_ = nullptr;
-  }
-  void SetUp() override {
-    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
-    const uint64_t seed = std::random_device{}();
-    rng_.seed(seed);
-    RecordProperty("seed", std::to_string(seed));
-    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
-  }
-
-  cudaStream_t st() { return be_->stream(); }
-
-  std::vector<float> randv(size_t n, float lo, float hi) {
-    std::uniform_real_distribution<float> d(lo, hi);
-    std::vector<float> v(n);
-    for (auto& x : v) x = d(rng_);
-    return v;
-  }
-  // A device copy of h starting `offset` floats into its buffer (offset 1: not 16-byte aligned).
-  static DeviceBuffer<float> up(const std::vector<float>& h, size_t offset = 0) {
-    std::vector<float> padded(offset, 0.f);
-    padded.insert(padded.end(), h.begin(), h.end());
-    DeviceBuffer<float> d(padded.size() ? padded.size() : 1);
-    d.upload(padded);
-    return d;
-  }
-  static DeviceBuffer<float> poisoned(size_t n) {
-    DeviceBuffer<float> d(n ? n : 1);
-    d.poison();
-    return d;
-  }
-  std::vector<float> down(const DeviceBuffer<float>& d, size_t n, size_t offset = 0) {
-    be_->synchronize();
-    std::vector<float> h = d.download();
-    return std::vector<float>(h.begin() + offset, h.begin() + offset + n);
-  }
-
-  // `floor` > 0: the denominator is max(||cpu||, floor) (for outputs whose exact value is zero).
-  static double check(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol, const std::string& what,
-                      double floor = 0) {
-    EXPECT_EQ(gpu.size(), cpu.size()) << what;
-    size_t bad = 0;
-    double num = 0, den = 0;
-    for (size_t i = 0; i < cpu.size() && i < gpu.size(); ++i) {
-      if (!std::isfinite(gpu[i]) && std::isfinite(cpu[i])) {
-        if (bad++ < 3) ADD_FAILURE() << what << ": element " << i << " is " << gpu[i] << " (cpu " << cpu[i] << ")";
-        continue;
-      }
-      const double d = double(gpu[i]) - double(cpu[i]);
-      num += d * d;
-      den += double(cpu[i]) * double(cpu[i]);
-    }
-    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not written or not finite";
-    const double rel = std::sqrt(num) / std::max({std::sqrt(den), floor, 1e-30});
-    std::printf("[ rel err  ] %-28s %.3e (tol %.0e)\n", what.c_str(), rel, tol);
-    EXPECT_LE(rel, tol) << what;
-    return rel;
-  }
-
   struct Case {
     int B, S, H, KV, hd, window;
     float qk_range = 2.f;        // q, k uniform in [-r, r]; v, dout in [-1, 1]
@@ -241,10 +177,6 @@ class CudaAttentionTc : public ::testing::Test {
       check(dv, rf.dv, kTcInputs, "attn_tc bwd dv " + shape);
     }
   }
-
-  static inline std::string reason_;
-  static inline cuda::CudaBackend* be_ = nullptr;
-  std::mt19937_64 rng_;
 };
 
 TEST_F(CudaAttentionTc, Supported) {

@@ -16,6 +16,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device_memory.h"
+#include "cuda_fixture.h"
 #include "backend/cuda/grouped_gemm_tc.cuh"
 #include "backend/cuda/moe_ops.cuh"
 #include "grouped_tc_cases.h"
@@ -27,24 +28,11 @@ using cuda::DeviceBuffer;
 namespace k = cuda::k;
 namespace gt = grouped_tc;
 
-class CudaGroupedTc : public ::testing::Test {
+class CudaGroupedTc : public test::CudaFixture {
  protected:
   static void SetUpTestSuite() {
-    reason_ = cuda::device_unavailable_reason();
-    if (reason_.empty()) sms_ = cuda::probe_device().sm_count;
-  }
-  void SetUp() override {
-    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
-    const uint64_t seed = std::random_device{}();
-    rng_.seed(seed);
-    RecordProperty("seed", std::to_string(seed));
-    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
-  }
-  template <class T>
-  static DeviceBuffer<T> up(const std::vector<T>& h) {
-    DeviceBuffer<T> d(h.size() ? h.size() : 1);
-    if (!h.empty()) d.upload(h);
-    return d;
+    CudaFixture::SetUpTestSuite();
+    if (be_) sms_ = be_->device().sm_count;
   }
   // The launcher on the legacy default stream (ordered with device_memory.h's copies).
   static void run(const gt::Case& c, const gt::Problem& p, std::vector<float>& C, int sms) {
@@ -61,9 +49,7 @@ class CudaGroupedTc : public ::testing::Test {
     C.resize(p.C.size());
   }
 
-  static inline std::string reason_;
   static inline int sms_ = 0;
-  std::mt19937_64 rng_;
 };
 
 TEST_F(CudaGroupedTc, BothShapes) {

@@ -21,6 +21,7 @@
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/moe_kernels.h"
 #include "backend/cuda/cuda_backend.h"
+#include "cuda_fixture.h"
 #include "backend/cuda/device_memory.h"
 #include "core/error.h"
 #include "model/moe.h"
@@ -33,32 +34,8 @@ using cuda::DeviceBuffer;
 constexpr double kF32 = 5e-6;
 constexpr double kBlock = 1e-5;  // the whole MoE block, CUDA backend vs CPU backend
 
-class CudaMoe : public ::testing::Test {
+class CudaMoe : public test::CudaFixture {
  protected:
-  static void SetUpTestSuite() {
-    reason_ = cuda::device_unavailable_reason();
-    if (reason_.empty()) be_ = cuda::make_backend().release();
-  }
-  static void TearDownTestSuite() {
-    delete be_;
-    be_ = nullptr;
-  }
-  void SetUp() override {
-    if (!reason_.empty()) GTEST_SKIP() << "no CUDA device: GPU test skipped (" << reason_ << ")";
-    const uint64_t seed = std::random_device{}();
-    rng_.seed(seed);
-    RecordProperty("seed", std::to_string(seed));
-    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
-  }
-
-  cuda::CudaBackend& be() { return *be_; }
-
-  std::vector<float> randv(size_t n, float lo = -1.f, float hi = 1.f) {
-    std::uniform_real_distribution<float> d(lo, hi);
-    std::vector<float> v(n);
-    for (auto& x : v) x = d(rng_);
-    return v;
-  }
   // Multiples of `step` in [-levels, levels] * step: many exact ties, and exact sums and products.
   std::vector<float> quantized(size_t n, int levels, float step) {
     std::uniform_int_distribution<int> d(-levels, levels);
@@ -76,47 +53,6 @@ class CudaMoe : public ::testing::Test {
     return v;
   }
 
-  template <class T>
-  DeviceBuffer<T> up(const std::vector<T>& h) {
-    DeviceBuffer<T> d(h.size() ? h.size() : 1);
-    if (!h.empty()) d.upload(h);
-    return d;
-  }
-  template <class T>
-  DeviceBuffer<T> poisoned(size_t n) {
-    DeviceBuffer<T> d(n ? n : 1);
-    d.poison();
-    return d;
-  }
-  template <class T>
-  std::vector<T> down(const DeviceBuffer<T>& d, size_t n) {
-    be().synchronize();
-    std::vector<T> h = d.download();
-    h.resize(n);
-    return h;
-  }
-
-  // Fails on any non-finite GPU value where the CPU value is finite, then on the relative error.
-  static double check(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol,
-                      const std::string& what) {
-    EXPECT_EQ(gpu.size(), cpu.size()) << what;
-    size_t bad = 0;
-    double num = 0, den = 0;
-    for (size_t i = 0; i < cpu.size() && i < gpu.size(); ++i) {
-      if (!std::isfinite(gpu[i]) && std::isfinite(cpu[i])) {
-        if (bad++ < 3) ADD_FAILURE() << what << ": element " << i << " is " << gpu[i] << " (cpu " << cpu[i] << ")";
-        continue;
-      }
-      const double d = double(gpu[i]) - double(cpu[i]);
-      num += d * d;
-      den += double(cpu[i]) * double(cpu[i]);
-    }
-    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not written or not finite";
-    const double rel = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-    std::printf("[ rel err  ] %-44s %.3e (tol %.0e)\n", what.c_str(), rel, tol);
-    EXPECT_LE(rel, tol) << what;
-    return rel;
-  }
   // Exact equality, element by element (integers; float selections compared with ==).
   template <class T>
   static void exact(const std::vector<T>& gpu, const std::vector<T>& cpu, const std::string& what) {
@@ -128,10 +64,6 @@ class CudaMoe : public ::testing::Test {
     std::printf("[ exact    ] %-44s %zu of %zu differ\n", what.c_str(), bad, cpu.size());
     EXPECT_EQ(bad, 0u) << what;
   }
-
-  static inline std::string reason_;
-  static inline cuda::CudaBackend* be_ = nullptr;
-  std::mt19937_64 rng_;
 };
 
 const int kEs[] = {8, 64, 65};
