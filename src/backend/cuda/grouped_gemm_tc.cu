@@ -36,7 +36,7 @@
 //     The reduction over an expert's rows runs inside one block: a crowded expert with few output
 //     tiles is one long block (a fixed split over rows with a fixed-order second pass would spread
 //     it; not done: M x N of an MoE expert weight is many tiles already).
-//   rows_out = true: a one-block kernel writes the exclusive prefix of per-expert row tiles
+//   rows_out = true: k::row_tile_prefix (moe_ops.cu) writes the exclusive prefix of per-expert row tiles
 //     (ceil(rows_e / 128)) into scratch; the GEMM runs a persistent grid (2 blocks per SM) striding
 //     over the linear tile ids [0, row_tiles * tilesN), consecutive ids sharing a row tile; each id
 //     finds its expert by binary search in the prefix. Every tile costs the same (a full K loop).
@@ -48,6 +48,7 @@
 #include <type_traits>
 
 #include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/moe_ops.cuh"
 
 namespace ladder::cuda::k {
 
@@ -251,42 +252,6 @@ __device__ void tile_product(unsigned char* smem, const Operand& a, const Operan
   }
 }
 
-// tile_start[e] = sum_{e' < e} ceil(rows_e' / kBX), tile_start[E] = the total. One block; chunks of
-// kThreads experts: a warp scan, the warp totals through shared memory, a running carry that every
-// thread keeps (all compute the same value).
-__global__ void __launch_bounds__(kThreads) tc_row_tile_prefix_kernel(int32_t* tile_start, const int32_t* offsets,
-                                                                      int E) {
-  __shared__ int32_t warp_tot[kWarps];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int carry = 0;
-  for (int base = 0; base < E; base += kThreads) {
-    const int e = base + tid;
-    int own = 0;
-    if (e < E) {
-      const int rows = offsets[e + 1] - offsets[e];
-      own = rows > 0 ? (rows + kBX - 1) / kBX : 0;
-    }
-    int v = own;  // inclusive warp scan
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int nb = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += nb;
-    }
-    if (lane == 31) warp_tot[warp] = v;
-    __syncthreads();
-    int before = 0, chunk = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      const int t = warp_tot[w];
-      if (w < warp) before += t;
-      chunk += t;
-    }
-    if (e < E) tile_start[e] = carry + before + v - own;
-    carry += chunk;
-    __syncthreads();  // every thread has read warp_tot before the next chunk writes it
-  }
-  if (tid == 0) tile_start[E] = carry;
-}
-
 template <bool TRANSB>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     tc_rows_kernel(const int32_t* offsets, const int32_t* tile_start, int E, int N, int K, float alpha,
@@ -348,7 +313,7 @@ cudaError_t grouped_gemm_tc(bool rows_out, bool transB, int E, const int32_t* of
   const bool vecB = aligned16(B) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);
   if (rows_out) {
     if (K < 0) return cudaErrorInvalidValue;
-    tc_row_tile_prefix_kernel<<<1, kThreads, 0, st>>>(tile_scratch, offsets, E);
+    if (const cudaError_t e = row_tile_prefix(tile_scratch, offsets, E, kBX, st); e != cudaSuccess) return e;
     const unsigned grid = unsigned(sm_count > 0 ? sm_count : kDefaultSms) * kBlocksPerSm;
     if (transB) {
       tc_rows_kernel<true><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, lda, vecA, B, ldb,

@@ -491,9 +491,9 @@ __device__ void gemm_tile(float (*As)[kLds], float (*Bs)[kLds], const Operand& a
   }
 }
 
-// tile_start[e] = sum_{e' < e} ceil(rows_e' / kBM), tile_start[E] = the total. One block, chunks
-// of kThreads experts: warp scans, then a scan of the warp totals, plus the running carry.
-__global__ void row_tile_prefix_kernel(int32_t* tile_start, const int32_t* offsets, int E) {
+// tile_start[e] = sum_{e' < e} ceil(rows_e' / tile_rows), tile_start[E] = the total. One block,
+// chunks of kThreads experts: warp scans, then a scan of the warp totals, plus the running carry.
+__global__ void row_tile_prefix_kernel(int32_t* tile_start, const int32_t* offsets, int E, int tile_rows) {
   __shared__ int32_t warp_tot[kWarps];
   __shared__ int32_t carry;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -504,7 +504,7 @@ __global__ void row_tile_prefix_kernel(int32_t* tile_start, const int32_t* offse
     int own = 0;
     if (e < E) {
       const int rows = offsets[e + 1] - offsets[e];
-      own = rows > 0 ? (rows + kBM - 1) / kBM : 0;
+      own = rows > 0 ? (rows + tile_rows - 1) / tile_rows : 0;
     }
     int v = own;  // inclusive warp scan
 #pragma unroll
@@ -606,13 +606,19 @@ int rows_kernel_grid() {
 
 size_t grouped_gemm_scratch_ints(int E) { return size_t(E > 0 ? E : 0) + 1; }
 
+cudaError_t row_tile_prefix(int32_t* tile_start, const int32_t* offsets, int E, int tile_rows, cudaStream_t st) {
+  if (E <= 0 || tile_rows <= 0) return cudaErrorInvalidValue;
+  row_tile_prefix_kernel<<<1, kThreads, 0, st>>>(tile_start, offsets, E, tile_rows);
+  return cudaGetLastError();
+}
+
 cudaError_t grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                          const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C,
                          int ldc, size_t strideC, int32_t* tile_scratch, cudaStream_t st) {
   if (E <= 0 || N <= 0) return cudaSuccess;
   if (rows_out) {
     if (K < 0) return cudaErrorInvalidValue;
-    row_tile_prefix_kernel<<<1, kThreads, 0, st>>>(tile_scratch, offsets, E);
+    if (const cudaError_t e = row_tile_prefix(tile_scratch, offsets, E, kBM, st); e != cudaSuccess) return e;
     if (transB) {
       grouped_rows_kernel<true><<<rows_kernel_grid<true>(), kGemmThreads, 0, st>>>(
           offsets, tile_scratch, E, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc);

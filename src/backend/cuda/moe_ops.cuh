@@ -22,6 +22,11 @@ namespace ladder::cuda::k {
 // block and summed in increasing reduction index: deterministic, no atomics. `tile_scratch` holds
 // grouped_gemm_scratch_ints(E) ints (per-expert tile prefix, rows_out = true only).
 size_t grouped_gemm_scratch_ints(int E);
+// tile_start[e] = sum over experts e' < e of ceil(rows_e' / tile_rows), tile_start[E] = the total
+// (E + 1 ints, on the device, from the device-side offsets): how a grouped GEMM over row tiles of
+// tile_rows rows maps its blocks to experts without the host seeing the routing. Both grouped GEMMs
+// (this file's and grouped_gemm_tc.cu's) use it.
+cudaError_t row_tile_prefix(int32_t* tile_start, const int32_t* offsets, int E, int tile_rows, cudaStream_t st);
 cudaError_t grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                          const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C,
                          int ldc, size_t strideC, int32_t* tile_scratch, cudaStream_t st);
