@@ -55,6 +55,10 @@ class Backend : public MemorySpace {
   virtual void softmax_xent_forward_async(const float* logits, const int32_t* targets, int N, int V,
                                           float* losses, double* sums) = 0;
   virtual void sum_squares_async(const float* x, size_t n, double* out) = 0;
+  // bf16 storage of saved activations (model.saved_activations): out = bf16(in), round to nearest
+  // even, as uint16_t bits; and back, exactly. Both pointers are this backend's memory.
+  virtual void to_bf16(uint16_t* out, const float* in, size_t n) = 0;
+  virtual void from_bf16(float* out, const uint16_t* in, size_t n) = 0;
   // Recipe switches in attention and norms (contracts in backend/cpu/kernels.h).
   virtual void pko_resets(uint8_t* reset, const int32_t* ids, int N_tok, int S, int eod_id) = 0;
   virtual void pko_shift_forward(float* out, const float* k, const uint8_t* reset, int N_tok, int nkv, int hd,

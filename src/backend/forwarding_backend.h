@@ -95,6 +95,12 @@ class ForwardingBackend : public Backend {
   double sum_squares(const float* x, size_t n) override {
     return wrap("grad norm", 0, [&] { return b_->sum_squares(x, n); });
   }
+  void to_bf16(uint16_t* out, const float* in, size_t n) override {
+    wrap("bf16 storage", 0, [&] { b_->to_bf16(out, in, n); });
+  }
+  void from_bf16(float* out, const uint16_t* in, size_t n) override {
+    wrap("bf16 storage", 0, [&] { b_->from_bf16(out, in, n); });
+  }
   void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2, float eps,
                     float wd, float bc1, float bc2) override {
     wrap("optimizer", 0, [&] { b_->adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2); });

@@ -63,6 +63,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, xsa, "exclusive self attention: per head z = y - (y.v/||v||^2) v, v the token's own value vector"),
       LADDER_FIELD(model, attn_gate, "per-head attention output gate 2*sigmoid(h W_g), h the block's normed attention input, W_g [H, d] zero at init"),
       LADDER_FIELD(model, recompute, "activation recomputation: keep only each layer's input and re-run the layer's forward in the backward (about one more forward of compute; saved activations drop to one layer's plus the residual stream; same results bit for bit)"),
+      LADDER_FIELD(model, saved_activations, "storage of the activations the backward reads: fp32, or bf16 (half the memory; the residual stream, norm statistics and MoE routing stay fp32; the forward and the loss are unchanged, gradients see bf16-rounded activations)"),
       LADDER_FIELD(model, gated_norm_rank, "GatedNorm x*sigmoid(W_up SiLU(W_down x)) after each d-wide RMSNorm (block norms and final norm) with this rank; 0 = off (recipe V1: 128)"),
       LADDER_FIELD(optim, name, "optimizer preset: adamw | adam | adamh | muon | muonh (which tensors each optimizer gets: docs/optimizers.md)"),
       LADDER_FIELD(optim, lr, "peak learning rate"),
@@ -345,6 +346,12 @@ void validate(const Config& c) {
   if (m.init_std < 0 || m.z_loss < 0) fail("{}: model.init_std and model.z_loss must be >= 0", where);
   validate_moe(c, where);
   validate_attention_switches(m, where);
+  if (m.saved_activations != "fp32" && m.saved_activations != "bf16")
+    fail("{}: model.saved_activations '{}' is not known (expected fp32 or bf16)", where, m.saved_activations);
+  if (m.saved_activations == "bf16" && m.recompute)
+    fail("{}: model.saved_activations 'bf16' has nothing to store with model.recompute (only each layer's fp32 "
+         "input is kept): set one of them",
+         where);
   if (c.optim.name != "adamw" && c.optim.name != "adam" && c.optim.name != "adamh" && c.optim.name != "muon" &&
       c.optim.name != "muonh")
     fail("{}: optim.name: unknown optimizer '{}' (expected adamw, adam, adamh, muon or muonh)", where, c.optim.name);

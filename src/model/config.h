@@ -48,6 +48,7 @@ struct ModelConfig {
   bool attn_gate = false;      // per-head output gate 2*sigmoid(h W_g), W_g zero at init
   int gated_norm_rank = 0;     // GatedNorm after each d-wide RMSNorm; 0 = off (recipe V1: 128)
   bool recompute = false;      // activation recomputation: keep only each layer's input, re-run its forward in backward
+  std::string saved_activations = "fp32";  // fp32 | bf16: storage of what the backward reads (compute stays fp32)
 
   int kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int hd() const { return head_dim > 0 ? head_dim : d_model / n_heads; }

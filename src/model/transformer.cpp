@@ -121,7 +121,11 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   // Activation plan: every saved tensor of every layer, plus backward scratch, in one arena.
   const size_t N = N_;
   chunk_rows_ = int(std::clamp<int64_t>((4 << 20) / V, 64, N));
-  struct Req { float** ptr; size_t n; };
+  // pack: with model.saved_activations bf16, kept as bf16 per layer (Layer::packed), computed in an
+  // fp32 set shared by the layers of one kind. Not packed: the residual stream (x, mid), norm and
+  // attention statistics (rstd, lse), the gate's small per-head arrays and the MoE routing.
+  struct Req { float** ptr; size_t n; bool pack = false; };
+  const bool bf16_saved = cfg.saved_activations == "bf16";
   std::vector<Req> reqs;
   layers_.resize(cfg.n_layers);
   size_t pi = 1, bi = 0;
@@ -132,7 +136,7 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     if (R == 0) return;
     gn.down = &params_[pi++];
     gn.up = &params_[pi++];
-    into.insert(into.end(), {{&gn.n, N * d}, {&gn.u, N * R}, {&gn.a, N * R}, {&gn.s, N * d}});
+    into.insert(into.end(), {{&gn.n, N * d, true}, {&gn.u, N * R, true}, {&gn.a, N * R, true}, {&gn.s, N * d, true}});
   };
   // Activation recomputation (model.recompute): only each layer's input L.x is kept; every other
   // saved tensor of a layer lives in one set shared by all layers of the same kind (dense or MoE,
@@ -156,13 +160,13 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     L.ln2 = &params_[pi++];
     plan_gated_norm(L.gn2, lreqs);
     L.window = cfg.layer_window(l);
-    if (cfg.pko && cfg.is_long_layer(l)) lreqs.push_back({&L.ks, N * KV * hd});
-    if (cfg.xsa) lreqs.push_back({&L.z, N * H * hd});
-    if (cfg.attn_gate) lreqs.insert(lreqs.end(), {{&L.ga, N * H}, {&L.gf, N * H}, {&L.og, N * H * hd}});
+    if (cfg.pko && cfg.is_long_layer(l)) lreqs.push_back({&L.ks, N * KV * hd, true});
+    if (cfg.xsa) lreqs.push_back({&L.z, N * H * hd, true});
+    if (cfg.attn_gate) lreqs.insert(lreqs.end(), {{&L.ga, N * H}, {&L.gf, N * H}, {&L.og, N * H * hd, true}});
     reqs.push_back({&L.x, N * d});
-    lreqs.insert(lreqs.end(), {{&L.h1, N * d}, {&L.r1, N}, {&L.q, N * H * hd},
-                               {&L.k, N * KV * hd}, {&L.v, N * KV * hd}, {&L.o, N * H * hd},
-                               {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d}, {&L.r2, N}});
+    lreqs.insert(lreqs.end(), {{&L.h1, N * d, true}, {&L.r1, N}, {&L.q, N * H * hd, true},
+                               {&L.k, N * KV * hd, true}, {&L.v, N * KV * hd, true}, {&L.o, N * H * hd, true},
+                               {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d, true}, {&L.r2, N}});
     if (cfg.is_moe_layer(int(l))) {
       L.moe = true;
       L.moe_index = moe_index++;
@@ -179,29 +183,47 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
       L.wg = L.wu = L.wd = nullptr;
       L.gate = L.up = L.act = nullptr;
       // MoE arrays are float or int32: 4 bytes either way, so they come from the same arena.
+      // The expert rows (xs, g, u, a, y) and the shared expert's activations are packed; router
+      // logits, lse, combine weights and the int32 routing arrays stay as they are.
+      const std::vector<void*> packable = {&L.ma.xs, &L.ma.g, &L.ma.u, &L.ma.a, &L.ma.y,
+                                           &L.ma.sgate, &L.ma.sup, &L.ma.sact};
       for (auto& [ptr, bytes] : moe_act_requests<float>(md, L.ma))
-        lreqs.push_back({reinterpret_cast<float**>(ptr), bytes / sizeof(float)});
+        lreqs.push_back({reinterpret_cast<float**>(ptr), bytes / sizeof(float),
+                         std::find(packable.begin(), packable.end(), static_cast<void*>(ptr)) != packable.end()});
     } else {
       L.wg = &params_[pi++];
       L.wu = &params_[pi++];
       L.wd = &params_[pi++];
-      lreqs.insert(lreqs.end(), {{&L.gate, N * I}, {&L.up, N * I}, {&L.act, N * I}});
+      lreqs.insert(lreqs.end(), {{&L.gate, N * I, true}, {&L.up, N * I, true}, {&L.act, N * I, true}});
     }
     if (cfg.qk_norm) {
-      lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}, {&L.qrs, N * H}, {&L.krs, N * KV}});
+      lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd, true}, {&L.kr, N * KV * hd, true}, {&L.qrs, N * H},
+                                 {&L.krs, N * KV}});
     } else {
       L.qrs = L.krs = nullptr;
-      lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd}, {&L.kr, N * KV * hd}});
+      lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd, true}, {&L.kr, N * KV * hd, true}});
     }
     // Same kind => same request list in the same order.
     const int kind = (L.moe ? 1 : 0) + (cfg.pko && cfg.is_long_layer(l) ? 2 : 0);
+    // bf16 storage shares (and packs) only the packable part; the rest stays the layer's own.
+    if (bf16_saved) {
+      std::vector<Req> own, pack;
+      for (auto& r : lreqs) (r.pack ? pack : own).push_back(r);
+      reqs.insert(reqs.end(), own.begin(), own.end());
+      for (auto& r : pack) L.packed.push_back({r.ptr, nullptr, r.n});
+      lreqs = std::move(pack);
+    }
     auto owner = shared.find(kind);
-    if (!cfg.recompute || owner == shared.end()) {
+    const bool share = cfg.recompute || bf16_saved;
+    if (!share || owner == shared.end()) {
       reqs.insert(reqs.end(), lreqs.begin(), lreqs.end());
-      if (cfg.recompute) shared.emplace(kind, lreqs);
+      if (share) shared.emplace(kind, lreqs);
     } else {
       LADDER_ASSERT(owner->second.size() == lreqs.size());
-      for (size_t i = 0; i < lreqs.size(); ++i) aliases.push_back({lreqs[i].ptr, owner->second[i].ptr});
+      for (size_t i = 0; i < lreqs.size(); ++i) {
+        LADDER_ASSERT(owner->second[i].n == lreqs[i].n);
+        aliases.push_back({lreqs[i].ptr, owner->second[i].ptr});
+      }
     }
   }
   const size_t Idense = moe_index == cfg.n_layers ? 0 : size_t(I);  // dense MLP scratch, if any dense layer
@@ -230,6 +252,13 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   acts_arena_.reserve(abytes, be_, "activations");
   for (auto& r : reqs) *r.ptr = acts_arena_.alloc(r.n);
   for (auto& [ptr, from] : aliases) *ptr = *from;
+  // The bf16 copies: each layer's own, in their own arena (half the floats they stand for).
+  size_t pk_bytes = 0;
+  for (auto& L : layers_)
+    for (auto& pk : L.packed) pk_bytes += Arena::padded(pk.n, sizeof(uint16_t));
+  packed_arena_.reserve(pk_bytes, be_, "saved activations (bf16)");
+  for (auto& L : layers_)
+    for (auto& pk : L.packed) pk.bf16 = packed_arena_.alloc<uint16_t>(pk.n);
 
   // The host edge, in backend memory: ids and targets of one micro-batch, PKO flags, the sums a
   // forward downloads once, per-tensor gradient sums of squares, MoE load counts and betas.
@@ -530,7 +559,11 @@ void Transformer::forward(bool training) {
     reserve_balance_tokens(std::max<int64_t>(balance_tokens_ + N, 2 * balance_cap_));
   be_.embedding_forward(layers_[0].x, embed_->w, ids_, N, d);
   if (cfg_.pko) compute_resets();
-  for (size_t l = 0; l < layers_.size(); ++l) layer_forward(l, training, balance);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    layer_forward(l, training, balance);
+    if (training)  // bf16 storage: keep what the backward reads before the next layer reuses the fp32 set
+      for (auto& pk : layers_[l].packed) be_.to_bf16(pk.bf16, *pk.fp32, pk.n);
+  }
   if (training && !layers_.empty() && cfg_.moe()) {
     stats_tokens_ += N;
     if (balance) balance_tokens_ += N;
@@ -587,6 +620,9 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
     // layer is re-run from its saved input. Its output lands in layer l+1's input buffer (or
     // x_final_), which the backward has finished with.
     if (cfg_.recompute && l + 1 < int(layers_.size())) layer_forward(size_t(l), /*record=*/false, false);
+    // bf16 storage: back into the shared fp32 set, for every layer (the last one's fp32 values
+    // are still there, but its backward reads the same rounded values as every other layer's).
+    for (auto& pk : L.packed) be_.from_bf16(*pk.fp32, pk.bf16, pk.n);
     if (L.moe) {
       // MoE: next = mid + MoE(h2); d_h = d(h2).
       MoeGrads<float> G{L.router->g, L.eg->g, L.eu->g, L.ed->g, L.sg ? L.sg->g : nullptr,

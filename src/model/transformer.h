@@ -110,9 +110,11 @@ class Transformer {
   // of the per-tensor Backend::sum_squares values in that order).
   double grad_norm();
 
-  size_t activation_bytes() const { return acts_arena_.capacity(); }
+  // Saved activations and backward scratch, fp32 and (model.saved_activations bf16) bf16.
+  size_t activation_bytes() const { return acts_arena_.capacity() + packed_arena_.capacity(); }
   // The keys layer l's attention read in the last forward pass (after PKO, QK-norm and RoPE),
-  // [batch*seq_len, KV*hd], backend memory; for tests and inspection.
+  // [batch*seq_len, KV*hd], backend memory; for tests and inspection. With model.recompute or
+  // saved_activations bf16 the fp32 buffer is shared by the layers of one kind (the last one's).
   const float* attention_keys(int l) const { return layers_.at(l).kr; }
 
   // Non-trained state saved with the weights (the MoE selection biases
@@ -169,6 +171,11 @@ class Transformer {
     Param *router = nullptr, *eg = nullptr, *eu = nullptr, *ed = nullptr, *sg = nullptr, *su = nullptr, *sd = nullptr;
     Param* bias = nullptr;  // buffer
     MoeActs<float> ma;
+    // model.saved_activations bf16: this layer's bf16 copy of each packable saved tensor; *fp32 is
+    // the layer's pointer to it (into the set shared by its kind). Filled after the layer's
+    // forward, unpacked before its backward.
+    struct Packed { float** fp32; uint16_t* bf16; size_t n; };
+    std::vector<Packed> packed;
   };
 
   void add_param(const std::string& name, Role role, std::vector<int64_t> shape);
@@ -202,7 +209,7 @@ class Transformer {
   Backend& be_;
   std::vector<Param> params_;
   size_t n_params_ = 0;
-  Arena params_arena_, grads_arena_, acts_arena_;
+  Arena params_arena_, grads_arena_, acts_arena_, packed_arena_;
   std::vector<Layer> layers_;
   Param *embed_ = nullptr, *norm_f_ = nullptr, *head_ = nullptr;
   // activations of the final part and scratch for backward

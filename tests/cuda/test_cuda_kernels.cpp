@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -360,6 +361,31 @@ TEST_F(CudaKernels, VectorHelpersAndAdamW) {
   check(down(d_p, n), p, kF32, "adamw p");
   check(down(d_m, n), m, kF32, "adamw m");
   check(down(d_v, n), v, kF32, "adamw v");
+}
+
+// bf16 storage of saved activations: the same bits as the CPU's round-to-nearest-even, both ways,
+// including ties, values that round up into the next binade, subnormals and infinities.
+TEST_F(CudaKernels, Bf16StorageMatchesTheCpuBitForBit) {
+  const size_t n = 70001;
+  auto x = randv(n, -3.f, 3.f);
+  const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x00000001u, 0x807fffffu, 0x7f7fffffu,
+                              0x7f800000u, 0xff800000u, 0x80000000u, 0x00000000u, 0x3fffffffu};
+  for (size_t i = 0; i < std::size(special); ++i) std::memcpy(&x[i * 7], &special[i], 4);
+  auto d_x = up(x, 1);  // odd offset: not 16-byte aligned
+  auto d_b = poisoned<uint16_t>(n);
+  be().to_bf16(d_b.data(), d_x.data() + 1, n);
+  std::vector<uint16_t> b(n);
+  cpu::f32_to_bf16(b.data(), x.data(), n);
+  const auto gb = down(d_b, n);
+  size_t diff = 0;
+  for (size_t i = 0; i < n; ++i) diff += gb[i] != b[i];
+  EXPECT_EQ(diff, 0u) << "to_bf16 differs from the CPU's rounding";
+  auto d_y = poisoned(n);
+  be().from_bf16(d_y.data(), d_b.data(), n);
+  std::vector<float> y(n);
+  cpu::bf16_to_f32(y.data(), b.data(), n);
+  const auto gy = down(d_y, n);
+  EXPECT_EQ(0, std::memcmp(gy.data(), y.data(), n * sizeof(float))) << "from_bf16";
 }
 
 TEST_F(CudaKernels, OutOfMemoryIsOneLine) {

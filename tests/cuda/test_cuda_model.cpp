@@ -55,6 +55,12 @@ constexpr double kTrainWeightTol = 1e-2; // final weights, relative per tensor
 // apart. So MoE models are held to the loss curve, within a bound of bf16 size, and to a sanity
 // bound on the weights.
 constexpr double kTrainLossTolMoe = 5e-3;
+// model.saved_activations bf16 on both backends: each rounds its own fp32 activations to bf16, so
+// where the two fp32 values sit on either side of a rounding midpoint (a few ulps apart, about one
+// element in 10^4..10^5) they store neighbouring bf16 values, 2^-8 apart relative. Such flips move
+// whole-tensor gradients by ~1e-5..1e-4; a wrong restore (another layer's values, stale data) moves
+// them by O(1). Seen on the emulated backend (tests/cuda/emu): worst tensor 2e-4.
+constexpr double kGradTolBf16Saved = 3e-3;
 constexpr double kTrainWeightTolMoe = 1e-1;
 
 double rel_err(const float* gpu, const float* cpu, size_t n) {
@@ -109,7 +115,7 @@ class CudaModel : public ::testing::Test {
 
   // Loss and every gradient of one forward_backward, the grad norm, forward_loss and the logits.
   static void compare_step(const Config& c, Transformer& mg, Transformer& mc, uint64_t batch_seed,
-                           const std::string& tag) {
+                           const std::string& tag, double grad_tol = kGradTol) {
     std::vector<int32_t> in, tg;
     make_batch(c, batch_seed, in, tg);
     const size_t N = in.size();
@@ -132,11 +138,11 @@ class CudaModel : public ::testing::Test {
       const double e = rel_err(g.data(), pc.g, pc.numel);
       print_tensor_err(tag + " d " + pc.name, e);
       worst = std::max(worst, e);
-      EXPECT_LT(e, kGradTol) << tag << " " << pc.name;
+      EXPECT_LT(e, grad_tol) << tag << " " << pc.name;
     }
     print_err(tag + " gradients (worst tensor)", worst);
     const double ng = mg.grad_norm(), nc = mc.grad_norm();
-    EXPECT_NEAR(ng, nc, kGradTol * nc) << tag;
+    EXPECT_NEAR(ng, nc, grad_tol * nc) << tag;
 
     const LossSums eg = mg.forward_loss(in.data(), tg.data()), ec = mc.forward_loss(in.data(), tg.data());
     EXPECT_NEAR(loss_of(c, eg), loss_of(c, ec), kLossTol * std::fabs(loss_of(c, ec))) << tag;
@@ -149,13 +155,13 @@ class CudaModel : public ::testing::Test {
     EXPECT_LT(le, kGradTol) << tag;
   }
 
-  static void compare_model(const Config& c, const std::string& tag) {
+  static void compare_model(const Config& c, const std::string& tag, double grad_tol = kGradTol) {
     validate(c);
     Transformer mg(c.model, c.run.batch_size, *gpu_), mc(c.model, c.run.batch_size, *cpu_);
     mg.init(17);
     mc.init(17);
     expect_same_weights(mg, mc);
-    compare_step(c, mg, mc, 1, tag);
+    compare_step(c, mg, mc, 1, tag, grad_tol);
   }
 
   // `steps` optimizer steps of train_step on both backends from the same init and batches.
@@ -225,6 +231,16 @@ TEST_F(CudaModel, DenseGqaWindowLossAndEveryGradientMatchTheCpu) { compare_model
 TEST_F(CudaModel, SwitchesLossAndEveryGradientMatchTheCpu) {
   // PKO (eod ids in the batch), XSA, head gate, GatedNorm, half-RoPE, non-parametric QK-norm, q_scale.
   compare_model(switches_config(), "switches");
+}
+
+// bf16 saved activations (model.saved_activations): the CUDA model against the CPU model with the
+// same storage: packing, the shared fp32 sets and the restore order, for dense, MoE and switches.
+TEST_F(CudaModel, SavedBf16ActivationsMatchTheCpu) {
+  for (auto [c, tag] : {std::pair{dense_config(), "dense"}, std::pair{moe_config(), "moe"},
+                        std::pair{switches_config(), "switches"}}) {
+    c.model.saved_activations = "bf16";
+    compare_model(c, std::string("bf16-saved ") + tag, kGradTolBf16Saved);
+  }
 }
 
 TEST_F(CudaModel, MoeLossGradientsBalancingAndStatsMatchTheCpu) {

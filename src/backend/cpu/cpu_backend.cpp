@@ -73,6 +73,8 @@ class CpuBackend final : public Backend {
   void add_inplace(float* y, const float* x, size_t n) override { cpu::add_inplace<float>(y, x, n); }
   void scale_inplace(float* x, float s, size_t n) override { cpu::scale_inplace<float>(x, s, n); }
   double sum_squares(const float* x, size_t n) override { return cpu::sum_squares<float>(x, n); }
+  void to_bf16(uint16_t* out, const float* in, size_t n) override { cpu::f32_to_bf16(out, in, n); }
+  void from_bf16(float* out, const uint16_t* in, size_t n) override { cpu::bf16_to_f32(out, in, n); }
   void softmax_xent_async(float* logits, const int32_t* t, int N, int V, float z, float gs, double* sums) override {
     const XentSums r = cpu::softmax_xent<float>(logits, t, N, V, z, gs);
     sums[0] = r.xent;

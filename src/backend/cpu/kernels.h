@@ -99,6 +99,11 @@ void scale_inplace(T* x, T s, size_t n);  // x *= s
 template <class T>
 double sum_squares(const T* x, size_t n);  // deterministic for a fixed thread count
 
+// bf16 storage (model.saved_activations: bf16): out[i] = bf16(in[i]), round to nearest even (NaN
+// stays NaN), as uint16_t bits; and back (exact: a bf16 is the top half of a float).
+void f32_to_bf16(uint16_t* out, const float* in, size_t n);
+void bf16_to_f32(float* out, const uint16_t* in, size_t n);
+
 // AdamW on one tensor (decoupled weight decay, bias corrections passed in):
 //  m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 //  p -= lr * ( (m/bc1) / (sqrt(v/bc2) + eps) + wd * p )

@@ -247,6 +247,13 @@ class CudaBackendImpl final : public CudaBackend {
     touch(x);
     check(k::scale_inplace(x, s, n, st_), "scale_inplace");
   }
+  // No touch(): bf16 storage is activation memory, never the registered weights.
+  void to_bf16(uint16_t* out, const float* in, size_t n) override {
+    check(k::f32_to_bf16(out, in, n, st_), "to_bf16");
+  }
+  void from_bf16(float* out, const uint16_t* in, size_t n) override {
+    check(k::bf16_to_f32(out, in, n, st_), "from_bf16");
+  }
   double sum_squares(const float* x, size_t n) override {
     sum_squares_async(x, n, sums_.data());
     LADDER_CUDA_CHECK(cudaMemcpyAsync(host_sums_, sums_.data(), sizeof(double), cudaMemcpyDeviceToHost, st_));

@@ -58,6 +58,8 @@ cudaError_t adamw_update(float* p, const float* g, float* m, float* v, size_t n,
 cudaError_t scale_matrix(float* C, int M, int N, int ldc, float beta, cudaStream_t st);
 // For benchmarks and the bf16 path: out[i] = bf16(in[i]) (round to nearest even); out is uint16_t storage.
 cudaError_t f32_to_bf16(uint16_t* out, const float* in, size_t n, cudaStream_t st);
+// out[i] = float(in[i]) for bf16 bits in (exact).
+cudaError_t bf16_to_f32(float* out, const uint16_t* in, size_t n, cudaStream_t st);
 // The same for a strided [rows, cols] view (leading dimension ld >= cols) into a packed [rows, cols].
 cudaError_t f32_to_bf16_2d(uint16_t* out, const float* in, int rows, int cols, int ld, cudaStream_t st);
 

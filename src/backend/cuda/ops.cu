@@ -344,6 +344,11 @@ __global__ void f32_to_bf16_kernel(__nv_bfloat16* out, const float* in, size_t n
     out[i] = __float2bfloat16_rn(in[i]);
 }
 
+__global__ void bf16_to_f32_kernel(float* out, const __nv_bfloat16* in, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __bfloat162float(in[i]);
+}
+
 // A rows x cols view with leading dimension ld -> packed bf16 [rows, cols]. One block row per
 // matrix row keeps both sides coalesced.
 __global__ void f32_to_bf16_2d_kernel(__nv_bfloat16* out, const float* in, int rows, int cols, int ld) {
@@ -509,6 +514,12 @@ cudaError_t probe_kernel_attributes(cudaFuncAttributes* attr) { return cudaFuncG
 cudaError_t f32_to_bf16(uint16_t* out, const float* in, size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
   f32_to_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(out), in, n);
+  return cudaGetLastError();
+}
+
+cudaError_t bf16_to_f32(float* out, const uint16_t* in, size_t n, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  bf16_to_f32_kernel<<<grid_for(n), kThreads, 0, st>>>(out, reinterpret_cast<const __nv_bfloat16*>(in), n);
   return cudaGetLastError();
 }
 
