@@ -7,10 +7,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <string>
 #include <random>
 #include <vector>
 
 #include "backend/backend.h"
+#include "model/config.h"
+#include "core/rng.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
 
 namespace ladder {
 namespace {
@@ -175,6 +181,215 @@ TEST(OptimDeviceOps, DeviceClipIsTheHostClipBitwise) {
       if (clipped) be->scale_inplace(host.data(), float(clip / (norm + 1e-6)), host.size());
       be->scale_by_device_factor(dev.data(), &factor, dev.size());
       EXPECT_TRUE(bitwise_equal(host, dev)) << "clip " << clip;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The optimizer and the model on the new ops, against the code they ran before, bitwise.
+
+// Params with every optimizer's kind of tensor: vectors, wide/tall/square matrices, an [E, out, in]
+// stack, an embedding (its own group through embed_lr_mult) and the head.
+struct Params {
+  std::vector<Param> params;
+  std::vector<float> w, g;
+  Params() {
+    const int64_t V = 30, d = 20, E = 3;
+    add("model.embed_tokens.weight", Role::Embedding, {V, d});
+    add("model.layers.0.input_layernorm.weight", Role::NormGain, {d});
+    add("model.layers.0.self_attn.q_proj.weight", Role::AttnMatrix, {28, d});
+    add("model.layers.0.self_attn.o_proj.weight", Role::AttnMatrix, {d, 28});
+    add("model.layers.0.mlp.gate.weight", Role::Router, {E, d});
+    add("model.layers.0.mlp.experts.gate_proj.weight", Role::ExpertMatrix, {E, 12, d});
+    add("model.layers.0.mlp.shared_expert.up_proj.weight", Role::SharedExpert, {d, d});
+    add("model.norm.weight", Role::NormGain, {d});
+    add("lm_head.weight", Role::Head, {V, d});
+    size_t n = 0;
+    for (auto& p : params) n += p.numel;
+    w.resize(n);
+    g.resize(n);
+    size_t off = 0;
+    for (auto& p : params) {
+      p.w = w.data() + off;
+      p.g = g.data() + off;
+      off += p.numel;
+    }
+    Philox r(3, stream_id("device-ops-params"));
+    for (size_t i = 0; i < n; ++i) w[i] = float(0.2 * r.normal(i));
+  }
+  void add(const std::string& name, Role role, std::vector<int64_t> shape) {
+    Param p;
+    p.name = name;
+    p.role = role;
+    p.shape = shape;
+    p.numel = 1;
+    for (auto s : shape) p.numel *= size_t(s);
+    params.push_back(p);
+  }
+  void set_grads(int t) {
+    Philox r(5, stream_id("device-ops-grads") + uint64_t(t));
+    for (size_t i = 0; i < g.size(); ++i) g[i] = float(0.01 * r.normal(i));
+  }
+};
+
+// The recipe optimizer's step as it was before the no-wait ops (per tensor, per matrix, scalars on
+// the host), written out against the synchronous ops.
+struct FormerOptimizer {
+  Backend& be;
+  OptimConfig oc;
+  std::vector<ParamGroup> groups;
+  std::map<const Param*, size_t> group_of;
+  std::map<const Param*, std::vector<float>> m, v, mom, radius;
+  std::vector<float> D;
+  int64_t t = 0;
+  FormerOptimizer(Backend& b, const OptimConfig& c, std::vector<Param>& params) : be(b), oc(c) {
+    groups = plan_groups(oc, params, RunShape{});
+    for (size_t gi = 0; gi < groups.size(); ++gi)
+      for (Param* p : groups[gi].params) group_of[p] = gi;
+  }
+  static void dims(const Param& p, int64_t& nmat, int& rows, int& cols) {
+    nmat = p.shape.size() == 3 ? p.shape[0] : 1;
+    rows = int(p.shape[p.shape.size() - 2]);
+    cols = int(p.shape.back());
+  }
+  void step(std::vector<Param>& params, double lr) {
+    const bool first = t == 0;
+    ++t;
+    const double b1 = oc.beta1, b2 = oc.beta2;
+    const double bc1 = 1.0 - std::pow(b1, double(t)), bc2 = 1.0 - std::pow(b2, double(t));
+    for (Param& p : params) {
+      const ParamGroup& g = groups[group_of.at(&p)];
+      const double glr = (g.lr == oc.lr ? lr : g.lr * (lr / oc.lr)) * g.lr_mult;
+      const std::string& k = g.optimizer;
+      if (k == "adamw" || k == "adam") {
+        auto &pm = m[&p], &pv = v[&p];
+        pm.resize(p.numel), pv.resize(p.numel);
+        be.adamw_update(p.w, p.g, pm.data(), pv.data(), p.numel, float(glr), float(b1), float(b2), float(oc.eps),
+                        float(g.weight_decay), float(bc1), float(bc2));
+        continue;
+      }
+      int64_t nmat;
+      int rows, cols;
+      dims(p, nmat, rows, cols);
+      const size_t mn = size_t(rows) * size_t(cols);
+      auto& R = radius[&p];
+      if (first && (k == "adamh" || k == "muonh"))
+        for (int64_t e = 0; e < nmat; ++e) R.push_back(float(std::sqrt(be.sum_squares(p.w + size_t(e) * mn, mn))));
+      if (k == "adamh") {
+        auto &pm = m[&p], &pv = v[&p];
+        pm.resize(p.numel), pv.resize(p.numel);
+        for (int64_t e = 0; e < nmat; ++e) {
+          const size_t off = size_t(e) * mn;
+          const double uu = be.adam_moments(pm.data() + off, pv.data() + off, p.g + off, mn, float(b1), float(b2),
+                                            float(bc1), float(bc2), float(oc.eps));
+          const double r = R[size_t(e)];
+          const double alpha = -glr * r / std::max(std::sqrt(uu), 1e-10);
+          const double ww = be.adam_apply(p.w + off, pm.data() + off, pv.data() + off, mn, float(bc1), float(bc2),
+                                          float(oc.eps), float(alpha));
+          be.scale_inplace(p.w + off, float(r / std::sqrt(ww)), mn);
+        }
+        continue;
+      }
+      auto& B = mom[&p];
+      B.resize(p.numel);
+      D.resize(mn);
+      const double scale = std::sqrt(std::max(1.0, double(rows) / double(cols)));
+      for (int64_t e = 0; e < nmat; ++e) {
+        const size_t off = size_t(e) * mn;
+        be.muon_momentum(B.data() + off, D.data(), p.g + off, mn, float(oc.muon_momentum));
+        be.newton_schulz5(D.data(), rows, cols);
+        if (k == "muon") {
+          be.axpy_sumsq(p.w + off, D.data(), mn, float(-glr * scale));
+        } else {
+          const double r = R[size_t(e)];
+          const double xx = be.sum_squares(D.data(), mn);
+          const double alpha = -glr * r / std::max(std::sqrt(xx), 1e-10);
+          const double ww = be.axpy_sumsq(p.w + off, D.data(), mn, float(alpha));
+          be.scale_inplace(p.w + off, float(r / std::sqrt(ww)), mn);
+        }
+      }
+    }
+  }
+};
+
+TEST(OptimDeviceOps, EveryPresetStepsBitwiseAsTheFormerHostLoop) {
+  auto be = make_cpu_backend(0);
+  for (const char* name : {"adamw", "adam", "adamh", "muon", "muonh"}) {
+    SCOPED_TRACE(name);
+    OptimConfig oc;
+    oc.name = name;
+    oc.lr = 0.02;
+    oc.adam_lr = "0.01";
+    oc.adamh_lr = "0.05";
+    oc.muon_lr = "0.03";
+    oc.muonh_lr = "0.04";
+    oc.weight_decay = 0.1;
+    oc.embed_lr_mult = 2.0;
+    Params a, b;
+    auto opt = make_optimizer(oc, a.params, *be);
+    FormerOptimizer former(*be, oc, b.params);
+    for (int step = 0; step < 4; ++step) {
+      a.set_grads(step);
+      b.set_grads(step);
+      const double lr = oc.lr * (1.0 - 0.2 * step);  // a changing schedule
+      opt->step(lr);
+      former.step(b.params, lr);
+    }
+    EXPECT_TRUE(bitwise_equal(a.w, b.w)) << name;
+    for (auto& st : opt->state()) {
+      const std::string kind = st.name.substr(0, st.name.find('.'));
+      const std::string pname = st.name.substr(st.name.find('.') + 1);
+      const Param* pb = nullptr;
+      for (auto& p : b.params)
+        if (p.name == pname) pb = &p;
+      ASSERT_TRUE(pb) << st.name;
+      const std::vector<float>& ref = kind == "exp_avg" ? former.m[pb]
+                                      : kind == "exp_avg_sq" ? former.v[pb]
+                                      : kind == "momentum"   ? former.mom[pb]
+                                                             : former.radius[pb];
+      size_t n = 1;
+      for (auto d : st.shape) n *= size_t(d);
+      ASSERT_EQ(ref.size(), n) << st.name;
+      EXPECT_EQ(std::memcmp(ref.data(), st.data, n * sizeof(float)), 0) << st.name;
+    }
+  }
+}
+
+// Transformer::clip_grads_async + last_grad_norm against grad_norm() + scale_inplace per tensor with
+// the host's factor (the trainer's former clip), on a small model's real gradient layout.
+TEST(OptimDeviceOps, ModelClipGradsAsyncIsTheHostClipBitwise) {
+  ModelConfig m;
+  m.vocab_size = 40;
+  m.d_model = 16;
+  m.n_layers = 2;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.head_dim = 8;
+  m.d_ff = 32;
+  m.seq_len = 16;
+  m.rope_theta = 10000;
+  m.init_std = 0.3;
+  auto be = make_cpu_backend(0);
+  Transformer model(m, 2, *be);
+  model.init(3);
+  std::mt19937 rng(15);
+  std::vector<std::vector<float>> g0;
+  for (auto& p : model.params()) {
+    g0.push_back(randv(rng, p.numel));
+    std::copy(g0.back().begin(), g0.back().end(), p.g);
+  }
+  const double norm = model.grad_norm();
+  for (double clip : {norm / 2, norm * 2, 0.0}) {
+    SCOPED_TRACE(clip);
+    for (size_t i = 0; i < g0.size(); ++i) std::copy(g0[i].begin(), g0[i].end(), model.params()[i].g);
+    model.clip_grads_async(clip);
+    const double dnorm = model.last_grad_norm();
+    EXPECT_EQ(std::memcmp(&dnorm, &norm, sizeof(double)), 0);
+    for (size_t i = 0; i < g0.size(); ++i) {
+      auto host = g0[i];
+      if (clip > 0 && norm > clip) be->scale_inplace(host.data(), float(clip / (norm + 1e-6)), host.size());
+      const Param& p = model.params()[i];
+      EXPECT_EQ(std::memcmp(host.data(), p.g, p.numel * sizeof(float)), 0) << p.name;
     }
   }
 }
