@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/forwarding_backend.h"
 #include "model/config.h"
 #include "core/rng.h"
 #include "model/transformer.h"
@@ -392,6 +393,75 @@ TEST(OptimDeviceOps, ModelClipGradsAsyncIsTheHostClipBitwise) {
       EXPECT_EQ(std::memcmp(host.data(), p.g, p.numel * sizeof(float)), 0) << p.name;
     }
   }
+}
+
+// Counts the calls that make the host wait for a device backend: the ops that return a value, the
+// copies to and from the host, synchronize. (Their CPU versions do not wait, but a CudaBackend's
+// do, so a path that calls none of them has no host wait on the GPU either, barring waits inside
+// the backend's own ops, which the CUDA ops of this path do not have after their first call.)
+class WaitCounter final : public ForwardingBackend {
+ public:
+  WaitCounter() : ForwardingBackend(make_cpu_backend(0)) {}
+  int waits = 0;
+  void synchronize() override { ++waits, inner().synchronize(); }
+  void upload(void* d, const void* s, size_t n) override { ++waits, inner().upload(d, s, n); }
+  void download(void* d, const void* s, size_t n) override { ++waits, inner().download(d, s, n); }
+  double sum_squares(const float* x, size_t n) override { return ++waits, inner().sum_squares(x, n); }
+  double adam_moments(float* m, float* v, const float* g, size_t n, float b1, float b2, float bc1, float bc2,
+                      float eps) override {
+    return ++waits, inner().adam_moments(m, v, g, n, b1, b2, bc1, bc2, eps);
+  }
+  double adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
+                    float alpha) override {
+    return ++waits, inner().adam_apply(w, m, v, n, bc1, bc2, eps, alpha);
+  }
+  double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
+    return ++waits, inner().axpy_sumsq(w, x, n, alpha);
+  }
+  XentSums softmax_xent(float* l, const int32_t* t, int N, int V, float z, float gs) override {
+    return ++waits, inner().softmax_xent(l, t, N, V, z, gs);
+  }
+  XentSums softmax_xent_forward(const float* l, const int32_t* t, int N, int V, float* losses) override {
+    return ++waits, inner().softmax_xent_forward(l, t, N, V, losses);
+  }
+};
+
+TEST(OptimDeviceOps, StepsAfterTheFirstAndTheClipCallNothingThatWaits) {
+  for (const char* name : {"adamw", "adamh", "muon", "muonh"}) {
+    SCOPED_TRACE(name);
+    WaitCounter be;
+    OptimConfig oc;
+    oc.name = name;
+    oc.lr = 0.02;
+    Params a;
+    auto opt = make_optimizer(oc, a.params, be);
+    a.set_grads(0);
+    opt->step(oc.lr);  // the first step takes the hyperball radii (sums of squares, one upload)
+    be.waits = 0;
+    for (int step = 1; step < 3; ++step) {
+      a.set_grads(step);
+      opt->step(oc.lr);
+    }
+    EXPECT_EQ(be.waits, 0);
+  }
+  ModelConfig m;
+  m.vocab_size = 40;
+  m.d_model = 16;
+  m.n_layers = 1;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.head_dim = 8;
+  m.d_ff = 32;
+  m.seq_len = 16;
+  m.rope_theta = 10000;
+  WaitCounter be;
+  Transformer model(m, 1, be);
+  model.clip_grads_async(1.0);  // the first call allocates its two scalars (no copy)
+  be.waits = 0;
+  model.clip_grads_async(1.0);
+  EXPECT_EQ(be.waits, 0);
+  (void)model.last_grad_norm();
+  EXPECT_EQ(be.waits, 1);  // the one download
 }
 
 }  // namespace
