@@ -19,6 +19,22 @@ namespace ladder {
 using cpu::AttnShape;
 using cpu::XentSums;
 
+// One tensor of a multi-tensor optimizer op (adamw_multi, adamh_multi). Pointers are backend memory.
+struct OptimTensor {
+  float* w = nullptr;             // weights
+  const float* g = nullptr;       // gradient
+  float* m = nullptr;             // Adam's first moment
+  float* v = nullptr;             // Adam's second moment
+  size_t n = 0;                   // elements of the whole tensor
+  int64_t nmat = 1;               // hyperball: matrices in the tensor (E for [E, out, in]), n / nmat each
+  const float* radius = nullptr;  // hyperball: nmat radii
+  int group = 0;                  // index into the op's per-group scalars (lr, wd)
+  bool operator==(const OptimTensor& o) const {
+    return w == o.w && g == o.g && m == o.m && v == o.v && n == o.n && nmat == o.nmat && radius == o.radius &&
+           group == o.group;
+  }
+};
+
 class Backend : public MemorySpace {
  public:
   virtual ~Backend() = default;
@@ -108,6 +124,38 @@ class Backend : public MemorySpace {
   // Muon's orthogonalization of one row-major [rows, cols] matrix, in place (normalization + the 5
   // Newton-Schulz steps); the backend owns the workspace.
   virtual void newton_schulz5(float* X, int rows, int cols) = 0;
+
+  // ---- Optimizer steps without host waits ---------------------------------------------------
+  // The ops above that return a double make the host wait for the backend (on a GPU: a stalled
+  // pipeline per matrix). The ops below take every per-matrix scalar from backend memory and
+  // return nothing, so a whole optimizer step (and the gradient clipping before it) is enqueued
+  // without a wait. On the CPU they compute exactly what the host-side code computed before
+  // (same kernels, same double arithmetic), so CPU results are bitwise unchanged.
+
+  // Multi-tensor AdamW: adamw_update on every tensor of `t` (w, g, m, v, n; nmat and radius
+  // unused) with lr[t.group] and wd[t.group]. A GPU backend runs them in one launch (it may cache
+  // a device copy of the descriptor list, keyed by its contents: pass the same list each step).
+  virtual void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups,
+                           float b1, float b2, float eps, float bc1, float bc2) = 0;
+  // Multi-tensor AdamH (hyperball Adam) over every matrix e of every tensor (t.nmat matrices of
+  // n / nmat elements, radii R_e = t.radius[e] in backend memory), with lr = lr[t.group]:
+  //   uu = adam_moments(...);  alpha = float(-lr * R / max(sqrt(uu), 1e-10))   (double, then float)
+  //   ww = adam_apply(..., alpha);  w *= float(R / sqrt(ww)).
+  virtual void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2,
+                           float eps, float bc1, float bc2) = 0;
+  // MuonH's projection of one matrix, R = *radius (backend memory):
+  //   xx = ||D||^2;  alpha = float(-lr * R / max(sqrt(xx), 1e-10));  ww = axpy_sumsq(w, D, alpha);
+  //   w *= float(R / sqrt(ww)).
+  virtual void muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr) = 0;
+  // w += alpha * x (axpy_sumsq without the returned norm: plain Muon's update).
+  virtual void axpy(float* w, const float* x, size_t n, float alpha) = 0;
+  // Global-norm clipping, device side. sums[0, count): per-tensor sums of squares (backend memory).
+  //   s = sums[0] + sums[1] + ... (in index order, double);  *norm = sqrt(s);
+  //   *factor = clip > 0 && *norm > clip ? float(clip / (*norm + 1e-6)) : 1.0f
+  // norm (double) and factor (float) are backend memory.
+  virtual void grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor) = 0;
+  // x *= *factor, the factor read from backend memory (nothing is done where it is 1).
+  virtual void scale_by_device_factor(float* x, const float* factor, size_t n) = 0;
 
   // The model's weights live in [base, base + bytes) of this backend's memory (the parameter arena).
   // A backend may keep a derived copy of them (the CUDA backend's bf16 mirror for bf16 GEMMs, made

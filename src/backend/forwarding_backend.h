@@ -155,6 +155,26 @@ class ForwardingBackend : public Backend {
   void newton_schulz5(float* X, int rows, int cols) override {
     wrap("newton-schulz", 0, [&] { b_->newton_schulz5(X, rows, cols); });
   }
+  void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups, float b1,
+                   float b2, float eps, float bc1, float bc2) override {
+    wrap("optimizer", 0, [&] { b_->adamw_multi(t, count, lr, wd, ngroups, b1, b2, eps, bc1, bc2); });
+  }
+  void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2, float eps,
+                   float bc1, float bc2) override {
+    wrap("optimizer", 0, [&] { b_->adamh_multi(t, count, lr, ngroups, b1, b2, eps, bc1, bc2); });
+  }
+  void muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr) override {
+    wrap("optimizer", 0, [&] { b_->muonh_apply(w, D, n, radius, lr); });
+  }
+  void axpy(float* w, const float* x, size_t n, float alpha) override {
+    wrap("optimizer", 0, [&] { b_->axpy(w, x, n, alpha); });
+  }
+  void grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor) override {
+    wrap("vector ops", 0, [&] { b_->grad_clip_factor(sums, count, clip, norm, factor); });
+  }
+  void scale_by_device_factor(float* x, const float* factor, size_t n) override {
+    wrap("vector ops", 0, [&] { b_->scale_by_device_factor(x, factor, n); });
+  }
 
   void register_weights(const void* base, size_t bytes) override { b_->register_weights(base, bytes); }
   void unregister_weights(const void* base) override { b_->unregister_weights(base); }

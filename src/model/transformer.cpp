@@ -359,6 +359,35 @@ double Transformer::grad_norm() {
   return std::sqrt(s);
 }
 
+// The same per-tensor sums as grad_norm(), but the total, the clip factor and the scaling stay in
+// backend memory: nothing waits, so the optimizer step can be enqueued right behind it and the host
+// reads the norm afterwards (last_grad_norm). The device sums the per-tensor doubles in parameter
+// order and takes the factor as float(clip / (norm + 1e-6)) in double, as the host did, so CPU
+// results are bitwise those of grad_norm() + scale_inplace.
+void Transformer::clip_grads_async(double clip) {
+  if (!clip_) {
+    // Sized on the first call (one small allocation in the first step; the constructor's arenas are
+    // planned elsewhere): [0] the norm (double), [1] the clip factor (a float in a double's slot).
+    clip_arena_.reserve(Arena::padded(2, sizeof(double)), be_, "gradient clipping");
+    clip_ = clip_arena_.alloc<double>(2);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) be_.sum_squares_async(params_[i].g, params_[i].numel, gnorm_ + i);
+  float* factor = reinterpret_cast<float*>(clip_ + 1);
+  be_.grad_clip_factor(gnorm_, params_.size(), clip, clip_, factor);
+  // Gradients sit in one arena: one pass over all of it (the padding between tensors is zero, and
+  // stays zero when scaled) instead of one launch per tensor.
+  if (clip > 0)
+    be_.scale_by_device_factor(reinterpret_cast<float*>(grads_arena_.base()), factor,
+                               grads_arena_.capacity() / sizeof(float));
+}
+
+double Transformer::last_grad_norm() {
+  LADDER_ASSERT(clip_);
+  double norm = 0;
+  be_.download(&norm, clip_, sizeof(double));
+  return norm;
+}
+
 float* Transformer::balance_vals(int moe_index) {
   return reinterpret_cast<float*>(balance_arena_.base()) + size_t(moe_index) * size_t(balance_cap_) * cfg_.moe_experts;
 }

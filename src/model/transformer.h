@@ -109,6 +109,12 @@ class Transformer {
   // download, summed on the host in parameter order (deterministic, and on the CPU bitwise the sum
   // of the per-tensor Backend::sum_squares values in that order).
   double grad_norm();
+  // Global-norm clipping without a host wait: the per-tensor sums as grad_norm(), then on the backend
+  // norm = sqrt(sum), factor = norm > clip ? float(clip / (norm + 1e-6)) : 1 and every gradient
+  // scaled by it (clip <= 0: the norm only). last_grad_norm() reads the norm afterwards (one
+  // download, which waits for everything enqueued before it: call it after the optimizer step).
+  void clip_grads_async(double clip);
+  double last_grad_norm();
 
   // Saved activations and backward scratch, fp32 and (model.saved_activations bf16) bf16.
   size_t activation_bytes() const { return acts_arena_.capacity() + packed_arena_.capacity(); }
@@ -232,6 +238,8 @@ class Transformer {
   int n_chunks_ = 0;
   double* gnorm_ = nullptr;  // [params] per-tensor gradient sums of squares (grad_norm)
   std::vector<double> host_gnorm_;
+  Arena clip_arena_;          // clip_grads_async: the norm and the clip factor (backend memory)
+  double* clip_ = nullptr;
   // MoE state
   std::vector<Param> buffers_;
   Arena buffers_arena_;

@@ -11,8 +11,9 @@
 // loads the weights before stepping), stored as state "radius.<name>" so a resume uses the same R.
 //
 // Memory: every state arena (m, v, momentum, radius) and Muon's scratch are the backend's memory.
-// The host reads only what the backend returns (the per-matrix norms of adamh / muonh, which wait
-// for the backend) and the radii, downloaded once per step (a few floats per matrix).
+// A step reads nothing back: the hyperball's per-matrix norms, step sizes and rescale factors are
+// computed by the backend from the radii in its own memory (adamh_multi, muonh_apply). Only the
+// first step waits, to take the radii.
 #include <fnmatch.h>
 
 #include <algorithm>
@@ -227,6 +228,27 @@ class RecipeOptimizer final : public Optimizer {
     // Muon's direction D of one matrix at a time (the momentum buffer must survive the step).
     scratch_.reserve(max_muon * sizeof(float), be_, "Muon scratch");
     muon_d_ = scratch_.alloc<float>(max_muon);
+    // The multi-tensor ops' descriptor lists: fixed from here on (the backend may keep a device copy).
+    for (auto& s : slots_) {
+      if (!adam_family(s.kind)) continue;
+      OptimTensor t;
+      t.w = s.p->w;
+      t.g = s.p->g;
+      t.m = s.m;
+      t.v = s.v;
+      t.n = s.p->numel;
+      t.group = s.group;
+      if (s.kind == Kind::AdamH) {
+        t.nmat = s.nmat;
+        t.radius = s.radius;
+        adamh_tab_.push_back(t);
+      } else {
+        adam_tab_.push_back(t);
+      }
+    }
+    group_lr_.assign(groups_.size(), 0.0);
+    group_lr_f_.assign(groups_.size(), 0.0f);
+    group_wd_f_.assign(groups_.size(), 0.0f);
     for (auto& g : groups_)
       if (g.lr != oc_.lr && oc_.lr <= 0)
         fail("optim.lr must be > 0 when a group has its own learning rate ({}: {}): the schedule scales every "
@@ -234,60 +256,46 @@ class RecipeOptimizer final : public Optimizer {
              g.name, g.lr_from);
   }
 
+  // Nothing here waits for the backend (after the first step's radii): every Adam-family tensor is
+  // in one of two multi-tensor ops, whose per-group learning rates are the only per-step inputs, and
+  // the hyperball's per-matrix norms and scalars stay in backend memory (adamh_multi, muonh_apply).
+  // Tensors are independent, so grouping them by kind instead of walking them in parameter order
+  // changes no result.
   void step(double lr) override {
     if (t_ == 0) take_radii();
-    // R lives in backend memory (the checkpointed state); the host needs it as a scalar per matrix.
-    if (!radius_host_.empty()) be_.download(radius_host_.data(), rad_arena_.base(), rad_arena_.capacity());
     ++t_;
     const double b1 = oc_.beta1, b2 = oc_.beta2;
     const double bc1 = 1.0 - std::pow(b1, double(t_)), bc2 = 1.0 - std::pow(b2, double(t_));
-    for (auto& s : slots_) {
-      const ParamGroup& g = groups_[s.group];
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      const ParamGroup& g = groups_[gi];
       // The schedule hands us optim.lr * multiplier; each group keeps that fraction of its own lr.
-      const double glr = (g.lr == oc_.lr ? lr : g.lr * (lr / oc_.lr)) * g.lr_mult;
+      group_lr_[gi] = (g.lr == oc_.lr ? lr : g.lr * (lr / oc_.lr)) * g.lr_mult;
+      group_lr_f_[gi] = float(group_lr_[gi]);
+      group_wd_f_[gi] = float(g.weight_decay);
+    }
+    const int ng = int(groups_.size());
+    if (!adam_tab_.empty())
+      be_.adamw_multi(adam_tab_.data(), adam_tab_.size(), group_lr_f_.data(), group_wd_f_.data(), ng, float(b1),
+                      float(b2), float(oc_.eps), float(bc1), float(bc2));
+    if (!adamh_tab_.empty())
+      be_.adamh_multi(adamh_tab_.data(), adamh_tab_.size(), group_lr_.data(), ng, float(b1), float(b2),
+                      float(oc_.eps), float(bc1), float(bc2));
+    for (auto& s : slots_) {
+      if (!is_muon(s.kind)) continue;
       Param& p = *s.p;
-      switch (s.kind) {
-        case Kind::AdamW:
-        case Kind::Adam:
-          be_.adamw_update(p.w, p.g, s.m, s.v, p.numel, float(glr), float(b1), float(b2), float(oc_.eps),
-                           float(g.weight_decay), float(bc1), float(bc2));
-          break;
-        case Kind::AdamH: {
-          const size_t mn = s.mat_numel();
-          for (int64_t e = 0; e < s.nmat; ++e) {
-            const size_t off = size_t(e) * mn;
-            const double uu = be_.adam_moments(s.m + off, s.v + off, p.g + off, mn, float(b1), float(b2),
-                                               float(bc1), float(bc2), float(oc_.eps));
-            const double R = radius_host_[s.radius_at + size_t(e)];
-            const double alpha = -glr * R / std::max(std::sqrt(uu), 1e-10);
-            const double ww = be_.adam_apply(p.w + off, s.m + off, s.v + off, mn, float(bc1), float(bc2),
-                                             float(oc_.eps), float(alpha));
-            be_.scale_inplace(p.w + off, float(R / std::sqrt(ww)), mn);
-          }
-          break;
-        }
-        case Kind::Muon:
-        case Kind::MuonH: {
-          const size_t mn = s.mat_numel();
-          // Muon scale in terms of fan-out (rows) and fan-in (cols): see the storage note on top.
-          const double scale = std::sqrt(std::max(1.0, double(s.rows) / double(s.cols)));
-          for (int64_t e = 0; e < s.nmat; ++e) {
-            const size_t off = size_t(e) * mn;
-            float* D = muon_d_;
-            be_.muon_momentum(s.mom + off, D, p.g + off, mn, float(oc_.muon_momentum));
-            be_.newton_schulz5(D, s.rows, s.cols);
-            if (s.kind == Kind::Muon) {
-              be_.axpy_sumsq(p.w + off, D, mn, float(-glr * scale));
-            } else {
-              const double R = radius_host_[s.radius_at + size_t(e)];
-              const double xx = be_.sum_squares(D, mn);
-              const double alpha = -glr * R / std::max(std::sqrt(xx), 1e-10);
-              const double ww = be_.axpy_sumsq(p.w + off, D, mn, float(alpha));
-              be_.scale_inplace(p.w + off, float(R / std::sqrt(ww)), mn);
-            }
-          }
-          break;
-        }
+      const double glr = group_lr_[size_t(s.group)];
+      const size_t mn = s.mat_numel();
+      // Muon scale in terms of fan-out (rows) and fan-in (cols): see the storage note on top.
+      const double scale = std::sqrt(std::max(1.0, double(s.rows) / double(s.cols)));
+      for (int64_t e = 0; e < s.nmat; ++e) {
+        const size_t off = size_t(e) * mn;
+        float* D = muon_d_;
+        be_.muon_momentum(s.mom + off, D, p.g + off, mn, float(oc_.muon_momentum));
+        be_.newton_schulz5(D, s.rows, s.cols);
+        if (s.kind == Kind::Muon)
+          be_.axpy(p.w + off, D, mn, float(-glr * scale));
+        else
+          be_.muonh_apply(p.w + off, D, mn, s.radius + e, glr);
       }
     }
   }
@@ -333,7 +341,10 @@ class RecipeOptimizer final : public Optimizer {
   std::vector<ParamGroup> groups_;
   std::vector<Slot> slots_;
   Arena m_arena_, v_arena_, mom_arena_, rad_arena_;
-  std::vector<float> radius_host_;  // host copy of rad_arena_ (same layout), read by step()
+  std::vector<float> radius_host_;  // host copy of rad_arena_ (same layout), written by take_radii()
+  std::vector<OptimTensor> adam_tab_, adamh_tab_;  // adam/adamw and adamh tensors, parameter order
+  std::vector<double> group_lr_;                   // this step's lr per group
+  std::vector<float> group_lr_f_, group_wd_f_;     // as adamw_multi takes them
   Arena scratch_;                   // Muon's D, one matrix (backend memory)
   float* muon_d_ = nullptr;
   int64_t t_ = 0;

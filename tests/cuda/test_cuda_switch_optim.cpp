@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/optim_kernels.h"
 #include "backend/cuda/cuda_backend.h"
@@ -292,6 +293,193 @@ TEST_F(CudaSwitchOptim, MuonMomentumAndAxpySumsq) {
   const double cs = cpu::axpy_sumsq<float>(w.data(), x.data(), n, -0.37f);
   check(down(d_w, n), w, kF32, "axpy_sumsq w");
   check_sum(gs, cs, "axpy_sumsq ||w||^2");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer steps without host waits: the multi-tensor and device-scalar ops against the CPU
+// backend's (which are bitwise the optimizer's former host code, tests/test_optim_device_ops.cpp).
+
+// Every element within kF32 of the CPU's relative to max(|cpu|, the output's rms): a stricter check
+// than the whole-output norm, so that one element the kernel skipped (it keeps its old value, a
+// step away from the CPU's) cannot hide among 100k right ones.
+void check_each(const std::vector<float>& gpu, const std::vector<float>& cpu, const std::string& what) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << what;
+  double ss = 0;
+  for (float c : cpu) ss += double(c) * double(c);
+  const double rms = std::sqrt(ss / double(std::max<size_t>(cpu.size(), 1)));
+  size_t bad = 0;
+  for (size_t i = 0; i < cpu.size(); ++i)
+    if (!(std::abs(double(gpu[i]) - double(cpu[i])) <= 1e-4 * std::max(std::abs(double(cpu[i])), rms)) &&
+        bad++ < 3)
+      ADD_FAILURE() << what << ": element " << i << " gpu " << gpu[i] << " cpu " << cpu[i];
+  EXPECT_EQ(bad, 0u) << what;
+}
+
+struct MultiCase {
+  size_t mat;    // elements per matrix
+  int64_t nmat;  // matrices (E)
+  int group;
+};
+// Sizes around the multi-tensor chunk (4096 elements per block), odd ones, a single element, and
+// [E, out, in] stacks.
+const MultiCase kMultiCases[] = {{1, 1, 0},       {4095, 1, 1},     {4097, 1, 2}, {16385, 1, 0},
+                                 {100003, 1, 1},  {37 * 29, 3, 2},  {64 * 65, 4, 0}, {5 * 7, 8, 1}};
+
+TEST_F(CudaSwitchOptim, MultiTensorAdamWAndAdamHMatchTheCpu) {
+  auto cpu_be = make_cpu_backend(0);
+  for (bool hyper : {false, true}) {
+    SCOPED_TRACE(hyper ? "adamh_multi" : "adamw_multi");
+    struct T {
+      std::vector<float> w, g, m, v, r;
+      DeviceBuffer<float> dw, dg, dm, dv, dr;
+    };
+    std::vector<T> ts;
+    for (auto c : kMultiCases) {
+      T t;
+      const size_t n = c.mat * size_t(c.nmat);
+      t.w = randv(n);
+      t.m = randv(n, -0.01f, 0.01f);
+      t.v = randv(n, 0.f, 1e-3f);
+      t.r = randv(size_t(c.nmat), 0.5f, 3.f);
+      t.dw = up(t.w, 1);  // unaligned, as a tensor inside an arena may be
+      t.dm = up(t.m);
+      t.dv = up(t.v);
+      t.dr = up(t.r);
+      ts.push_back(std::move(t));
+    }
+    const float lr_f[3] = {1e-2f, 3e-3f, 2e-2f}, wd[3] = {0.1f, 0.f, 0.01f};
+    const double lr_d[3] = {0.02, 0.005, 0.05};
+    for (int step = 1; step <= 3; ++step) {
+      SCOPED_TRACE(fmt::format("step {}", step));
+      const float bc1 = 1.f - float(std::pow(0.9, step)), bc2 = 1.f - float(std::pow(0.95, step));
+      std::vector<OptimTensor> ct, gt;
+      for (size_t i = 0; i < ts.size(); ++i) {
+        T& t = ts[i];
+        t.g = randv(t.w.size(), -0.5f, 0.5f);
+        t.dg = up(t.g);
+        OptimTensor c;
+        c.n = t.w.size();
+        c.nmat = kMultiCases[i].nmat;
+        c.group = kMultiCases[i].group;
+        OptimTensor d = c;
+        c.w = t.w.data(), c.g = t.g.data(), c.m = t.m.data(), c.v = t.v.data(), c.radius = t.r.data();
+        d.w = t.dw.data() + 1, d.g = t.dg.data(), d.m = t.dm.data(), d.v = t.dv.data(), d.radius = t.dr.data();
+        ct.push_back(c);
+        gt.push_back(d);
+      }
+      if (hyper) {
+        cpu_be->adamh_multi(ct.data(), ct.size(), lr_d, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2);
+        be().adamh_multi(gt.data(), gt.size(), lr_d, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2);
+      } else {
+        cpu_be->adamw_multi(ct.data(), ct.size(), lr_f, wd, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2);
+        be().adamw_multi(gt.data(), gt.size(), lr_f, wd, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2);
+      }
+    }
+    for (size_t i = 0; i < ts.size(); ++i) {
+      T& t = ts[i];
+      const size_t n = t.w.size();
+      const std::string what = fmt::format("{} tensor {} ({} x {})", hyper ? "adamh" : "adamw", i,
+                                           kMultiCases[i].nmat, kMultiCases[i].mat);
+      const auto gw = down(t.dw, n, 1), gm = down(t.dm, n), gv = down(t.dv, n);
+      check(gw, t.w, kF32, what + " w");
+      check(gm, t.m, kF32, what + " m");
+      check(gv, t.v, kF32, what + " v");
+      check_each(gw, t.w, what + " w");
+      check_each(gm, t.m, what + " m");
+      check_each(gv, t.v, what + " v");
+      if (hyper)  // the projection itself: every matrix back on its sphere
+        for (int64_t e = 0; e < kMultiCases[i].nmat; ++e) {
+          const size_t mn = kMultiCases[i].mat;
+          double ss = 0;
+          for (size_t j = 0; j < mn; ++j) ss += double(gw[size_t(e) * mn + j]) * double(gw[size_t(e) * mn + j]);
+          EXPECT_NEAR(std::sqrt(ss), t.r[size_t(e)], 1e-5 * t.r[size_t(e)]) << what << " matrix " << e;
+        }
+    }
+  }
+}
+
+TEST_F(CudaSwitchOptim, MultiTensorStepIsReproducibleAndFollowsANewList) {
+  // The same step twice from the same state: the same bits (fixed partition, no atomics). Then a
+  // different descriptor list (a subset) must be used as given, not a cached table of another list.
+  const size_t n1 = 9000, n2 = 5 * 301;
+  auto w1 = randv(n1), w2 = randv(n2), g1 = randv(n1), g2 = randv(n2);
+  std::vector<float> m1(n1, 0.f), v1(n1, 0.f), m2(n2, 0.f), v2(n2, 0.f), r = {1.5f, 2.f, 0.7f, 1.f, 3.f};
+  auto d_g1 = up(g1), d_g2 = up(g2), d_r = up(std::vector<float>{1.1f});
+  auto d_r2 = up(r);
+  std::vector<float> first;
+  for (int run = 0; run < 2; ++run) {
+    auto d_w1 = up(w1), d_w2 = up(w2), d_m1 = up(m1), d_v1 = up(v1), d_m2 = up(m2), d_v2 = up(v2);
+    OptimTensor a{d_w1.data(), d_g1.data(), d_m1.data(), d_v1.data(), n1, 1, d_r.data(), 0};
+    OptimTensor b{d_w2.data(), d_g2.data(), d_m2.data(), d_v2.data(), n2, 5, d_r2.data(), 0};
+    const OptimTensor both[2] = {a, b};
+    const double lr = 0.01;
+    be().adamh_multi(both, 2, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.1f, 0.05f);
+    be().adamh_multi(&b, 1, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.19f, 0.0975f);  // only b moves
+    auto got = down(d_w1, n1);
+    const auto got2 = down(d_w2, n2);
+    got.insert(got.end(), got2.begin(), got2.end());
+    if (run == 0) first = got;
+    else EXPECT_EQ(got, first);
+    // CPU reference of the same two calls.
+    auto cpu_be = make_cpu_backend(0);
+    auto cw1 = w1, cw2 = w2, cm1 = m1, cv1 = v1, cm2 = m2, cv2 = v2;
+    const float R1 = 1.1f;
+    OptimTensor ca{cw1.data(), g1.data(), cm1.data(), cv1.data(), n1, 1, &R1, 0};
+    OptimTensor cb{cw2.data(), g2.data(), cm2.data(), cv2.data(), n2, 5, r.data(), 0};
+    const OptimTensor cboth[2] = {ca, cb};
+    cpu_be->adamh_multi(cboth, 2, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.1f, 0.05f);
+    cpu_be->adamh_multi(&cb, 1, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.19f, 0.0975f);
+    check_each(down(d_w1, n1), cw1, "adamh_multi first list w1");
+    check_each(down(d_w2, n2), cw2, "adamh_multi both lists w2");
+  }
+}
+
+TEST_F(CudaSwitchOptim, MuonHApplyAxpyAndDeviceClipMatchTheCpu) {
+  auto cpu_be = make_cpu_backend(0);
+  for (size_t n : {size_t(1), size_t(4097), size_t(70001)}) {
+    SCOPED_TRACE(fmt::format("n = {}", n));
+    auto w = randv(n), D = randv(n, -0.2f, 0.2f);
+    const std::vector<float> R = {1.7f};
+    auto d_w = up(w), d_D = up(D), d_R = up(R);
+    be().muonh_apply(d_w.data(), d_D.data(), n, d_R.data(), 0.013);
+    cpu_be->muonh_apply(w.data(), D.data(), n, R.data(), 0.013);
+    const auto gw = down(d_w, n);
+    check(gw, w, kF32, fmt::format("muonh_apply w (n = {})", n));
+    check_each(gw, w, "muonh_apply w");
+
+    auto w2 = randv(n);
+    auto d_w2 = up(w2);
+    be().axpy(d_w2.data(), d_D.data(), n, -0.37f);
+    cpu_be->axpy(w2.data(), D.data(), n, -0.37f);
+    check_each(down(d_w2, n), w2, "axpy w");
+  }
+  // Clipping: the same per-tensor sums give the same norm and factor bit for bit (one sequential
+  // double sum in index order on both sides); outputs poisoned first.
+  std::vector<double> sums;
+  for (int i = 0; i < 37; ++i) sums.push_back(std::uniform_real_distribution<double>(0, 5)(rng_));
+  auto d_sums = up(sums);
+  double total = 0;
+  for (double s : sums) total += s;
+  const double norm = std::sqrt(total);
+  for (double clip : {norm / 4, norm * 2, 0.0}) {
+    SCOPED_TRACE(fmt::format("clip {}", clip));
+    auto d_norm = poisoned<double>(1);
+    auto d_factor = poisoned<float>(1);
+    be().grad_clip_factor(d_sums.data(), sums.size(), clip, d_norm.data(), d_factor.data());
+    double cn = 0;
+    float cf = 0;
+    cpu_be->grad_clip_factor(sums.data(), sums.size(), clip, &cn, &cf);
+    const double gn = down(d_norm, 1)[0];
+    const float gf = down(d_factor, 1)[0];
+    EXPECT_EQ(gn, cn);
+    EXPECT_EQ(gf, cf);
+    const size_t n = 50003;
+    auto x = randv(n);
+    auto d_x = up(x);
+    be().scale_by_device_factor(d_x.data(), d_factor.data(), n);
+    cpu_be->scale_by_device_factor(x.data(), &cf, n);
+    EXPECT_EQ(down(d_x, n), x);  // one float multiply per element: bitwise
+  }
 }
 
 TEST_F(CudaSwitchOptim, EmptyInputsDoNothingAndSumToZero) {

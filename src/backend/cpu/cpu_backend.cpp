@@ -1,9 +1,12 @@
 // CpuBackend: forwards the op interface to the float instantiations of the CPU kernels.
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/error.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -170,6 +173,51 @@ class CpuBackend final : public Backend {
   }
   double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
     return cpu::axpy_sumsq<float>(w, x, n, alpha);
+  }
+  // The no-wait optimizer ops: on the host they are the per-matrix code the optimizer ran before
+  // (same kernels, same double scalars, same float casts), so results are bitwise unchanged.
+  void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups, float b1,
+                   float b2, float eps, float bc1, float bc2) override {
+    for (size_t i = 0; i < count; ++i) {
+      LADDER_ASSERT(t[i].group >= 0 && t[i].group < ngroups);
+      cpu::adamw_update<float>(t[i].w, t[i].g, t[i].m, t[i].v, t[i].n, lr[t[i].group], b1, b2, eps, wd[t[i].group],
+                               bc1, bc2);
+    }
+  }
+  void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2, float eps,
+                   float bc1, float bc2) override {
+    for (size_t i = 0; i < count; ++i) {
+      const OptimTensor& x = t[i];
+      LADDER_ASSERT(x.group >= 0 && x.group < ngroups && x.nmat > 0 && x.n % size_t(x.nmat) == 0);
+      const size_t mn = x.n / size_t(x.nmat);
+      for (int64_t e = 0; e < x.nmat; ++e) {
+        const size_t off = size_t(e) * mn;
+        const double uu = cpu::adam_moments<float>(x.m + off, x.v + off, x.g + off, mn, b1, b2, bc1, bc2, eps);
+        const double R = x.radius[e];
+        const double alpha = -lr[x.group] * R / std::max(std::sqrt(uu), 1e-10);
+        const double ww = cpu::adam_apply<float>(x.w + off, x.m + off, x.v + off, mn, bc1, bc2, eps, float(alpha));
+        cpu::scale_inplace<float>(x.w + off, float(R / std::sqrt(ww)), mn);
+      }
+    }
+  }
+  void muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr) override {
+    const double R = *radius;
+    const double xx = cpu::sum_squares<float>(D, n);
+    const double alpha = -lr * R / std::max(std::sqrt(xx), 1e-10);
+    const double ww = cpu::axpy_sumsq<float>(w, D, n, float(alpha));
+    cpu::scale_inplace<float>(w, float(R / std::sqrt(ww)), n);
+  }
+  // axpy_sumsq itself (its sum dropped) rather than a second loop, so Muon's w is bitwise what it was
+  // whatever the compiler contracts into FMAs.
+  void axpy(float* w, const float* x, size_t n, float alpha) override { (void)cpu::axpy_sumsq<float>(w, x, n, alpha); }
+  void grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor) override {
+    double s = 0;
+    for (size_t i = 0; i < count; ++i) s += sums[i];
+    *norm = std::sqrt(s);
+    *factor = clip > 0 && *norm > clip ? float(clip / (*norm + 1e-6)) : 1.0f;
+  }
+  void scale_by_device_factor(float* x, const float* factor, size_t n) override {
+    if (*factor != 1.0f) cpu::scale_inplace<float>(x, *factor, n);
   }
   void newton_schulz5(float* X, int rows, int cols) override {
     // Grown to the largest matrix seen, never shrunk: steady-state steps allocate nothing.

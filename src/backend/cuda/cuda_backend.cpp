@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -410,6 +411,46 @@ class CudaBackendImpl final : public CudaBackend {
     touch(w);
     check(k::axpy_sumsq(w, x, n, alpha, d_out, optim_partials(), st_), "axpy_sumsq");
   }
+  // The no-wait optimizer ops. The multi-tensor ones run on a device table of segments (OptSeg)
+  // built from the descriptor list on its first use and kept: the optimizer passes the same list
+  // every step, so a step uploads nothing (its learning rates travel as kernel arguments).
+  void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups, float b1,
+                   float b2, float eps, float bc1, float bc2) override {
+    if (!count) return;
+    OptimTable& tb = optim_table(t, count, false, ngroups);
+    k::OptGroupScalars gs{};
+    for (int i = 0; i < ngroups; ++i) gs.lr[i] = lr[i], gs.wd[i] = wd[i];
+    for (size_t i = 0; i < count; ++i) touch(t[i].w);
+    check(k::adamw_multi(tb.segs.data(), tb.block_seg.data(), tb.nblocks, gs, b1, b2, eps, bc1, bc2, st_),
+          "adamw_multi");
+  }
+  void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2, float eps,
+                   float bc1, float bc2) override {
+    if (!count) return;
+    OptimTable& tb = optim_table(t, count, true, ngroups);
+    k::OptGroupLr glr{};
+    for (int i = 0; i < ngroups; ++i) glr.lr[i] = lr[i];
+    for (size_t i = 0; i < count; ++i) touch(t[i].w);
+    check(k::adamh_multi(tb.segs.data(), tb.nseg, tb.block_seg.data(), tb.nblocks, glr, b1, b2, eps, bc1, bc2,
+                         tb.partials.data(), tb.sums.data(), tb.scal.data(), st_),
+          "adamh_multi");
+  }
+  void muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr) override {
+    touch(w);
+    double* partials = optim_partials();
+    check(k::muonh_apply(w, D, n, radius, lr, partials + optim_partials_count() + 1, partials, st_), "muonh_apply");
+  }
+  void axpy(float* w, const float* x, size_t n, float alpha) override {
+    touch(w);
+    check(k::axpy(w, x, n, alpha, st_), "axpy");
+  }
+  void grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor) override {
+    check(k::grad_clip_factor(sums, count, clip, norm, factor, st_), "grad_clip_factor");
+  }
+  void scale_by_device_factor(float* x, const float* factor, size_t n) override {
+    touch(x);
+    check(k::scale_by_device_factor(x, factor, n, st_), "scale_by_device_factor");
+  }
   void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) override {
     touch(B);
     check(k::muon_momentum(B, D, G, n, mu, st_), "muon_momentum");
@@ -519,13 +560,81 @@ class CudaBackendImpl final : public CudaBackend {
     if (KV <= 0 || H % KV != 0) fail("{}: n_heads {} is not a multiple of n_kv_heads {}", op, H, KV);
   }
   // The optimizer reductions' per-block partials (also k::sum_squares' scratch for Newton-Schulz),
-  // plus one more double after them: Newton-Schulz's device-side sum of squares.
+  // plus three more doubles after them: Newton-Schulz's device-side sum of squares, then
+  // muonh_apply's ||D||^2 and ||w||^2.
   size_t optim_partials_count() const {
     return std::max(size_t(k::optim_reduce_blocks()), k::sum_squares_scratch_doubles());
   }
   double* optim_partials() {
-    optim_scratch_.reserve(optim_partials_count() + 1, "optimizer reduction scratch");
+    optim_scratch_.reserve(optim_partials_count() + 3, "optimizer reduction scratch");
     return optim_scratch_.data();
+  }
+  // A multi-tensor op's device table: segments (a tensor for AdamW, a matrix for AdamH), the segment
+  // of every block, and the per-block partials / per-segment sums and scalars of AdamH.
+  struct OptimTable {
+    std::vector<OptimTensor> key;  // the descriptor list it was built from
+    bool hyper = false;
+    int nseg = 0, nblocks = 0;
+    DeviceBuffer<k::OptSeg> segs;
+    DeviceBuffer<int> block_seg;
+    DeviceBuffer<double> partials, sums;
+    DeviceBuffer<float> scal;
+  };
+  OptimTable& optim_table(const OptimTensor* t, size_t count, bool hyper, int ngroups) {
+    if (ngroups > k::kOptMaxGroups)
+      fail("multi-tensor optimizer step on CUDA: {} parameter groups, at most {} supported", ngroups,
+           k::kOptMaxGroups);
+    for (auto& tb : optim_tables_)
+      if (tb->hyper == hyper && tb->key.size() == count && std::equal(tb->key.begin(), tb->key.end(), t))
+        return *tb;
+    // A new list (in training: once per op, at the first step). Bounded, in case a caller passes a
+    // different list every call: the oldest table goes (after the stream is done with it).
+    if (optim_tables_.size() >= 8) {
+      synchronize();
+      optim_tables_.erase(optim_tables_.begin());
+    }
+    auto tb = std::make_unique<OptimTable>();
+    tb->key.assign(t, t + count);
+    tb->hyper = hyper;
+    const size_t chunk = k::optim_multi_chunk();
+    std::vector<k::OptSeg> segs;
+    std::vector<int> block_seg;
+    auto add = [&](float* w, const float* g, float* m, float* v, size_t n, const float* radius, int group) {
+      const size_t nb = std::max<size_t>(1, (n + chunk - 1) / chunk);
+      if (block_seg.size() + nb > size_t(std::numeric_limits<int>::max()))
+        fail("multi-tensor optimizer step on CUDA: more than 2^31 blocks");
+      k::OptSeg s{w, g, m, v, n, radius, group, int(block_seg.size()), int(nb)};
+      block_seg.insert(block_seg.end(), nb, int(segs.size()));
+      segs.push_back(s);
+    };
+    for (size_t i = 0; i < count; ++i) {
+      const OptimTensor& x = t[i];
+      if (x.group < 0 || x.group >= ngroups) fail("multi-tensor optimizer step: group {} of {}", x.group, ngroups);
+      if (!hyper) {
+        add(x.w, x.g, x.m, x.v, x.n, nullptr, x.group);
+        continue;
+      }
+      if (x.nmat <= 0 || x.n % size_t(x.nmat) != 0 || !x.radius)
+        fail("adamh_multi: a tensor of {} elements is not {} matrices with radii", x.n, x.nmat);
+      const size_t mn = x.n / size_t(x.nmat);
+      for (int64_t e = 0; e < x.nmat; ++e) {
+        const size_t off = size_t(e) * mn;
+        add(x.w + off, x.g + off, x.m + off, x.v + off, mn, x.radius + e, x.group);
+      }
+    }
+    tb->nseg = int(segs.size());
+    tb->nblocks = int(block_seg.size());
+    tb->segs = DeviceBuffer<k::OptSeg>(segs.size(), "optimizer segment table");
+    tb->segs.upload(segs);
+    tb->block_seg = DeviceBuffer<int>(block_seg.size(), "optimizer block table");
+    tb->block_seg.upload(block_seg);
+    if (hyper) {
+      tb->partials = DeviceBuffer<double>(block_seg.size(), "adamh partial sums");
+      tb->sums = DeviceBuffer<double>(2 * segs.size(), "adamh norms");
+      tb->scal = DeviceBuffer<float>(2 * segs.size(), "adamh step and rescale factors");
+    }
+    optim_tables_.push_back(std::move(tb));
+    return *optim_tables_.back();
   }
   double fetch_sum() {
     LADDER_CUDA_CHECK(cudaMemcpyAsync(host_sums_, sums_.data(), sizeof(double), cudaMemcpyDeviceToHost, st_));
@@ -569,6 +678,7 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<float> float_scratch_;
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
   DeviceBuffer<double> optim_scratch_;  // optim_partials()
+  std::vector<std::unique_ptr<OptimTable>> optim_tables_;  // adamw_multi / adamh_multi tables
   DeviceBuffer<float> ns_work_;         // newton_schulz5: Y, A, P
   DeviceBuffer<char> moe_scratch_;      // moe_sort (CUB + keys), moe_quantile_beta (transposed keys)
   DeviceBuffer<int32_t> moe_tiles_;     // grouped_gemm: per-expert row-tile prefix [E+1]

@@ -130,6 +130,147 @@ __global__ void ns_poly_init_kernel(float* P, const float* A, int m, float a, fl
   }
 }
 
+// ---- multi-tensor and device-scalar optimizer kernels ------------------------------------------
+
+constexpr size_t kChunk = 16 * kThreads;  // elements per block of the multi-tensor kernels
+
+// The chunk [lo, hi) of block b inside its segment.
+__device__ __forceinline__ void chunk_of(const OptSeg& s, size_t& lo, size_t& hi) {
+  lo = size_t(int(blockIdx.x) - s.first_block) * kChunk;
+  hi = lo + kChunk < s.n ? lo + kChunk : s.n;
+}
+
+// std::max(a, b) as the host code wrote it (a NaN `a` passes through, where fmax would drop it).
+__device__ __forceinline__ double host_max(double a, double b) { return a < b ? b : a; }
+
+__global__ void adamw_multi_kernel(const OptSeg* segs, const int* block_seg, OptGroupScalars gs, float b1, float b2,
+                                   float eps, float inv_bc1, float inv_bc2) {
+  const OptSeg s = segs[block_seg[blockIdx.x]];
+  size_t lo, hi;
+  chunk_of(s, lo, hi);
+  const float lr = gs.lr[s.group], wd = gs.wd[s.group];
+  float *p = s.w, *m = s.m, *v = s.v;
+  const float* g = s.g;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    // ops.cu's adamw_kernel (= cpu::adamw_update), element for element.
+    const float gi = g[i];
+    const float mi = b1 * m[i] + (1.f - b1) * gi;
+    const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] -= lr * ((mi * inv_bc1) / (sqrtf(vi * inv_bc2) + eps) + wd * p[i]);
+  }
+}
+
+__global__ void adamh_moments_multi_kernel(const OptSeg* segs, const int* block_seg, float b1, float b2,
+                                           float inv_bc1, float inv_bc2, float eps, double* partials) {
+  const OptSeg s = segs[block_seg[blockIdx.x]];
+  size_t lo, hi;
+  chunk_of(s, lo, hi);
+  double acc = 0.0;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const float gi = s.g[i];
+    const float mi = b1 * s.m[i] + (1.f - b1) * gi;
+    const float vi = b2 * s.v[i] + (1.f - b2) * gi * gi;
+    s.m[i] = mi;
+    s.v[i] = vi;
+    const float u = (mi * inv_bc1) / (sqrtf(vi * inv_bc2) + eps);
+    acc += double(u) * double(u);
+  }
+  store_block_partial(acc, partials);
+}
+
+__global__ void adamh_apply_multi_kernel(const OptSeg* segs, const int* block_seg, float inv_bc1, float inv_bc2,
+                                         float eps, const float* alpha, double* partials) {
+  const int si = block_seg[blockIdx.x];
+  const OptSeg s = segs[si];
+  size_t lo, hi;
+  chunk_of(s, lo, hi);
+  const float a = alpha[si];
+  double acc = 0.0;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const float u = (s.m[i] * inv_bc1) / (sqrtf(s.v[i] * inv_bc2) + eps);
+    const float wi = s.w[i] + a * u;
+    s.w[i] = wi;
+    acc += double(wi) * double(wi);
+  }
+  store_block_partial(acc, partials);
+}
+
+// One block per segment: its chunks' partials in a fixed tree -> sums[seg]; then the scalar the
+// next pass needs, in double as the host computed it, rounded to float once:
+// step: scal[seg] = float(-lr R / max(sqrt(sum), 1e-10));  rescale: scal[seg] = float(R / sqrt(sum)).
+__global__ void seg_finish_kernel(const OptSeg* segs, const double* partials, bool step, OptGroupLr glr,
+                                  double* sums, float* scal) {
+  __shared__ double red[32];
+  const OptSeg s = segs[blockIdx.x];
+  double acc = 0.0;
+  for (int j = threadIdx.x; j < s.nblocks; j += blockDim.x) acc += partials[s.first_block + j];
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) {
+    sums[blockIdx.x] = acc;
+    const double R = *s.radius;
+    scal[blockIdx.x] = step ? float(-glr.lr[s.group] * R / host_max(sqrt(acc), 1e-10)) : float(R / sqrt(acc));
+  }
+}
+
+__global__ void seg_scale_kernel(const OptSeg* segs, const int* block_seg, const float* factor) {
+  const int si = block_seg[blockIdx.x];
+  const OptSeg s = segs[si];
+  size_t lo, hi;
+  chunk_of(s, lo, hi);
+  const float f = factor[si];
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) s.w[i] *= f;
+}
+
+__global__ void sumsq_kernel(const float* x, size_t n, double* partials) {
+  double acc = 0.0;
+  LADDER_GRID_STRIDE(i, n) acc += double(x[i]) * double(x[i]);
+  store_block_partial(acc, partials);
+}
+
+// axpy_sumsq_kernel with alpha = float(-lr R / max(sqrt(*xx), 1e-10)) taken from device memory: every
+// thread computes the scalar itself (a few flops) instead of a one-thread kernel in between.
+__global__ void axpy_sumsq_dev_kernel(float* w, const float* x, size_t n, const float* radius, double lr,
+                                      const double* xx, double* partials) {
+  const double R = *radius;
+  const float alpha = float(-lr * R / host_max(sqrt(*xx), 1e-10));
+  double acc = 0.0;
+  LADDER_GRID_STRIDE(i, n) {
+    const float wi = w[i] + alpha * x[i];
+    w[i] = wi;
+    acc += double(wi) * double(wi);
+  }
+  store_block_partial(acc, partials);
+}
+
+// w *= float(R / sqrt(*ww)).
+__global__ void scale_to_radius_kernel(float* w, size_t n, const float* radius, const double* ww) {
+  const float f = float(double(*radius) / sqrt(*ww));
+  LADDER_GRID_STRIDE(i, n) w[i] *= f;
+}
+
+__global__ void axpy_kernel(float* w, const float* x, size_t n, float alpha) {
+  LADDER_GRID_STRIDE(i, n) w[i] = w[i] + alpha * x[i];
+}
+
+// One thread (of a warp: the emulator runs whole warps only): the host's loop (sums in index order), so the norm is bitwise the host's for the same
+// per-tensor sums. A few hundred to a few thousand doubles: microseconds.
+__global__ void grad_clip_factor_kernel(const double* sums, size_t count, double clip, double* norm, float* factor) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double s = 0.0;
+  for (size_t i = 0; i < count; ++i) s += sums[i];
+  const double nm = sqrt(s);
+  *norm = nm;
+  *factor = clip > 0 && nm > clip ? float(clip / (nm + 1e-6)) : 1.0f;
+}
+
+__global__ void scale_by_device_factor_kernel(float* x, size_t n, const float* factor) {
+  const float f = *factor;
+  if (f == 1.0f) return;  // no clipping this step: leave the gradients untouched (and unread)
+  LADDER_GRID_STRIDE(i, n) x[i] *= f;
+}
+
 #undef LADDER_GRID_STRIDE
 
 }  // namespace
@@ -182,6 +323,67 @@ cudaError_t scale_by_inv_norm(float* y, const float* x, size_t n, const double* 
 cudaError_t ns_poly_init(float* P, const float* A, int m, float a, float b, cudaStream_t st) {
   if (m <= 0) return cudaSuccess;
   ns_poly_init_kernel<<<grid_for(size_t(m) * size_t(m)), kThreads, 0, st>>>(P, A, m, a, b);
+  return cudaGetLastError();
+}
+
+size_t optim_multi_chunk() { return kChunk; }
+
+cudaError_t adamw_multi(const OptSeg* segs, const int* block_seg, int nblocks, const OptGroupScalars& gs, float b1,
+                        float b2, float eps, float bc1, float bc2, cudaStream_t st) {
+  if (nblocks <= 0) return cudaSuccess;
+  adamw_multi_kernel<<<nblocks, kThreads, 0, st>>>(segs, block_seg, gs, b1, b2, eps, 1.f / bc1, 1.f / bc2);
+  return cudaGetLastError();
+}
+
+cudaError_t adamh_multi(const OptSeg* segs, int nseg, const int* block_seg, int nblocks, const OptGroupLr& glr,
+                        float b1, float b2, float eps, float bc1, float bc2, double* partials, double* sums, float* scal,
+                        cudaStream_t st) {
+  if (nseg <= 0 || nblocks <= 0) return cudaSuccess;
+  const float inv_bc1 = 1.f / bc1, inv_bc2 = 1.f / bc2;
+  adamh_moments_multi_kernel<<<nblocks, kThreads, 0, st>>>(segs, block_seg, b1, b2, inv_bc1, inv_bc2, eps, partials);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  seg_finish_kernel<<<nseg, kThreads, 0, st>>>(segs, partials, true, glr, sums, scal);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  adamh_apply_multi_kernel<<<nblocks, kThreads, 0, st>>>(segs, block_seg, inv_bc1, inv_bc2, eps, scal, partials);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  seg_finish_kernel<<<nseg, kThreads, 0, st>>>(segs, partials, false, glr, sums + nseg, scal + nseg);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  seg_scale_kernel<<<nblocks, kThreads, 0, st>>>(segs, block_seg, scal + nseg);
+  return cudaGetLastError();
+}
+
+cudaError_t muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr, double* sums,
+                        double* partials, cudaStream_t st) {
+  sumsq_kernel<<<kRedBlocks, kThreads, 0, st>>>(D, n, partials);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  finish_sum_kernel<<<1, kRedBlocks, 0, st>>>(partials, kRedBlocks, sums);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  axpy_sumsq_dev_kernel<<<kRedBlocks, kThreads, 0, st>>>(w, D, n, radius, lr, sums, partials);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  finish_sum_kernel<<<1, kRedBlocks, 0, st>>>(partials, kRedBlocks, sums + 1);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  if (!n) return cudaSuccess;
+  scale_to_radius_kernel<<<grid_for(n), kThreads, 0, st>>>(w, n, radius, sums + 1);
+  return cudaGetLastError();
+}
+
+cudaError_t axpy(float* w, const float* x, size_t n, float alpha, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  axpy_kernel<<<grid_for(n), kThreads, 0, st>>>(w, x, n, alpha);
+  return cudaGetLastError();
+}
+
+cudaError_t grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor,
+                             cudaStream_t st) {
+  grad_clip_factor_kernel<<<1, 32, 0, st>>>(sums, count, clip, norm, factor);
+  return cudaGetLastError();
+}
+
+cudaError_t scale_by_device_factor(float* x, const float* factor, size_t n, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  scale_by_device_factor_kernel<<<grid_for(n), kThreads, 0, st>>>(x, n, factor);
   return cudaGetLastError();
 }
 

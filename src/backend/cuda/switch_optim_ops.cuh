@@ -74,4 +74,56 @@ cudaError_t scale_by_inv_norm(float* y, const float* x, size_t n, const double* 
 // polynomial a I + b A + c A^2; the backend's GEMM then adds c A A^T onto P.
 cudaError_t ns_poly_init(float* P, const float* A, int m, float a, float b, cudaStream_t st);
 
+// ---- optimizer steps without host waits (optim_ops.cu) ------------------------------------------
+//
+// Multi-tensor ops work on segments (one tensor for AdamW, one matrix for AdamH), each cut into
+// chunks of optim_multi_chunk() elements, one 256-thread block per chunk. `block_seg[b]` names the
+// segment of block b; a segment's blocks are [first_block, first_block + nblocks), consecutive.
+// The partition depends only on the segment sizes, and a segment's sum is its chunks' partials
+// summed in a fixed tree, so the per-matrix sums are bitwise reproducible run to run (no atomics).
+struct OptSeg {
+  float* w;
+  const float* g;
+  float* m;
+  float* v;
+  size_t n;             // elements of the segment
+  const float* radius;  // AdamH: this matrix's R; nullptr for AdamW
+  int group;            // index into the per-group scalars
+  int first_block;
+  int nblocks;          // ceil(n / optim_multi_chunk()), at least 1
+};
+// Per-group scalars travel as kernel arguments (no upload per step); at most this many groups.
+constexpr int kOptMaxGroups = 32;
+struct OptGroupScalars {
+  float lr[kOptMaxGroups];
+  float wd[kOptMaxGroups];
+};
+struct OptGroupLr {
+  double lr[kOptMaxGroups];
+};
+
+size_t optim_multi_chunk();
+// Every segment: cpu::adamw_update's arithmetic with lr/wd of its group. One launch.
+cudaError_t adamw_multi(const OptSeg* segs, const int* block_seg, int nblocks, const OptGroupScalars& gs, float b1,
+                        float b2, float eps, float bc1, float bc2, cudaStream_t st);
+// AdamH over every segment (matrix), all scalars on the device:
+//   moments (per-block partials of sum U^2) -> uu[s] = sum of partials, alpha[s] = float(-lr R / max(sqrt uu, 1e-10))
+//   apply w += alpha U (partials of ||w||^2) -> ww[s], factor[s] = float(R / sqrt ww) -> w *= factor.
+// partials: nblocks doubles; sums: 2 nseg doubles (uu then ww); scal: 2 nseg floats (alpha then factor).
+cudaError_t adamh_multi(const OptSeg* segs, int nseg, const int* block_seg, int nblocks, const OptGroupLr& glr,
+                        float b1, float b2, float eps, float bc1, float bc2, double* partials, double* sums, float* scal,
+                        cudaStream_t st);
+// MuonH's projection of one matrix: xx = ||D||^2, alpha = float(-lr R / max(sqrt xx, 1e-10)) with R = *radius,
+// w += alpha D with ww = ||w||^2, w *= float(R / sqrt ww). sums: 2 doubles (xx, ww); partials as above.
+cudaError_t muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr, double* sums,
+                        double* partials, cudaStream_t st);
+// w += alpha * x.
+cudaError_t axpy(float* w, const float* x, size_t n, float alpha, cudaStream_t st);
+// *norm = sqrt(sums[0] + ... + sums[count-1]) (in index order), *factor = clip > 0 && norm > clip ?
+// float(clip / (norm + 1e-6)) : 1.
+cudaError_t grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor,
+                             cudaStream_t st);
+// x *= *factor (device float); nothing is written where it is 1.
+cudaError_t scale_by_device_factor(float* x, const float* factor, size_t n, cudaStream_t st);
+
 }  // namespace ladder::cuda::k
