@@ -146,6 +146,73 @@ TEST_F(CudaKernels, GemmBf16WithinBf16Tolerance) {
   }
 }
 
+// bf16 GEMMs reuse an operand's cast for the next GEMMs reading it, until anything else runs or a
+// GEMM writes over it. Each case changes X between two GEMMs in one of the ways that must drop the
+// cast (an op, a copy, an upload, a GEMM writing into X) and checks the second result against the
+// CPU on the new X: a stale cast would give the old product (relative error ~1, tolerance 1e-2).
+TEST_F(CudaKernels, GemmBf16CastReuseIsExactAndNeverStale) {
+  cuda::CudaOptions o;
+  o.bf16 = true;
+  auto bf = cuda::make_backend(o);
+  const int M = 96, N = 64, K = 80;
+  auto X = randv(size_t(M) * K), W1 = randv(size_t(N) * K), W2 = randv(size_t(N) * K);
+  auto dX = up(X), dW1 = up(W1), dW2 = up(W2);
+  DeviceBuffer<float> dY1(size_t(M) * N), dY2(size_t(M) * N);
+  auto y_of = [&](const std::vector<float>& x, const std::vector<float>& w) {
+    std::vector<float> y(size_t(M) * N);
+    cpu::gemm<float>(false, true, M, N, K, 1.f, x.data(), K, w.data(), K, 0.f, y.data(), N);
+    return y;
+  };
+  auto gemm = [&](DeviceBuffer<float>& Y, DeviceBuffer<float>& Wd) {
+    Y.poison();
+    bf->gemm(false, true, M, N, K, 1.f, dX.data(), K, Wd.data(), K, 0.f, Y.data(), N);
+    bf->synchronize();
+    return Y.download();
+  };
+  // Two GEMMs reading X: the second reuses the cast, and computes what a fresh cast would.
+  const uint64_t r0 = bf->bf16_cast_reuses();
+  const auto y1 = gemm(dY1, dW1);
+  const auto y2 = gemm(dY2, dW2);
+  EXPECT_EQ(bf->bf16_cast_reuses(), r0 + 1) << "consecutive GEMMs on one operand did not share its cast";
+  check(y1, y_of(X, W1), 1e-2, "bf16 cast reuse: first");
+  check(y2, y_of(X, W2), 1e-2, "bf16 cast reuse: second (reused cast)");
+  {
+    auto bf2 = cuda::make_backend(o);  // a fresh backend casts anew: bitwise the same result
+    DeviceBuffer<float> dY(size_t(M) * N);
+    bf2->gemm(false, true, M, N, K, 1.f, dX.data(), K, dW2.data(), K, 0.f, dY.data(), N);
+    bf2->synchronize();
+    EXPECT_EQ(dY.download(), y2) << "the reused cast differs from a fresh one";
+  }
+  // 1. An op writing X (scale by -1).
+  bf->scale_inplace(dX.data(), -1.f, X.size());
+  for (auto& v : X) v = -v;
+  check(gemm(dY1, dW1), y_of(X, W1), 1e-2, "bf16 cast after an op wrote X");
+  // 2. A device copy into X.
+  auto X2 = randv(X.size());
+  auto dX2 = up(X2);
+  bf->copy(dX.data(), dX2.data(), X.size() * sizeof(float));
+  X = X2;
+  check(gemm(dY1, dW1), y_of(X, W1), 1e-2, "bf16 cast after a copy into X");
+  // 3. An upload into X.
+  X = randv(X.size());
+  bf->upload(dX.data(), X.data(), X.size() * sizeof(float));
+  check(gemm(dY1, dW1), y_of(X, W1), 1e-2, "bf16 cast after an upload into X");
+  // 4. A GEMM writing its output over (part of) X: X's first M x N block (K >= N) = Z W1^T, with Z
+  // and W1 registered as weights, so that GEMM reads their bf16 mirror and leaves the cast of X in
+  // place: only the overlap check can drop it.
+  auto ZW = randv(size_t(M) * K + size_t(N) * K);
+  auto dZW = up(ZW);
+  bf->register_weights(dZW.data(), ZW.size() * sizeof(float));
+  gemm(dY1, dW1);  // X cached as A
+  const uint64_t r1 = bf->bf16_cast_reuses();
+  bf->gemm(false, true, M, N, K, 1.f, dZW.data(), K, dZW.data() + size_t(M) * K, K, 0.f, dX.data(), K);  // ldc = K
+  bf->synchronize();
+  EXPECT_EQ(bf->bf16_cast_reuses(), r1) << "the weights came from the mirror, not the cast cache";
+  X = dX.download();
+  check(gemm(dY2, dW2), y_of(X, W2), 1e-2, "bf16 cast after a GEMM wrote into X");
+  bf->unregister_weights(dZW.data());
+}
+
 // ---------------------------------------------------------------------------------------------
 
 TEST_F(CudaKernels, EmbeddingForwardBackward) {

@@ -79,6 +79,7 @@ class CudaBackendImpl final : public CudaBackend {
   const DeviceInfo& device() const override { return info_; }
   bool tf32() const override { return opt_.tf32; }
   bool bf16() const override { return opt_.bf16; }
+  uint64_t bf16_cast_reuses() const override { return cast_reuses_; }
   void synchronize() override { LADDER_CUDA_CHECK(cudaStreamSynchronize(st_)); }
 
   // Device memory. Copies go on the backend's stream (ordered with the ops); download waits.
@@ -122,30 +123,43 @@ class CudaBackendImpl final : public CudaBackend {
 
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) override {
-    touch(C);
     if (opt_.bf16 && M > 0 && N > 0 && K > 0) {
       // bf16 x bf16 -> fp32 on the tensor cores. An operand inside the registered weights is read
       // from their bf16 mirror (cast once per optimizer step, same leading dimension); any other
-      // operand is cast into packed scratch (one pass).
+      // operand is cast into packed scratch (one pass), which the next GEMMs reuse while nothing
+      // else has run (CastCache below).
+      const InGemm in_gemm(*this);
+      touch(C);
       const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
-      auto operand = [&](const float* X, int rows, int cols, int ld, DeviceBuffer<uint16_t>& scratch,
-                         const char* what, int& ld_out) -> const uint16_t* {
+      auto operand = [&](const float* X, int rows, int cols, int ld, CastCache& cache, const char* what,
+                         int& ld_out) -> const uint16_t* {
         if (const uint16_t* m = mirrored(X, size_t(rows - 1) * ld + cols)) {
           ld_out = ld;
           return m;
         }
-        scratch.reserve(size_t(rows) * cols, what);
-        check(k::f32_to_bf16_2d(scratch.data(), X, rows, cols, ld, st_), what);
         ld_out = cols;
-        return scratch.data();
+        if (cache.holds(X, rows, cols, ld, writes_)) {
+          ++cast_reuses_;
+          return cache.bf16.data();
+        }
+        cache.bf16.reserve(size_t(rows) * cols, what);
+        check(k::f32_to_bf16_2d(cache.bf16.data(), X, rows, cols, ld, st_), what);
+        cache.keep(X, rows, cols, ld, writes_);
+        return cache.bf16.data();
       };
       int la = 0, lb = 0;
-      const uint16_t* a = operand(A, ar, ac, lda, bf16_a_, "gemm (bf16 cast of A)", la);
-      const uint16_t* b = operand(B, br, bc, ldb, bf16_b_, "gemm (bf16 cast of B)", lb);
+      const uint16_t* a = operand(A, ar, ac, lda, cast_a_, "gemm (bf16 cast of A)", la);
+      const uint16_t* b = operand(B, br, bc, ldb, cast_b_, "gemm (bf16 cast of B)", lb);
       gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, beta, C, ldc);
+      // This GEMM wrote C: a cached cast of memory it overlaps is stale now.
+      const char* c0 = reinterpret_cast<const char*>(C);
+      const char* c1 = reinterpret_cast<const char*>(C + size_t(M - 1) * ldc + N);
+      cast_a_.forget_if_overlaps(c0, c1);
+      cast_b_.forget_if_overlaps(c0, c1);
       post("gemm");
       return;
     }
+    touch(C);
     gemm_->run(opt_.tf32 ? GemmType::TF32 : GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     post("gemm");
   }
@@ -519,6 +533,7 @@ class CudaBackendImpl final : public CudaBackend {
   // Any op writing through p invalidates the mirror holding p (the optimizer's updates, uploads of
   // a checkpoint, init): the next bf16 GEMM re-casts the weights, once.
   void touch(const void* p) {
+    note_write();
     if (mirrors_.empty() || !p) return;
     if (Mirror* m = mirror_of(p)) m->valid = false;
   }
@@ -540,6 +555,7 @@ class CudaBackendImpl final : public CudaBackend {
   bool tc_attention(const AttnShape& s) const { return opt_.bf16 && k::attention_tc_supported(s); }
 
   void post(const char* op) {
+    note_write();
     if (!sync_each_) return;
     const cudaError_t e = cudaStreamSynchronize(st_);
     if (e != cudaSuccess) fail_cuda(e, op, __FILE__, __LINE__);
@@ -673,7 +689,42 @@ class CudaBackendImpl final : public CudaBackend {
   bool sync_each_ = false;
   std::unique_ptr<LtGemm> gemm_;
   DeviceBuffer<char> emb_scratch_;
-  DeviceBuffer<uint16_t> bf16_a_, bf16_b_;  // bf16 GEMM operands (CudaOptions::bf16)
+  // bf16 GEMM operands (CudaOptions::bf16): the last cast of each side, and what it was cast from.
+  // Consecutive GEMMs often read the same activation (q/k/v projections read h1, the gate and up
+  // projections h2, both head GEMMs one logits chunk, a weight gradient and the data gradient
+  // d(out)); the cast is reused while no op but GEMMs has run since (writes_ unchanged: every other
+  // op, copy, upload and zero passes through post() or touch()) and no GEMM wrote over its source.
+  // The reuse is exact: the same cast of the same values.
+  struct CastCache {
+    DeviceBuffer<uint16_t> bf16;
+    const float* src = nullptr;
+    int rows = 0, cols = 0, ld = 0;
+    uint64_t at = 0;
+    bool holds(const float* X, int r, int c, int l, uint64_t writes) const {
+      return src && X == src && r == rows && c == cols && l == ld && at == writes;
+    }
+    void keep(const float* X, int r, int c, int l, uint64_t writes) {
+      src = X, rows = r, cols = c, ld = l, at = writes;
+    }
+    void forget_if_overlaps(const char* c0, const char* c1) {
+      if (!src) return;
+      const char* s0 = reinterpret_cast<const char*>(src);
+      const char* s1 = reinterpret_cast<const char*>(src + size_t(rows - 1) * ld + cols);
+      if (c0 < s1 && s0 < c1) src = nullptr;
+    }
+  };
+  CastCache cast_a_, cast_b_;
+  uint64_t writes_ = 0;     // ops other than a bf16 GEMM's own steps (see CastCache)
+  bool in_gemm_ = false;    // inside gemm(): its own cast, touch and post do not count
+  uint64_t cast_reuses_ = 0;
+  void note_write() {
+    if (!in_gemm_) ++writes_;
+  }
+  struct InGemm {
+    CudaBackendImpl& b;
+    explicit InGemm(CudaBackendImpl& be) : b(be) { b.in_gemm_ = true; }
+    ~InGemm() { b.in_gemm_ = false; }
+  };
   std::vector<std::unique_ptr<Mirror>> mirrors_;  // bf16 copies of registered weights
   DeviceBuffer<float> float_scratch_;
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;

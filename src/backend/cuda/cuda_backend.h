@@ -36,7 +36,8 @@ struct CudaOptions {
   bool tf32 = false;  // GEMMs on the tensor cores in TF32 (about 1e-3 relative error)
   // GEMMs on the tensor cores in bf16: both operands rounded to bf16 (8-bit mantissa, about 4e-3
   // relative error per product), fp32 accumulation, fp32 output. The operands are cast into
-  // scratch per call (the AMP-style first step: activations stay fp32 in memory). Wins over tf32.
+  // scratch per call, reused by the next GEMMs that read the same operand while nothing else ran
+  // (activations stay fp32 in memory). Wins over tf32.
   // Attention then runs on the tensor cores too (attention_tc.cu: bf16 MMA, fp32 softmax and
   // accumulators) for head_dim 64 and 128.
   bool bf16 = false;
@@ -48,6 +49,9 @@ class CudaBackend : public Backend {
   virtual const DeviceInfo& device() const = 0;
   virtual bool tf32() const = 0;
   virtual bool bf16() const = 0;
+  // bf16 GEMMs: how many operand casts were reused from the previous GEMM instead of redone (the
+  // cast cache of cuda_backend.cpp), for tests and profiling.
+  virtual uint64_t bf16_cast_reuses() const = 0;
   // Waits for the stream; an asynchronous fault inside a kernel becomes a ladder::Error here.
   // (Backend::synchronize.) softmax_xent_async, softmax_xent_forward_async and sum_squares_async
   // (Backend) write their sums to device memory and do not wait.
