@@ -9,8 +9,10 @@
 # (carried with the call). Which one ran is printed.
 #   GPU_CHECK_BUILD=0      skip the device build, use gpu-bundle/ directly (saves ~1-2 minutes)
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
-#   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   presets:precision to benchmark (default: the
-#                          four presets in bf16, then the d=1024 pair in tf32, while under 7 minutes)
+#   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark
+#                          (default: the four presets in bf16, the d=1024 pair in tf32, then the d=2048
+#                          MoE with bf16 saved activations, while under 7 minutes); key=value pairs go
+#                          to `ladder bench --set`
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -95,15 +97,16 @@ BENCH_RC=$?
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
 # precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
 log "model benchmarks (log: models.log)"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:tf32 moe-d1024:tf32}
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
-  m=${mp%%:*}
-  prec=${mp#*:}
-  [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $m $prec: over 7 minutes"; continue; }
-  echo "=== $m $prec" >>"$OUT/models.log"
-  timeout 100 "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda --set "run.precision=$prec" \
+  IFS=: read -r m prec extra <<<"$mp"
+  sets=(--set "run.precision=$prec")
+  for kv in ${extra//,/ }; do sets+=(--set "$kv"); done
+  [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $mp: over 7 minutes"; continue; }
+  echo "=== $mp" >>"$OUT/models.log"
+  timeout 100 "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda "${sets[@]}" \
     --steps 4 --json >>"$OUT/models.log" 2>&1
   rc=$?
   # Two MFUs: against the GEMM rate measured in the same run at this precision, and against the
@@ -112,11 +115,11 @@ for mp in $MODELS; do
 try:
     j = json.loads(sys.stdin.read())
     peak = {"bf16": 989e3, "tf32": 494.7e3, "fp32": 66.9e3}[os.environ["PREC"]]
-    print("%10.0f %9.1f %9.1f %6.1f%% %6.1f%%" % (j["tokens_per_s"], j["train_gflops"] / 1e3, j["sgemm_gflops"] / 1e3,
-                                               100 * j["mfu"], 100 * j["train_gflops"] / peak))
+    print("%10.0f %9.1f %9.1f %6.1f%% %6.1f%% %8.0f" % (j["tokens_per_s"], j["train_gflops"] / 1e3,
+          j["sgemm_gflops"] / 1e3, 100 * j["mfu"], 100 * j["train_gflops"] / peak, j.get("activation_mib", 0)))
 except Exception:
     print("   (failed: see models.log)")' 2>/dev/null)
-  MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s' "$m" "$prec" "$rc" "$row")"$'\n'
+  MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rc" "$row" "$extra")"$'\n'
 done
 
 # ---- 6. the table, last -------------------------------------------------------------------------
@@ -131,6 +134,6 @@ echo "benchmark: exit $BENCH_RC"
 sed -n '/^| what/,$p' "$OUT/bench.log"
 [ "$BENCH_RC" = 0 ] || tail -n 5 "$OUT/bench.log"
 echo "model benchmarks (ladder bench --device cuda, median of 4 steps; MFU = model TFLOP/s / same-run GEMM TFLOP/s):"
-echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@datasheet"
+echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@ds  act MiB  (settings)"
 printf '%s' "$MODEL_ROWS"
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

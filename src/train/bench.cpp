@@ -114,7 +114,9 @@ nlohmann::json run_bench(const BenchOptions& opt) {
                       {"tokens_per_s", tps},            {"mfu", train_gflops / peak},
                       {"step_s_median", step_s},        {"step_cpu_s_median", cpu_times[cpu_times.size() / 2]},        {"steps_timed", opt.steps},
                       {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total},
-                      {"params_active", count_params(cfg.model).active}};
+                      {"params_active", count_params(cfg.model).active},
+                      {"activation_mib", double(model.activation_bytes()) / 1048576.0},
+                      {"saved_activations", cfg.model.saved_activations}};
   if (prof) {
     double total = 0;
     for (auto& t : times) total += t;
