@@ -33,7 +33,7 @@ GRID_STRIDE = {
                "add_kernel", "scale_kernel", "adamw_kernel", "scale_matrix_kernel", "f32_to_bf16_kernel",
                "f32_to_bf16_2d_kernel", "fill_uniform_kernel"],
     "attention.cu": ["attn_bwd_dot_kernel"],
-    "switch_ops.cu": ["pko_fwd_kernel", "pko_bwd_kernel", "xsa_fwd_kernel", "xsa_bwd_kernel",
+    "switch_ops.cu": ["pko_fwd_kernel", "pko_bwd_kernel", "qk_prep_fwd_kernel", "qk_prep_bwd_kernel", "xsa_fwd_kernel", "xsa_bwd_kernel",
                       "head_gate_fwd_kernel", "head_gate_bwd_kernel", "silu_fwd_kernel", "silu_bwd_kernel",
                       "sigmoid_gate_fwd_kernel", "sigmoid_gate_bwd_kernel"],
     "optim_ops.cu": ["muon_momentum_kernel", "scale_by_inv_norm_kernel", "ns_poly_init_kernel"],
