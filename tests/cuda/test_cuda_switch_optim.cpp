@@ -149,8 +149,10 @@ TEST_F(CudaSwitchOptim, QkPrepForwardBackward) {
 
 TEST_F(CudaSwitchOptim, QkPrepRejectsBadShapes) {
   DeviceBuffer<float> a(64), b(64), rs(4);
-  EXPECT_THROW(be().qk_prep_forward(a.data(), rs.data(), b.data(), nullptr, nullptr, 4, 4, 1, 16, 18, 1e4f, true, 1e-6f),
-               Error);
+  // rot_dims above the head dim; sequence length 0.
+  EXPECT_THROW(
+      be().qk_prep_forward(a.data(), rs.data(), b.data(), nullptr, nullptr, 4, 4, 1, 16, 18, 1e4f, true, 1e-6f),
+      Error);
   EXPECT_THROW(be().qk_prep_backward(a.data(), nullptr, b.data(), b.data(), nullptr, rs.data(), nullptr, 4, 0, 1, 16,
                                      16, 1e4f, true),
                Error);
