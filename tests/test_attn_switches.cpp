@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -108,6 +109,110 @@ TEST(AttnSwitchKernels, PkoShiftGradientMatchesFiniteDifferences) {
     cpu::pko_shift_forward(out.data(), k.data(), reset.data(), N, KV, hd, hd / 2);
     return dot(out, R);
   }, "pko dk");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused attention input path (qk_prep): PKO shift -> QK-norm -> RoPE as one op
+
+// What attn_forward / attn_backward ran before the op existed, op by op into separate buffers: the
+// fused CPU op must equal it bit for bit (CPU runs, references and resumed runs are unchanged).
+struct QkComposition {
+  std::vector<float> out, rstd, dx, dgain;
+};
+QkComposition qk_by_parts(const std::vector<float>& x, const float* gain, const uint8_t* reset,
+                          const std::vector<float>& dout, std::vector<float> dgain, int N, int S, int nh, int hd,
+                          int rot, float theta, bool norm, float eps) {
+  const size_t n = x.size();
+  QkComposition r;
+  std::vector<float> xs(x);
+  if (reset) cpu::pko_shift_forward(xs.data(), x.data(), reset, N, nh, hd, hd / 2);
+  r.out.assign(n, 0.f);
+  r.rstd.assign(size_t(N) * nh, 0.f);
+  if (norm) cpu::rmsnorm_forward(r.out.data(), r.rstd.data(), xs.data(), gain, N * nh, hd, eps);
+  else r.out = xs;
+  cpu::rope_forward(r.out.data(), N, S, nh, hd, rot, theta);
+  std::vector<float> dn(dout), ds(n);
+  cpu::rope_backward(dn.data(), N, S, nh, hd, rot, theta);
+  if (norm) cpu::rmsnorm_backward(ds.data(), gain ? dgain.data() : nullptr, dn.data(), xs.data(), gain, r.rstd.data(),
+                                  N * nh, hd, false);
+  else ds = dn;
+  r.dx.assign(n, 0.f);
+  if (reset) cpu::pko_shift_backward(r.dx.data(), ds.data(), reset, N, nh, hd, hd / 2);
+  else r.dx = ds;
+  r.dgain = std::move(dgain);
+  return r;
+}
+
+TEST(AttnSwitchKernels, QkPrepEqualsShiftNormRopeBitwise) {
+  std::mt19937_64 rng(42);
+  std::uniform_real_distribution<float> u(-2.f, 2.f);
+  std::bernoulli_distribution doc(0.15);
+  auto randf = [&](size_t n) {
+    std::vector<float> v(n);
+    for (auto& e : v) e = u(rng);
+    return v;
+  };
+  const int B = 3, S = 37;
+  const int N = B * S;
+  std::vector<uint8_t> reset(N);
+  for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng)) ? 1 : 0;
+  // Query and key head counts of a GQA model (8 query heads over 2 KV heads), odd and even head dims.
+  for (int nh : {8, 2})
+    for (int hd : {16, 24, 64})
+      for (int rot : {hd, hd / 2})
+        for (bool norm : {true, false})
+          for (bool with_gain : {true, false})
+            for (bool pko : {true, false}) {
+              const std::string what = fmt::format("nh={} hd={} rot={} norm={} gain={} pko={}", nh, hd, rot, norm,
+                                                   with_gain, pko);
+              SCOPED_TRACE(what);
+              const size_t n = size_t(N) * nh * hd;
+              const auto x = randf(n), dout = randf(n), gain = randf(size_t(hd)), dgain0 = randf(size_t(hd));
+              const float* g = with_gain ? gain.data() : nullptr;
+              const uint8_t* rs = pko ? reset.data() : nullptr;
+              const float theta = 10000.f, eps = 1e-6f;
+              const auto want = qk_by_parts(x, g, rs, dout, dgain0, N, S, nh, hd, rot, theta, norm, eps);
+              std::vector<float> out(n, NAN), rstd(size_t(N) * nh, 0.f), dx(n, NAN), dgain = dgain0;
+              cpu::qk_prep_forward(out.data(), rstd.data(), x.data(), g, rs, N, S, nh, hd, rot, theta, norm, eps);
+              cpu::qk_prep_backward(dx.data(), with_gain ? dgain.data() : nullptr, dout.data(), x.data(), g,
+                                    rstd.data(), rs, N, S, nh, hd, rot, theta, norm);
+              EXPECT_EQ(0, std::memcmp(out.data(), want.out.data(), sizeof(float) * n)) << "out";
+              if (norm) {
+                EXPECT_EQ(0, std::memcmp(rstd.data(), want.rstd.data(), sizeof(float) * rstd.size())) << "rstd";
+              }
+              EXPECT_EQ(0, std::memcmp(dx.data(), want.dx.data(), sizeof(float) * n)) << "dx";
+              // dgain accumulates onto what was there (and is untouched without a gain or a norm).
+              EXPECT_EQ(0, std::memcmp(dgain.data(), want.dgain.data(), sizeof(float) * size_t(hd))) << "dgain";
+              if (!norm || !with_gain) {
+                EXPECT_EQ(dgain, dgain0);
+              }
+            }
+}
+
+TEST(AttnSwitchKernels, QkPrepGradientMatchesFiniteDifferences) {
+  const int B = 2, S = 5, N = B * S, nh = 3, hd = 8;
+  std::vector<uint8_t> reset(N, 0);
+  for (int t : {0, 3, 5, 6}) reset[t] = 1;  // sequence starts 0 and 5, documents at 3 and 6
+  for (int rot : {hd, hd / 2})
+    for (bool norm : {true, false})
+      for (bool pko : {true, false}) {
+        const std::string what = fmt::format("rot={} norm={} pko={}", rot, norm, pko);
+        SCOPED_TRACE(what);
+        const uint8_t* rs = pko ? reset.data() : nullptr;
+        Vec x = randn(size_t(N) * nh * hd, 11), gain = randn(size_t(hd), 12, 0.5), R = randn(x.size(), 13);
+        for (auto& g : gain) g += 1.0;
+        Vec out(x.size()), rstd(size_t(N) * nh), dx(x.size()), dgain(size_t(hd), 0.0);
+        auto loss = [&] {
+          cpu::qk_prep_forward(out.data(), rstd.data(), x.data(), gain.data(), rs, N, S, nh, hd, rot, 10000.0, norm,
+                               1e-6);
+          return dot(out, R);
+        };
+        loss();
+        cpu::qk_prep_backward(dx.data(), dgain.data(), R.data(), x.data(), gain.data(), rstd.data(), rs, N, S, nh, hd,
+                              rot, 10000.0, norm);
+        check_grad(x, dx, loss, what + " dx");
+        if (norm) check_grad(gain, dgain, loss, what + " dgain");
+      }
 }
 
 // ---------------------------------------------------------------------------------------------

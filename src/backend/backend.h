@@ -81,6 +81,14 @@ class Backend : public MemorySpace {
                                  int from_dim) = 0;
   virtual void pko_shift_backward(float* dk, const float* dout, const uint8_t* reset, int N_tok, int nkv, int hd,
                                   int from_dim) = 0;
+  // Queries / keys into attention in one op: RoPE(QK-norm(PKO shift of dims [hd/2, hd), when reset
+  // is not nullptr)) per head row; backward from the raw x and rstd (cpu::qk_prep_forward/backward).
+  virtual void qk_prep_forward(float* out, float* rstd, const float* x, const float* gain, const uint8_t* reset,
+                               int N_tok, int S, int nheads, int hd, int rot_dims, float theta, bool norm,
+                               float eps) = 0;
+  virtual void qk_prep_backward(float* dx, float* dgain, const float* dout, const float* x, const float* gain,
+                                const float* rstd, const uint8_t* reset, int N_tok, int S, int nheads, int hd,
+                                int rot_dims, float theta, bool norm) = 0;
   virtual void xsa_forward(float* z, const float* y, const float* v, int N_tok, int H, int KV, int hd) = 0;
   virtual void xsa_backward(float* dy, float* dv, const float* dz, const float* y, const float* v, int N_tok, int H,
                             int KV, int hd) = 0;

@@ -111,6 +111,14 @@ class ForwardingBackend : public Backend {
   void pko_shift_backward(float* dk, const float* d, const uint8_t* r, int N, int nkv, int hd, int from) override {
     wrap("attn switches", 0, [&] { b_->pko_shift_backward(dk, d, r, N, nkv, hd, from); });
   }
+  void qk_prep_forward(float* out, float* rs, const float* x, const float* g, const uint8_t* r, int N, int S, int nh,
+                       int hd, int rot, float th, bool norm, float eps) override {
+    wrap("qk prep", 0, [&] { b_->qk_prep_forward(out, rs, x, g, r, N, S, nh, hd, rot, th, norm, eps); });
+  }
+  void qk_prep_backward(float* dx, float* dg, const float* d, const float* x, const float* g, const float* rs,
+                        const uint8_t* r, int N, int S, int nh, int hd, int rot, float th, bool norm) override {
+    wrap("qk prep", 0, [&] { b_->qk_prep_backward(dx, dg, d, x, g, rs, r, N, S, nh, hd, rot, th, norm); });
+  }
   void xsa_forward(float* z, const float* y, const float* v, int N, int H, int KV, int hd) override {
     wrap("attn switches", 0, [&] { b_->xsa_forward(z, y, v, N, H, KV, hd); });
   }

@@ -140,7 +140,7 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   };
   // Activation recomputation (model.recompute): only each layer's input L.x is kept; every other
   // saved tensor of a layer lives in one set shared by all layers of the same kind (dense or MoE,
-  // with or without the PKO key buffer), which the backward refills by re-running the layer's
+  // the only difference in what a layer saves), which the backward refills by re-running the layer's
   // forward just before its backward. `shared` maps a layer kind to the first layer that owns the
   // set; later layers of that kind alias its pointers (resolved after the arena is carved).
   std::map<int, std::vector<Req>> shared;
@@ -160,7 +160,6 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     L.ln2 = &params_[pi++];
     plan_gated_norm(L.gn2, lreqs);
     L.window = cfg.layer_window(l);
-    if (cfg.pko && cfg.is_long_layer(l)) lreqs.push_back({&L.ks, N * KV * hd, true});
     if (cfg.xsa) lreqs.push_back({&L.z, N * H * hd, true});
     if (cfg.attn_gate) lreqs.insert(lreqs.end(), {{&L.ga, N * H}, {&L.gf, N * H}, {&L.og, N * H * hd, true}});
     reqs.push_back({&L.x, N * d});
@@ -204,7 +203,7 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
       lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd, true}, {&L.kr, N * KV * hd, true}});
     }
     // Same kind => same request list in the same order.
-    const int kind = (L.moe ? 1 : 0) + (cfg.pko && cfg.is_long_layer(l) ? 2 : 0);
+    const int kind = L.moe ? 1 : 0;
     // bf16 storage shares (and packs) only the packable part; the rest stays the layer's own.
     if (bf16_saved) {
       std::vector<Req> own, pack;
@@ -462,6 +461,11 @@ AttnShape Transformer::attn_shape(int window) const {
   return AttnShape{B_, S_, cfg_.n_heads, cfg_.kv_heads(), cfg_.hd(), window, cfg_.q_scale / std::sqrt(double(cfg_.hd()))};
 }
 
+// PKO shifts the keys of long layers only; nullptr elsewhere (and without model.pko).
+const uint8_t* Transformer::key_resets(const Layer& L) const {
+  return cfg_.pko && cfg_.is_long_layer(int(&L - layers_.data())) ? resets_ : nullptr;
+}
+
 // Order on every layer (RECIPE.md, PKO rung): [PKO shift of the raw keys, long layers only] ->
 // QK-norm -> RoPE (half-RoPE: dims [0, hd/2)) -> q *= q_scale -> attention (window on short
 // layers) -> [XSA] -> [per-head gate 2*sigmoid(h1 W_g)] -> o_proj. The gate reads h1, the block's
@@ -473,20 +477,12 @@ void Transformer::attn_forward(Layer& L) {
   be_.gemm(false, true, N, Hd, d, 1.f, L.h1, d, L.wq->w, d, 0.f, L.q, Hd);
   be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wk->w, d, 0.f, L.k, KVd);
   be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wv->w, d, 0.f, L.v, KVd);
-  const float* k = L.k;
-  if (L.ks) {
-    be_.pko_shift_forward(L.ks, L.k, resets_, N, KV, hd, hd / 2);
-    k = L.ks;
-  }
-  if (cfg_.qk_norm) {
-    be_.rmsnorm_forward(L.qr, L.qrs, L.q, L.qn ? L.qn->w : nullptr, N * H, hd, eps);
-    be_.rmsnorm_forward(L.kr, L.krs, k, L.kn ? L.kn->w : nullptr, N * KV, hd, eps);
-  } else {
-    be_.copy(L.qr, L.q, sizeof(float) * size_t(N) * Hd);
-    be_.copy(L.kr, k, sizeof(float) * size_t(N) * KVd);
-  }
-  be_.rope_forward(L.qr, N, S_, H, hd, rot, theta);
-  be_.rope_forward(L.kr, N, S_, KV, hd, rot, theta);
+  // One op per tensor: [PKO shift] -> QK-norm -> RoPE. Only the raw projections and the norms' rstd
+  // are kept; the backward recomputes the shifted keys from L.k and the resets.
+  be_.qk_prep_forward(L.qr, L.qrs, L.q, L.qn ? L.qn->w : nullptr, nullptr, N, S_, H, hd, rot, theta, cfg_.qk_norm,
+                      eps);
+  be_.qk_prep_forward(L.kr, L.krs, L.k, L.kn ? L.kn->w : nullptr, key_resets(L), N, S_, KV, hd, rot, theta,
+                      cfg_.qk_norm, eps);
   be_.attention_forward(L.o, L.lse, L.qr, L.kr, L.v, attn_shape(L.window));
   L.oin = L.o;
   if (cfg_.xsa) {
@@ -516,21 +512,12 @@ void Transformer::attn_backward(Layer& L) {
   if (cfg_.xsa) be_.xsa_backward(d_o_, d_vx_, d_o_, L.o, L.v, N, H, KV, hd);
   be_.attention_backward(d_qn_, d_kn_, d_v_, d_o_, L.qr, L.kr, L.v, L.o, L.lse, attn_shape(L.window));
   if (cfg_.xsa) be_.add_inplace(d_v_, d_vx_, size_t(N) * KVd);
-  be_.rope_backward(d_qn_, N, S_, H, hd, rot, theta);
-  be_.rope_backward(d_kn_, N, S_, KV, hd, rot, theta);
-  float *dq = d_qn_, *dk = d_kn_;
-  if (cfg_.qk_norm) {
-    be_.rmsnorm_backward(d_q_, L.qn ? L.qn->g : nullptr, d_qn_, L.q, L.qn ? L.qn->w : nullptr, L.qrs, N * H, hd, false);
-    be_.rmsnorm_backward(d_k_, L.kn ? L.kn->g : nullptr, d_kn_, L.ks ? L.ks : L.k, L.kn ? L.kn->w : nullptr, L.krs,
-                         N * KV, hd, false);
-    dq = d_q_;
-    dk = d_k_;
-  }
-  if (L.ks) {  // through the shift, into the other (now free) key-gradient buffer
-    float* dst = dk == d_k_ ? d_kn_ : d_k_;
-    be_.pko_shift_backward(dst, dk, resets_, N, KV, hd, hd / 2);
-    dk = dst;
-  }
+  // d(attention inputs) d_qn_ / d_kn_ -> d(raw projections) d_q_ / d_k_, through RoPE, QK-norm and the shift.
+  be_.qk_prep_backward(d_q_, L.qn ? L.qn->g : nullptr, d_qn_, L.q, L.qn ? L.qn->w : nullptr, L.qrs, nullptr, N, S_, H,
+                       hd, rot, theta, cfg_.qk_norm);
+  be_.qk_prep_backward(d_k_, L.kn ? L.kn->g : nullptr, d_kn_, L.k, L.kn ? L.kn->w : nullptr, L.krs, key_resets(L), N,
+                       S_, KV, hd, rot, theta, cfg_.qk_norm);
+  const float *dq = d_q_, *dk = d_k_;
   be_.gemm(false, false, N, d, Hd, 1.f, dq, Hd, L.wq->w, d, 0.f, d_h_, d);
   be_.gemm(false, false, N, d, KVd, 1.f, dk, KVd, L.wk->w, d, 1.f, d_h_, d);
   be_.gemm(false, false, N, d, KVd, 1.f, d_v_, KVd, L.wv->w, d, 1.f, d_h_, d);

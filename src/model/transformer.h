@@ -157,7 +157,6 @@ class Transformer {
     Param* wgate = nullptr;  // per-head output gate [H, d]
     GatedNormActs gn1, gn2;  // after input_layernorm / post_attention_layernorm
     int window = 0;          // 0: full causal (long layers)
-    float* ks = nullptr;     // PKO-shifted raw keys [N,KV*hd] (long layers with model.pko)
     float* z = nullptr;      // XSA output [N,H*hd]
     float *ga = nullptr, *gf = nullptr, *og = nullptr;  // gate logits and factors [N,H], gated output
     const float* oin = nullptr;  // what o_proj reads: o, z or og
@@ -209,6 +208,8 @@ class Transformer {
   // PKO reset flags from the token ids: position 0 of each sequence and every token after eod_id.
   void compute_resets();
   AttnShape attn_shape(int window) const;
+  // The PKO reset flags when layer L shifts its keys (model.pko, long layers), else nullptr.
+  const uint8_t* key_resets(const Layer& L) const;
 
   ModelConfig cfg_;
   int B_, S_, N_;

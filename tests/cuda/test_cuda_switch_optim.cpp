@@ -95,6 +95,70 @@ TEST_F(CudaSwitchOptim, PkoShiftRejectsFromDimOutsideHead) {
   EXPECT_THROW(be().pko_shift_backward(a.data(), b.data(), r.data(), 4, 1, 16, -1), Error);
 }
 
+// The fused attention input path (PKO shift + QK-norm + RoPE, one kernel each way) against the CPU
+// op (the composition of the three CPU kernels). Odd head dims, half and full RoPE, a head dim with
+// an unrotated odd tail, 1200 rows (several dgain chunks), query and key head counts of GQA models.
+TEST_F(CudaSwitchOptim, QkPrepForwardBackward) {
+  struct Case {
+    int B, S, nh, hd, rot;
+  };
+  for (const Case c : {Case{2, 37, 8, 64, 64}, Case{3, 29, 2, 40, 20}, Case{1, 70, 4, 128, 64},
+                       Case{2, 33, 3, 17, 16}, Case{1, 300, 4, 64, 32}}) {
+    const int N = c.B * c.S;
+    std::vector<uint8_t> reset(N);
+    std::bernoulli_distribution doc(0.125);
+    for (int t = 0; t < N; ++t) reset[t] = (t % c.S == 0 || doc(rng_)) ? 1 : 0;
+    const size_t n = size_t(N) * c.nh * c.hd, rows = size_t(N) * c.nh;
+    auto x = randv(n), dout = randv(n), gain = randv(size_t(c.hd), 0.5f, 1.5f), dgain0 = randv(size_t(c.hd));
+    auto d_x = up(x), d_dout = up(dout), d_gain = up(gain);
+    auto d_reset = up(reset);
+    const float theta = 10000.f, eps = 1e-6f;
+    for (bool norm : {true, false})
+      for (bool with_gain : {true, false})
+        for (bool pko : {true, false}) {
+          const std::string what = fmt::format("qk_prep B={} S={} nh={} hd={} rot={} norm={} gain={} pko={}", c.B,
+                                               c.S, c.nh, c.hd, c.rot, norm, with_gain, pko);
+          SCOPED_TRACE(what);
+          const float* g = with_gain ? d_gain.data() : nullptr;
+          const uint8_t* r = pko ? d_reset.data() : nullptr;
+          auto d_out = poisoned(n), d_rstd = poisoned(rows), d_dx = poisoned(n), d_dx2 = poisoned(n);
+          auto d_dgain = up(dgain0);
+          be().qk_prep_forward(d_out.data(), d_rstd.data(), d_x.data(), g, r, N, c.S, c.nh, c.hd, c.rot, theta, norm,
+                               eps);
+          be().qk_prep_backward(d_dx.data(), with_gain ? d_dgain.data() : nullptr, d_dout.data(), d_x.data(), g,
+                                d_rstd.data(), r, N, c.S, c.nh, c.hd, c.rot, theta, norm);
+          std::vector<float> out(n), rstd(rows), dx(n), dgain = dgain0;
+          const float* hg = with_gain ? gain.data() : nullptr;
+          const uint8_t* hr = pko ? reset.data() : nullptr;
+          cpu::qk_prep_forward<float>(out.data(), rstd.data(), x.data(), hg, hr, N, c.S, c.nh, c.hd, c.rot, theta, norm,
+                                      eps);
+          cpu::qk_prep_backward<float>(dx.data(), with_gain ? dgain.data() : nullptr, dout.data(), x.data(), hg,
+                                       rstd.data(), hr, N, c.S, c.nh, c.hd, c.rot, theta, norm);
+          check(down(d_out, n), out, kF32, what + " out");
+          if (norm) check(down(d_rstd, rows), rstd, kF32, what + " rstd");
+          check(down(d_dx, n), dx, kF32, what + " dx");
+          // dgain accumulates onto the random start (untouched without a gain or without the norm).
+          check(down(d_dgain, size_t(c.hd)), dgain, kF32, what + " dgain");
+          // dout is read only; a second backward gives bitwise the same dx (fixed reduction orders).
+          EXPECT_EQ(down(d_dout, n), dout) << "dout was written";
+          be().qk_prep_backward(d_dx2.data(), nullptr, d_dout.data(), d_x.data(), g, d_rstd.data(), r, N, c.S, c.nh,
+                                c.hd, c.rot, theta, norm);
+          EXPECT_EQ(down(d_dx2, n), down(d_dx, n)) << "dx not reproducible";
+        }
+  }
+}
+
+TEST_F(CudaSwitchOptim, QkPrepRejectsBadShapes) {
+  DeviceBuffer<float> a(64), b(64), rs(4);
+  // rot_dims above the head dim; sequence length 0.
+  EXPECT_THROW(
+      be().qk_prep_forward(a.data(), rs.data(), b.data(), nullptr, nullptr, 4, 4, 1, 16, 18, 1e4f, true, 1e-6f),
+      Error);
+  EXPECT_THROW(be().qk_prep_backward(a.data(), nullptr, b.data(), b.data(), nullptr, rs.data(), nullptr, 4, 0, 1, 16,
+                                     16, 1e4f, true),
+               Error);
+}
+
 TEST_F(CudaSwitchOptim, XsaForwardBackwardWithGqa) {
   struct Case {
     int N, H, KV, hd;
@@ -486,6 +550,8 @@ TEST_F(CudaSwitchOptim, EmptyInputsDoNothingAndSumToZero) {
   // n = 0 / no tokens: nothing is read or written (null pointers), the reductions return 0.
   be().pko_shift_forward(nullptr, nullptr, nullptr, 0, 2, 16, 8);
   be().pko_shift_backward(nullptr, nullptr, nullptr, 0, 2, 16, 8);
+  be().qk_prep_forward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 8, 2, 16, 16, 1e4f, true, 1e-6f);
+  be().qk_prep_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 8, 2, 16, 16, 1e4f, true);
   be().xsa_forward(nullptr, nullptr, nullptr, 0, 4, 2, 16);
   be().xsa_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 4, 2, 16);
   be().head_gate_forward(nullptr, nullptr, nullptr, nullptr, 0, 4, 16);

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "backend/cpu/kernels.h"
 
@@ -67,6 +68,75 @@ void pko_shift_backward(T* dk, const T* dout, const uint8_t* reset, int N_tok, i
         std::memset(d + off + from_dim, 0, sizeof(T) * tail);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queries / keys into attention: PKO shift -> QK-norm -> RoPE
+//
+// The composition of the existing kernels, on purpose: the CPU results (and so every CPU test,
+// the PyTorch references and resumed runs) stay bitwise what the three separate ops gave.
+
+namespace {
+
+// Scratch reused across calls (per thread and scalar type), like rmsnorm_backward's partials.
+template <class T>
+T* qk_scratch(size_t n) {
+  static thread_local std::vector<T> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+}  // namespace
+
+template <class T>
+void qk_prep_forward(T* out, T* rstd, const T* x, const T* gain, const uint8_t* reset, int N_tok, int S, int nheads,
+                     int hd, int rot_dims, T theta, bool norm, T eps) {
+  const size_t n = size_t(N_tok > 0 ? N_tok : 0) * size_t(nheads) * size_t(hd);
+  if (n == 0) return;
+  const T* src = x;
+  if (reset) {
+    pko_shift_forward(out, x, reset, N_tok, nheads, hd, hd / 2);
+    src = out;  // normed in place below: rmsnorm reads a whole row before writing it, element by element
+  }
+  if (norm)
+    rmsnorm_forward(out, rstd, src, gain, N_tok * nheads, hd, eps);
+  else if (src != out)
+    std::memcpy(out, src, sizeof(T) * n);
+  rope_forward(out, N_tok, S, nheads, hd, rot_dims, theta);
+}
+
+template <class T>
+void qk_prep_backward(T* dx, T* dgain, const T* dout, const T* x, const T* gain, const T* rstd, const uint8_t* reset,
+                      int N_tok, int S, int nheads, int hd, int rot_dims, T theta, bool norm) {
+  const size_t n = size_t(N_tok > 0 ? N_tok : 0) * size_t(nheads) * size_t(hd);
+  if (n == 0) return;
+  const int from = hd / 2;
+  if (!norm) {
+    if (!reset) {  // RoPE's adjoint alone, in place on a copy
+      std::memcpy(dx, dout, sizeof(T) * n);
+      rope_backward(dx, N_tok, S, nheads, hd, rot_dims, theta);
+      return;
+    }
+    T* dn = qk_scratch<T>(n);
+    std::memcpy(dn, dout, sizeof(T) * n);
+    rope_backward(dn, N_tok, S, nheads, hd, rot_dims, theta);
+    pko_shift_backward(dx, dn, reset, N_tok, nheads, hd, from);
+    return;
+  }
+  // [d(norm output) | shifted input | d(shifted input)]; the last two only with the shift.
+  T* scratch = qk_scratch<T>(reset ? 3 * n : n);
+  T* dn = scratch;
+  std::memcpy(dn, dout, sizeof(T) * n);
+  rope_backward(dn, N_tok, S, nheads, hd, rot_dims, theta);
+  if (!reset) {
+    rmsnorm_backward(dx, dgain, dn, x, gain, rstd, N_tok * nheads, hd, false);
+    return;
+  }
+  T* xs = scratch + n;
+  T* ds = scratch + 2 * n;
+  pko_shift_forward(xs, x, reset, N_tok, nheads, hd, from);  // the rows the forward normed
+  rmsnorm_backward(ds, dgain, dn, xs, gain, rstd, N_tok * nheads, hd, false);
+  pko_shift_backward(dx, ds, reset, N_tok, nheads, hd, from);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -215,6 +285,9 @@ void sigmoid_gate_backward(T* dx, T* dg, const T* dy, const T* x, const T* s, si
 #define LADDER_INSTANTIATE_SWITCHES(T)                                                             \
   template void pko_shift_forward<T>(T*, const T*, const uint8_t*, int, int, int, int);           \
   template void pko_shift_backward<T>(T*, const T*, const uint8_t*, int, int, int, int);          \
+  template void qk_prep_forward<T>(T*, T*, const T*, const T*, const uint8_t*, int, int, int, int, int, T, bool, T); \
+  template void qk_prep_backward<T>(T*, T*, const T*, const T*, const T*, const T*, const uint8_t*, int, int, int,  \
+                                    int, int, T, bool);                                            \
   template void xsa_forward<T>(T*, const T*, const T*, int, int, int, int);                        \
   template void xsa_backward<T>(T*, T*, const T*, const T*, const T*, int, int, int, int);         \
   template void head_gate_forward<T>(T*, T*, const T*, const T*, int, int, int);                   \

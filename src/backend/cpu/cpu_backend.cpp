@@ -131,6 +131,15 @@ class CpuBackend final : public Backend {
   void pko_shift_backward(float* dk, const float* dout, const uint8_t* reset, int n, int nkv, int hd, int from) override {
     cpu::pko_shift_backward<float>(dk, dout, reset, n, nkv, hd, from);
   }
+  void qk_prep_forward(float* out, float* rstd, const float* x, const float* gain, const uint8_t* reset, int n,
+                       int S, int nh, int hd, int rot, float theta, bool norm, float eps) override {
+    cpu::qk_prep_forward<float>(out, rstd, x, gain, reset, n, S, nh, hd, rot, theta, norm, eps);
+  }
+  void qk_prep_backward(float* dx, float* dgain, const float* dout, const float* x, const float* gain,
+                        const float* rstd, const uint8_t* reset, int n, int S, int nh, int hd, int rot, float theta,
+                        bool norm) override {
+    cpu::qk_prep_backward<float>(dx, dgain, dout, x, gain, rstd, reset, n, S, nh, hd, rot, theta, norm);
+  }
   void xsa_forward(float* z, const float* y, const float* v, int n, int H, int KV, int hd) override {
     cpu::xsa_forward<float>(z, y, v, n, H, KV, hd);
   }

@@ -125,6 +125,25 @@ void pko_shift_forward(T* out, const T* k, const uint8_t* reset, int N_tok, int 
 template <class T>
 void pko_shift_backward(T* dk, const T* dout, const uint8_t* reset, int N_tok, int nkv, int hd, int from_dim);
 
+// The attention input path of queries or keys, as one op: out = RoPE(QK-norm(PKO-shift(x))) per head
+// row of hd, i.e. exactly
+//   pko_shift_forward(s, x, reset, N_tok, nheads, hd, hd/2)      only when reset != nullptr
+//   rmsnorm_forward(n, rstd, s, gain, N_tok*nheads, hd, eps)     only when norm (else n = s)
+//   rope_forward(n, N_tok, S, nheads, hd, rot_dims, theta);  out = n
+// (the CPU runs exactly that, so results are bitwise the three ops'; a GPU fuses them into one pass).
+// x, out [N_tok, nheads*hd]; rstd [N_tok*nheads] written only when norm; gain [hd] or nullptr.
+// out must not alias x (the shift reads the previous token's row).
+template <class T>
+void qk_prep_forward(T* out, T* rstd, const T* x, const T* gain, const uint8_t* reset, int N_tok, int S, int nheads,
+                     int hd, int rot_dims, T theta, bool norm, T eps);
+// The adjoint, from the forward's own inputs (x is the RAW input, before the shift: the shifted
+// rows are recomputed, so the caller need not keep them) and its rstd: dx OVERWRITTEN; dgain +=
+// the gain gradient (as rmsnorm_backward: skipped when gain or dgain is nullptr, or !norm). dout is
+// read only. dx must not alias dout or x.
+template <class T>
+void qk_prep_backward(T* dx, T* dgain, const T* dout, const T* x, const T* gain, const T* rstd, const uint8_t* reset,
+                      int N_tok, int S, int nheads, int hd, int rot_dims, T theta, bool norm);
+
 // Exclusive self attention: per query head, z = y - (y.v / (v.v + kXsaEps)) v, with v the token's
 // own value vector of the head's KV group (h / (H/KV)). y, z [N_tok, H*hd], v [N_tok, KV*hd].
 constexpr double kXsaEps = 1e-12;  // only keeps an all-zero value vector finite

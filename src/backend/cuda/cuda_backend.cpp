@@ -319,6 +319,29 @@ class CudaBackendImpl final : public CudaBackend {
     check_pko(hd, from_dim);
     check(k::pko_shift_backward(dk, dout, reset, N_tok, nkv, hd, from_dim, st_), "pko_shift_backward");
   }
+  void qk_prep_forward(float* out, float* rstd, const float* x, const float* gain, const uint8_t* reset, int N_tok,
+                       int S, int nh, int hd, int rot, float theta, bool norm, float eps) override {
+    check_qk_prep("qk_prep_forward", S, hd, rot);
+    check(k::qk_prep_forward(out, rstd, x, gain, reset, rope_table(S, rot, theta), N_tok, S, nh, hd, rot, norm, eps,
+                             st_),
+          "qk_prep_forward");
+  }
+  void qk_prep_backward(float* dx, float* dgain, const float* dout, const float* x, const float* gain,
+                        const float* rstd, const uint8_t* reset, int N_tok, int S, int nh, int hd, int rot,
+                        float theta, bool norm) override {
+    check_qk_prep("qk_prep_backward", S, hd, rot);
+    const bool with_gain = norm && gain && dgain;
+    if (with_gain && !k::qk_prep_backward_supported(hd))
+      fail("qk_prep_backward on CUDA supports head_dim up to 1536 with a learned QK-norm gain (got {})", hd);
+    float* scratch = nullptr;
+    if (with_gain) {
+      float_scratch_.reserve(k::qk_prep_backward_scratch_floats(N_tok, nh, hd), "qk prep backward scratch");
+      scratch = float_scratch_.data();
+    }
+    check(k::qk_prep_backward(dx, dgain, dout, x, gain, rstd, reset, rope_table(S, rot, theta), N_tok, S, nh, hd, rot,
+                              norm, scratch, st_),
+          "qk_prep_backward");
+  }
   void xsa_forward(float* z, const float* y, const float* v, int N_tok, int H, int KV, int hd) override {
     check_heads("xsa", H, KV);
     check(k::xsa_forward(z, y, v, N_tok, H, KV, hd, st_), "xsa_forward");
@@ -571,6 +594,10 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void check_pko(int hd, int from_dim) {
     if (from_dim < 0 || from_dim > hd) fail("pko_shift: from_dim {} is outside [0, head_dim {}]", from_dim, hd);
+  }
+  void check_qk_prep(const char* op, int S, int hd, int rot) {
+    if (S < 1) fail("{}: sequence length must be >= 1 (got {})", op, S);
+    if (rot < 0 || rot > hd) fail("{}: rope dims {} outside [0, head_dim {}]", op, rot, hd);
   }
   void check_heads(const char* op, int H, int KV) {
     if (KV <= 0 || H % KV != 0) fail("{}: n_heads {} is not a multiple of n_kv_heads {}", op, H, KV);

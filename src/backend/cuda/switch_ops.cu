@@ -1,6 +1,7 @@
 // CUDA kernels of the recipe's attention switches and GatedNorm's elementwise parts, fp32: partial
 // key offset (PKO), exclusive self attention (XSA), the per-head output gate, SiLU and the sigmoid
-// gate. Contracts: backend/cpu/kernels.h (CPU code in backend/cpu/attn_switch_kernels.cpp).
+// gate; and the fused attention input path (PKO shift + QK-norm + RoPE of queries and keys).
+// Contracts: backend/cpu/kernels.h (CPU code in backend/cpu/attn_switch_kernels.cpp).
 //
 // All of them are memory-bound passes over [tokens, heads * hd] arrays. Elementwise ops use
 // grid-stride loops with size_t indices; the ops that need a per-head dot product (XSA, the gate's
@@ -73,6 +74,164 @@ __global__ void pko_bwd_kernel(float* dk, const float* dout, const uint8_t* rese
     else val = (t + 1 < N_tok && !reset[t + 1]) ? dout[e + row] : 0.f;  // t's tail went to t + 1
     dk[e] = val;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queries / keys into attention: PKO shift -> QK-norm -> RoPE in one pass (cpu::qk_prep_forward is
+// the composition of the three CPU kernels; here each (token, head) row of hd is one warp's: one
+// pass over memory instead of three (the warp's second read of its row, after the sum of squares,
+// should come from cache), and the shifted / normed rows are never stored).
+//
+// Lane ownership: RoPE pairs (i, i + half) for i = lane, lane + 32, ... and the unrotated dims
+// [2 half, hd) in the same stride. A lane reads and writes only what it owns, so the row sums are
+// the only cross-lane step (a shuffle tree: fixed order). The shift reads dims [from, hd) of the
+// previous token's row of the same head; `from` is hd when there is no shift (reset == nullptr).
+
+// Dim c of the shifted row: the row's own value below `from`, else token t-1's (zero at a reset,
+// where prev is false). `stride` = nheads * hd, one token back.
+__device__ __forceinline__ float qk_shifted(const float* xr, size_t stride, bool prev, int c, int from) {
+  if (c < from) return xr[c];
+  return prev ? *(xr - stride + c) : 0.f;
+}
+
+// The normed value (x * rstd) * gain, the CPU's order; v itself without the norm.
+__device__ __forceinline__ float qk_normed(float v, float rs, const float* gain, int c, bool norm) {
+  if (!norm) return v;
+  return gain ? v * rs * gain[c] : v * rs;
+}
+
+__global__ void qk_prep_fwd_kernel(float* out, float* rstd, const float* x, const float* gain, const uint8_t* reset,
+                                   const float* cos_sin, int N_tok, int S, int nheads, int hd, int half, int from,
+                                   bool norm, float eps) {
+  const int lane = threadIdx.x & 31;
+  const size_t rows = size_t(N_tok) * nheads, stride = size_t(nheads) * hd;
+  const float* ct = cos_sin;
+  const float* st = cos_sin + size_t(S) * half;
+  LADDER_FOR_EACH_WARP_ROW(r, rows) {
+    const size_t t = r / nheads;
+    const bool prev = reset && t > 0 && !reset[t];
+    const float* xr = x + r * hd;
+    float* o = out + r * hd;
+    float rs = 1.f;
+    if (norm) {
+      float ss = 0.f;
+      for (int c = lane; c < hd; c += 32) {
+        const float v = qk_shifted(xr, stride, prev, c, from);
+        ss += v * v;
+      }
+      ss = warp_sum(ss);
+      // The scalar in double, as the CPU computes it (its sum of squares is in double too).
+      rs = float(1.0 / sqrt(double(ss) / hd + double(eps)));
+      if (lane == 0) rstd[r] = rs;
+    }
+    const size_t pos = t % size_t(S);
+    for (int i = lane; i < half; i += 32) {
+      const float a = qk_normed(qk_shifted(xr, stride, prev, i, from), rs, gain, i, norm);
+      const float b = qk_normed(qk_shifted(xr, stride, prev, i + half, from), rs, gain, i + half, norm);
+      const float c = ct[pos * half + i], s = st[pos * half + i];
+      o[i] = a * c - b * s;
+      o[i + half] = b * c + a * s;
+    }
+    for (int c = 2 * half + lane; c < hd; c += 32)
+      o[c] = qk_normed(qk_shifted(xr, stride, prev, c, from), rs, gain, c, norm);
+  }
+}
+
+constexpr int kQkChunkRows = 256;  // rows per dgain partial: 8 warps x 32 rows
+
+// The backward of one row, from d(out): dn = RoPE^T(dout) (rotation by -angle, the CPU's
+// expressions with sign -1), then the norm's adjoint dx_s = rs (g dn - xs (dn.g.xs) rs^2 / hd), then
+// the shift's adjoint as a scatter: dims below `from` go to the row itself, the others to token
+// t-1's row (they came from there), or nowhere at a reset. Dims [from, hd) of a row whose next token
+// does not read it (t + 1 a reset or past the end) are zeroed by the row itself, so every element of
+// dx is written exactly once, by one warp, and dx needs no pre-zeroing. With `part` (per-warp dgain
+// partials in shared memory), adds dn * xs * rs to the lane's own columns.
+__global__ void qk_prep_bwd_kernel(float* dx, float* partial, const float* dout, const float* x, const float* gain,
+                                   const float* rstd, const uint8_t* reset, const float* cos_sin, int N_tok, int S,
+                                   int nheads, int hd, int half, int from, bool norm) {
+  extern __shared__ float part[];  // [warps, hd] when partial != nullptr
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const size_t rows = size_t(N_tok) * nheads, stride = size_t(nheads) * hd;
+  const size_t nchunks = (rows + kQkChunkRows - 1) / kQkChunkRows;
+  const float* ct = cos_sin;
+  const float* st = cos_sin + size_t(S) * half;
+  float* pw = partial ? part + size_t(warp) * hd : nullptr;
+  for (size_t ch = blockIdx.x; ch < nchunks; ch += gridDim.x) {
+    if (pw) {
+      for (int c = lane; c < hd; c += 32) pw[c] = 0.f;
+      __syncwarp();  // zeroed in one lane order, accumulated below in another
+    }
+    const size_t r1 = (ch + 1) * kQkChunkRows < rows ? (ch + 1) * kQkChunkRows : rows;
+    for (size_t r = ch * kQkChunkRows + warp; r < r1; r += nwarps) {
+      const size_t t = r / nheads;
+      const bool prev = reset && t > 0 && !reset[t];
+      const bool next_reads = reset && t + 1 < size_t(N_tok) && !reset[t + 1];
+      const float* xr = x + r * hd;
+      const float* g = dout + r * hd;
+      float* d = dx + r * hd;
+      const size_t pos = t % size_t(S);
+      const float rs = norm ? rstd[r] : 1.f;
+      // d(normed) of dim pair i: RoPE's adjoint.
+      auto dn_pair = [&](int i, float& d1, float& d2) {
+        const float a = g[i], b = g[i + half], c = ct[pos * half + i], si = -st[pos * half + i];
+        d1 = a * c - b * si;
+        d2 = b * c + a * si;
+      };
+      float cc = 0.f;
+      if (norm) {
+        float dot = 0.f;
+        for (int i = lane; i < half; i += 32) {
+          float d1, d2;
+          dn_pair(i, d1, d2);
+          const float g1 = gain ? gain[i] : 1.f, g2 = gain ? gain[i + half] : 1.f;
+          dot += d1 * g1 * qk_shifted(xr, stride, prev, i, from);
+          dot += d2 * g2 * qk_shifted(xr, stride, prev, i + half, from);
+        }
+        for (int c = 2 * half + lane; c < hd; c += 32)
+          dot += g[c] * (gain ? gain[c] : 1.f) * qk_shifted(xr, stride, prev, c, from);
+        dot = warp_sum(dot);
+        cc = dot * rs * rs / float(hd);
+      }
+      // dx_s of dim c from dn, then where it goes.
+      auto emit = [&](int c, float dn) {
+        float v = dn;
+        if (norm) {
+          const float xs = qk_shifted(xr, stride, prev, c, from);
+          v = rs * ((gain ? gain[c] : 1.f) * dn - xs * cc);
+          if (pw) pw[c] += dn * xs * rs;
+        }
+        if (c < from) d[c] = v;
+        else if (prev) *(d - stride + c) = v;  // token t-1's dims [from, hd) fed this row
+        if (reset && c >= from && !next_reads) d[c] = 0.f;  // nothing read this row's dims [from, hd)
+      };
+      for (int i = lane; i < half; i += 32) {
+        float d1, d2;
+        dn_pair(i, d1, d2);
+        emit(i, d1);
+        emit(i + half, d2);
+      }
+      for (int c = 2 * half + lane; c < hd; c += 32) emit(c, g[c]);
+    }
+    if (partial) {
+      __syncthreads();
+      // The chunk's partial: the block's warps in warp order (each warp's rows in row order).
+      for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float acc = 0.f;
+        for (int w = 0; w < nwarps; ++w) acc += part[size_t(w) * hd + c];
+        partial[ch * hd + c] = acc;
+      }
+      __syncthreads();  // part is zeroed again for the next chunk
+    }
+  }
+}
+
+// dgain += the chunks' partials, added in chunk order (one thread per column).
+__global__ void qk_dgain_final_kernel(float* dgain, const float* partial, size_t nchunks, int hd) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= hd) return;
+  float acc = 0.f;
+  for (size_t k = 0; k < nchunks; ++k) acc += partial[k * hd + c];
+  dgain[c] += acc;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -234,6 +393,42 @@ cudaError_t pko_shift_backward(float* dk, const float* dout, const uint8_t* rese
   const size_t total = size_t(N_tok > 0 ? N_tok : 0) * row;
   if (!total) return cudaSuccess;
   pko_bwd_kernel<<<grid_for(total), kThreads, 0, st>>>(dk, dout, reset, total, row, size_t(N_tok), hd, from_dim);
+  return cudaGetLastError();
+}
+
+cudaError_t qk_prep_forward(float* out, float* rstd, const float* x, const float* gain, const uint8_t* reset,
+                            const float* cos_sin, int N_tok, int S, int nheads, int hd, int rot_dims, bool norm,
+                            float eps, cudaStream_t st) {
+  if (N_tok <= 0 || nheads <= 0 || hd <= 0) return cudaSuccess;
+  if (S < 1 || rot_dims < 0 || rot_dims > hd) return cudaErrorInvalidValue;
+  qk_prep_fwd_kernel<<<grid_for_rows(size_t(N_tok) * nheads), kThreads, 0, st>>>(
+      out, rstd, x, gain, reset, cos_sin, N_tok, S, nheads, hd, rot_dims / 2, reset ? hd / 2 : hd, norm, eps);
+  return cudaGetLastError();
+}
+
+size_t qk_prep_backward_scratch_floats(int N_tok, int nheads, int hd) {
+  const size_t rows = size_t(N_tok > 0 ? N_tok : 0) * size_t(nheads > 0 ? nheads : 0);
+  return (rows + kQkChunkRows - 1) / kQkChunkRows * size_t(hd > 0 ? hd : 0);
+}
+
+bool qk_prep_backward_supported(int hd) { return hd >= 1 && size_t(hd) * kWarpsPerBlock * sizeof(float) <= 48 * 1024; }
+
+cudaError_t qk_prep_backward(float* dx, float* dgain, const float* dout, const float* x, const float* gain,
+                             const float* rstd, const uint8_t* reset, const float* cos_sin, int N_tok, int S,
+                             int nheads, int hd, int rot_dims, bool norm, float* scratch, cudaStream_t st) {
+  if (N_tok <= 0 || nheads <= 0 || hd <= 0) return cudaSuccess;
+  if (S < 1 || rot_dims < 0 || rot_dims > hd) return cudaErrorInvalidValue;
+  const bool with_gain = norm && gain && dgain;
+  if (with_gain && !qk_prep_backward_supported(hd)) return cudaErrorInvalidValue;
+  const size_t rows = size_t(N_tok) * nheads;
+  const size_t nchunks = (rows + kQkChunkRows - 1) / kQkChunkRows;
+  const unsigned grid = unsigned(nchunks < kMaxBlocks ? nchunks : kMaxBlocks);
+  const size_t smem = with_gain ? size_t(hd) * kWarpsPerBlock * sizeof(float) : 0;
+  qk_prep_bwd_kernel<<<grid, kThreads, smem, st>>>(dx, with_gain ? scratch : nullptr, dout, x, gain, rstd, reset,
+                                                   cos_sin, N_tok, S, nheads, hd, rot_dims / 2, reset ? hd / 2 : hd,
+                                                   norm);
+  if (with_gain)
+    qk_dgain_final_kernel<<<unsigned((hd + kThreads - 1) / kThreads), kThreads, 0, st>>>(dgain, scratch, nchunks, hd);
   return cudaGetLastError();
 }
 

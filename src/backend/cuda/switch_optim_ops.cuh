@@ -24,6 +24,23 @@ cudaError_t pko_shift_forward(float* out, const float* k, const uint8_t* reset, 
 cudaError_t pko_shift_backward(float* dk, const float* dout, const uint8_t* reset, int N_tok, int nkv, int hd,
                                int from_dim, cudaStream_t st);
 
+// Queries / keys into attention in one pass per (token, head) row: RoPE(QK-norm(PKO shift)), the
+// contract of cpu::qk_prep_forward. cos_sin: the backend's RoPE table for (S, rot_dims, theta) (cos
+// then sin, [S, rot_dims/2] each). The row sum of squares is fp32 (a warp's shuffle tree), rstd in
+// double from it. out must not alias x.
+cudaError_t qk_prep_forward(float* out, float* rstd, const float* x, const float* gain, const uint8_t* reset,
+                            const float* cos_sin, int N_tok, int S, int nheads, int hd, int rot_dims, bool norm,
+                            float eps, cudaStream_t st);
+// The adjoint (cpu::qk_prep_backward): dx overwritten, dgain += (when norm, gain and dgain) through
+// per-chunk partials in `scratch` (qk_prep_backward_scratch_floats), added in chunk order. dx must
+// not alias dout or x. With a gain gradient, hd is limited by shared memory
+// (qk_prep_backward_supported: hd <= 1536).
+size_t qk_prep_backward_scratch_floats(int N_tok, int nheads, int hd);
+bool qk_prep_backward_supported(int hd);
+cudaError_t qk_prep_backward(float* dx, float* dgain, const float* dout, const float* x, const float* gain,
+                             const float* rstd, const uint8_t* reset, const float* cos_sin, int N_tok, int S,
+                             int nheads, int hd, int rot_dims, bool norm, float* scratch, cudaStream_t st);
+
 // Exclusive self attention. z may alias y.
 cudaError_t xsa_forward(float* z, const float* y, const float* v, int N_tok, int H, int KV, int hd,
                         cudaStream_t st);

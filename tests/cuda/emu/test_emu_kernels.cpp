@@ -82,21 +82,26 @@ TEST_F(CudaEmu, RmsNormForwardBackward) {
   }
 }
 
+// The backend's RoPE table (cuda_backend.cpp rope_table): cos then sin, [S, rot/2], in double.
+std::vector<float> rope_table(int S, int rot, float theta) {
+  const int half = rot / 2;
+  std::vector<float> tab(2 * size_t(S) * (half > 0 ? half : 0));
+  for (int i = 0; i < half; ++i) {
+    const double inv_freq = std::pow(double(theta), -2.0 * i / double(rot));
+    for (int p = 0; p < S; ++p) {
+      tab[size_t(p) * half + i] = float(std::cos(double(p) * inv_freq));
+      tab[size_t(S) * half + size_t(p) * half + i] = float(std::sin(double(p) * inv_freq));
+    }
+  }
+  return tab;
+}
+
 TEST_F(CudaEmu, RopeForwardBackward) {
   const int B = 3, S = 13, nh = 3, hd = 18;
   const float theta = 10000.f;
   for (int rot : {hd, 10, 2}) {
     const std::string what = fmt("rope B=%d S=%d nh=%d hd=%d rot=%d", B, S, nh, hd, rot);
-    // The backend's table (cuda_backend.cpp rope_table): cos then sin, [S, rot/2], in double.
-    const int half = rot / 2;
-    std::vector<float> tab(2 * size_t(S) * half);
-    for (int i = 0; i < half; ++i) {
-      const double inv_freq = std::pow(double(theta), -2.0 * i / double(rot));
-      for (int p = 0; p < S; ++p) {
-        tab[size_t(p) * half + i] = float(std::cos(double(p) * inv_freq));
-        tab[size_t(S) * half + size_t(p) * half + i] = float(std::sin(double(p) * inv_freq));
-      }
-    }
+    const auto tab = rope_table(S, rot, theta);
     const auto x0 = randv(size_t(B) * S * nh * hd);
     auto x = x0, xr = x0;
     ok(k::rope_apply(x.data(), tab.data(), B * S, S, nh, hd, rot, 1.f, nullptr), what);
@@ -295,6 +300,46 @@ TEST_F(CudaEmu, PkoShiftForwardBackward) {
       exact(out, outr, what + " fwd");
       exact(dk, dkr, what + " bwd");
     }
+  }
+}
+
+// The fused attention input path against the CPU composition (shift, norm, RoPE). 300 rows: two
+// dgain chunks, more than the emulator's 3 blocks of a grid-stride launch see in one round.
+TEST_F(CudaEmu, QkPrepForwardBackward) {
+  const float theta = 10000.f, eps = 1e-6f;
+  for (auto [B, S, nh, hd, rot] : {std::tuple{2, 13, 3, 18, 18}, {1, 75, 4, 40, 20}, {3, 7, 1, 17, 16}}) {
+    const int N = B * S;
+    std::vector<uint8_t> reset(N);
+    std::bernoulli_distribution doc(0.15);
+    for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng_)) ? 1 : 0;
+    const size_t n = size_t(N) * nh * hd, rows = size_t(N) * nh;
+    const auto x = randv(n), dout = randv(n), g = randv(size_t(hd), 0.5f, 1.5f), dg0 = randv(size_t(hd));
+    const auto tab = rope_table(S, rot, theta);
+    for (bool norm : {true, false})
+      for (bool with_gain : {true, false})
+        for (bool pko : {true, false}) {
+          if (quick() && with_gain != norm) continue;
+          const std::string what = fmt("qk_prep B=%d S=%d nh=%d hd=%d rot=%d norm=%d gain=%d pko=%d", B, S, nh, hd,
+                                       rot, int(norm), int(with_gain), int(pko));
+          const float* gain = with_gain ? g.data() : nullptr;
+          const uint8_t* r = pko ? reset.data() : nullptr;
+          auto out = poisoned(n), rstd = poisoned(rows), dx = poisoned(n), dg = dg0, dgr = dg0;
+          std::vector<float> outr(n), rr(rows), dxr(n);
+          std::vector<float> scratch = poisoned(k::qk_prep_backward_scratch_floats(N, nh, hd));
+          ok(k::qk_prep_forward(out.data(), rstd.data(), x.data(), gain, r, tab.data(), N, S, nh, hd, rot, norm, eps,
+                                nullptr),
+             what);
+          cpu::qk_prep_forward<float>(outr.data(), rr.data(), x.data(), gain, r, N, S, nh, hd, rot, theta, norm, eps);
+          check(out, outr, kF32, what + " out");
+          if (norm) check(rstd, rr, kF32, what + " rstd");
+          ok(k::qk_prep_backward(dx.data(), with_gain ? dg.data() : nullptr, dout.data(), x.data(), gain, rr.data(), r,
+                                 tab.data(), N, S, nh, hd, rot, norm, scratch.data(), nullptr),
+             what);
+          cpu::qk_prep_backward<float>(dxr.data(), with_gain ? dgr.data() : nullptr, dout.data(), x.data(), gain,
+                                       rr.data(), r, N, S, nh, hd, rot, theta, norm);
+          check(dx, dxr, kF32, what + " dx");
+          check(dg, dgr, kF32, what + " dgain (+=)");
+        }
   }
 }
 
