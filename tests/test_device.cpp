@@ -2,7 +2,9 @@
 // The CUDA build's own checks are in tests/cuda/test_cuda_kernels.cpp (CudaProbe).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "core/error.h"
@@ -66,6 +68,26 @@ TEST(Device, MakeBackendBuildsTheCpuBackendAndNamesUnknownDevices) {
   const std::string e = error_of([] { make_backend("tpu", 1); });
   EXPECT_NE(e.find("'tpu'"), std::string::npos) << e;
   EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+// Backend::gemm_add on the CPU is the copy + beta = 1 GEMM it replaced in the model, bit for bit,
+// and leaves C alone.
+TEST(Device, CpuGemmAddIsCopyThenAccumulate) {
+  auto be = make_cpu_backend(0);
+  const int M = 37, N = 29, K = 41, ldc = N + 2;
+  std::vector<float> A(size_t(M) * K), B(size_t(N) * K), C(size_t(M) * ldc), D(C.size(), -7.f);
+  for (size_t i = 0; i < A.size(); ++i) A[i] = float(std::sin(0.37 * double(i)));
+  for (size_t i = 0; i < B.size(); ++i) B[i] = float(std::cos(0.11 * double(i)));
+  for (size_t i = 0; i < C.size(); ++i) C[i] = float(std::sin(1.3 * double(i)));
+  const std::vector<float> C0 = C;
+  be->gemm_add(false, true, M, N, K, 0.75f, A.data(), K, B.data(), K, C.data(), D.data(), ldc);
+  std::vector<float> ref = C;
+  be->gemm(false, true, M, N, K, 0.75f, A.data(), K, B.data(), K, 1.f, ref.data(), ldc);
+  EXPECT_EQ(C, C0) << "C was written";
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) ASSERT_EQ(D[size_t(i) * ldc + j], ref[size_t(i) * ldc + j]) << i << "," << j;
+  for (int i = 0; i < M; ++i)  // padding columns of D untouched
+    for (int j = N; j < ldc; ++j) ASSERT_EQ(D[size_t(i) * ldc + j], -7.f);
 }
 
 }  // namespace

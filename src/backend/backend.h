@@ -41,6 +41,11 @@ class Backend : public MemorySpace {
   virtual std::string name() const = 0;
   virtual void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
                     const float* B, int ldb, float beta, float* C, int ldc) = 0;
+  // D = alpha * op(A) op(B) + C, C and D [M, N] with leading dimension ldc (D may be C): the residual
+  // add fused into the GEMM (cuBLASLt reads C and writes D in its epilogue), instead of a copy of C
+  // into D and a GEMM with beta = 1 — one pass over D less.
+  virtual void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+                        int ldb, const float* C, float* D, int ldc) = 0;
   // Grouped GEMM over per-expert row blocks (see cpu::grouped_gemm for the two shapes).
   virtual void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
                             float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB,

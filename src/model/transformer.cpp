@@ -494,8 +494,7 @@ void Transformer::attn_forward(Layer& L) {
     be_.head_gate_forward(L.og, L.gf, L.oin, L.ga, N, H, hd);
     L.oin = L.og;
   }
-  be_.copy(L.mid, L.x, sizeof(float) * size_t(N) * d);
-  be_.gemm(false, true, N, d, Hd, 1.f, L.oin, Hd, L.wo->w, Hd, 1.f, L.mid, d);
+  be_.gemm_add(false, true, N, d, Hd, 1.f, L.oin, Hd, L.wo->w, Hd, L.x, L.mid, d);  // mid = x + o_proj(..)
 }
 
 void Transformer::attn_backward(Layer& L) {
@@ -546,8 +545,8 @@ void Transformer::layer_forward(size_t l, bool record, bool balance) {
   attn_forward(L);
   norm_forward(L.h2, L.r2, L.mid, L.ln2, L.gn2);
   float* next = l + 1 < layers_.size() ? layers_[l + 1].x : x_final_;
-  be_.copy(next, L.mid, sizeof(float) * size_t(N) * d);
   if (L.moe) {
+    be_.copy(next, L.mid, sizeof(float) * size_t(N) * d);  // the MoE block adds its output onto it
     const MoeDims md = moe_dims();
     const size_t mi = size_t(L.moe_index);
     moe_forward<float>(ops_, md, moe_weights(L), L.ma, L.h2, next);
@@ -564,7 +563,7 @@ void Transformer::layer_forward(size_t l, bool record, bool balance) {
   be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wg->w, d, 0.f, L.gate, I);
   be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wu->w, d, 0.f, L.up, I);
   be_.swiglu_forward(L.act, L.gate, L.up, size_t(N) * I);
-  be_.gemm(false, true, N, d, I, 1.f, L.act, I, L.wd->w, I, 1.f, next, d);
+  be_.gemm_add(false, true, N, d, I, 1.f, L.act, I, L.wd->w, I, L.mid, next, d);  // next = mid + down(..)
 }
 
 void Transformer::forward(bool training) {

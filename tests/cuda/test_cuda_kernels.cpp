@@ -146,6 +146,40 @@ TEST_F(CudaKernels, GemmBf16WithinBf16Tolerance) {
   }
 }
 
+// gemm_add: D = alpha op(A) op(B) + C with D != C (the residual add in cuBLASLt's epilogue), D
+// poisoned first, C unchanged; D == C; K = 0 (D = C); fp32 and bf16.
+TEST_F(CudaKernels, GemmAddReadsCWritesD) {
+  cuda::CudaOptions o;
+  o.bf16 = true;
+  auto bf = cuda::make_backend(o);
+  for (cuda::CudaBackend* b : {&be(), bf.get()}) {
+    const double tol = b->bf16() ? 1e-2 : kF32;
+    for (int K : {70, 0}) {
+      const int M = 45, N = 33, ldc = N + 3, lda = K + 1;
+      auto A = randv(size_t(M) * std::max(lda, 1)), W = randv(size_t(N) * std::max(K, 1)), C = randv(size_t(M) * ldc);
+      auto dA = up(A), dW = up(W), dC = up(C);
+      auto dD = poisoned(size_t(M) * ldc);
+      b->gemm_add(false, true, M, N, K, 0.5f, dA.data(), lda, dW.data(), K > 0 ? K : 1, dC.data(), dD.data(), ldc);
+      std::vector<float> ref = C;
+      cpu::gemm<float>(false, true, M, N, K, 0.5f, A.data(), lda, W.data(), K > 0 ? K : 1, 1.f, ref.data(), ldc);
+      const auto got = down(dD, size_t(M) * ldc), c_after = down(dC, size_t(M) * ldc);
+      std::vector<float> g, r;
+      for (int i = 0; i < M; ++i)
+        for (int j = 0; j < N; ++j) g.push_back(got[size_t(i) * ldc + j]), r.push_back(ref[size_t(i) * ldc + j]);
+      const std::string what = fmt::format("gemm_add {} K={}", b->bf16() ? "bf16" : "fp32", K);
+      check(g, r, K == 0 ? 0.0 : tol, what);
+      EXPECT_EQ(c_after, C) << what << ": C was written";
+      // In place (D == C), as gemm with beta = 1.
+      b->gemm_add(false, true, M, N, K, 0.5f, dA.data(), lda, dW.data(), K > 0 ? K : 1, dC.data(), dC.data(), ldc);
+      const auto inplace = down(dC, size_t(M) * ldc);
+      std::vector<float> gi;
+      for (int i = 0; i < M; ++i)
+        for (int j = 0; j < N; ++j) gi.push_back(inplace[size_t(i) * ldc + j]);
+      check(gi, r, K == 0 ? 0.0 : tol, what + " in place");
+    }
+  }
+}
+
 // bf16 GEMMs reuse an operand's cast for the next GEMMs reading it, until anything else runs or a
 // GEMM writes over it. Each case changes X between two GEMMs in one of the ways that must drop the
 // cast (an op, a copy, an upload, a GEMM writing into X) and checks the second result against the

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "backend/backend.h"
@@ -28,6 +29,17 @@ class CpuBackend final : public Backend {
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
             int ldb, float beta, float* C, int ldc) override {
     cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  // The copy-then-accumulate it replaces, so CPU results stay bitwise the same.
+  void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+                const float* C, float* D, int ldc) override {
+    if (C != D && M > 0 && N > 0) {
+      if (ldc == N)
+        std::memcpy(D, C, sizeof(float) * size_t(M) * size_t(N));
+      else
+        for (int i = 0; i < M; ++i) std::memcpy(D + size_t(i) * ldc, C + size_t(i) * ldc, sizeof(float) * size_t(N));
+    }
+    cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, 1.f, D, ldc);
   }
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C,

@@ -123,6 +123,15 @@ class CudaBackendImpl final : public CudaBackend {
 
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) override {
+    gemm_into(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, C, ldc);
+  }
+  void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+                const float* C, float* D, int ldc) override {
+    gemm_into(ta, tb, M, N, K, alpha, A, lda, B, ldb, 1.f, C, D, ldc);
+  }
+  // D = alpha op(A) op(B) + beta C_in (C_in may be D): both GEMM entry points.
+  void gemm_into(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+                 int ldb, float beta, const float* C_in, float* C, int ldc) {
     if (opt_.bf16 && M > 0 && N > 0 && K > 0) {
       // bf16 x bf16 -> fp32 on the tensor cores. An operand inside the registered weights is read
       // from their bf16 mirror (cast once per optimizer step, same leading dimension); any other
@@ -150,7 +159,7 @@ class CudaBackendImpl final : public CudaBackend {
       int la = 0, lb = 0;
       const uint16_t* a = operand(A, ar, ac, lda, cast_a_, "gemm (bf16 cast of A)", la);
       const uint16_t* b = operand(B, br, bc, ldb, cast_b_, "gemm (bf16 cast of B)", lb);
-      gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, beta, C, ldc);
+      gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, beta, C, ldc, false, C_in);
       // This GEMM wrote C: a cached cast of memory it overlaps is stale now.
       const char* c0 = reinterpret_cast<const char*>(C);
       const char* c1 = reinterpret_cast<const char*>(C + size_t(M - 1) * ldc + N);
@@ -160,7 +169,8 @@ class CudaBackendImpl final : public CudaBackend {
       return;
     }
     touch(C);
-    gemm_->run(opt_.tf32 ? GemmType::TF32 : GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    gemm_->run(opt_.tf32 ? GemmType::TF32 : GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, false,
+               C_in);
     post("gemm");
   }
 

@@ -26,7 +26,7 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
 };
 
-using Key = std::tuple<int, bool, bool, int, int, int, int, int, int, bool, uint32_t, uint32_t, uint32_t>;
+using Key = std::tuple<int, bool, bool, int, int, int, int, int, int, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 }  // namespace
 
@@ -47,9 +47,9 @@ struct LtGemm::Impl {
   }
 
   const Plan& plan(GemmType type, bool ta, bool tb, int M, int N, int K, int lda, int ldb, int ldc, bool c_bf16,
-                   const void* A, const void* B, const void* C) {
-    const uint32_t al_a = alignment(A), al_b = alignment(B), al_c = alignment(C);
-    const Key key{int(type), ta, tb, M, N, K, lda, ldb, ldc, c_bf16, al_a, al_b, al_c};
+                   const void* A, const void* B, const void* C, const void* D) {
+    const uint32_t al_a = alignment(A), al_b = alignment(B), al_c = alignment(C), al_d = alignment(D);
+    const Key key{int(type), ta, tb, M, N, K, lda, ldb, ldc, c_bf16, al_a, al_b, al_c, al_d};
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
 
@@ -76,7 +76,7 @@ struct LtGemm::Impl {
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_b, sizeof(al_b));
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_a, sizeof(al_a));
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
     cublasLtMatmulHeuristicResult_t res{};
     int found = 0;
     const cublasStatus_t st_h =
@@ -104,15 +104,19 @@ LtGemm::LtGemm(cudaStream_t st, size_t workspace_bytes) : impl_(std::make_unique
 LtGemm::~LtGemm() = default;
 
 void LtGemm::run(GemmType type, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, int lda,
-                 const void* B, int ldb, float beta, void* C, int ldc, bool c_bf16) {
+                 const void* B, int ldb, float beta, void* C, int ldc, bool c_bf16, const void* C_in) {
   if (M <= 0 || N <= 0) return;
-  if (K <= 0) {  // C = beta * C; cuBLASLt does not take k = 0
+  if (!C_in) C_in = C;
+  if (K <= 0) {  // C = beta * C_in; cuBLASLt does not take k = 0
     if (type == GemmType::BF16 && c_bf16) fail("internal error: bf16-output gemm with K = 0");
+    if (C_in != C && beta != 0.f)
+      LADDER_CUDA_CHECK(cudaMemcpy2DAsync(C, size_t(ldc) * sizeof(float), C_in, size_t(ldc) * sizeof(float),
+                                          size_t(N) * sizeof(float), size_t(M), cudaMemcpyDeviceToDevice, impl_->st));
     LADDER_CUDA_CHECK(k::scale_matrix(static_cast<float*>(C), M, N, ldc, beta, impl_->st));
     return;
   }
-  const Plan& p = impl_->plan(type, ta, tb, M, N, K, lda, ldb, ldc, c_bf16, A, B, C);
-  LADDER_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.op, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
+  const Plan& p = impl_->plan(type, ta, tb, M, N, K, lda, ldb, ldc, c_bf16, A, B, C_in, C);
+  LADDER_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.op, &alpha, B, p.a, A, p.b, &beta, C_in, p.c, C, p.c, &p.algo,
                                      impl_->workspace.data(), impl_->workspace.bytes(), impl_->st));
 }
 

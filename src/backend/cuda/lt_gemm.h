@@ -30,8 +30,10 @@ class LtGemm {
   LtGemm& operator=(const LtGemm&) = delete;
 
   // For BF16, A and B point to bf16 (uint16_t storage) and C is bf16 when c_bf16, else fp32.
+  // C_in (same type and layout as C): when set, the addend beta * C is read from C_in and the result
+  // written to C (cuBLASLt's separate C and D matrices), e.g. a residual add without a copy first.
   void run(GemmType type, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, int lda,
-           const void* B, int ldb, float beta, void* C, int ldc, bool c_bf16 = false);
+           const void* B, int ldb, float beta, void* C, int ldc, bool c_bf16 = false, const void* C_in = nullptr);
 
  private:
   struct Impl;

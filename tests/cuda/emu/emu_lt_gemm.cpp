@@ -56,8 +56,15 @@ LtGemm::LtGemm(cudaStream_t st, size_t) : impl_(std::make_unique<Impl>(Impl{st})
 LtGemm::~LtGemm() = default;
 
 void LtGemm::run(GemmType type, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, int lda,
-                 const void* B, int ldb, float beta, void* C, int ldc, bool c_bf16) {
+                 const void* B, int ldb, float beta, void* C, int ldc, bool c_bf16, const void* C_in) {
   if (M <= 0 || N <= 0) return;
+  // A separate addend (C_in): copied into C first, then the in-place contract below.
+  if (C_in && C_in != C && beta != 0.f) {
+    const size_t es = c_bf16 ? sizeof(uint16_t) : sizeof(float);
+    for (int i = 0; i < M; ++i)
+      std::memcpy(static_cast<char*>(C) + size_t(i) * ldc * es, static_cast<const char*>(C_in) + size_t(i) * ldc * es,
+                  size_t(N) * es);
+  }
   if (K <= 0) {
     if (type == GemmType::BF16 && c_bf16) fail("internal error: bf16-output gemm with K = 0");
     LADDER_CUDA_CHECK(k::scale_matrix(static_cast<float*>(C), M, N, ldc, beta, impl_->st));
