@@ -75,6 +75,21 @@ inline Config switches_config() {
   return c;
 }
 
+// Every switch and a MoE block (with its shared expert, balancing, router z-loss; layer 1 dense):
+// the widest model, for the memory-layout options (recompute, bf16 saved activations).
+inline Config moe_switches_config() {
+  Config c = switches_config();
+  const Config m = moe_config();
+  for (auto f : {&ModelConfig::moe_experts, &ModelConfig::moe_top_k, &ModelConfig::moe_expert_ff,
+                 &ModelConfig::moe_shared_ff})
+    c.model.*f = m.model.*f;
+  c.model.moe_shared_expert = m.model.moe_shared_expert;
+  c.model.moe_balance = m.model.moe_balance;
+  c.model.router_z_loss = m.model.router_z_loss;
+  c.model.moe_layers = m.model.moe_layers;
+  return c;
+}
+
 // Uniform tokens; every 11th position an end-of-document id, so PKO resets inside sequences.
 inline void make_batch(const Config& c, uint64_t seed, std::vector<int32_t>& in, std::vector<int32_t>& tg) {
   const size_t N = size_t(c.run.batch_size) * c.model.seq_len;

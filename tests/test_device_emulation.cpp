@@ -122,29 +122,14 @@ TEST(DeviceEmulation, SwitchesMuonhIsBitIdenticalWithoutHostAccess) { train_and_
 TEST(DeviceEmulation, MoeMuonhIsBitIdenticalWithoutHostAccess) { train_and_compare(moe_config(), "muonh"); }
 
 TEST(DeviceEmulation, RecomputeMoeSwitchesIsBitIdenticalWithoutHostAccess) {
-  Config c = switches_config();
-  const Config m = moe_config();
-  c.model.moe_experts = m.model.moe_experts;
-  c.model.moe_top_k = m.model.moe_top_k;
-  c.model.moe_expert_ff = m.model.moe_expert_ff;
-  c.model.moe_balance = m.model.moe_balance;
-  c.model.router_z_loss = m.model.router_z_loss;
-  c.model.moe_layers = m.model.moe_layers;
+  Config c = moe_switches_config();
   c.model.recompute = true;
   train_and_compare(c, "adamw");
 }
 
 // bf16 saved activations: packing and restoring through backend ops only, bit-identical.
 TEST(DeviceEmulation, SavedBf16MoeSwitchesIsBitIdenticalWithoutHostAccess) {
-  Config c = switches_config();
-  const Config m = moe_config();
-  c.model.moe_experts = m.model.moe_experts;
-  c.model.moe_top_k = m.model.moe_top_k;
-  c.model.moe_expert_ff = m.model.moe_expert_ff;
-  c.model.moe_shared_expert = m.model.moe_shared_expert;
-  c.model.moe_shared_ff = m.model.moe_shared_ff;
-  c.model.moe_balance = m.model.moe_balance;
-  c.model.moe_layers = m.model.moe_layers;
+  Config c = moe_switches_config();
   c.model.saved_activations = "bf16";
   train_and_compare(c, "adamw");
 }

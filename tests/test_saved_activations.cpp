@@ -72,6 +72,15 @@ TEST(Bf16Storage, RoundsToNearestEvenOnTheBitPattern) {
   }
 }
 
+// The same config with fp32 (first) and bf16 (second) saved activations, validated.
+std::pair<Config, Config> fp32_and_bf16(const Config& c) {
+  std::pair<Config, Config> r{c, c};
+  r.second.model.saved_activations = "bf16";
+  validate(r.first);
+  validate(r.second);
+  return r;
+}
+
 double rel(const float* a, const float* b, size_t n) {
   double num = 0, den = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -88,12 +97,9 @@ TEST(SavedActivationsBf16, SameForwardCloseGradientsHalfTheMemory) {
   for (Config c : {dense_config(), moe_config(), switches_config()}) {
     // 12 layers: one fp32 set per layer kind is shared, so the saving shows from 3 layers per kind.
     c.model.n_layers = 12;
-    Config h = c;
-    h.model.saved_activations = "bf16";
-    validate(c);
-    validate(h);
+    const auto [cf, h] = fp32_and_bf16(c);
     auto be = make_cpu_backend(0);
-    Transformer a(c.model, c.run.batch_size, *be), b(h.model, h.run.batch_size, *be);
+    Transformer a(cf.model, cf.run.batch_size, *be), b(h.model, h.run.batch_size, *be);
     a.init(9);
     b.init(9);
     // Per layer, the packed tensors (everything but x, mid and the small statistics) take half; the
@@ -140,15 +146,12 @@ TEST(SavedActivationsBf16, TrainingFollowsTheFp32Run) {
     c.optim.name = "adamw";
     c.optim.lr = 1e-2;
     c.run.steps = 20;
-    Config h = c;
-    h.model.saved_activations = "bf16";
-    validate(c);
-    validate(h);
+    const auto [cf, h] = fp32_and_bf16(c);
     auto be = make_cpu_backend(0);
-    Transformer a(c.model, c.run.batch_size, *be), b(h.model, h.run.batch_size, *be);
+    Transformer a(cf.model, cf.run.batch_size, *be), b(h.model, h.run.batch_size, *be);
     a.init(5);
     b.init(5);
-    auto oa = make_optimizer(c, a, *be), ob = make_optimizer(h, b, *be);
+    auto oa = make_optimizer(cf, a, *be), ob = make_optimizer(h, b, *be);
     std::vector<int32_t> in(size_t(c.run.batch_size) * c.model.seq_len), tg(in.size());
     double first = 0, last = 0, worst = 0;
     for (int t = 0; t < c.run.steps; ++t) {
