@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "host_params.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/rng.h"
@@ -24,9 +25,7 @@ namespace {
 // A parameter list with every role the recipe names, built by hand (the dense model has no MoE,
 // gate or GatedNorm tensors yet). Shapes cover wide, tall and square matrices and [E, out, in]
 // expert stacks (E = 3). Linear weights are [out, in].
-struct HandModel {
-  std::vector<Param> params;
-  std::vector<float> w, g;
+struct HandModel : test::HostParams {
   HandModel() {
     const int64_t V = 40, d = 24, E = 3, I = 16;
     add("model.embed_tokens.weight", Role::Embedding, {V, d});
@@ -43,29 +42,7 @@ struct HandModel {
     add("model.layers.1.mlp.down_proj.weight", Role::MlpMatrix, {d, 48});
     add("model.norm.weight", Role::NormGain, {d});
     add("lm_head.weight", Role::Head, {V, d});
-    size_t n = 0;
-    for (auto& p : params) n += p.numel;
-    w.resize(n);
-    g.resize(n);
-    size_t off = 0;
-    for (auto& p : params) {
-      p.w = w.data() + off;
-      p.g = g.data() + off;
-      off += p.numel;
-    }
-    Philox r(7, stream_id("hand-model"));
-    for (size_t i = 0; i < n; ++i) w[i] = float(0.2 * r.normal(i));
-    for (auto& p : params)
-      if (p.role == Role::NormGain) std::fill(p.w, p.w + p.numel, 1.0f);
-  }
-  void add(const std::string& name, Role role, std::vector<int64_t> shape) {
-    Param p;
-    p.name = name;
-    p.role = role;
-    p.shape = shape;
-    p.numel = 1;
-    for (auto s : shape) p.numel *= size_t(s);
-    params.push_back(p);
+    carve(7, "hand-model");
   }
   // Deterministic gradients of step t, of varied scale per tensor.
   void set_grads(int t) {

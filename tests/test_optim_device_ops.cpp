@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "host_params.h"
 #include "backend/forwarding_backend.h"
 #include "model/config.h"
 #include "core/rng.h"
@@ -191,9 +192,7 @@ TEST(OptimDeviceOps, DeviceClipIsTheHostClipBitwise) {
 
 // Params with every optimizer's kind of tensor: vectors, wide/tall/square matrices, an [E, out, in]
 // stack, an embedding (its own group through embed_lr_mult) and the head.
-struct Params {
-  std::vector<Param> params;
-  std::vector<float> w, g;
+struct Params : test::HostParams {
   Params() {
     const int64_t V = 30, d = 20, E = 3;
     add("model.embed_tokens.weight", Role::Embedding, {V, d});
@@ -205,27 +204,7 @@ struct Params {
     add("model.layers.0.mlp.shared_expert.up_proj.weight", Role::SharedExpert, {d, d});
     add("model.norm.weight", Role::NormGain, {d});
     add("lm_head.weight", Role::Head, {V, d});
-    size_t n = 0;
-    for (auto& p : params) n += p.numel;
-    w.resize(n);
-    g.resize(n);
-    size_t off = 0;
-    for (auto& p : params) {
-      p.w = w.data() + off;
-      p.g = g.data() + off;
-      off += p.numel;
-    }
-    Philox r(3, stream_id("device-ops-params"));
-    for (size_t i = 0; i < n; ++i) w[i] = float(0.2 * r.normal(i));
-  }
-  void add(const std::string& name, Role role, std::vector<int64_t> shape) {
-    Param p;
-    p.name = name;
-    p.role = role;
-    p.shape = shape;
-    p.numel = 1;
-    for (auto s : shape) p.numel *= size_t(s);
-    params.push_back(p);
+    carve(3, "device-ops-params");
   }
   void set_grads(int t) {
     Philox r(5, stream_id("device-ops-grads") + uint64_t(t));
@@ -356,13 +335,12 @@ TEST(OptimDeviceOps, EveryPresetStepsBitwiseAsTheFormerHostLoop) {
   }
 }
 
-// Transformer::clip_grads_async + last_grad_norm against grad_norm() + scale_inplace per tensor with
-// the host's factor (the trainer's former clip), on a small model's real gradient layout.
-TEST(OptimDeviceOps, ModelClipGradsAsyncIsTheHostClipBitwise) {
+// A dense model small enough for bitwise comparisons of whole gradient arenas.
+ModelConfig tiny_model(int layers) {
   ModelConfig m;
   m.vocab_size = 40;
   m.d_model = 16;
-  m.n_layers = 2;
+  m.n_layers = layers;
   m.n_heads = 2;
   m.n_kv_heads = 1;
   m.head_dim = 8;
@@ -370,6 +348,13 @@ TEST(OptimDeviceOps, ModelClipGradsAsyncIsTheHostClipBitwise) {
   m.seq_len = 16;
   m.rope_theta = 10000;
   m.init_std = 0.3;
+  return m;
+}
+
+// Transformer::clip_grads_async + last_grad_norm against grad_norm() + scale_inplace per tensor with
+// the host's factor (the trainer's former clip), on a small model's real gradient layout.
+TEST(OptimDeviceOps, ModelClipGradsAsyncIsTheHostClipBitwise) {
+  const ModelConfig m = tiny_model(2);
   auto be = make_cpu_backend(0);
   Transformer model(m, 2, *be);
   model.init(3);
@@ -444,16 +429,7 @@ TEST(OptimDeviceOps, StepsAfterTheFirstAndTheClipCallNothingThatWaits) {
     }
     EXPECT_EQ(be.waits, 0);
   }
-  ModelConfig m;
-  m.vocab_size = 40;
-  m.d_model = 16;
-  m.n_layers = 1;
-  m.n_heads = 2;
-  m.n_kv_heads = 1;
-  m.head_dim = 8;
-  m.d_ff = 32;
-  m.seq_len = 16;
-  m.rope_theta = 10000;
+  const ModelConfig m = tiny_model(1);
   WaitCounter be;
   Transformer model(m, 1, be);
   model.clip_grads_async(1.0);  // the first call allocates its two scalars (no copy)
