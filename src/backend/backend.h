@@ -46,6 +46,12 @@ class Backend : public MemorySpace {
   // into D and a GEMM with beta = 1 — one pass over D less.
   virtual void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
                         int ldb, const float* C, float* D, int ldc) = 0;
+  // gemm() with B given as bf16 bits (uint16_t, leading dimension ldb): the product gemm() computes
+  // on B's fp32 value (a bf16 widens exactly), so the result equals widening B first, without that
+  // pass. For weight gradients of activations kept in bf16 (model.saved_activations) that only GEMMs
+  // read; under bf16 GEMMs the copy is read as it is, with no cast either.
+  virtual void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B,
+                        int ldb, float beta, float* C, int ldc) = 0;
   // Grouped GEMM over per-expert row blocks (see cpu::grouped_gemm for the two shapes).
   virtual void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
                             float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB,

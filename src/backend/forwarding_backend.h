@@ -49,6 +49,11 @@ class ForwardingBackend : public Backend {
     std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
     wrap(op.c_str(), 2.0 * M * N * K, [&] { b_->gemm_add(ta, tb, M, N, K, alpha, A, lda, B, ldb, C, D, ldc); });
   }
+  void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B, int ldb,
+                float beta, float* C, int ldc) override {
+    std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
+    wrap(op.c_str(), 2.0 * M * N * K, [&] { b_->gemm_b16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
+  }
   void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C, int ldc,
                     size_t strideC) override {

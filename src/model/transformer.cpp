@@ -257,7 +257,13 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     for (auto& pk : L.packed) pk_bytes += Arena::padded(pk.n, sizeof(uint16_t));
   packed_arena_.reserve(pk_bytes, be_, "saved activations (bf16)");
   for (auto& L : layers_)
-    for (auto& pk : L.packed) pk.bf16 = packed_arena_.alloc<uint16_t>(pk.n);
+    for (auto& pk : L.packed) {
+      pk.bf16 = packed_arena_.alloc<uint16_t>(pk.n);
+      // Read by the backward only as the B of weight-gradient GEMMs: the block inputs after the
+      // norms (h2 of dense MLPs; the MoE block reads its h2 in moe_backward), the SwiGLU output and
+      // the gated attention output.
+      pk.gemm_only = pk.fp32 == &L.h1 || pk.fp32 == &L.act || pk.fp32 == &L.og || (pk.fp32 == &L.h2 && !L.moe);
+    }
 
   // The host edge, in backend memory: ids and targets of one micro-batch, PKO flags, the sums a
   // forward downloads once, per-tensor gradient sums of squares, MoE load counts and betas.
@@ -497,16 +503,23 @@ void Transformer::attn_forward(Layer& L) {
   be_.gemm_add(false, true, N, d, Hd, 1.f, L.oin, Hd, L.wo->w, Hd, L.x, L.mid, d);  // mid = x + o_proj(..)
 }
 
+void Transformer::wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int K, const float* A, int lda,
+                             const float* B, int ldb, float* C, int ldc) {
+  for (const auto& pk : L.packed)
+    if (pk.gemm_only && *pk.fp32 == B) return be_.gemm_b16(ta, tb, M, N, K, 1.f, A, lda, pk.bf16, ldb, 1.f, C, ldc);
+  be_.gemm(ta, tb, M, N, K, 1.f, A, lda, B, ldb, 1.f, C, ldc);
+}
+
 void Transformer::attn_backward(Layer& L) {
   const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd();
   const int Hd = H * hd, KVd = KV * hd, rot = cfg_.rope_dims();
   const float theta = float(cfg_.rope_theta);
   // d_o_ = d(o_proj input); the switches then turn it, in place, into d(attention output).
   be_.gemm(false, false, N, Hd, d, 1.f, d_res_, d, L.wo->w, Hd, 0.f, d_o_, Hd);
-  be_.gemm(true, false, d, Hd, N, 1.f, d_res_, d, L.oin, Hd, 1.f, L.wo->g, Hd);
+  wgrad_gemm(L, true, false, d, Hd, N, d_res_, d, L.oin, Hd, L.wo->g, Hd);
   if (L.wgate) {
     be_.head_gate_backward(d_o_, d_ga_, d_o_, cfg_.xsa ? L.z : L.o, L.gf, N, H, hd);
-    be_.gemm(true, false, H, d, N, 1.f, d_ga_, H, L.h1, d, 1.f, L.wgate->g, d);
+    wgrad_gemm(L, true, false, H, d, N, d_ga_, H, L.h1, d, L.wgate->g, d);
   }
   if (cfg_.xsa) be_.xsa_backward(d_o_, d_vx_, d_o_, L.o, L.v, N, H, KV, hd);
   be_.attention_backward(d_qn_, d_kn_, d_v_, d_o_, L.qr, L.kr, L.v, L.o, L.lse, attn_shape(L.window));
@@ -521,9 +534,9 @@ void Transformer::attn_backward(Layer& L) {
   be_.gemm(false, false, N, d, KVd, 1.f, dk, KVd, L.wk->w, d, 1.f, d_h_, d);
   be_.gemm(false, false, N, d, KVd, 1.f, d_v_, KVd, L.wv->w, d, 1.f, d_h_, d);
   if (L.wgate) be_.gemm(false, false, N, d, H, 1.f, d_ga_, H, L.wgate->w, d, 1.f, d_h_, d);
-  be_.gemm(true, false, Hd, d, N, 1.f, dq, Hd, L.h1, d, 1.f, L.wq->g, d);
-  be_.gemm(true, false, KVd, d, N, 1.f, dk, KVd, L.h1, d, 1.f, L.wk->g, d);
-  be_.gemm(true, false, KVd, d, N, 1.f, d_v_, KVd, L.h1, d, 1.f, L.wv->g, d);
+  wgrad_gemm(L, true, false, Hd, d, N, dq, Hd, L.h1, d, L.wq->g, d);
+  wgrad_gemm(L, true, false, KVd, d, N, dk, KVd, L.h1, d, L.wk->g, d);
+  wgrad_gemm(L, true, false, KVd, d, N, d_v_, KVd, L.h1, d, L.wv->g, d);
 }
 
 void Transformer::upload_batch(const int32_t* inputs, const int32_t* targets) {
@@ -637,7 +650,8 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
     if (cfg_.recompute && l + 1 < int(layers_.size())) layer_forward(size_t(l), /*record=*/false, false);
     // bf16 storage: back into the shared fp32 set, for every layer (the last one's fp32 values
     // are still there, but its backward reads the same rounded values as every other layer's).
-    for (auto& pk : L.packed) be_.from_bf16(*pk.fp32, pk.bf16, pk.n);
+    for (auto& pk : L.packed)
+      if (!pk.gemm_only) be_.from_bf16(*pk.fp32, pk.bf16, pk.n);
     if (L.moe) {
       // MoE: next = mid + MoE(h2); d_h = d(h2).
       MoeGrads<float> G{L.router->g, L.eg->g, L.eu->g, L.ed->g, L.sg ? L.sg->g : nullptr,
@@ -646,12 +660,12 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
     } else {
     // MLP: next = mid + down(silu(gate(h2)) * up(h2)); d_res holds d(next).
     be_.gemm(false, false, N, I, d, 1.f, d_res_, d, L.wd->w, I, 0.f, d_act_, I);
-    be_.gemm(true, false, d, I, N, 1.f, d_res_, d, L.act, I, 1.f, L.wd->g, I);
+    wgrad_gemm(L, true, false, d, I, N, d_res_, d, L.act, I, L.wd->g, I);
     be_.swiglu_backward(d_gate_, d_up_, d_act_, L.gate, L.up, size_t(N) * I);
     be_.gemm(false, false, N, d, I, 1.f, d_gate_, I, L.wg->w, d, 0.f, d_h_, d);
     be_.gemm(false, false, N, d, I, 1.f, d_up_, I, L.wu->w, d, 1.f, d_h_, d);
-    be_.gemm(true, false, I, d, N, 1.f, d_gate_, I, L.h2, d, 1.f, L.wg->g, d);
-    be_.gemm(true, false, I, d, N, 1.f, d_up_, I, L.h2, d, 1.f, L.wu->g, d);
+    wgrad_gemm(L, true, false, I, d, N, d_gate_, I, L.h2, d, L.wg->g, d);
+    wgrad_gemm(L, true, false, I, d, N, d_up_, I, L.h2, d, L.wu->g, d);
     }
     norm_backward(d_res_, d_h_, L.mid, L.ln2, L.r2, L.gn2, true);  // d_res = d(mid)
     attn_backward(L);                                              // d_h = d(h1)

@@ -179,7 +179,9 @@ class Transformer {
     // model.saved_activations bf16: this layer's bf16 copy of each packable saved tensor; *fp32 is
     // the layer's pointer to it (into the set shared by its kind). Filled after the layer's
     // forward, unpacked before its backward.
-    struct Packed { float** fp32; uint16_t* bf16; size_t n; };
+    // gemm_only: the backward reads it only as a GEMM operand (wgrad_gemm), straight from the bf16
+    // copy, so it is never unpacked.
+    struct Packed { float** fp32; uint16_t* bf16; size_t n; bool gemm_only = false; };
     std::vector<Packed> packed;
   };
 
@@ -199,6 +201,10 @@ class Transformer {
   // Attention sublayer: L.mid = L.x + o_proj(attention(L.h1)); backward reads d(mid) from d_res_
   // and leaves d(h1) in d_h_ (overwritten), parameter gradients accumulated.
   void attn_forward(Layer& L);
+  // A weight gradient C += op(A) op(B) whose B is one of L's saved activations: from its bf16 copy
+  // when it is kept gemm_only (Backend::gemm_b16), else the fp32 tensor.
+  void wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
+                  int ldb, float* C, int ldc);
   void attn_backward(Layer& L);
   // RMSNorm followed by GatedNorm when gn.down is set (model/attn_switches.cpp). Backward writes
   // (or adds, when accumulate_dx) d(x) into dx from dout.

@@ -180,6 +180,32 @@ TEST_F(CudaKernels, GemmAddReadsCWritesD) {
   }
 }
 
+// gemm_b16: B given as bf16 bits (a view with its own leading dimension), against the CPU's GEMM on
+// B widened; on the fp32 backend (B widened into scratch) and the bf16 one (B read as it is).
+TEST_F(CudaKernels, GemmWithBf16BMatchesTheWidenedProduct) {
+  cuda::CudaOptions o;
+  o.bf16 = true;
+  auto bf = cuda::make_backend(o);
+  for (cuda::CudaBackend* b : {&be(), bf.get()}) {
+    for (bool tb : {false, true}) {
+      const int M = 40, N = 36, K = 52, ldb = (tb ? K : N) + 5, ldc = N;
+      const int brows = tb ? N : K;
+      auto A = randv(size_t(K) * M), Bf = randv(size_t(brows) * ldb), C = randv(size_t(M) * ldc);
+      std::vector<uint16_t> B16(Bf.size());
+      cpu::f32_to_bf16(B16.data(), Bf.data(), Bf.size());
+      std::vector<float> Bw(Bf.size());
+      cpu::bf16_to_f32(Bw.data(), B16.data(), B16.size());
+      auto dA = up(A), dC = up(C);
+      auto dB = up(B16, 1);  // odd offset
+      b->gemm_b16(true, tb, M, N, K, 0.5f, dA.data(), M, dB.data() + 1, ldb, 1.f, dC.data(), ldc);
+      std::vector<float> ref = C;
+      cpu::gemm<float>(true, tb, M, N, K, 0.5f, A.data(), M, Bw.data(), ldb, 1.f, ref.data(), ldc);
+      check(down(dC, ref.size()), ref, b->bf16() ? 1e-2 : kF32,
+            fmt::format("gemm_b16 {} tb={}", b->bf16() ? "bf16" : "fp32", int(tb)));
+    }
+  }
+}
+
 // bf16 GEMMs reuse an operand's cast for the next GEMMs reading it, until anything else runs or a
 // GEMM writes over it. Each case changes X between two GEMMs in one of the ways that must drop the
 // cast (an op, a copy, an upload, a GEMM writing into X) and checks the second result against the

@@ -41,6 +41,15 @@ class CpuBackend final : public Backend {
     }
     cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, 1.f, D, ldc);
   }
+  // Widened into scratch with B's own leading dimension: the same sgemm call as on an fp32 B.
+  void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B,
+                int ldb, float beta, float* C, int ldc) override {
+    const int rows = tb ? N : K, cols = tb ? K : N;
+    const size_t span = rows > 0 && cols > 0 ? size_t(rows - 1) * size_t(ldb) + size_t(cols) : 0;
+    if (b_wide_.size() < span) b_wide_.resize(span);
+    cpu::bf16_to_f32(b_wide_.data(), B, span);
+    cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, b_wide_.data(), ldb, beta, C, ldc);
+  }
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C,
                     int ldc, size_t strideC) override {
@@ -249,6 +258,7 @@ class CpuBackend final : public Backend {
 
  private:
   std::vector<float> ns_work_;
+  std::vector<float> b_wide_;  // gemm_b16's widened B (grows to the largest, then reused)
 };
 
 }  // namespace

@@ -123,15 +123,20 @@ class CudaBackendImpl final : public CudaBackend {
 
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) override {
-    gemm_into(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, C, ldc);
+    gemm_into(ta, tb, M, N, K, alpha, A, lda, B, nullptr, ldb, beta, C, C, ldc);
+  }
+  void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B,
+                int ldb, float beta, float* C, int ldc) override {
+    gemm_into(ta, tb, M, N, K, alpha, A, lda, nullptr, B, ldb, beta, C, C, ldc);
   }
   void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                 const float* C, float* D, int ldc) override {
-    gemm_into(ta, tb, M, N, K, alpha, A, lda, B, ldb, 1.f, C, D, ldc);
+    gemm_into(ta, tb, M, N, K, alpha, A, lda, B, nullptr, ldb, 1.f, C, D, ldc);
   }
-  // D = alpha op(A) op(B) + beta C_in (C_in may be D): both GEMM entry points.
+  // D = alpha op(A) op(B) + beta C_in (C_in may be D): every GEMM entry point. B is fp32 (B) or
+  // bf16 bits (B16, gemm_b16), the other nullptr.
   void gemm_into(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
-                 int ldb, float beta, const float* C_in, float* C, int ldc) {
+                 const uint16_t* B16, int ldb, float beta, const float* C_in, float* C, int ldc) {
     if (opt_.bf16 && M > 0 && N > 0 && K > 0) {
       // bf16 x bf16 -> fp32 on the tensor cores. An operand inside the registered weights is read
       // from their bf16 mirror (cast once per optimizer step, same leading dimension); any other
@@ -158,7 +163,7 @@ class CudaBackendImpl final : public CudaBackend {
       };
       int la = 0, lb = 0;
       const uint16_t* a = operand(A, ar, ac, lda, cast_a_, "gemm (bf16 cast of A)", la);
-      const uint16_t* b = operand(B, br, bc, ldb, cast_b_, "gemm (bf16 cast of B)", lb);
+      const uint16_t* b = B16 ? (lb = ldb, B16) : operand(B, br, bc, ldb, cast_b_, "gemm (bf16 cast of B)", lb);
       gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, beta, C, ldc, false, C_in);
       // This GEMM wrote C: a cached cast of memory it overlaps is stale now.
       const char* c0 = reinterpret_cast<const char*>(C);
@@ -167,6 +172,13 @@ class CudaBackendImpl final : public CudaBackend {
       cast_b_.forget_if_overlaps(c0, c1);
       post("gemm");
       return;
+    }
+    if (B16 && M > 0 && N > 0 && K > 0) {  // fp32 / TF32 GEMMs: widen B (exact) into scratch, same ld
+      const int br = tb ? N : K, bc = tb ? K : N;
+      const size_t span = size_t(br - 1) * size_t(ldb) + size_t(bc);
+      b_wide_.reserve(span, "gemm (bf16 B widened)");
+      check(k::bf16_to_f32(b_wide_.data(), B16, span, st_), "gemm (bf16 B widened)");
+      B = b_wide_.data();
     }
     touch(C);
     gemm_->run(opt_.tf32 ? GemmType::TF32 : GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, false,
@@ -751,6 +763,7 @@ class CudaBackendImpl final : public CudaBackend {
     }
   };
   CastCache cast_a_, cast_b_;
+  DeviceBuffer<float> b_wide_;  // gemm_b16 under fp32 / TF32 GEMMs: B widened
   uint64_t writes_ = 0;     // ops other than a bf16 GEMM's own steps (see CastCache)
   bool in_gemm_ = false;    // inside gemm(): its own cast, touch and post do not count
   uint64_t cast_reuses_ = 0;
