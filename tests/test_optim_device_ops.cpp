@@ -160,6 +160,52 @@ TEST(OptimDeviceOps, MuonHApplyAndAxpyAreTheHostStepsBitwise) {
   }
 }
 
+// Muon over an [E, out, in] stack: newton_schulz5_batched and muonh_apply_batched are the
+// per-matrix loops, and the elementwise ops the optimizer now runs over a whole batch (momentum,
+// plain Muon's axpy) give the per-matrix calls' bits. Square, wide and tall matrices, sizes not
+// multiples of 16, one matrix above the CPU kernels' parallel threshold (1 << 15 elements).
+TEST(OptimDeviceOps, BatchedMuonOpsAreThePerMatrixLoopBitwise) {
+  auto be = make_cpu_backend(0);
+  std::mt19937 rng(14);
+  struct Shape {
+    int r, c;
+  };
+  for (const Shape sh : {Shape{40, 40}, Shape{23, 57}, Shape{61, 19}, Shape{150, 230}}) {
+    for (int count : {1, 3, 8}) {
+      const size_t mn = size_t(sh.r) * size_t(sh.c), n = mn * size_t(count);
+      SCOPED_TRACE(testing::Message() << sh.r << "x" << sh.c << " x" << count);
+      auto x = randv(rng, n, -3.f, 3.f);
+      auto batched = x, loop = x;
+      be->newton_schulz5_batched(batched.data(), sh.r, sh.c, count);
+      for (int e = 0; e < count; ++e) be->newton_schulz5(loop.data() + size_t(e) * mn, sh.r, sh.c);
+      EXPECT_TRUE(bitwise_equal(batched, loop)) << "newton_schulz5_batched";
+
+      auto w0 = randv(rng, n);
+      std::vector<float> R;
+      for (int e = 0; e < count; ++e) R.push_back(std::uniform_real_distribution<float>(0.5f, 3.f)(rng));
+      auto wb = w0, wl = w0;
+      be->muonh_apply_batched(wb.data(), loop.data(), mn, count, R.data(), 0.013);
+      for (int e = 0; e < count; ++e)
+        be->muonh_apply(wl.data() + size_t(e) * mn, loop.data() + size_t(e) * mn, mn, &R[size_t(e)], 0.013);
+      EXPECT_TRUE(bitwise_equal(wb, wl)) << "muonh_apply_batched";
+
+      auto G = randv(rng, n, -0.1f, 0.1f), B0 = randv(rng, n, -0.05f, 0.05f);
+      auto Bb = B0, Bl = B0;
+      std::vector<float> Db(n), Dl(n);
+      be->muon_momentum(Bb.data(), Db.data(), G.data(), n, 0.95f);
+      for (int e = 0; e < count; ++e) {
+        const size_t off = size_t(e) * mn;
+        be->muon_momentum(Bl.data() + off, Dl.data() + off, G.data() + off, mn, 0.95f);
+      }
+      EXPECT_TRUE(bitwise_equal(Bb, Bl) && bitwise_equal(Db, Dl)) << "muon_momentum over the batch";
+      auto ab = w0, al = w0;
+      be->axpy(ab.data(), Db.data(), n, -0.037f);
+      for (int e = 0; e < count; ++e) be->axpy(al.data() + size_t(e) * mn, Db.data() + size_t(e) * mn, mn, -0.037f);
+      EXPECT_TRUE(bitwise_equal(ab, al)) << "axpy over the batch";
+    }
+  }
+}
+
 TEST(OptimDeviceOps, DeviceClipIsTheHostClipBitwise) {
   auto be = make_cpu_backend(0);
   std::mt19937 rng(14);

@@ -1,9 +1,10 @@
 // GPU micro-benchmark (scripts/gpu-check.sh runs it): the cuBLASLt GEMM ceiling in fp32, TF32 and
 // bf16 (fp32 accumulation) at 4096^3 and 8192^3, a device-to-device copy for the bandwidth ceiling,
 // and the fp32 flash attention forward/backward at d=1024-like shapes, and the tensor-core (bf16)
-// attention forward/backward at B=8 S=2048 H=16, head_dim 64 and 128, causal. Random data (never zeros),
+// attention forward/backward at B=8 S=2048 H=16, head_dim 64 and 128, causal, and Muon's
+// Newton-Schulz over a 64-expert stack, per matrix against batched. Random data (never zeros),
 // warm-up first, CUDA events around each repetition, the median reported. Prints a table last.
-//   ladder_cuda_bench [--quick]     (--quick: 4096^3 GEMMs and one attention shape only)
+//   ladder_cuda_bench [--quick]     (--quick: 4096^3 GEMMs, one attention and one Newton-Schulz shape only)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -194,6 +195,44 @@ int main(int argc, char** argv) {
       }
     }
     be->synchronize();
+
+    // Muon's Newton-Schulz over an expert stack (TF32, as under bf16 precision): E matrices one call
+    // each against one batched call (strided-batched GEMMs). FLOPs: 5 steps of 4 m^2 n + 2 m^3 per
+    // matrix (m = min(rows, cols), n = max), the GEMMs the CUDA backend runs.
+    {
+      CudaOptions o;
+      o.tf32 = true;
+      auto ns = make_backend(o);
+      struct S {
+        int E, r, c;
+      };
+      std::vector<S> ns_shapes = {{64, 512, 1024}};
+      if (!quick) ns_shapes.push_back({64, 1024, 2048});
+      for (const S& x : ns_shapes) {
+        const size_t mn = size_t(x.r) * x.c, n = mn * size_t(x.E);
+        DeviceBuffer<float> X(n, "Newton-Schulz stack");
+        const double m = std::min(x.r, x.c), nn = std::max(x.r, x.c);
+        const double flop = x.E * 5.0 * (4 * m * m * nn + 2 * m * m * m);
+        char shape[96];
+        std::snprintf(shape, sizeof shape, "E%d %dx%d tf32", x.E, x.r, x.c);
+        // Fresh random input per repetition would time the fill; NS of its own output stays finite
+        // (orthogonalized matrices are normalized again), so the repetitions reuse X.
+        LADDER_CUDA_CHECK(k::fill_uniform(X.data(), n, 21, -1.f, 1.f, ns->stream()));
+        const double lms = time_ms(ns->stream(), 1, 5, [&] {
+          for (int e = 0; e < x.E; ++e) ns->newton_schulz5(X.data() + size_t(e) * mn, x.r, x.c);
+        });
+        const double bms = time_ms(ns->stream(), 1, 5, [&] { ns->newton_schulz5_batched(X.data(), x.r, x.c, x.E); });
+        const struct {
+          const char* what;
+          double ms;
+        } nr[] = {{"ns5 per matrix", lms}, {"ns5 batched", bms}};
+        for (const auto& t : nr) {
+          rows.push_back({t.what, shape, t.ms, flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
+          std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what, shape, t.ms, rows.back().rate);
+        }
+      }
+      ns->synchronize();
+    }
 
     std::printf("\n| what | shape | ms (median) | rate |\n|---|---|---|---|\n");
     for (auto& r : rows)

@@ -143,6 +143,11 @@ class Backend : public MemorySpace {
   // Muon's orthogonalization of one row-major [rows, cols] matrix, in place (normalization + the 5
   // Newton-Schulz steps); the backend owns the workspace.
   virtual void newton_schulz5(float* X, int rows, int cols) = 0;
+  // newton_schulz5 on each of `count` equally shaped [rows, cols] matrices stored back to back
+  // (matrix e at X + e * rows * cols), each normalized by its own Frobenius norm: the result is the
+  // per-matrix loop's (bitwise on the CPU). One call for an [E, out, in] expert stack, so a GPU
+  // backend runs strided-batched GEMMs instead of E times 15 small ones.
+  virtual void newton_schulz5_batched(float* X, int rows, int cols, int count) = 0;
 
   // ---- Optimizer steps without host waits ---------------------------------------------------
   // The ops above that return a double make the host wait for the backend (on a GPU: a stalled
@@ -166,6 +171,11 @@ class Backend : public MemorySpace {
   //   xx = ||D||^2;  alpha = float(-lr * R / max(sqrt(xx), 1e-10));  ww = axpy_sumsq(w, D, alpha);
   //   w *= float(R / sqrt(ww)).
   virtual void muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr) = 0;
+  // muonh_apply on each of `count` matrices of n elements stored back to back: matrix e is
+  // w + e n and D + e n with radius[e] (backend memory). The same result as the per-matrix loop
+  // (bitwise on the CPU); a GPU backend runs all matrices in a fixed number of launches.
+  virtual void muonh_apply_batched(float* w, const float* D, size_t n, int count, const float* radius,
+                                   double lr) = 0;
   // w += alpha * x (axpy_sumsq without the returned norm: plain Muon's update).
   virtual void axpy(float* w, const float* x, size_t n, float alpha) = 0;
   // Global-norm clipping, device side. sums[0, count): per-tensor sums of squares (backend memory).

@@ -173,6 +173,9 @@ class ForwardingBackend : public Backend {
   void newton_schulz5(float* X, int rows, int cols) override {
     wrap("newton-schulz", 0, [&] { b_->newton_schulz5(X, rows, cols); });
   }
+  void newton_schulz5_batched(float* X, int rows, int cols, int count) override {
+    wrap("newton-schulz", 0, [&] { b_->newton_schulz5_batched(X, rows, cols, count); });
+  }
   void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups, float b1,
                    float b2, float eps, float bc1, float bc2) override {
     wrap("optimizer", 0, [&] { b_->adamw_multi(t, count, lr, wd, ngroups, b1, b2, eps, bc1, bc2); });
@@ -183,6 +186,9 @@ class ForwardingBackend : public Backend {
   }
   void muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr) override {
     wrap("optimizer", 0, [&] { b_->muonh_apply(w, D, n, radius, lr); });
+  }
+  void muonh_apply_batched(float* w, const float* D, size_t n, int count, const float* radius, double lr) override {
+    wrap("optimizer", 0, [&] { b_->muonh_apply_batched(w, D, n, count, radius, lr); });
   }
   void axpy(float* w, const float* x, size_t n, float alpha) override {
     wrap("optimizer", 0, [&] { b_->axpy(w, x, n, alpha); });

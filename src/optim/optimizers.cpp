@@ -12,7 +12,7 @@
 //
 // Memory: every state arena (m, v, momentum, radius) and Muon's scratch are the backend's memory.
 // A step reads nothing back: the hyperball's per-matrix norms, step sizes and rescale factors are
-// computed by the backend from the radii in its own memory (adamh_multi, muonh_apply). Only the
+// computed by the backend from the radii in its own memory (adamh_multi, muonh_apply_batched). Only the
 // first step waits, to take the radii.
 #include <fnmatch.h>
 
@@ -187,7 +187,7 @@ class RecipeOptimizer final : public Optimizer {
     std::map<const Param*, int> group_of;
     for (size_t gi = 0; gi < groups_.size(); ++gi)
       for (Param* p : groups_[gi].params) group_of[p] = int(gi);
-    size_t adam_bytes = 0, mom_bytes = 0, rad_bytes = 0, max_muon = 0;
+    size_t adam_bytes = 0, mom_bytes = 0, rad_bytes = 0;
     for (auto& p : params) {
       Slot s;
       s.p = &p;
@@ -202,10 +202,7 @@ class RecipeOptimizer final : public Optimizer {
         s.cols = int(p.shape[1]);
       }
       if (adam_family(s.kind)) adam_bytes += Arena::padded(p.numel);
-      if (is_muon(s.kind)) {
-        mom_bytes += Arena::padded(p.numel);
-        max_muon = std::max(max_muon, s.mat_numel());
-      }
+      if (is_muon(s.kind)) mom_bytes += Arena::padded(p.numel);
       if (hyperball(s.kind)) rad_bytes += Arena::padded(size_t(s.nmat));
       slots_.push_back(s);
     }
@@ -225,7 +222,9 @@ class RecipeOptimizer final : public Optimizer {
     radius_host_.assign(rad_arena_.capacity() / sizeof(float), 0.0f);
     for (auto& s : slots_)
       if (s.radius) s.radius_at = size_t(s.radius - reinterpret_cast<float*>(rad_arena_.base()));
-    // Muon's direction D of one matrix at a time (the momentum buffer must survive the step).
+    // Muon's directions D (the momentum buffer must survive the step), a batch of same-shape
+    // matrices at a time.
+    const size_t max_muon = plan_muon_batches();
     scratch_.reserve(max_muon * sizeof(float), be_, "Muon scratch");
     muon_d_ = scratch_.alloc<float>(max_muon);
     // The multi-tensor ops' descriptor lists: fixed from here on (the backend may keep a device copy).
@@ -258,7 +257,8 @@ class RecipeOptimizer final : public Optimizer {
 
   // Nothing here waits for the backend (after the first step's radii): every Adam-family tensor is
   // in one of two multi-tensor ops, whose per-group learning rates are the only per-step inputs, and
-  // the hyperball's per-matrix norms and scalars stay in backend memory (adamh_multi, muonh_apply).
+  // the hyperball's per-matrix norms and scalars stay in backend memory (adamh_multi,
+  // muonh_apply_batched).
   // Tensors are independent, so grouping them by kind instead of walking them in parameter order
   // changes no result.
   void step(double lr) override {
@@ -280,22 +280,31 @@ class RecipeOptimizer final : public Optimizer {
     if (!adamh_tab_.empty())
       be_.adamh_multi(adamh_tab_.data(), adamh_tab_.size(), group_lr_.data(), ng, float(b1), float(b2),
                       float(oc_.eps), float(bc1), float(bc2));
-    for (auto& s : slots_) {
-      if (!is_muon(s.kind)) continue;
-      Param& p = *s.p;
-      const double glr = group_lr_[size_t(s.group)];
-      const size_t mn = s.mat_numel();
-      // Muon scale in terms of fan-out (rows) and fan-in (cols): see the storage note on top.
-      const double scale = std::sqrt(std::max(1.0, double(s.rows) / double(s.cols)));
-      for (int64_t e = 0; e < s.nmat; ++e) {
-        const size_t off = size_t(e) * mn;
-        float* D = muon_d_;
-        be_.muon_momentum(s.mom + off, D, p.g + off, mn, float(oc_.muon_momentum));
-        be_.newton_schulz5(D, s.rows, s.cols);
-        if (s.kind == Kind::Muon)
-          be_.axpy(p.w + off, D, mn, float(-glr * scale));
-        else
-          be_.muonh_apply(p.w + off, D, mn, s.radius + e, glr);
+    // Muon / MuonH, a batch of same-shape matrices at a time (plan_muon_batches): the momentum of
+    // each piece (elementwise, one call per piece) lands in the batch's D, one batched
+    // Newton-Schulz orthogonalizes all of them, and each piece's update is one call (plain Muon:
+    // one axpy, its scale being the tensor's; MuonH: muonh_apply_batched with the pieces' radii).
+    // Per matrix this is the arithmetic of the former per-matrix loop, so the CPU is bitwise unchanged.
+    for (const MuonBatch& b : muon_batches_) {
+      for (const MuonPiece& pc : b.pieces) {
+        const Slot& s = slots_[pc.slot];
+        const size_t off = size_t(pc.first) * s.mat_numel();
+        be_.muon_momentum(s.mom + off, muon_d_ + pc.d_at, s.p->g + off, size_t(pc.count) * s.mat_numel(),
+                          float(oc_.muon_momentum));
+      }
+      be_.newton_schulz5_batched(muon_d_, b.rows, b.cols, b.count);
+      for (const MuonPiece& pc : b.pieces) {
+        const Slot& s = slots_[pc.slot];
+        const size_t mn = s.mat_numel(), off = size_t(pc.first) * mn;
+        const double glr = group_lr_[size_t(s.group)];
+        const float* D = muon_d_ + pc.d_at;
+        if (s.kind == Kind::Muon) {
+          // Muon scale in terms of fan-out (rows) and fan-in (cols): see the storage note on top.
+          const double scale = std::sqrt(std::max(1.0, double(s.rows) / double(s.cols)));
+          be_.axpy(s.p->w + off, D, size_t(pc.count) * mn, float(-glr * scale));
+        } else {
+          be_.muonh_apply_batched(s.p->w + off, D, mn, pc.count, s.radius + pc.first, glr);
+        }
       }
     }
   }
@@ -336,6 +345,60 @@ class RecipeOptimizer final : public Optimizer {
     be_.upload(rad_arena_.base(), radius_host_.data(), rad_arena_.capacity());
   }
 
+  // Muon's batches: the matrices of every Muon/MuonH tensor, grouped by shape (in parameter order)
+  // and packed into batches of at most kMuonBatchBytes of D (at least one matrix each), so a dense
+  // model's same-shape projections and an expert stack's E matrices share one Newton-Schulz call,
+  // while the scratch stays bounded (a [64, 1024, 2048] stack alone would need 512 MiB). Returns
+  // the largest batch in floats (the size of D).
+  static constexpr size_t kMuonBatchBytes = size_t(256) << 20;
+  struct MuonPiece {
+    size_t slot = 0;   // index into slots_
+    int64_t first = 0;  // its first matrix in the tensor
+    int count = 0;      // matrices
+    size_t d_at = 0;    // where they sit in D (floats)
+  };
+  struct MuonBatch {
+    int rows = 0, cols = 0, count = 0;
+    std::vector<MuonPiece> pieces;
+  };
+  size_t plan_muon_batches() {
+    std::map<std::pair<int, int>, std::vector<size_t>> by_shape;
+    std::vector<std::pair<int, int>> order;  // shapes in order of first appearance
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      const Slot& s = slots_[i];
+      if (!is_muon(s.kind) || s.mat_numel() == 0) continue;
+      auto key = std::make_pair(s.rows, s.cols);
+      if (!by_shape.count(key)) order.push_back(key);
+      by_shape[key].push_back(i);
+    }
+    size_t most = 0;
+    for (const auto& key : order) {
+      const size_t mn = size_t(key.first) * size_t(key.second);
+      const int64_t cap = int64_t(std::max<size_t>(1, std::min<size_t>(kMuonBatchBytes / (mn * sizeof(float)),
+                                                                         size_t(1) << 30)));
+      MuonBatch cur;
+      auto flush = [&] {
+        if (cur.count == 0) return;
+        most = std::max(most, size_t(cur.count) * mn);
+        muon_batches_.push_back(std::move(cur));
+        cur = MuonBatch{};
+      };
+      for (size_t si : by_shape[key]) {
+        const Slot& s = slots_[si];
+        for (int64_t e = 0; e < s.nmat;) {
+          if (cur.count == cap) flush();
+          cur.rows = key.first, cur.cols = key.second;
+          const int take = int(std::min<int64_t>(s.nmat - e, cap - cur.count));
+          cur.pieces.push_back({si, e, take, size_t(cur.count) * mn});
+          cur.count += take;
+          e += take;
+        }
+      }
+      flush();
+    }
+    return most;
+  }
+
   OptimConfig oc_;
   Backend& be_;
   std::vector<ParamGroup> groups_;
@@ -345,8 +408,9 @@ class RecipeOptimizer final : public Optimizer {
   std::vector<OptimTensor> adam_tab_, adamh_tab_;  // adam/adamw and adamh tensors, parameter order
   std::vector<double> group_lr_;                   // this step's lr per group
   std::vector<float> group_lr_f_, group_wd_f_;     // as adamw_multi takes them
-  Arena scratch_;                   // Muon's D, one matrix (backend memory)
+  Arena scratch_;                   // Muon's D, one batch (backend memory)
   float* muon_d_ = nullptr;
+  std::vector<MuonBatch> muon_batches_;
   int64_t t_ = 0;
 };
 

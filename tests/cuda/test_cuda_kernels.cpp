@@ -229,10 +229,17 @@ TEST_F(CudaKernels, GemmBf16CastReuseIsExactAndNeverStale) {
     bf->synchronize();
     return Y.download();
   };
-  // Two GEMMs reading X: the second reuses the cast, and computes what a fresh cast would.
+  // Two GEMMs reading X: the second reuses the cast, and computes what a fresh cast would. (Outputs
+  // poisoned before both: a memset outside the backend also drops the cast, see case 5.)
+  dY1.poison();
+  dY2.poison();
+  auto dX0 = up(randv(X.size()));  // a first GEMM on other operands grows the cast scratch
+  bf->gemm(false, true, M, N, K, 1.f, dX0.data(), K, dX0.data(), K, 0.f, dY2.data(), N);
   const uint64_t r0 = bf->bf16_cast_reuses();
-  const auto y1 = gemm(dY1, dW1);
-  const auto y2 = gemm(dY2, dW2);
+  bf->gemm(false, true, M, N, K, 1.f, dX.data(), K, dW1.data(), K, 0.f, dY1.data(), N);
+  bf->gemm(false, true, M, N, K, 1.f, dX.data(), K, dW2.data(), K, 0.f, dY2.data(), N);
+  bf->synchronize();
+  const auto y1 = dY1.download(), y2 = dY2.download();
   EXPECT_EQ(bf->bf16_cast_reuses(), r0 + 1) << "consecutive GEMMs on one operand did not share its cast";
   check(y1, y_of(X, W1), 1e-2, "bf16 cast reuse: first");
   check(y2, y_of(X, W2), 1e-2, "bf16 cast reuse: second (reused cast)");
@@ -271,6 +278,12 @@ TEST_F(CudaKernels, GemmBf16CastReuseIsExactAndNeverStale) {
   X = dX.download();
   check(gemm(dY2, dW2), y_of(X, W2), 1e-2, "bf16 cast after a GEMM wrote into X");
   bf->unregister_weights(dZW.data());
+  // 5. Device memory written outside the backend's ops (DeviceBuffer::upload: cudaMemcpy), or freed
+  // and reallocated at the same address: the device-memory epoch drops the cast.
+  gemm(dY1, dW1);  // X cached as A
+  X = randv(X.size());
+  dX.upload(X);
+  check(gemm(dY1, dW1), y_of(X, W1), 1e-2, "bf16 cast after an upload outside the backend");
 }
 
 // ---------------------------------------------------------------------------------------------

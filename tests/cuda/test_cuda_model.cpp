@@ -336,7 +336,9 @@ TEST_F(CudaModel, StepsAfterTheFirstAllocateNoDeviceMemory) {
   for (const char* optim : {"adamw", "muonh"}) {
     Config c = moe_config();
     c.model.pko = true;  // MoE and every switch at once: every buffer kind of the model
+    c.model.half_rope = true;  // pko shifts the RoPE-free half of each key
     c.model.eod_id = kEod;
+    c.model.window = 8;  // long_every needs short layers with a window (validate rejects 0)
     c.model.long_every = 2;
     c.model.last_layer_long = true;
     c.model.xsa = true;

@@ -563,6 +563,9 @@ TEST_F(CudaSwitchOptim, EmptyInputsDoNothingAndSumToZero) {
   be().muon_momentum(nullptr, nullptr, nullptr, 0, 0.95f);
   be().newton_schulz5(nullptr, 0, 5);
   be().newton_schulz5(nullptr, 5, 0);
+  be().newton_schulz5_batched(nullptr, 5, 7, 0);
+  be().newton_schulz5_batched(nullptr, 0, 7, 3);
+  be().muonh_apply_batched(nullptr, nullptr, 5, 0, nullptr, 0.1);
   EXPECT_EQ(be().adam_moments(nullptr, nullptr, nullptr, 0, 0.9f, 0.95f, 0.1f, 0.05f, 1e-8f), 0.0);
   EXPECT_EQ(be().adam_apply(nullptr, nullptr, nullptr, 0, 0.1f, 0.05f, 1e-8f, 1.f), 0.0);
   EXPECT_EQ(be().axpy_sumsq(nullptr, nullptr, 0, 1.f), 0.0);
@@ -671,6 +674,99 @@ TEST_F(CudaSwitchOptim, NewtonSchulzTf32WithinSanityBound) {
     std::vector<float> ref = x, work(cpu::ns_work_size(r, c));
     cpu::newton_schulz5<float>(ref.data(), r, c, work.data());
     check(got, ref, kNsTF32, what);
+  }
+}
+
+// Muon over an [E, out, in] stack: newton_schulz5_batched and muonh_apply_batched (strided-batched
+// GEMMs, per-matrix norms by a segmented reduction) against the CPU's per-matrix loop, matrix by
+// matrix, so a matrix skipped or normalized by its neighbour's norm fails on its own (a skipped one
+// keeps its input: O(1) error). The batch sits one float into its buffer (views at odd offsets, not
+// 16-byte aligned) between two guard values that must survive; sizes are not multiples of 16.
+// In-place ops: the "output" is the input, so poisoning it is not possible; the per-matrix
+// comparison plays that role. A second backend with a tiny workspace budget runs the same batches
+// in chunks of 3 matrices (8 = 3 + 3 + 2).
+TEST_F(CudaSwitchOptim, BatchedNewtonSchulzAndMuonHMatchTheCpuPerMatrix) {
+  auto cpu_be = make_cpu_backend(0);
+  struct Shape {
+    int r, c;
+  };
+  const float kGuard = 12345.f;
+  for (const Shape sh : {Shape{40, 40}, Shape{23, 57}, Shape{61, 19}}) {  // square, wide, tall
+    const int m = std::min(sh.r, sh.c);
+    const size_t mn = size_t(sh.r) * sh.c;
+    cuda::CudaOptions small;
+    small.ns_work_bytes = 3 * (mn + 2 * size_t(m) * m) * sizeof(float);  // 3 matrices per chunk
+    auto chunked = cuda::make_backend(small);
+    for (int count : {1, 3, 8}) {
+      const size_t total = mn * size_t(count);
+      auto x = randv(total, -3.f, 3.f);
+      // Matrix scales differ by 10x from one matrix to the next: a norm taken over the wrong
+      // matrix (or the whole batch) shows as an O(1) error.
+      for (int e = 0; e < count; ++e)
+        for (size_t i = 0; i < mn; ++i) x[size_t(e) * mn + i] *= std::pow(10.f, float(e % 3) - 1.f);
+      std::vector<float> ref = x;
+      cpu_be->newton_schulz5_batched(ref.data(), sh.r, sh.c, count);
+      for (int variant = 0; variant < 2; ++variant) {
+        cuda::CudaBackend& gb = variant == 0 ? be() : *chunked;
+        const std::string what = fmt::format("ns5 batch {}x{} x{}{}", sh.r, sh.c, count, variant ? " chunked" : "");
+        SCOPED_TRACE(what);
+        std::vector<float> padded = {kGuard};
+        padded.insert(padded.end(), x.begin(), x.end());
+        padded.push_back(kGuard);
+        auto d_x = up(padded);
+        gb.newton_schulz5_batched(d_x.data() + 1, sh.r, sh.c, count);
+        gb.synchronize();
+        auto got = d_x.download();
+        EXPECT_EQ(got.front(), kGuard);
+        EXPECT_EQ(got.back(), kGuard);
+        for (int e = 0; e < count; ++e) {
+          const auto at = got.begin() + 1 + long(size_t(e) * mn);
+          const auto rt = ref.begin() + long(size_t(e) * mn);
+          check(std::vector<float>(at, at + long(mn)), std::vector<float>(rt, rt + long(mn)), kNsF32,
+                fmt::format("{} [{}]", what, e));
+        }
+      }
+
+      // MuonH's projection of every matrix, D = the CPU's orthogonalized batch on both sides.
+      const std::string what = fmt::format("muonh batch {}x{} x{}", sh.r, sh.c, count);
+      SCOPED_TRACE(what);
+      auto w = randv(total);
+      std::vector<float> R(static_cast<size_t>(count));
+      for (auto& r : R) r = std::uniform_real_distribution<float>(0.5f, 3.f)(rng_);
+      std::vector<float> pw = {kGuard};
+      pw.insert(pw.end(), w.begin(), w.end());
+      pw.push_back(kGuard);
+      auto d_w = up(pw), d_D = up(ref, 1), d_R = up(R);
+      be().muonh_apply_batched(d_w.data() + 1, d_D.data() + 1, mn, count, d_R.data(), 0.013);
+      cpu_be->muonh_apply_batched(w.data(), ref.data(), mn, count, R.data(), 0.013);
+      const auto gw = down(d_w, total + 2);
+      EXPECT_EQ(gw.front(), kGuard);
+      EXPECT_EQ(gw.back(), kGuard);
+      for (int e = 0; e < count; ++e) {
+        const auto at = gw.begin() + 1 + long(size_t(e) * mn);
+        const auto wt = w.begin() + long(size_t(e) * mn);
+        const std::vector<float> ge(at, at + long(mn)), ce(wt, wt + long(mn));
+        check(ge, ce, kF32, fmt::format("{} [{}]", what, e));
+        check_each(ge, ce, what);
+        double ss = 0;  // back on its own sphere
+        for (float v : ge) ss += double(v) * double(v);
+        EXPECT_NEAR(std::sqrt(ss), R[size_t(e)], 1e-5 * R[size_t(e)]) << what << " [" << e << "]";
+      }
+    }
+  }
+}
+
+TEST_F(CudaSwitchOptim, BatchedNewtonSchulzIsReproducible) {
+  const int r = 37, c = 45, count = 5;
+  const size_t n = size_t(r) * c * count;
+  auto x = randv(n);
+  std::vector<float> first;
+  for (int rep = 0; rep < 2; ++rep) {
+    auto d_x = up(x);
+    be().newton_schulz5_batched(d_x.data(), r, c, count);
+    auto got = down(d_x, n);
+    if (rep == 0) first = got;
+    else EXPECT_EQ(got, first) << "newton_schulz5_batched is not bitwise reproducible";
   }
 }
 

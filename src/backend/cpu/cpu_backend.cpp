@@ -237,6 +237,10 @@ class CpuBackend final : public Backend {
     const double ww = cpu::axpy_sumsq<float>(w, D, n, float(alpha));
     cpu::scale_inplace<float>(w, float(R / std::sqrt(ww)), n);
   }
+  // The batched ops are the per-matrix loops themselves, so the CPU's results cannot change.
+  void muonh_apply_batched(float* w, const float* D, size_t n, int count, const float* radius, double lr) override {
+    for (int e = 0; e < count; ++e) muonh_apply(w + size_t(e) * n, D + size_t(e) * n, n, radius + e, lr);
+  }
   // axpy_sumsq itself (its sum dropped) rather than a second loop, so Muon's w is bitwise what it was
   // whatever the compiler contracts into FMAs.
   void axpy(float* w, const float* x, size_t n, float alpha) override { (void)cpu::axpy_sumsq<float>(w, x, n, alpha); }
@@ -254,6 +258,10 @@ class CpuBackend final : public Backend {
     const size_t need = cpu::ns_work_size(rows, cols);
     if (ns_work_.size() < need) ns_work_.resize(need);
     cpu::newton_schulz5<float>(X, rows, cols, ns_work_.data());
+  }
+  void newton_schulz5_batched(float* X, int rows, int cols, int count) override {
+    const size_t mn = rows > 0 && cols > 0 ? size_t(rows) * size_t(cols) : 0;
+    for (int e = 0; e < count; ++e) newton_schulz5(X + size_t(e) * mn, rows, cols);
   }
 
  private:

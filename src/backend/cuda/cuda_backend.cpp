@@ -497,7 +497,16 @@ class CudaBackendImpl final : public CudaBackend {
   void muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr) override {
     touch(w);
     double* partials = optim_partials();
-    check(k::muonh_apply(w, D, n, radius, lr, partials + optim_partials_count() + 1, partials, st_), "muonh_apply");
+    check(k::muonh_apply(w, D, n, radius, lr, partials + optim_partials_count(), partials, st_), "muonh_apply");
+  }
+  void muonh_apply_batched(float* w, const float* D, size_t n, int count, const float* radius, double lr) override {
+    touch(w);
+    if (count <= 0) return;
+    const size_t bpm = size_t(k::batch_blocks_per_matrix(n));
+    muonh_sums_.reserve(size_t(count) * (bpm + 2), "MuonH batch norms");
+    double* sums = muonh_sums_.data();  // ||D_i||^2 and ||w_i||^2, then the partials
+    check(k::muonh_apply_batched(w, D, n, count, radius, lr, sums, sums + 2 * size_t(count), st_),
+          "muonh_apply_batched");
   }
   void axpy(float* w, const float* x, size_t n, float alpha) override {
     touch(w);
@@ -521,25 +530,46 @@ class CudaBackendImpl final : public CudaBackend {
   // kernel, then c A A^T is added by a GEMM with beta = 1 (A is symmetric up to rounding, so A A^T
   // is A^2 as on the CPU, whose syrk makes it exactly symmetric). Plain GEMMs rather than the CPU's
   // syrk: 4 m^2 n + 2 m^3 flops per step (m = min(rows, cols), n = max), on tensor cores with TF32.
-  void newton_schulz5(float* X, int rows, int cols) override {
+  // One matrix is a batch of one.
+  void newton_schulz5(float* X, int rows, int cols) override { newton_schulz5_batched(X, rows, cols, 1); }
+  // A batch runs every step as strided-batched GEMMs over all its matrices, the norms by a
+  // segmented reduction (one sum per matrix) and the polynomial by one kernel: 23 launches per batch
+  // instead of per matrix. The workspace (Y, A, P per matrix) is bounded: a batch
+  // whose workspace would exceed it (CudaOptions::ns_work_bytes, 256 MiB) runs in chunks of as many
+  // matrices as fit (at least one, so a single matrix larger than the budget still runs, with the
+  // workspace it needs).
+  void newton_schulz5_batched(float* X, int rows, int cols, int count) override {
     touch(X);
-    if (rows <= 0 || cols <= 0) return;
+    if (rows <= 0 || cols <= 0 || count <= 0) return;
+    const bool tall = rows > cols;
+    const int m = tall ? cols : rows;
+    const size_t mn = size_t(rows) * size_t(cols), mm = size_t(m) * size_t(m);
+    const size_t per_matrix = (mn + 2 * mm) * sizeof(float);
+    const int chunk = int(std::clamp<size_t>(opt_.ns_work_bytes / per_matrix, 1, size_t(count)));
+    // Y (the other half of the ping-pong, stride mn like X), A and P (stride m^2), each starting on
+    // a 256-byte boundary so that cuBLASLt gets its best-aligned kernels.
+    const auto aligned = [](size_t floats) { return (floats + 63) / 64 * 64; };
+    ns_work_.reserve(aligned(size_t(chunk) * mn) + 2 * aligned(size_t(chunk) * mm), "Newton-Schulz workspace");
+    const int bpm = k::batch_blocks_per_matrix(mn);
+    ns_sums_.reserve(size_t(chunk) * size_t(bpm) + size_t(chunk), "Newton-Schulz norms");
+    for (int c0 = 0; c0 < count; c0 += chunk)
+      ns_chunk(X + size_t(c0) * mn, rows, cols, std::min(chunk, count - c0), aligned(size_t(chunk) * mn),
+               aligned(size_t(chunk) * mm));
+    post("newton_schulz5");
+  }
+  void ns_chunk(float* X, int rows, int cols, int count, size_t y_floats, size_t mm_floats) {
     const bool tall = rows > cols;
     const int m = tall ? cols : rows, n = tall ? rows : cols;
-    // Y (the other half of the ping-pong), A and P, each starting on a 256-byte boundary so that
-    // cuBLASLt gets its best-aligned kernels.
-    const auto aligned = [](size_t floats) { return (floats + 63) / 64 * 64; };
-    const size_t mn = size_t(m) * size_t(n), mm = size_t(m) * size_t(m);
-    ns_work_.reserve(aligned(mn) + 2 * aligned(mm), "Newton-Schulz workspace");
+    const int64_t mn = int64_t(m) * n, mm = int64_t(m) * m;
     float* Y = ns_work_.data();
-    float* A = Y + aligned(mn);
-    float* P = A + aligned(mm);
-    double* partials = optim_partials();
-    double* d_sumsq = partials + optim_partials_count();  // the slot after the partials
+    float* A = Y + y_floats;
+    float* P = A + mm_floats;
+    double* d_sumsq = ns_sums_.data();  // count sums, then the partials
+    double* partials = d_sumsq + count;
 
-    // X / (||X||_F + 1e-8) into Y, so that the 5 (odd) steps end back in X.
-    check(k::sum_squares(X, mn, d_sumsq, partials, st_), "newton_schulz5 (norm)");
-    check(k::scale_by_inv_norm(Y, X, mn, d_sumsq, st_), "newton_schulz5 (normalize)");
+    // X_i / (||X_i||_F + 1e-8) into Y, so that the 5 (odd) steps end back in X.
+    check(k::batched_sum_squares(X, size_t(mn), count, d_sumsq, partials, st_), "newton_schulz5 (norm)");
+    check(k::batched_scale_by_inv_norm(Y, X, size_t(mn), count, d_sumsq, st_), "newton_schulz5 (normalize)");
     // On the tensor cores under tf32 and bf16 precision alike: TF32 reads the fp32 iterates as they
     // are (bf16 would need a cast of X, A and P at each of the 5 steps) and keeps 10 mantissa bits.
     const GemmType type = opt_.tf32 || opt_.bf16 ? GemmType::TF32 : GemmType::F32;
@@ -548,18 +578,17 @@ class CudaBackendImpl final : public CudaBackend {
     for (int s = 0; s < 5; ++s) {
       const float a = float(cpu::kNsCoeffs[s][0]), b = float(cpu::kNsCoeffs[s][1]), c = float(cpu::kNsCoeffs[s][2]);
       if (tall)  // cur is [n, m]: A = cur^T cur
-        gemm_->run(type, true, false, m, m, n, 1.f, cur, m, cur, m, 0.f, A, m);
+        gemm_->run_batched(type, true, false, m, m, n, 1.f, cur, m, mn, cur, m, mn, 0.f, A, m, mm, count);
       else  // cur is [m, n]: A = cur cur^T
-        gemm_->run(type, false, true, m, m, n, 1.f, cur, n, cur, n, 0.f, A, m);
-      check(k::ns_poly_init(P, A, m, a, b, st_), "newton_schulz5 (polynomial)");
-      gemm_->run(type, false, true, m, m, m, c, A, m, A, m, 1.f, P, m);  // P += c A A^T
+        gemm_->run_batched(type, false, true, m, m, n, 1.f, cur, n, mn, cur, n, mn, 0.f, A, m, mm, count);
+      check(k::batched_ns_poly_init(P, A, m, count, a, b, st_), "newton_schulz5 (polynomial)");
+      gemm_->run_batched(type, false, true, m, m, m, c, A, m, mm, A, m, mm, 1.f, P, m, mm, count);  // P += c A A^T
       if (tall)  // nxt [n, m] = cur [n, m] P [m, m]
-        gemm_->run(type, false, false, n, m, m, 1.f, cur, m, P, m, 0.f, nxt, m);
+        gemm_->run_batched(type, false, false, n, m, m, 1.f, cur, m, mn, P, m, mm, 0.f, nxt, m, mn, count);
       else  // nxt [m, n] = P [m, m] cur [m, n]
-        gemm_->run(type, false, false, m, n, m, 1.f, P, m, cur, n, 0.f, nxt, n);
+        gemm_->run_batched(type, false, false, m, n, m, 1.f, P, m, mm, cur, n, mn, 0.f, nxt, n, mn, count);
       std::swap(cur, nxt);
     }
-    post("newton_schulz5");
   }
 
  private:
@@ -624,14 +653,11 @@ class CudaBackendImpl final : public CudaBackend {
   void check_heads(const char* op, int H, int KV) {
     if (KV <= 0 || H % KV != 0) fail("{}: n_heads {} is not a multiple of n_kv_heads {}", op, H, KV);
   }
-  // The optimizer reductions' per-block partials (also k::sum_squares' scratch for Newton-Schulz),
-  // plus three more doubles after them: Newton-Schulz's device-side sum of squares, then
-  // muonh_apply's ||D||^2 and ||w||^2.
-  size_t optim_partials_count() const {
-    return std::max(size_t(k::optim_reduce_blocks()), k::sum_squares_scratch_doubles());
-  }
+  // The optimizer reductions' per-block partials, plus two more doubles after them: muonh_apply's
+  // ||D||^2 and ||w||^2. (Newton-Schulz has its own per-matrix buffer, ns_sums_.)
+  size_t optim_partials_count() const { return size_t(k::optim_reduce_blocks()); }
   double* optim_partials() {
-    optim_scratch_.reserve(optim_partials_count() + 3, "optimizer reduction scratch");
+    optim_scratch_.reserve(optim_partials_count() + 2, "optimizer reduction scratch");
     return optim_scratch_.data();
   }
   // A multi-tensor op's device table: segments (a tensor for AdamW, a matrix for AdamH), the segment
@@ -742,18 +768,19 @@ class CudaBackendImpl final : public CudaBackend {
   // Consecutive GEMMs often read the same activation (q/k/v projections read h1, the gate and up
   // projections h2, both head GEMMs one logits chunk, a weight gradient and the data gradient
   // d(out)); the cast is reused while no op but GEMMs has run since (writes_ unchanged: every other
-  // op, copy, upload and zero passes through post() or touch()) and no GEMM wrote over its source.
+  // op, copy, upload and zero passes through post() or touch()), no GEMM wrote over its source and
+  // no device memory was allocated, freed or written outside the backend (device_memory_epoch).
   // The reuse is exact: the same cast of the same values.
   struct CastCache {
     DeviceBuffer<uint16_t> bf16;
     const float* src = nullptr;
     int rows = 0, cols = 0, ld = 0;
-    uint64_t at = 0;
+    uint64_t at = 0, epoch = 0;
     bool holds(const float* X, int r, int c, int l, uint64_t writes) const {
-      return src && X == src && r == rows && c == cols && l == ld && at == writes;
+      return src && X == src && r == rows && c == cols && l == ld && at == writes && epoch == device_memory_epoch();
     }
     void keep(const float* X, int r, int c, int l, uint64_t writes) {
-      src = X, rows = r, cols = c, ld = l, at = writes;
+      src = X, rows = r, cols = c, ld = l, at = writes, epoch = device_memory_epoch();
     }
     void forget_if_overlaps(const char* c0, const char* c1) {
       if (!src) return;
@@ -780,7 +807,9 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
   DeviceBuffer<double> optim_scratch_;  // optim_partials()
   std::vector<std::unique_ptr<OptimTable>> optim_tables_;  // adamw_multi / adamh_multi tables
-  DeviceBuffer<float> ns_work_;         // newton_schulz5: Y, A, P
+  DeviceBuffer<float> ns_work_;         // newton_schulz5: Y, A, P (per matrix of a chunk)
+  DeviceBuffer<double> ns_sums_;        // newton_schulz5: per-matrix norms, then their partials
+  DeviceBuffer<double> muonh_sums_;     // muonh_apply_batched: per-matrix sums, then partials
   DeviceBuffer<char> moe_scratch_;      // moe_sort (CUB + keys), moe_quantile_beta (transposed keys)
   DeviceBuffer<int32_t> moe_tiles_;     // grouped_gemm: per-expert row-tile prefix [E+1]
   double* host_sums_ = nullptr;

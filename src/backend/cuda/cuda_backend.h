@@ -41,6 +41,10 @@ struct CudaOptions {
   // Attention then runs on the tensor cores too (attention_tc.cu: bf16 MMA, fp32 softmax and
   // accumulators) for head_dim 64 and 128.
   bool bf16 = false;
+  // Newton-Schulz's workspace budget (Y, A and P per matrix): a batch of matrices whose workspace
+  // would exceed it runs in chunks of as many matrices as fit, at least one. Memory stays bounded
+  // whatever the batch; tests set it small to run the chunking on small matrices.
+  size_t ns_work_bytes = size_t(256) << 20;
 };
 
 class CudaBackend : public Backend {

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -29,6 +30,11 @@ void copy_d2d_async(void* dst, const void* src, size_t bytes, cudaStream_t s);
 void device_memset_async(void* p, int byte_value, size_t bytes, cudaStream_t s);
 // Waits for all work on the device and turns an asynchronous kernel fault into a ladder::Error.
 void device_synchronize();
+// A number that changes whenever device memory is allocated, freed, copied into or set through the
+// helpers above (DeviceBuffer too), for caches that must not outlive such writes (the bf16 GEMM
+// cast cache of cuda_backend.cpp: a buffer freed and reallocated at the same address, or uploaded
+// to outside the backend's ops, must not meet an old cast).
+uint64_t device_memory_epoch();
 
 // A typed, move-only owner of n elements of device memory.
 template <class T>

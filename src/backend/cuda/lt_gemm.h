@@ -7,8 +7,9 @@
 // tensor cores: about 1e-3 relative error instead of 1e-6), BF16 (A and B bf16, C fp32 or bf16,
 // fp32 accumulation: the planned training path, docs/cuda.md).
 //
-// Plans (descriptors, layouts and the heuristic's algorithm) are cached per shape, transposes and
-// pointer alignment, so a training step's repeated shapes query the heuristic once.
+// Plans (descriptors, layouts and the heuristic's algorithm) are cached per shape, transposes,
+// pointer alignment and (strided batches) batch count and strides, so a training step's repeated
+// shapes query the heuristic once.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -34,6 +35,13 @@ class LtGemm {
   // written to C (cuBLASLt's separate C and D matrices), e.g. a residual add without a copy first.
   void run(GemmType type, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, int lda,
            const void* B, int ldb, float beta, void* C, int ldc, bool c_bf16 = false, const void* C_in = nullptr);
+  // `batch` independent products of the same shape in one launch (cuBLASLt's strided batch):
+  // product i reads A + i * stride_a, B + i * stride_b and writes C + i * stride_c (strides in
+  // elements of the operand's type). batch == 1 is run() (same plan, no batch attributes).
+  // C_in as in run(), batch == 1 only.
+  void run_batched(GemmType type, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, int lda,
+                   int64_t stride_a, const void* B, int ldb, int64_t stride_b, float beta, void* C, int ldc,
+                   int64_t stride_c, int batch, bool c_bf16 = false, const void* C_in = nullptr);
 
  private:
   struct Impl;

@@ -2,7 +2,9 @@
 // CPU code in optim_kernels.cpp): Adam moments and apply (each fused with the squared norm the
 // hyperball projection needs), Muon's Nesterov momentum, axpy with the norm, and the two small
 // pieces of Newton-Schulz that are not GEMMs (normalization by a device-side norm, the polynomial's
-// a I + b A). The GEMMs of Newton-Schulz go through the backend's LtGemm (cuda_backend.cpp).
+// a I + b A), each also over a batch of equally shaped matrices (per-matrix norms by a segmented
+// reduction), and MuonH's projection of one matrix or of such a batch. The GEMMs of Newton-Schulz
+// go through the backend's LtGemm (cuda_backend.cpp), strided-batched for a batch.
 //
 // Determinism: every sum runs on a fixed grid of kRedBlocks x kThreads threads whatever n and the
 // device; each thread accumulates its grid-stride elements in double, each block sums its threads
@@ -271,7 +273,95 @@ __global__ void scale_by_device_factor_kernel(float* x, size_t n, const float* f
   LADDER_GRID_STRIDE(i, n) x[i] *= f;
 }
 
+// ---- batches of equally shaped matrices (Muon / MuonH over an expert stack) --------------------
+//
+// `count` matrices of mn elements back to back. Each matrix is cut into bpm = ceil(mn / kChunk)
+// chunks, one block per chunk (block b: matrix b / bpm, chunk b % bpm), so no block straddles two
+// matrices: a matrix's sum is the partials of its own bpm blocks, summed by one block per matrix in
+// a fixed tree (batch_finish_kernel). A segmented reduction whose order depends only on mn: bitwise
+// reproducible, no atomics, one launch per pass whatever count is.
+
+__device__ __forceinline__ void batch_chunk(size_t mn, int bpm, size_t& mat, size_t& lo, size_t& hi) {
+  mat = size_t(blockIdx.x) / size_t(bpm);
+  lo = (size_t(blockIdx.x) - mat * size_t(bpm)) * kChunk;
+  hi = lo + kChunk < mn ? lo + kChunk : mn;
+}
+
+__global__ void batch_sumsq_kernel(const float* x, size_t mn, int bpm, double* partials) {
+  size_t mat, lo, hi;
+  batch_chunk(mn, bpm, mat, lo, hi);
+  const float* xm = x + mat * mn;
+  double acc = 0.0;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) acc += double(xm[i]) * double(xm[i]);
+  store_block_partial(acc, partials);
+}
+
+// One block per matrix: sums[mat] = its bpm partials in a fixed tree.
+__global__ void batch_finish_kernel(const double* partials, int bpm, double* sums) {
+  __shared__ double red[32];
+  const double* pm = partials + size_t(blockIdx.x) * size_t(bpm);
+  double acc = 0.0;
+  for (int j = threadIdx.x; j < bpm; j += blockDim.x) acc += pm[j];
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) sums[blockIdx.x] = acc;
+}
+
+// scale_by_inv_norm_kernel per matrix, the scalar from that matrix's own device sum.
+__global__ void batch_scale_by_inv_norm_kernel(float* y, const float* x, size_t mn, int bpm, const double* sumsq) {
+  size_t mat, lo, hi;
+  batch_chunk(mn, bpm, mat, lo, hi);
+  const float inv = float(1.0 / (sqrt(sumsq[mat]) + 1e-8));
+  const float* xm = x + mat * mn;
+  float* ym = y + mat * mn;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) ym[i] = xm[i] * inv;
+}
+
+// ns_poly_init_kernel over `count` m x m matrices back to back.
+__global__ void batch_ns_poly_init_kernel(float* P, const float* A, int m, size_t total, float a, float b) {
+  const size_t mm = size_t(m) * size_t(m);
+  LADDER_GRID_STRIDE(e, total) {
+    const size_t r = e % mm;
+    const size_t i = r / size_t(m), j = r - i * size_t(m);
+    const float bv = b * A[e];
+    P[e] = i == j ? bv + a : bv;
+  }
+}
+
+// axpy_sumsq_dev_kernel per matrix: alpha from the matrix's ||D||^2 (xx[mat]) and radius[mat].
+__global__ void batch_axpy_sumsq_dev_kernel(float* w, const float* D, size_t mn, int bpm, const float* radius,
+                                            double lr, const double* xx, double* partials) {
+  size_t mat, lo, hi;
+  batch_chunk(mn, bpm, mat, lo, hi);
+  const double R = radius[mat];
+  const float alpha = float(-lr * R / host_max(sqrt(xx[mat]), 1e-10));
+  float* wm = w + mat * mn;
+  const float* dm = D + mat * mn;
+  double acc = 0.0;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const float wi = wm[i] + alpha * dm[i];
+    wm[i] = wi;
+    acc += double(wi) * double(wi);
+  }
+  store_block_partial(acc, partials);
+}
+
+// w *= float(R / sqrt(ww)) per matrix.
+__global__ void batch_scale_to_radius_kernel(float* w, size_t mn, int bpm, const float* radius, const double* ww) {
+  size_t mat, lo, hi;
+  batch_chunk(mn, bpm, mat, lo, hi);
+  const float f = float(double(radius[mat]) / sqrt(ww[mat]));
+  float* wm = w + mat * mn;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) wm[i] *= f;
+}
+
 #undef LADDER_GRID_STRIDE
+
+// Blocks of a batch pass, or 0 where the grid would not fit gridDim.x (the callers' batches are
+// bounded far below that: 2^31 blocks of kChunk floats is 32 TiB).
+size_t batch_grid(size_t mn, int count) {
+  const size_t blocks = size_t(count) * batch_blocks_per_matrix(mn);
+  return blocks <= size_t(0x7fffffff) ? blocks : 0;
+}
 
 }  // namespace
 
@@ -366,6 +456,55 @@ cudaError_t muonh_apply(float* w, const float* D, size_t n, const float* radius,
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   if (!n) return cudaSuccess;
   scale_to_radius_kernel<<<grid_for(n), kThreads, 0, st>>>(w, n, radius, sums + 1);
+  return cudaGetLastError();
+}
+
+int batch_blocks_per_matrix(size_t mn) { return int(mn ? (mn + kChunk - 1) / kChunk : 1); }
+
+cudaError_t batched_sum_squares(const float* x, size_t mn, int count, double* sums, double* partials,
+                                cudaStream_t st) {
+  if (count <= 0) return cudaSuccess;
+  const size_t blocks = batch_grid(mn, count);
+  if (!blocks) return cudaErrorInvalidValue;
+  const int bpm = batch_blocks_per_matrix(mn);
+  batch_sumsq_kernel<<<unsigned(blocks), kThreads, 0, st>>>(x, mn, bpm, partials);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  batch_finish_kernel<<<unsigned(count), kThreads, 0, st>>>(partials, bpm, sums);
+  return cudaGetLastError();
+}
+
+cudaError_t batched_scale_by_inv_norm(float* y, const float* x, size_t mn, int count, const double* sumsq,
+                                      cudaStream_t st) {
+  if (count <= 0 || !mn) return cudaSuccess;
+  const size_t blocks = batch_grid(mn, count);
+  if (!blocks) return cudaErrorInvalidValue;
+  batch_scale_by_inv_norm_kernel<<<unsigned(blocks), kThreads, 0, st>>>(y, x, mn, batch_blocks_per_matrix(mn), sumsq);
+  return cudaGetLastError();
+}
+
+cudaError_t batched_ns_poly_init(float* P, const float* A, int m, int count, float a, float b, cudaStream_t st) {
+  if (m <= 0 || count <= 0) return cudaSuccess;
+  const size_t total = size_t(m) * size_t(m) * size_t(count);
+  batch_ns_poly_init_kernel<<<grid_for(total), kThreads, 0, st>>>(P, A, m, total, a, b);
+  return cudaGetLastError();
+}
+
+cudaError_t muonh_apply_batched(float* w, const float* D, size_t mn, int count, const float* radius, double lr,
+                                double* sums, double* partials, cudaStream_t st) {
+  if (count <= 0) return cudaSuccess;
+  const size_t blocks = batch_grid(mn, count);
+  if (!blocks) return cudaErrorInvalidValue;
+  const int bpm = batch_blocks_per_matrix(mn);
+  double *xx = sums, *ww = sums + count;
+  cudaError_t e = batched_sum_squares(D, mn, count, xx, partials, st);
+  if (e != cudaSuccess) return e;
+  batch_axpy_sumsq_dev_kernel<<<unsigned(blocks), kThreads, 0, st>>>(w, D, mn, bpm, radius, lr, xx, partials);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  batch_finish_kernel<<<unsigned(count), kThreads, 0, st>>>(partials, bpm, ww);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  if (!mn) return cudaSuccess;
+  batch_scale_to_radius_kernel<<<unsigned(blocks), kThreads, 0, st>>>(w, mn, bpm, radius, ww);
   return cudaGetLastError();
 }
 

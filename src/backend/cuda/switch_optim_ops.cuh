@@ -134,6 +134,25 @@ cudaError_t adamh_multi(const OptSeg* segs, int nseg, const int* block_seg, int 
 // w += alpha D with ww = ||w||^2, w *= float(R / sqrt ww). sums: 2 doubles (xx, ww); partials as above.
 cudaError_t muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr, double* sums,
                         double* partials, cudaStream_t st);
+
+// Batches of `count` equally shaped matrices of mn elements stored back to back (matrix i at
+// x + i mn), for Muon over an [E, out, in] stack. Per-matrix sums by a segmented reduction: each
+// matrix in batch_blocks_per_matrix(mn) chunks of optim_multi_chunk() elements, one block each, the
+// chunks' partials summed per matrix in a fixed tree (bitwise reproducible, no atomics).
+// `partials` holds count * batch_blocks_per_matrix(mn) doubles; sums are device memory.
+int batch_blocks_per_matrix(size_t mn);
+// sums[i] = ||matrix i||^2 (double).
+cudaError_t batched_sum_squares(const float* x, size_t mn, int count, double* sums, double* partials,
+                                cudaStream_t st);
+// scale_by_inv_norm per matrix: y_i = x_i * float(1 / (sqrt(sumsq[i]) + 1e-8)). y may alias x.
+cudaError_t batched_scale_by_inv_norm(float* y, const float* x, size_t mn, int count, const double* sumsq,
+                                      cudaStream_t st);
+// ns_poly_init on `count` m x m matrices back to back.
+cudaError_t batched_ns_poly_init(float* P, const float* A, int m, int count, float a, float b, cudaStream_t st);
+// muonh_apply on each matrix i (w + i mn, D + i mn, radius[i]) in five launches for the batch.
+// sums: 2 count doubles (||D_i||^2, then ||w_i||^2 after the axpy).
+cudaError_t muonh_apply_batched(float* w, const float* D, size_t mn, int count, const float* radius, double lr,
+                                double* sums, double* partials, cudaStream_t st);
 // w += alpha * x.
 cudaError_t axpy(float* w, const float* x, size_t n, float alpha, cudaStream_t st);
 // *norm = sqrt(sums[0] + ... + sums[count-1]) (in index order), *factor = clip > 0 && norm > clip ?

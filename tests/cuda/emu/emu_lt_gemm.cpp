@@ -3,7 +3,8 @@
 // sees them, so the backend's GEMM wiring (transposes, leading dimensions, offsets, scratch) is
 // checked against the same contract (cpu::gemm's), and the tests' TF32 and bf16 tolerances see a
 // real rounding error. Not emulated: cuBLASLt's own summation order and its
-// algorithm choice; K = 0 goes through k::scale_matrix as in lt_gemm.cpp.
+// algorithm choice; K = 0 goes through k::scale_matrix as in lt_gemm.cpp. Strided batches run as a
+// loop over the batch (the batch attributes are cuBLASLt's business, not emulated).
 #include <cstring>
 #include <vector>
 
@@ -94,6 +95,20 @@ void LtGemm::run(GemmType type, bool ta, bool tb, int M, int N, int K, float alp
   cpu::gemm<float>(ta, tb, M, N, K, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), N);
   for (int i = 0; i < M; ++i)
     for (int j = 0; j < N; ++j) c16[size_t(i) * ldc + j] = f32_to_bf16(c[size_t(i) * N + j]);
+}
+
+// The strided batch as a loop of run()s: each product is checked against cpu::gemm's contract at
+// its own offset, which is what cuBLASLt's batch attributes (lt_gemm.cpp) promise.
+void LtGemm::run_batched(GemmType type, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, int lda,
+                         int64_t stride_a, const void* B, int ldb, int64_t stride_b, float beta, void* C, int ldc,
+                         int64_t stride_c, int batch, bool c_bf16, const void* C_in) {
+  if (C_in && C_in != C && batch != 1) fail("internal error: a separate addend (C_in) with a batched gemm");
+  if (batch == 1) return run(type, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, c_bf16, C_in);
+  const size_t in_bytes = type == GemmType::BF16 ? 2 : 4, out_bytes = c_bf16 ? 2 : 4;
+  for (int i = 0; i < batch; ++i)
+    run(type, ta, tb, M, N, K, alpha, static_cast<const char*>(A) + size_t(i) * size_t(stride_a) * in_bytes, lda,
+        static_cast<const char*>(B) + size_t(i) * size_t(stride_b) * in_bytes, ldb, beta,
+        static_cast<char*>(C) + size_t(i) * size_t(stride_c) * out_bytes, ldc, c_bf16);
 }
 
 }  // namespace ladder::cuda
