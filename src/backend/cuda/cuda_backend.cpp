@@ -544,12 +544,16 @@ class CudaBackendImpl final : public CudaBackend {
     const bool tall = rows > cols;
     const int m = tall ? cols : rows;
     const size_t mn = size_t(rows) * size_t(cols), mm = size_t(m) * size_t(m);
-    const size_t per_matrix = (mn + 2 * mm) * sizeof(float);
+    // bf16 GEMMs also keep bf16 copies of the iterate, A and P.
+    const size_t per_matrix = (mn + 2 * mm) * (sizeof(float) + (opt_.bf16 ? sizeof(uint16_t) : 0));
     const int chunk = int(std::clamp<size_t>(opt_.ns_work_bytes / per_matrix, 1, size_t(count)));
     // Y (the other half of the ping-pong, stride mn like X), A and P (stride m^2), each starting on
     // a 256-byte boundary so that cuBLASLt gets its best-aligned kernels.
     const auto aligned = [](size_t floats) { return (floats + 63) / 64 * 64; };
     ns_work_.reserve(aligned(size_t(chunk) * mn) + 2 * aligned(size_t(chunk) * mm), "Newton-Schulz workspace");
+    if (opt_.bf16)  // the layout of ns_chunk_bf16, 256-byte boundaries too
+      ns_work16_.reserve(ns16_aligned(size_t(chunk) * mn) + 2 * ns16_aligned(size_t(chunk) * mm),
+                         "Newton-Schulz workspace (bf16)");
     const int bpm = k::batch_blocks_per_matrix(mn);
     ns_sums_.reserve(size_t(chunk) * size_t(bpm) + size_t(chunk), "Newton-Schulz norms");
     for (int c0 = 0; c0 < count; c0 += chunk)
@@ -570,9 +574,12 @@ class CudaBackendImpl final : public CudaBackend {
     // X_i / (||X_i||_F + 1e-8) into Y, so that the 5 (odd) steps end back in X.
     check(k::batched_sum_squares(X, size_t(mn), count, d_sumsq, partials, st_), "newton_schulz5 (norm)");
     check(k::batched_scale_by_inv_norm(Y, X, size_t(mn), count, d_sumsq, st_), "newton_schulz5 (normalize)");
-    // On the tensor cores under tf32 and bf16 precision alike: TF32 reads the fp32 iterates as they
-    // are (bf16 would need a cast of X, A and P at each of the 5 steps) and keeps 10 mantissa bits.
-    const GemmType type = opt_.tf32 || opt_.bf16 ? GemmType::TF32 : GemmType::F32;
+    // On the tensor cores: TF32 under tf32 precision (reads the fp32 iterates as they are, 10 mantissa
+    // bits); under bf16 precision in bf16 as Muon is usually run (twice TF32's tensor-core rate): each
+    // step casts the iterate, A and P to bf16 (8 mantissa bits) just before the GEMMs that read them;
+    // the iterate, A and P themselves and every accumulation stay fp32.
+    if (opt_.bf16) return ns_chunk_bf16(X, Y, A, P, m, n, tall, count);
+    const GemmType type = opt_.tf32 ? GemmType::TF32 : GemmType::F32;
     float* cur = Y;
     float* nxt = X;
     for (int s = 0; s < 5; ++s) {
@@ -587,6 +594,36 @@ class CudaBackendImpl final : public CudaBackend {
         gemm_->run_batched(type, false, false, n, m, m, 1.f, cur, m, mn, P, m, mm, 0.f, nxt, m, mn, count);
       else  // nxt [m, n] = P [m, m] cur [m, n]
         gemm_->run_batched(type, false, false, m, n, m, 1.f, P, m, mm, cur, n, mn, 0.f, nxt, n, mn, count);
+      std::swap(cur, nxt);
+    }
+  }
+  static size_t ns16_aligned(size_t values) { return (values + 127) / 128 * 128; }
+  // The 5 steps with bf16 GEMM operands (see ns_chunk). Y holds the normalized matrices; the result
+  // lands in X. cur16 / A16 / P16: bf16 copies (bf16 workspace, same strides as their fp32 forms).
+  void ns_chunk_bf16(float* X, float* Y, float* A, float* P, int m, int n, bool tall, int count) {
+    const int64_t mn = int64_t(m) * n, mm = int64_t(m) * m;
+    const size_t nmn = size_t(mn) * size_t(count), nmm = size_t(mm) * size_t(count);
+    uint16_t* cur16 = ns_work16_.data();
+    uint16_t* A16 = cur16 + ns16_aligned(nmn);
+    uint16_t* P16 = A16 + ns16_aligned(nmm);
+    const GemmType bf = GemmType::BF16;
+    float* cur = Y;
+    float* nxt = X;
+    for (int s = 0; s < 5; ++s) {
+      const float a = float(cpu::kNsCoeffs[s][0]), b = float(cpu::kNsCoeffs[s][1]), c = float(cpu::kNsCoeffs[s][2]);
+      check(k::f32_to_bf16(cur16, cur, nmn, st_), "newton_schulz5 (bf16 iterate)");
+      if (tall)
+        gemm_->run_batched(bf, true, false, m, m, n, 1.f, cur16, m, mn, cur16, m, mn, 0.f, A, m, mm, count);
+      else
+        gemm_->run_batched(bf, false, true, m, m, n, 1.f, cur16, n, mn, cur16, n, mn, 0.f, A, m, mm, count);
+      check(k::batched_ns_poly_init(P, A, m, count, a, b, st_), "newton_schulz5 (polynomial)");
+      check(k::f32_to_bf16(A16, A, nmm, st_), "newton_schulz5 (bf16 A)");
+      gemm_->run_batched(bf, false, true, m, m, m, c, A16, m, mm, A16, m, mm, 1.f, P, m, mm, count);
+      check(k::f32_to_bf16(P16, P, nmm, st_), "newton_schulz5 (bf16 P)");
+      if (tall)
+        gemm_->run_batched(bf, false, false, n, m, m, 1.f, cur16, m, mn, P16, m, mm, 0.f, nxt, m, mn, count);
+      else
+        gemm_->run_batched(bf, false, false, m, n, m, 1.f, P16, m, mm, cur16, n, mn, 0.f, nxt, n, mn, count);
       std::swap(cur, nxt);
     }
   }
@@ -807,7 +844,8 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
   DeviceBuffer<double> optim_scratch_;  // optim_partials()
   std::vector<std::unique_ptr<OptimTable>> optim_tables_;  // adamw_multi / adamh_multi tables
-  DeviceBuffer<float> ns_work_;         // newton_schulz5: Y, A, P (per matrix of a chunk)
+  DeviceBuffer<float> ns_work_;
+  DeviceBuffer<uint16_t> ns_work16_;    // newton_schulz5 under bf16 GEMMs: bf16 iterate, A, P         // newton_schulz5: Y, A, P (per matrix of a chunk)
   DeviceBuffer<double> ns_sums_;        // newton_schulz5: per-matrix norms, then their partials
   DeviceBuffer<double> muonh_sums_;     // muonh_apply_batched: per-matrix sums, then partials
   DeviceBuffer<char> moe_scratch_;      // moe_sort (CUB + keys), moe_quantile_beta (transposed keys)
