@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -166,9 +167,17 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, F*, int, size_
   *n = 4;
   return cudaSuccess;
 }
+// Per kernel, the dynamic shared memory it opted into (cudaFuncAttributeMaxDynamicSharedMemorySize):
+// a launch asking for more than 48 KiB without it fails on the device, and here too.
+inline std::map<const void*, size_t>& smem_optin() {
+  static std::map<const void*, size_t> m;
+  return m;
+}
 template <class F>
-cudaError_t cudaFuncSetAttribute(F*, cudaFuncAttribute, int bytes) {
-  return size_t(bytes) <= kEmuSmemOptin ? cudaSuccess : cudaErrorInvalidValue;
+cudaError_t cudaFuncSetAttribute(F* f, cudaFuncAttribute attr, int bytes) {
+  if (size_t(bytes) > kEmuSmemOptin) return cudaErrorInvalidValue;
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) smem_optin()[reinterpret_cast<const void*>(f)] = size_t(bytes);
+  return cudaSuccess;
 }
 template <class F>
 cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, F*) {
@@ -630,6 +639,13 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
   if (bad_config(grid, block, smem)) {
     g_last_error = cudaErrorInvalidConfiguration;
     return;
+  }
+  if (smem > kEmuSmemDefault) {  // above 48 KiB only after cudaFuncSetAttribute for this kernel
+    auto it = smem_optin().find(reinterpret_cast<const void*>(kernel));
+    if (it == smem_optin().end() || smem > it->second) {
+      g_last_error = cudaErrorInvalidValue;
+      return;
+    }
   }
   // Warps are 32 consecutive linear thread indices, as on the device.
   if ((size_t(block.x) * block.y * block.z) % 32) die("only blocks of whole warps are emulated");

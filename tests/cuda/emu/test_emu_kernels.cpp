@@ -503,5 +503,28 @@ TEST_F(CudaEmu, LaunchErrorsReachCudaGetLastError) {
             cudaErrorInvalidConfiguration);
 }
 
+// Dynamic shared memory above 48 KiB needs the kernel's opt-in (cudaFuncSetAttribute), on the
+// device and in the emulation: a kernel that forgets it fails to launch on a GPU only otherwise.
+void smem_probe_kernel(int* flag) {
+  if (threadIdx.x == 0) *flag = 1;
+}
+
+TEST_F(CudaEmu, DynamicSharedMemoryAbove48KiBNeedsTheOptIn) {
+  int flag = 0;
+  (void)cudaGetLastError();
+  emu::launch(false, dim3(1), dim3(32), 64 * 1024, smem_probe_kernel, &flag);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  EXPECT_EQ(flag, 0) << "the kernel ran without the opt-in";
+  emu::launch(false, dim3(1), dim3(32), 48 * 1024, smem_probe_kernel, &flag);  // the default limit
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(flag, 1);
+  flag = 0;
+  ASSERT_EQ(cudaFuncSetAttribute(smem_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024),
+            cudaSuccess);
+  emu::launch(false, dim3(1), dim3(32), 64 * 1024, smem_probe_kernel, &flag);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(flag, 1);
+}
+
 }  // namespace
 }  // namespace ladder
