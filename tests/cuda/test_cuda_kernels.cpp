@@ -528,6 +528,32 @@ TEST_F(CudaKernels, Bf16StorageMatchesTheCpuBitForBit) {
   EXPECT_EQ(0, std::memcmp(gy.data(), y.data(), n * sizeof(float))) << "from_bf16";
 }
 
+// Small uploads go through pinned staging and return before the copy runs: the host buffer is
+// reused at once, and every copy must still land in stream order with the values it had at the
+// call. 200 uploads of a counter into one device buffer, each followed by an op reading it (a sum
+// into an accumulator); the host overwrites its buffer right after each upload.
+TEST_F(CudaKernels, SmallUploadsAreStagedInStreamOrder) {
+  const size_t n = 4096;  // like a micro-batch's token ids
+  DeviceBuffer<float> d_x(n), d_acc(n);
+  be().zero(d_acc.data(), n * sizeof(float));
+  std::vector<float> h(n);
+  double expect = 0;
+  for (int i = 1; i <= 200; ++i) {
+    std::fill(h.begin(), h.end(), float(i));
+    be().upload(d_x.data(), h.data(), n * sizeof(float));
+    std::fill(h.begin(), h.end(), -1e9f);  // reused at once: must not reach the device
+    be().add_inplace(d_acc.data(), d_x.data(), n);
+    expect += i;
+  }
+  const auto acc = down(d_acc, n);
+  for (size_t j = 0; j < n; j += 997) ASSERT_EQ(acc[j], float(expect)) << j;
+  // A large upload (above the staging size) is synchronous as before.
+  std::vector<float> big(size_t(1) << 19, 3.f);
+  DeviceBuffer<float> d_big(big.size());
+  be().upload(d_big.data(), big.data(), big.size() * sizeof(float));
+  EXPECT_EQ(down(d_big, big.size()), big);
+}
+
 TEST_F(CudaKernels, OutOfMemoryIsOneLine) {
   try {
     DeviceBuffer<float> huge(size_t(1) << 45, "test tensor");  // 128 TiB

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <tuple>
@@ -70,6 +71,11 @@ class CudaBackendImpl final : public CudaBackend {
   }
   ~CudaBackendImpl() override {
     gemm_.reset();
+    if (st_) cudaStreamSynchronize(st_);  // staged uploads may still read their pinned slots
+    for (auto& s : stage_) {
+      if (s.host) cudaFreeHost(s.host);
+      if (s.done) cudaEventDestroy(s.done);
+    }
     if (host_sums_) cudaFreeHost(host_sums_);
     if (st_) cudaStreamDestroy(st_);
   }
@@ -99,6 +105,25 @@ class CudaBackendImpl final : public CudaBackend {
   void upload(void* dst, const void* src, size_t bytes) override {
     touch(dst);
     if (!bytes) return;
+    if (bytes <= kStageBytes) {
+      // Small uploads (a micro-batch's token ids and targets, the MoE biases) go through one of two
+      // pinned slots: the host copies into the slot and returns, and the copy to the device runs in
+      // stream order, so the host does not wait for the queued work to finish before every
+      // micro-batch. A slot is refilled only after the copy that read it has run (its event).
+      Stage& s = stage_[stage_next_];
+      stage_next_ ^= 1;
+      if (!s.host) {
+        LADDER_CUDA_CHECK(cudaMallocHost(&s.host, kStageBytes));
+        LADDER_CUDA_CHECK(cudaEventCreate(&s.done));
+      } else {
+        LADDER_CUDA_CHECK(cudaEventSynchronize(s.done));
+      }
+      std::memcpy(s.host, src, bytes);
+      LADDER_CUDA_CHECK(cudaMemcpyAsync(dst, s.host, bytes, cudaMemcpyHostToDevice, st_));
+      LADDER_CUDA_CHECK(cudaEventRecord(s.done, st_));
+      post("upload");
+      return;
+    }
     // Synchronous with respect to the host buffer (pageable memory): the caller may reuse it at once.
     LADDER_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st_));
     synchronize();
@@ -827,6 +852,14 @@ class CudaBackendImpl final : public CudaBackend {
     }
   };
   CastCache cast_a_, cast_b_;
+  // upload()'s pinned staging slots (allocated on first use).
+  static constexpr size_t kStageBytes = size_t(1) << 20;
+  struct Stage {
+    void* host = nullptr;
+    cudaEvent_t done = nullptr;
+  };
+  Stage stage_[2];
+  int stage_next_ = 0;
   DeviceBuffer<float> b_wide_;  // gemm_b16 under fp32 / TF32 GEMMs: B widened
   uint64_t writes_ = 0;     // ops other than a bf16 GEMM's own steps (see CastCache)
   bool in_gemm_ = false;    // inside gemm(): its own cast, touch and post do not count
