@@ -115,8 +115,9 @@ for mp in $MODELS; do
 try:
     j = json.loads(sys.stdin.read())
     peak = {"bf16": 989e3, "tf32": 494.7e3, "fp32": 66.9e3}[os.environ["PREC"]]
-    print("%10.0f %9.1f %9.1f %6.1f%% %6.1f%% %8.0f" % (j["tokens_per_s"], j["train_gflops"] / 1e3,
-          j["sgemm_gflops"] / 1e3, 100 * j["mfu"], 100 * j["train_gflops"] / peak, j.get("activation_mib", 0)))
+    print("%10.0f %9.1f %9.1f %6.1f%% %6.1f%% %8.0f %8.0f" % (j["tokens_per_s"], j["train_gflops"] / 1e3,
+          j["sgemm_gflops"] / 1e3, 100 * j["mfu"], 100 * j["train_gflops"] / peak, j.get("activation_mib", 0),
+          j.get("device_mem_used_mib", -1)))
 except Exception:
     print("   (failed: see models.log)")' 2>/dev/null)
   MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rc" "$row" "$extra")"$'\n'
@@ -134,6 +135,6 @@ echo "benchmark: exit $BENCH_RC"
 sed -n '/^| what/,$p' "$OUT/bench.log"
 [ "$BENCH_RC" = 0 ] || tail -n 5 "$OUT/bench.log"
 echo "model benchmarks (ladder bench --device cuda, median of 4 steps; MFU = model TFLOP/s / same-run GEMM TFLOP/s):"
-echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@ds  act MiB  (settings)"
+echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@ds  act MiB  dev MiB  (settings)"
 printf '%s' "$MODEL_ROWS"
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

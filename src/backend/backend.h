@@ -191,6 +191,9 @@ class Backend : public MemorySpace {
   // once per optimizer step instead of once per GEMM); it must notice every write into the range
   // through its own ops. Unregister before the memory is freed.
   virtual void register_weights(const void* base, size_t bytes) { (void)base, (void)bytes; }
+  // Device memory in use on the backend's device, in bytes (the CUDA backend: total minus free, as
+  // the driver reports it, so other processes and the context count too); -1 where not known.
+  virtual double device_memory_used() const { return -1; }
   virtual void unregister_weights(const void* base) { (void)base; }
 };
 

@@ -105,6 +105,7 @@ class ForwardingBackend : public Backend {
   double sum_squares(const float* x, size_t n) override {
     return wrap("grad norm", 0, [&] { return b_->sum_squares(x, n); });
   }
+  double device_memory_used() const override { return b_->device_memory_used(); }
   void to_bf16(uint16_t* out, const float* in, size_t n) override {
     wrap("bf16 storage", 0, [&] { b_->to_bf16(out, in, n); });
   }

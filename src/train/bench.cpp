@@ -116,6 +116,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
                       {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total},
                       {"params_active", count_params(cfg.model).active},
                       {"activation_mib", double(model.activation_bytes()) / 1048576.0},
+                      {"device_mem_used_mib", be->device_memory_used() < 0 ? -1.0 : be->device_memory_used() / 1048576.0},
                       {"saved_activations", cfg.model.saved_activations}};
   if (prof) {
     double total = 0;

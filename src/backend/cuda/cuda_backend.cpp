@@ -86,6 +86,11 @@ class CudaBackendImpl final : public CudaBackend {
   bool tf32() const override { return opt_.tf32; }
   bool bf16() const override { return opt_.bf16; }
   uint64_t bf16_cast_reuses() const override { return cast_reuses_; }
+  double device_memory_used() const override {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return -1;
+    return double(total_b - free_b);
+  }
   void synchronize() override { LADDER_CUDA_CHECK(cudaStreamSynchronize(st_)); }
 
   // Device memory. Copies go on the backend's stream (ordered with the ops); download waits.
