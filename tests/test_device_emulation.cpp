@@ -134,6 +134,20 @@ TEST(DeviceEmulation, SavedBf16MoeSwitchesIsBitIdenticalWithoutHostAccess) {
   train_and_compare(c, "adamw");
 }
 
+// bf16 dense MLP (model.mlp_bf16): typed GEMMs and the bf16 SwiGLU through backend ops only, on the
+// MoE model's dense layer next to bf16 saved activations (the MLP tensors are not packed again).
+TEST(DeviceEmulation, MlpBf16MoeSwitchesIsBitIdenticalWithoutHostAccess) {
+  Config c = moe_switches_config();
+  c.model.mlp_bf16 = true;
+  c.model.saved_activations = "bf16";
+  train_and_compare(c, "adamw");
+}
+TEST(DeviceEmulation, MlpBf16DenseMuonhIsBitIdenticalWithoutHostAccess) {
+  Config c = dense_config();
+  c.model.mlp_bf16 = true;
+  train_and_compare(c, "muonh");
+}
+
 // Activation recomputation changes memory, never results: losses and every gradient bit for bit,
 // for dense, MoE (mixed with a dense layer) and every switch, over two micro-batches.
 TEST(Recompute, SameGradientsBitForBitWithLessActivationMemory) {

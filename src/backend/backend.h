@@ -52,6 +52,16 @@ class Backend : public MemorySpace {
   // read; under bf16 GEMMs the copy is read as it is, with no cast either.
   virtual void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B,
                         int ldb, float beta, float* C, int ldc) = 0;
+  // The general GEMM with typed operands: D = alpha * op(A) op(B) + beta * C_in, where A, B and D
+  // are each fp32 or bf16 bits (a_bf16, b_bf16, d_bf16; uint16_t storage, leading dimensions as
+  // gemm()). C_in is fp32: nullptr reads the addend from D (gemm()'s C); a bf16 D takes no addend
+  // (beta 0, C_in nullptr). A bf16 operand is its exactly widened fp32 value; a bf16 D is the fp32
+  // result rounded to nearest even. The CPU computes exactly that (widen, sgemm, round): the
+  // reference. For the bf16 dense MLP (model.mlp_bf16); gemm, gemm_add and gemm_b16 are its fp32
+  // special cases.
+  virtual void gemm_ex(bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16, int lda,
+                       const void* B, bool b_bf16, int ldb, float beta, const float* C_in, void* D, bool d_bf16,
+                       int ldc) = 0;
   // Grouped GEMM over per-expert row blocks (see cpu::grouped_gemm for the two shapes).
   virtual void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
                             float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB,
@@ -70,6 +80,11 @@ class Backend : public MemorySpace {
                                   const AttnShape& s) = 0;
   virtual void swiglu_forward(float* h, const float* g, const float* u, size_t n) = 0;
   virtual void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) = 0;
+  // SwiGLU on bf16 gate / up (model.mlp_bf16): swiglu_forward / swiglu_backward on their widened
+  // values, in fp32; the forward's output h rounded to bf16, the backward's dg / du fp32.
+  virtual void swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n) = 0;
+  virtual void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
+                                    size_t n) = 0;
   virtual XentSums softmax_xent(float* logits, const int32_t* targets, int N, int V, float z_coef, float grad_scale) = 0;
   virtual XentSums softmax_xent_forward(const float* logits, const int32_t* targets, int N, int V, float* losses) = 0;
   virtual void add_inplace(float* y, const float* x, size_t n) = 0;

@@ -54,6 +54,13 @@ class ForwardingBackend : public Backend {
     std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
     wrap(op.c_str(), 2.0 * M * N * K, [&] { b_->gemm_b16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   }
+  void gemm_ex(bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16, int lda, const void* B,
+               bool b_bf16, int ldb, float beta, const float* C_in, void* D, bool d_bf16, int ldc) override {
+    std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
+    wrap(op.c_str(), 2.0 * M * N * K, [&] {
+      b_->gemm_ex(ta, tb, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C_in, D, d_bf16, ldc);
+    });
+  }
   void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C, int ldc,
                     size_t strideC) override {
@@ -93,6 +100,13 @@ class ForwardingBackend : public Backend {
   }
   void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) override {
     wrap("swiglu", 0, [&] { b_->swiglu_backward(dg, du, dh, g, u, n); });
+  }
+  void swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n) override {
+    wrap("swiglu", 0, [&] { b_->swiglu_forward_bf16(h, g, u, n); });
+  }
+  void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
+                            size_t n) override {
+    wrap("swiglu", 0, [&] { b_->swiglu_backward_bf16(dg, du, dh, g, u, n); });
   }
   XentSums softmax_xent(float* l, const int32_t* t, int N, int V, float z, float gs) override {
     return wrap("softmax_xent", 0, [&] { return b_->softmax_xent(l, t, N, V, z, gs); });

@@ -64,6 +64,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, attn_gate, "per-head attention output gate 2*sigmoid(h W_g), h the block's normed attention input, W_g [H, d] zero at init"),
       LADDER_FIELD(model, recompute, "activation recomputation: keep only each layer's input and re-run the layer's forward in the backward (about one more forward of compute; saved activations drop to one layer's plus the residual stream; same results bit for bit)"),
       LADDER_FIELD(model, saved_activations, "storage of the activations the backward reads: fp32, or bf16 (half the memory; the residual stream, norm statistics and MoE routing stay fp32; the forward and the loss are unchanged, gradients see bf16-rounded activations)"),
+      LADDER_FIELD(model, mlp_bf16, "dense MLP layers (not MoE) in bf16: the gate and up projections are written by the GEMM in bf16 (rounded fp32 accumulation), SwiGLU reads them in bf16, computes in fp32 and writes its output in bf16, which the down projection and its weight gradient read; the backward's gradients stay fp32. Halves the memory of the three [tokens, d_ff] tensors; the loss changes by bf16 rounding (first slice of the bf16 activation path, docs/cuda.md)"),
       LADDER_FIELD(model, gated_norm_rank, "GatedNorm x*sigmoid(W_up SiLU(W_down x)) after each d-wide RMSNorm (block norms and final norm) with this rank; 0 = off (recipe V1: 128)"),
       LADDER_FIELD(optim, name, "optimizer preset: adamw | adam | adamh | muon | muonh (which tensors each optimizer gets: docs/optimizers.md)"),
       LADDER_FIELD(optim, lr, "peak learning rate"),
@@ -352,6 +353,8 @@ void validate(const Config& c) {
     fail("{}: model.saved_activations 'bf16' has nothing to store with model.recompute (only each layer's fp32 "
          "input is kept): set one of them",
          where);
+  if (m.mlp_bf16 && m.n_layers > 0 && m.n_moe_layers() == m.n_layers)
+    fail("{}: model.mlp_bf16 applies to dense MLP layers, but every layer is an MoE layer: turn it off", where);
   if (c.optim.name != "adamw" && c.optim.name != "adam" && c.optim.name != "adamh" && c.optim.name != "muon" &&
       c.optim.name != "muonh")
     fail("{}: optim.name: unknown optimizer '{}' (expected adamw, adam, adamh, muon or muonh)", where, c.optim.name);

@@ -193,7 +193,13 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
       L.wg = &params_[pi++];
       L.wu = &params_[pi++];
       L.wd = &params_[pi++];
-      lreqs.insert(lreqs.end(), {{&L.gate, N * I, true}, {&L.up, N * I, true}, {&L.act, N * I, true}});
+      if (cfg.mlp_bf16) {
+        // Already bf16 (N*I uint16_t in half the floats): kept as they are, never packed again.
+        const size_t half = (N * size_t(I) + 1) / 2;
+        lreqs.insert(lreqs.end(), {{&L.gate, half}, {&L.up, half}, {&L.act, half}});
+      } else {
+        lreqs.insert(lreqs.end(), {{&L.gate, N * I, true}, {&L.up, N * I, true}, {&L.act, N * I, true}});
+      }
     }
     if (cfg.qk_norm) {
       lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd, true}, {&L.kr, N * KV * hd, true}, {&L.qrs, N * H},
@@ -573,6 +579,15 @@ void Transformer::layer_forward(size_t l, bool record, bool balance) {
     }
     return;
   }
+  if (cfg_.mlp_bf16) {
+    // The GEMMs write gate and up in bf16 (rounded fp32 accumulation), SwiGLU computes in fp32 from
+    // them and writes act in bf16, which the down projection reads as it is.
+    be_.gemm_ex(false, true, N, I, d, 1.f, L.h2, false, d, L.wg->w, false, d, 0.f, nullptr, b16(L.gate), true, I);
+    be_.gemm_ex(false, true, N, I, d, 1.f, L.h2, false, d, L.wu->w, false, d, 0.f, nullptr, b16(L.up), true, I);
+    be_.swiglu_forward_bf16(b16(L.act), b16(L.gate), b16(L.up), size_t(N) * I);
+    be_.gemm_ex(false, true, N, d, I, 1.f, b16(L.act), true, I, L.wd->w, false, I, 1.f, L.mid, next, false, d);
+    return;
+  }
   be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wg->w, d, 0.f, L.gate, I);
   be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wu->w, d, 0.f, L.up, I);
   be_.swiglu_forward(L.act, L.gate, L.up, size_t(N) * I);
@@ -660,8 +675,13 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
     } else {
     // MLP: next = mid + down(silu(gate(h2)) * up(h2)); d_res holds d(next).
     be_.gemm(false, false, N, I, d, 1.f, d_res_, d, L.wd->w, I, 0.f, d_act_, I);
-    wgrad_gemm(L, true, false, d, I, N, d_res_, d, L.act, I, L.wd->g, I);
-    be_.swiglu_backward(d_gate_, d_up_, d_act_, L.gate, L.up, size_t(N) * I);
+    if (cfg_.mlp_bf16) {  // act, gate and up are bf16: read as they are; the gradients stay fp32
+      be_.gemm_b16(true, false, d, I, N, 1.f, d_res_, d, b16(L.act), I, 1.f, L.wd->g, I);
+      be_.swiglu_backward_bf16(d_gate_, d_up_, d_act_, b16(L.gate), b16(L.up), size_t(N) * I);
+    } else {
+      wgrad_gemm(L, true, false, d, I, N, d_res_, d, L.act, I, L.wd->g, I);
+      be_.swiglu_backward(d_gate_, d_up_, d_act_, L.gate, L.up, size_t(N) * I);
+    }
     be_.gemm(false, false, N, d, I, 1.f, d_gate_, I, L.wg->w, d, 0.f, d_h_, d);
     be_.gemm(false, false, N, d, I, 1.f, d_up_, I, L.wu->w, d, 1.f, d_h_, d);
     wgrad_gemm(L, true, false, I, d, N, d_gate_, I, L.h2, d, L.wg->g, d);

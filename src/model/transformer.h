@@ -169,7 +169,8 @@ class Transformer {
     float *o, *lse;      // attention output [N,H*hd], lse [B,H,S]
     float *mid;          // x + attn [N,d]
     float *h2, *r2;      // ln2 out, rstd
-    float *gate, *up, *act;  // [N,I]
+    // [N,I]; with model.mlp_bf16 they hold bf16 bits (uint16_t, in half the bytes: read via b16())
+    float *gate, *up, *act;
     // MoE block (moe == true: wg/wu/wd are nullptr)
     bool moe = false;
     int moe_index = -1;  // among the MoE layers
@@ -185,6 +186,8 @@ class Transformer {
     std::vector<Packed> packed;
   };
 
+  // A saved tensor planned as bf16 (model.mlp_bf16's gate / up / act): its storage as bf16 bits.
+  static uint16_t* b16(float* p) { return reinterpret_cast<uint16_t*>(p); }
   void add_param(const std::string& name, Role role, std::vector<int64_t> shape);
   // Checks the host token ids and uploads them into ids_ (and, when given, targets into targets_).
   void upload_batch(const int32_t* inputs, const int32_t* targets);

@@ -206,6 +206,99 @@ TEST_F(CudaKernels, GemmWithBf16BMatchesTheWidenedProduct) {
   }
 }
 
+// gemm_ex (model.mlp_bf16's GEMMs): every mix of fp32 / bf16 A, B and output, against the CPU
+// backend's gemm_ex (the reference: widen, sgemm, round), on the fp32 backend (bf16 operands
+// widened into scratch, a bf16 output rounded from an fp32 GEMM) and the bf16 one (cuBLASLt reads
+// bf16 operands as they are and writes the bf16 output itself). Outputs poisoned first; a bf16 D's
+// padding columns must keep their poison. fp32 backend: fp32 outputs to kF32, bf16 outputs within
+// 1e-2 (the two fp32 results differ by ulps, so a few elements round to the neighbouring bf16,
+// 2^-8 apart); bf16 backend: 1e-2 (bf16-rounded operands).
+TEST_F(CudaKernels, GemmExTypedOperandsMatchTheCpu) {
+  cuda::CudaOptions o;
+  o.bf16 = true;
+  auto bf = cuda::make_backend(o);
+  auto cpu = make_cpu_backend(1);
+  const int M = 45, N = 38, K = 70, pad = 3;
+  for (cuda::CudaBackend* b : {&be(), bf.get()}) {
+    for (int mask = 0; mask < 8; ++mask) {
+      const bool a16 = mask & 1, b16 = mask & 2, d16 = mask & 4;
+      for (int t = 0; t < 4; ++t) {
+        const bool ta = t & 1, tb = t & 2;
+        const int lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
+        const size_t na = size_t(ta ? K : M) * lda, nb = size_t(tb ? N : K) * ldb, nc = size_t(M) * ldc;
+        auto A = randv(na), B = randv(nb), C = randv(nc);
+        std::vector<uint16_t> A16(na), B16(nb);
+        cpu::f32_to_bf16(A16.data(), A.data(), na);
+        cpu::f32_to_bf16(B16.data(), B.data(), nb);
+        auto dA = up(A), dB = up(B), dC = up(C);
+        auto dA16 = up(A16, 1), dB16 = up(B16, 1);  // odd offsets
+        const void* ha = a16 ? static_cast<const void*>(A16.data()) : A.data();
+        const void* hb = b16 ? static_cast<const void*>(B16.data()) : B.data();
+        const void* da = a16 ? static_cast<const void*>(dA16.data() + 1) : dA.data();
+        const void* db = b16 ? static_cast<const void*>(dB16.data() + 1) : dB.data();
+        const std::string what = fmt::format("gemm_ex {} a16={} b16={} d16={} ta={} tb={}", b->bf16() ? "bf16" : "fp32",
+                                             int(a16), int(b16), int(d16), int(ta), int(tb));
+        const double tol = b->bf16() || d16 ? 1e-2 : kF32;
+        std::vector<float> g, r;
+        if (d16) {
+          auto dD = poisoned<uint16_t>(nc);
+          b->gemm_ex(ta, tb, M, N, K, 0.5f, da, a16, lda, db, b16, ldb, 0.f, nullptr, dD.data(), true, ldc);
+          std::vector<uint16_t> ref(nc, 0xffff);
+          cpu->gemm_ex(ta, tb, M, N, K, 0.5f, ha, a16, lda, hb, b16, ldb, 0.f, nullptr, ref.data(), true, ldc);
+          const auto got = down(dD, nc);
+          size_t pad_written = 0;
+          for (int i = 0; i < M; ++i) {
+            for (int j = 0; j < N; ++j) {
+              const size_t e = size_t(i) * ldc + j;
+              const uint32_t gu = uint32_t(got[e]) << 16, ru = uint32_t(ref[e]) << 16;
+              float gf, rf;
+              std::memcpy(&gf, &gu, 4);
+              std::memcpy(&rf, &ru, 4);
+              g.push_back(gf), r.push_back(rf);
+            }
+            for (int j = N; j < ldc; ++j) pad_written += got[size_t(i) * ldc + j] != 0xffff;
+          }
+          EXPECT_EQ(pad_written, 0u) << what << ": padding columns written";
+        } else {
+          // fp32 output with a separate addend: D = 0.5 op(A) op(B) + 0.25 C, D poisoned first.
+          auto dD = poisoned(nc);
+          b->gemm_ex(ta, tb, M, N, K, 0.5f, da, a16, lda, db, b16, ldb, 0.25f, dC.data(), dD.data(), false, ldc);
+          std::vector<float> ref(nc, 0.f);
+          cpu->gemm_ex(ta, tb, M, N, K, 0.5f, ha, a16, lda, hb, b16, ldb, 0.25f, C.data(), ref.data(), false, ldc);
+          const auto got = down(dD, nc);
+          for (int i = 0; i < M; ++i)
+            for (int j = 0; j < N; ++j) g.push_back(got[size_t(i) * ldc + j]), r.push_back(ref[size_t(i) * ldc + j]);
+          EXPECT_EQ(down(dC, nc), C) << what << ": C_in was written";
+        }
+        check(g, r, tol, what);
+      }
+    }
+  }
+}
+
+// A bf16-output GEMM writing over memory whose bf16 cast the backend has cached (bf16 GEMMs): the
+// cast must be dropped, as for an fp32 output. X is cached as A; a gemm_ex writes bf16 values into
+// X's first bytes; the next GEMM reading X must see the new X.
+TEST_F(CudaKernels, GemmExBf16OutputDropsAStaleCast) {
+  cuda::CudaOptions o;
+  o.bf16 = true;
+  auto bf = cuda::make_backend(o);
+  const int M = 64, N = 48, K = 80;
+  auto X = randv(size_t(M) * K), W = randv(size_t(N) * K), Z = randv(size_t(M) * K);
+  auto dX = up(X), dW = up(W), dZ = up(Z);
+  DeviceBuffer<float> dY(size_t(M) * N);
+  bf->gemm(false, true, M, N, K, 1.f, dX.data(), K, dW.data(), K, 0.f, dY.data(), N);  // X cached as A
+  // bf16 [M, N] output with ldc = 2K: row i lands in bytes [4K i, 4K i + 2N) of X's row i.
+  bf->gemm_ex(false, true, M, N, K, 1.f, dZ.data(), false, K, dW.data(), false, K, 0.f, nullptr,
+              reinterpret_cast<uint16_t*>(dX.data()), true, 2 * K);
+  X = down(dX, X.size());
+  dY.poison();
+  bf->gemm(false, true, M, N, K, 1.f, dX.data(), K, dW.data(), K, 0.f, dY.data(), N);
+  std::vector<float> ref(size_t(M) * N);
+  cpu::gemm<float>(false, true, M, N, K, 1.f, X.data(), K, W.data(), K, 0.f, ref.data(), N);
+  check(down(dY, ref.size()), ref, 1e-2, "bf16 cast after a bf16-output GEMM wrote into X");
+}
+
 // bf16 GEMMs reuse an operand's cast for the next GEMMs reading it, until anything else runs or a
 // GEMM writes over it. Each case changes X between two GEMMs in one of the ways that must drop the
 // cast (an op, a copy, an upload, a GEMM writing into X) and checks the second result against the
@@ -501,6 +594,37 @@ TEST_F(CudaKernels, VectorHelpersAndAdamW) {
   check(down(d_p, n), p, kF32, "adamw p");
   check(down(d_m, n), m, kF32, "adamw m");
   check(down(d_v, n), v, kF32, "adamw v");
+}
+// SwiGLU on bf16 gate / up (model.mlp_bf16) against the CPU backend's ops. The arithmetic is the
+// fp32 kernels' on exactly widened inputs, but expf and the CPU's exp differ by ulps, so h (rounded
+// to bf16) may land on the neighbouring bf16 in a few elements: 1e-2 relative on h widened, kF32 on
+// the fp32 gradients. Outputs poisoned first (bf16 0xffff is a NaN: an unwritten element fails).
+TEST_F(CudaKernels, SwigluBf16MatchesTheCpu) {
+  auto cpu = make_cpu_backend(1);
+  const size_t n = 10007;
+  auto gf = randv(n, -4.f, 4.f), uf = randv(n), dh = randv(n);
+  std::vector<uint16_t> g(n), u(n);
+  cpu::f32_to_bf16(g.data(), gf.data(), n);
+  cpu::f32_to_bf16(u.data(), uf.data(), n);
+  auto d_g = up(g, 1), d_u = up(u);
+  auto d_dh = up(dh);
+  auto d_h = poisoned<uint16_t>(n);
+  auto d_dg = poisoned(n), d_du = poisoned(n);
+  be().swiglu_forward_bf16(d_h.data(), d_g.data() + 1, d_u.data(), n);
+  be().swiglu_backward_bf16(d_dg.data(), d_du.data(), d_dh.data(), d_g.data() + 1, d_u.data(), n);
+  std::vector<uint16_t> h(n);
+  std::vector<float> dg(n), du(n), hw(n), ghw(n);
+  cpu->swiglu_forward_bf16(h.data(), g.data(), u.data(), n);
+  cpu->swiglu_backward_bf16(dg.data(), du.data(), dh.data(), g.data(), u.data(), n);
+  const auto gh = down(d_h, n);
+  cpu::bf16_to_f32(hw.data(), h.data(), n);
+  cpu::bf16_to_f32(ghw.data(), gh.data(), n);
+  size_t flips = 0;
+  for (size_t i = 0; i < n; ++i) flips += gh[i] != h[i];
+  std::printf("[ bf16 flip ] swiglu_forward_bf16: %zu of %zu elements differ from the CPU's\n", flips, n);
+  check(ghw, hw, 1e-2, "swiglu_forward_bf16");
+  check(down(d_dg, n), dg, kF32, "swiglu_backward_bf16 dg");
+  check(down(d_du, n), du, kF32, "swiglu_backward_bf16 du");
 }
 
 // bf16 storage of saved activations: the same bits as the CPU's round-to-nearest-even, both ways,

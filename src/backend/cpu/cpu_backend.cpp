@@ -33,13 +33,18 @@ class CpuBackend final : public Backend {
   // The copy-then-accumulate it replaces, so CPU results stay bitwise the same.
   void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                 const float* C, float* D, int ldc) override {
+    gemm_add_scaled(ta, tb, M, N, K, alpha, A, lda, B, ldb, 1.f, C, D, ldc);
+  }
+  // D = alpha op(A) op(B) + beta C: C copied into D, then the GEMM accumulates with beta.
+  void gemm_add_scaled(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+                       int ldb, float beta, const float* C, float* D, int ldc) {
     if (C != D && M > 0 && N > 0) {
       if (ldc == N)
         std::memcpy(D, C, sizeof(float) * size_t(M) * size_t(N));
       else
         for (int i = 0; i < M; ++i) std::memcpy(D + size_t(i) * ldc, C + size_t(i) * ldc, sizeof(float) * size_t(N));
     }
-    cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, 1.f, D, ldc);
+    cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, D, ldc);
   }
   // Widened into scratch with B's own leading dimension: the same sgemm call as on an fp32 B.
   void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B,
@@ -49,6 +54,31 @@ class CpuBackend final : public Backend {
     if (b_wide_.size() < span) b_wide_.resize(span);
     cpu::bf16_to_f32(b_wide_.data(), B, span);
     cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, b_wide_.data(), ldb, beta, C, ldc);
+  }
+  // The reference for typed GEMMs: bf16 operands widened into scratch (same leading dimension),
+  // the sgemm of gemm() / gemm_add(), and a bf16 D rounded from an fp32 result (packed scratch).
+  void gemm_ex(bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16, int lda, const void* B,
+               bool b_bf16, int ldb, float beta, const float* C_in, void* D, bool d_bf16, int ldc) override {
+    if (d_bf16 && (beta != 0.f || C_in)) fail("gemm_ex: a bf16 output takes no addend (beta 0, no C_in)");
+    auto widen = [](std::vector<float>& buf, const void* X, int rows, int cols, int ld) -> const float* {
+      const size_t span = rows > 0 && cols > 0 ? size_t(rows - 1) * size_t(ld) + size_t(cols) : 0;
+      if (buf.size() < span) buf.resize(span);
+      cpu::bf16_to_f32(buf.data(), static_cast<const uint16_t*>(X), span);
+      return buf.data();
+    };
+    const float* a = a_bf16 ? widen(a_wide_, A, ta ? K : M, ta ? M : K, lda) : static_cast<const float*>(A);
+    const float* b = b_bf16 ? widen(b_wide_, B, tb ? N : K, tb ? K : N, ldb) : static_cast<const float*>(B);
+    if (!d_bf16) {
+      float* d = static_cast<float*>(D);
+      if (C_in && C_in != d) return gemm_add_scaled(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, C_in, d, ldc);
+      return cpu::gemm<float>(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, d, ldc);
+    }
+    if (M <= 0 || N <= 0) return;
+    if (d_wide_.size() < size_t(M) * size_t(N)) d_wide_.resize(size_t(M) * size_t(N));
+    cpu::gemm<float>(ta, tb, M, N, K, alpha, a, lda, b, ldb, 0.f, d_wide_.data(), N);
+    uint16_t* d = static_cast<uint16_t*>(D);
+    if (ldc == N) return cpu::f32_to_bf16(d, d_wide_.data(), size_t(M) * size_t(N));
+    for (int i = 0; i < M; ++i) cpu::f32_to_bf16(d + size_t(i) * ldc, d_wide_.data() + size_t(i) * N, size_t(N));
   }
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C,
@@ -87,6 +117,13 @@ class CpuBackend final : public Backend {
   }
   void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) override {
     cpu::swiglu_backward<float>(dg, du, dh, g, u, n);
+  }
+  void swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n) override {
+    cpu::swiglu_forward_bf16(h, g, u, n);
+  }
+  void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
+                            size_t n) override {
+    cpu::swiglu_backward_bf16(dg, du, dh, g, u, n);
   }
   XentSums softmax_xent(float* logits, const int32_t* t, int N, int V, float z, float gs) override {
     return cpu::softmax_xent<float>(logits, t, N, V, z, gs);
@@ -267,6 +304,7 @@ class CpuBackend final : public Backend {
  private:
   std::vector<float> ns_work_;
   std::vector<float> b_wide_;  // gemm_b16's widened B (grows to the largest, then reused)
+  std::vector<float> a_wide_, d_wide_;  // gemm_ex: a widened bf16 A; the fp32 result a bf16 D is rounded from
 };
 
 }  // namespace

@@ -759,6 +759,35 @@ void bf16_to_f32(float* out, const uint16_t* in, size_t n) {
   }
 }
 
+// Chunks of 4096 (stack buffers, 48 KiB for the backward), one per loop iteration of the parallel
+// loop; the fp32 kernels run serially inside (n < kParallelMin) on exactly the widened values.
+constexpr size_t kSwigluChunk = 4096;
+
+void swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n) {
+  const size_t chunks = (n + kSwigluChunk - 1) / kSwigluChunk;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (size_t c = 0; c < chunks; ++c) {
+    const size_t i0 = c * kSwigluChunk, m = std::min(kSwigluChunk, n - i0);
+    float gw[kSwigluChunk], uw[kSwigluChunk], hw[kSwigluChunk];
+    bf16_to_f32(gw, g + i0, m);
+    bf16_to_f32(uw, u + i0, m);
+    swiglu_forward<float>(hw, gw, uw, m);
+    f32_to_bf16(h + i0, hw, m);
+  }
+}
+
+void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u, size_t n) {
+  const size_t chunks = (n + kSwigluChunk - 1) / kSwigluChunk;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (size_t c = 0; c < chunks; ++c) {
+    const size_t i0 = c * kSwigluChunk, m = std::min(kSwigluChunk, n - i0);
+    float gw[kSwigluChunk], uw[kSwigluChunk];
+    bf16_to_f32(gw, g + i0, m);
+    bf16_to_f32(uw, u + i0, m);
+    swiglu_backward<float>(dg + i0, du + i0, dh + i0, gw, uw, m);
+  }
+}
+
 template <class T>
 double sum_squares(const T* x, size_t n) {
   static thread_local std::vector<double> part_buf;

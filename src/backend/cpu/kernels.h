@@ -103,6 +103,11 @@ double sum_squares(const T* x, size_t n);  // deterministic for a fixed thread c
 // stays NaN), as uint16_t bits; and back (exact: a bf16 is the top half of a float).
 void f32_to_bf16(uint16_t* out, const float* in, size_t n);
 void bf16_to_f32(float* out, const uint16_t* in, size_t n);
+// SwiGLU on bf16 gate / up (model.mlp_bf16): in chunks, the chunk's g and u widened, then
+// swiglu_forward<float> / swiglu_backward<float> on them, the forward's h rounded with f32_to_bf16:
+// bitwise those three steps on whole arrays, without [n]-sized fp32 scratch.
+void swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n);
+void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u, size_t n);
 
 // AdamW on one tensor (decoupled weight decay, bias corrections passed in):
 //  m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;

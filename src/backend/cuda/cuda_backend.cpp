@@ -153,27 +153,45 @@ class CudaBackendImpl final : public CudaBackend {
 
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) override {
-    gemm_into(ta, tb, M, N, K, alpha, A, lda, B, nullptr, ldb, beta, C, C, ldc);
+    gemm_into(ta, tb, M, N, K, alpha, A, nullptr, lda, B, nullptr, ldb, beta, C, C, nullptr, ldc);
   }
   void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B,
                 int ldb, float beta, float* C, int ldc) override {
-    gemm_into(ta, tb, M, N, K, alpha, A, lda, nullptr, B, ldb, beta, C, C, ldc);
+    gemm_into(ta, tb, M, N, K, alpha, A, nullptr, lda, nullptr, B, ldb, beta, C, C, nullptr, ldc);
   }
   void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                 const float* C, float* D, int ldc) override {
-    gemm_into(ta, tb, M, N, K, alpha, A, lda, B, nullptr, ldb, 1.f, C, D, ldc);
+    gemm_into(ta, tb, M, N, K, alpha, A, nullptr, lda, B, nullptr, ldb, 1.f, C, D, nullptr, ldc);
   }
-  // D = alpha op(A) op(B) + beta C_in (C_in may be D): every GEMM entry point. B is fp32 (B) or
-  // bf16 bits (B16, gemm_b16), the other nullptr.
-  void gemm_into(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
-                 const uint16_t* B16, int ldb, float beta, const float* C_in, float* C, int ldc) {
+  void gemm_ex(bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16, int lda, const void* B,
+               bool b_bf16, int ldb, float beta, const float* C_in, void* D, bool d_bf16, int ldc) override {
+    if (d_bf16 && (beta != 0.f || C_in)) fail("gemm_ex: a bf16 output takes no addend (beta 0, no C_in)");
+    auto f32 = [](const void* X, bool b16) { return b16 ? nullptr : static_cast<const float*>(X); };
+    auto b16 = [](const void* X, bool b16) { return b16 ? static_cast<const uint16_t*>(X) : nullptr; };
+    float* Df = d_bf16 ? nullptr : static_cast<float*>(D);
+    gemm_into(ta, tb, M, N, K, alpha, f32(A, a_bf16), b16(A, a_bf16), lda, f32(B, b_bf16), b16(B, b_bf16), ldb, beta,
+              C_in ? C_in : Df, Df, d_bf16 ? static_cast<uint16_t*>(D) : nullptr, ldc);
+  }
+  // D = alpha op(A) op(B) + beta C_in (C_in may be C): every GEMM entry point. A and B are each
+  // fp32 (A, B) or bf16 bits (A16, B16), the other nullptr; the output is fp32 C, or bf16 C16 (then
+  // C and C_in are nullptr and beta is 0).
+  void gemm_into(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, const uint16_t* A16, int lda,
+                 const float* B, const uint16_t* B16, int ldb, float beta, const float* C_in, float* C,
+                 uint16_t* C16, int ldc) {
+    if (C16 && (M <= 0 || N <= 0)) return;
+    if (C16 && K <= 0) {  // an empty sum: bf16 zeros (cuBLASLt does not take k = 0)
+      touch(C16);
+      for (int i = 0; i < (ldc == N ? 1 : M); ++i)
+        LADDER_CUDA_CHECK(cudaMemsetAsync(C16 + size_t(i) * ldc, 0,
+                                          (ldc == N ? size_t(M) * size_t(N) : size_t(N)) * sizeof(uint16_t), st_));
+      return post("gemm");
+    }
     if (opt_.bf16 && M > 0 && N > 0 && K > 0) {
-      // bf16 x bf16 -> fp32 on the tensor cores. An operand inside the registered weights is read
-      // from their bf16 mirror (cast once per optimizer step, same leading dimension); any other
-      // operand is cast into packed scratch (one pass), which the next GEMMs reuse while nothing
-      // else has run (CastCache below).
+      // bf16 x bf16 -> fp32 (or bf16) on the tensor cores. An operand inside the registered weights
+      // is read from their bf16 mirror (cast once per optimizer step, same leading dimension); any
+      // other fp32 operand is cast into packed scratch (one pass), which the next GEMMs reuse while
+      // nothing else has run (CastCache below); a bf16 operand is read as it is.
       const InGemm in_gemm(*this);
-      touch(C);
       const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
       auto operand = [&](const float* X, int rows, int cols, int ld, CastCache& cache, const char* what,
                          int& ld_out) -> const uint16_t* {
@@ -192,27 +210,50 @@ class CudaBackendImpl final : public CudaBackend {
         return cache.bf16.data();
       };
       int la = 0, lb = 0;
-      const uint16_t* a = operand(A, ar, ac, lda, cast_a_, "gemm (bf16 cast of A)", la);
+      const uint16_t* a = A16 ? (la = lda, A16) : operand(A, ar, ac, lda, cast_a_, "gemm (bf16 cast of A)", la);
       const uint16_t* b = B16 ? (lb = ldb, B16) : operand(B, br, bc, ldb, cast_b_, "gemm (bf16 cast of B)", lb);
-      gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, beta, C, ldc, false, C_in);
-      // This GEMM wrote C: a cached cast of memory it overlaps is stale now.
-      const char* c0 = reinterpret_cast<const char*>(C);
-      const char* c1 = reinterpret_cast<const char*>(C + size_t(M - 1) * ldc + N);
+      // This GEMM writes C (or C16): a cached cast of memory it overlaps is stale now, and so is a
+      // weight mirror it writes into (touch; inside the GEMM it does not count as another op).
+      void* out = C16 ? static_cast<void*>(C16) : static_cast<void*>(C);
+      touch(out);
+      if (C16)
+        gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, 0.f, C16, ldc, /*c_bf16=*/true);
+      else
+        gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, beta, C, ldc, false, C_in);
+      const size_t es = C16 ? sizeof(uint16_t) : sizeof(float);
+      const char* c0 = static_cast<const char*>(out);
+      const char* c1 = c0 + (size_t(M - 1) * ldc + N) * es;
       cast_a_.forget_if_overlaps(c0, c1);
       cast_b_.forget_if_overlaps(c0, c1);
       post("gemm");
       return;
     }
-    if (B16 && M > 0 && N > 0 && K > 0) {  // fp32 / TF32 GEMMs: widen B (exact) into scratch, same ld
-      const int br = tb ? N : K, bc = tb ? K : N;
-      const size_t span = size_t(br - 1) * size_t(ldb) + size_t(bc);
-      b_wide_.reserve(span, "gemm (bf16 B widened)");
-      check(k::bf16_to_f32(b_wide_.data(), B16, span, st_), "gemm (bf16 B widened)");
-      B = b_wide_.data();
+    // fp32 / TF32 GEMMs: a bf16 operand is widened (exactly) into scratch with its own leading
+    // dimension; a bf16 output is the fp32 GEMM into packed scratch, then rounded (the CPU's steps).
+    auto widen = [&](const uint16_t* X16, int rows, int cols, int ld, DeviceBuffer<float>& buf, const char* what) {
+      const size_t span = size_t(rows - 1) * size_t(ld) + size_t(cols);
+      buf.reserve(span, what);
+      check(k::bf16_to_f32(buf.data(), X16, span, st_), what);
+      return static_cast<const float*>(buf.data());
+    };
+    if (M > 0 && N > 0 && K > 0) {
+      if (A16) A = widen(A16, ta ? K : M, ta ? M : K, lda, a_wide_, "gemm (bf16 A widened)");
+      if (B16) B = widen(B16, tb ? N : K, tb ? K : N, ldb, b_wide_, "gemm (bf16 B widened)");
+    }
+    const GemmType type = opt_.tf32 ? GemmType::TF32 : GemmType::F32;
+    if (C16) {
+      d_wide_.reserve(size_t(M) * size_t(N), "gemm (fp32 result of a bf16 output)");
+      gemm_->run(type, ta, tb, M, N, K, alpha, A, lda, B, ldb, 0.f, d_wide_.data(), N);
+      post("gemm");
+      touch(C16);
+      if (ldc == N) return check(k::f32_to_bf16(C16, d_wide_.data(), size_t(M) * size_t(N), st_), "gemm (bf16 output)");
+      for (int i = 0; i < M; ++i)
+        check(k::f32_to_bf16(C16 + size_t(i) * ldc, d_wide_.data() + size_t(i) * N, size_t(N), st_),
+              "gemm (bf16 output)");
+      return;
     }
     touch(C);
-    gemm_->run(opt_.tf32 ? GemmType::TF32 : GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, false,
-               C_in);
+    gemm_->run(type, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, false, C_in);
     post("gemm");
   }
 
@@ -283,6 +324,13 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) override {
     check(k::swiglu_backward(dg, du, dh, g, u, n, st_), "swiglu_backward");
+  }
+  void swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n) override {
+    check(k::swiglu_forward_bf16(h, g, u, n, st_), "swiglu_forward_bf16");
+  }
+  void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
+                            size_t n) override {
+    check(k::swiglu_backward_bf16(dg, du, dh, g, u, n, st_), "swiglu_backward_bf16");
   }
 
   XentSums softmax_xent(float* logits, const int32_t* t, int N, int V, float z, float gs) override {
@@ -865,7 +913,8 @@ class CudaBackendImpl final : public CudaBackend {
   };
   Stage stage_[2];
   int stage_next_ = 0;
-  DeviceBuffer<float> b_wide_;  // gemm_b16 under fp32 / TF32 GEMMs: B widened
+  DeviceBuffer<float> a_wide_, b_wide_;  // bf16 A / B under fp32 / TF32 GEMMs: widened
+  DeviceBuffer<float> d_wide_;  // a bf16 output under fp32 / TF32 GEMMs: the fp32 result it is rounded from
   uint64_t writes_ = 0;     // ops other than a bf16 GEMM's own steps (see CastCache)
   bool in_gemm_ = false;    // inside gemm(): its own cast, touch and post do not count
   uint64_t cast_reuses_ = 0;

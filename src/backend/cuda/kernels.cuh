@@ -37,6 +37,10 @@ cudaError_t rope_apply(float* x, const float* cos_sin, int N_tok, int S, int nhe
 cudaError_t swiglu_forward(float* h, const float* g, const float* u, size_t n, cudaStream_t st);
 cudaError_t swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n,
                             cudaStream_t st);
+// model.mlp_bf16: SwiGLU on bf16 gate / up (uint16_t bits) in fp32; h rounded to bf16, dg / du fp32.
+cudaError_t swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n, cudaStream_t st);
+cudaError_t swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
+                                 size_t n, cudaStream_t st);
 
 // Softmax cross-entropy with z-loss, in place (see cpu::softmax_xent). Per-row (xent, lse^2) go to
 // row_sums [2N] doubles; then reduce_pairs sums them in a fixed order into sums[2] on the device.

@@ -230,6 +230,27 @@ __global__ void swiglu_bwd_kernel(float* dg, float* du, const float* dh, const f
   }
 }
 
+// bf16 gate / up (model.mlp_bf16): the fp32 kernels' arithmetic on the widened values; the
+// forward's output rounded to bf16 (nearest even), the backward's gradients fp32.
+__global__ void swiglu_fwd_bf16_kernel(__nv_bfloat16* h, const __nv_bfloat16* g, const __nv_bfloat16* u, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float gi = __bfloat162float(g[i]);
+    const float sig = 1.f / (1.f + expf(-gi));
+    h[i] = __float2bfloat16_rn(gi * sig * __bfloat162float(u[i]));
+  }
+}
+
+__global__ void swiglu_bwd_bf16_kernel(float* dg, float* du, const float* dh, const __nv_bfloat16* g,
+                                       const __nv_bfloat16* u, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float gi = __bfloat162float(g[i]), ui = __bfloat162float(u[i]), dhi = dh[i];
+    const float sig = 1.f / (1.f + expf(-gi));
+    const float dgi = dhi * ui * sig * (1.f + gi * (1.f - sig));
+    du[i] = dhi * gi * sig;
+    dg[i] = dgi;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Softmax cross-entropy (one block per row)
 
@@ -445,6 +466,22 @@ cudaError_t swiglu_backward(float* dg, float* du, const float* dh, const float* 
                             cudaStream_t st) {
   if (!n) return cudaSuccess;
   swiglu_bwd_kernel<<<grid_for(n), kThreads, 0, st>>>(dg, du, dh, g, u, n);
+  return cudaGetLastError();
+}
+
+cudaError_t swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  swiglu_fwd_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(h),
+                                                           reinterpret_cast<const __nv_bfloat16*>(g),
+                                                           reinterpret_cast<const __nv_bfloat16*>(u), n);
+  return cudaGetLastError();
+}
+
+cudaError_t swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
+                                 size_t n, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  swiglu_bwd_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(dg, du, dh, reinterpret_cast<const __nv_bfloat16*>(g),
+                                                           reinterpret_cast<const __nv_bfloat16*>(u), n);
   return cudaGetLastError();
 }
 

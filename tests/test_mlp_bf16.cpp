@@ -1,0 +1,294 @@
+// model.mlp_bf16: the dense MLP's gate, up and SwiGLU output are written and kept in bf16. What must
+// hold:
+// - the backend ops behind it (Backend::gemm_ex with bf16 operands / output, swiglu_*_bf16) are, on
+//   the CPU reference, exactly "widen the bf16 inputs, run the fp32 kernel, round the bf16 output";
+// - the model with it stays close to the fp32 model (loss, every gradient, a short training run)
+//   but is not the fp32 model (the option is in effect), and keeps fewer activation bytes;
+// - it composes with bf16 saved activations (its tensors are not packed twice) and with
+//   recomputation (which stays exact).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/kernels.h"
+#include "model/transformer.h"
+#include "model_test_configs.h"
+#include "optim/optimizer.h"
+#include "train/trainer.h"
+
+namespace ladder {
+namespace {
+
+using namespace test;  // model_test_configs.h
+
+std::vector<float> random_floats(size_t n, uint32_t seed, float scale = 1.f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> x(n);
+  for (auto& v : x) v = d(rng);
+  return x;
+}
+std::vector<uint16_t> to_b16(const std::vector<float>& x) {
+  std::vector<uint16_t> b(x.size());
+  cpu::f32_to_bf16(b.data(), x.data(), x.size());
+  return b;
+}
+std::vector<float> widen(const std::vector<uint16_t>& b) {
+  std::vector<float> x(b.size());
+  cpu::bf16_to_f32(x.data(), b.data(), b.size());
+  return x;
+}
+
+// gemm_ex on the CPU backend against the composition by hand, bitwise: every mix of fp32 / bf16
+// A, B and D, both transposes, leading dimensions wider than the rows, and the fp32 addend forms
+// (C_in separate, C_in nullptr = D's own values, beta 0).
+TEST(MlpBf16Ops, GemmExIsWidenSgemmRound) {
+  auto be = make_cpu_backend(0);
+  const int M = 37, N = 29, K = 45, pad = 3;
+  for (int mask = 0; mask < 8; ++mask)
+    for (int t = 0; t < 4; ++t)
+      for (int addend = 0; addend < 3; ++addend) {
+        const bool a16 = mask & 1, b16 = mask & 2, d16 = mask & 4, ta = t & 1, tb = t & 2;
+        if (d16 && addend != 0) continue;  // a bf16 output takes no addend
+        const int lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
+        const size_t na = size_t(ta ? K : M) * lda, nb = size_t(tb ? N : K) * ldb, nc = size_t(M) * ldc;
+        const auto A = random_floats(na, 1 + mask), B = random_floats(nb, 11 + t), C = random_floats(nc, 21);
+        const auto A16 = to_b16(A), B16 = to_b16(B);
+        const std::vector<float> Aw = widen(A16), Bw = widen(B16);
+        // by hand
+        const float beta = addend == 0 ? 0.f : 0.5f;
+        std::vector<float> ref = addend == 0 ? std::vector<float>(nc, 0.f) : C;
+        cpu::gemm<float>(ta, tb, M, N, K, 1.25f, a16 ? Aw.data() : A.data(), lda, b16 ? Bw.data() : B.data(), ldb,
+                         beta, ref.data(), ldc);
+        const std::string tag = fmt::format("a16 {} b16 {} d16 {} ta {} tb {} addend {}", a16, b16, d16, ta, tb, addend);
+        const void* pa = a16 ? static_cast<const void*>(A16.data()) : A.data();
+        const void* pb = b16 ? static_cast<const void*>(B16.data()) : B.data();
+        if (d16) {
+          std::vector<uint16_t> D(nc, 0xffff);  // poisoned: the padding columns must stay so
+          be->gemm_ex(ta, tb, M, N, K, 1.25f, pa, a16, lda, pb, b16, ldb, 0.f, nullptr, D.data(), true, ldc);
+          for (int i = 0; i < M; ++i) {
+            std::vector<uint16_t> r(N);
+            cpu::f32_to_bf16(r.data(), ref.data() + size_t(i) * ldc, size_t(N));
+            for (int j = 0; j < N; ++j) ASSERT_EQ(D[size_t(i) * ldc + j], r[size_t(j)]) << tag << " at " << i << "," << j;
+            for (int j = N; j < ldc; ++j) ASSERT_EQ(D[size_t(i) * ldc + j], 0xffff) << tag << " padding written";
+          }
+          continue;
+        }
+        std::vector<float> D = addend == 2 ? C : std::vector<float>(nc, -7.f);
+        const float* cin = addend == 1 ? C.data() : nullptr;  // 2: D's own values are the addend
+        be->gemm_ex(ta, tb, M, N, K, 1.25f, pa, a16, lda, pb, b16, ldb, beta, cin, D.data(), false, ldc);
+        for (int i = 0; i < M; ++i)
+          ASSERT_EQ(0, std::memcmp(D.data() + size_t(i) * ldc, ref.data() + size_t(i) * ldc, sizeof(float) * N))
+              << tag << " row " << i;
+      }
+  // A bf16 output with an addend is refused, not silently dropped.
+  std::vector<float> x(4, 1.f);
+  std::vector<uint16_t> y(4);
+  EXPECT_THROW(be->gemm_ex(false, false, 2, 2, 2, 1.f, x.data(), false, 2, x.data(), false, 2, 1.f, x.data(), y.data(),
+                           true, 2),
+               std::exception);
+}
+
+// SwiGLU on bf16 gate / up against widen -> the fp32 kernel -> round, bitwise, on a length that is
+// neither a multiple of the CPU's chunk nor below its parallel threshold.
+TEST(MlpBf16Ops, SwigluBf16IsWidenComputeRound) {
+  auto be = make_cpu_backend(0);
+  for (size_t n : {size_t(1), size_t(4095), size_t(70001)}) {
+    const auto g16 = to_b16(random_floats(n, 3, 3.f)), u16 = to_b16(random_floats(n, 4, 2.f));
+    const auto dh = random_floats(n, 5);
+    const auto gw = widen(g16), uw = widen(u16);
+    std::vector<float> h(n), dg(n), du(n);
+    cpu::swiglu_forward<float>(h.data(), gw.data(), uw.data(), n);
+    cpu::swiglu_backward<float>(dg.data(), du.data(), dh.data(), gw.data(), uw.data(), n);
+    const auto h16 = to_b16(h);
+
+    std::vector<uint16_t> H(n, 0xffff);
+    std::vector<float> DG(n, NAN), DU(n, NAN);
+    be->swiglu_forward_bf16(H.data(), g16.data(), u16.data(), n);
+    be->swiglu_backward_bf16(DG.data(), DU.data(), dh.data(), g16.data(), u16.data(), n);
+    EXPECT_EQ(H, h16) << n;
+    EXPECT_EQ(0, std::memcmp(DG.data(), dg.data(), n * sizeof(float))) << n;
+    EXPECT_EQ(0, std::memcmp(DU.data(), du.data(), n * sizeof(float))) << n;
+  }
+}
+
+double rel(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double e = double(a[i]) - double(b[i]);
+    num += e * e;
+    den += double(b[i]) * double(b[i]);
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+const char* tag_of(const Config& c) { return c.model.moe() ? "moe" : c.model.pko ? "switches" : "dense"; }
+
+struct Compared {
+  double loss_rel = 0, worst_grad = 0;
+  size_t grads_differ = 0;
+  bool loss_equal = false;
+};
+
+// One config against another, same weights and two micro-batches (gradients accumulate): the
+// loss of each, every gradient's relative error (each asserted under grad_tol).
+Compared compare(const Config& ref, const Config& test, double grad_tol) {
+  validate(ref);
+  validate(test);
+  auto be = make_cpu_backend(0);
+  Transformer a(ref.model, ref.run.batch_size, *be), b(test.model, test.run.batch_size, *be);
+  a.init(9);
+  b.init(9);
+  Compared r;
+  r.loss_equal = true;
+  for (int mb = 0; mb < 2; ++mb) {
+    std::vector<int32_t> in, tg;
+    make_batch(ref, 40 + mb, in, tg);
+    const LossSums la = a.forward_backward(in.data(), tg.data(), 1e-3f);
+    const LossSums lb = b.forward_backward(in.data(), tg.data(), 1e-3f);
+    r.loss_rel = std::max(r.loss_rel, std::fabs(lb.xent - la.xent) / la.xent);
+    r.loss_equal = r.loss_equal && la.xent == lb.xent && la.lse_sq == lb.lse_sq;
+  }
+  for (size_t i = 0; i < a.params().size(); ++i) {
+    const Param& pa = a.params()[i];
+    const double e = rel(b.params()[i].g, pa.g, pa.numel);
+    r.worst_grad = std::max(r.worst_grad, e);
+    r.grads_differ += std::memcmp(b.params()[i].g, pa.g, pa.numel * sizeof(float)) != 0;
+    EXPECT_LT(e, grad_tol) << tag_of(ref) << " " << pa.name;
+    if (getenv("SHOW")) std::printf("%s %.3e\n", pa.name.c_str(), e);
+  }
+  return r;
+}
+
+size_t activation_bytes(const Config& c) {
+  validate(c);
+  auto be = make_cpu_backend(1);
+  Transformer m(c.model, c.run.batch_size, *be);
+  return m.activation_bytes();
+}
+
+// bf16 keeps 8 significant bits (2^-9 = 2e-3 relative rounding per element); gate, up and act
+// each rounded, through the layers and the backward's sums of products: a few times that per
+// gradient (5e-2 leaves room for sums with cancellation, as for bf16 saved activations). A wrong
+// layout or a misread bf16 buffer gives O(1).
+TEST(MlpBf16, CloseToTheFp32ModelButNotIt) {
+  for (Config c : {dense_config(), switches_config()}) {
+    Config h = c;
+    h.model.mlp_bf16 = true;
+    const Compared r = compare(c, h, 5e-2);
+    EXPECT_LT(r.loss_rel, 1e-2) << tag_of(c);
+    EXPECT_FALSE(r.loss_equal) << tag_of(c) << ": the forward did not change: is the option in effect?";
+    EXPECT_GT(r.grads_differ, size_t(0)) << tag_of(c);
+    // Three [N, d_ff] tensors per layer at half the bytes.
+    const size_t fa = activation_bytes(c), fb = activation_bytes(h);
+    const size_t N = size_t(c.run.batch_size) * c.model.seq_len, saved = 3 * N * c.model.ff() * 2 * c.model.n_layers;
+    EXPECT_EQ(fa - fb, saved) << tag_of(c);
+    std::printf("[ mlp bf16 ] %s: loss rel %.2e, worst gradient rel err %.2e, activations %.1f%% of fp32\n",
+                tag_of(c), r.loss_rel, r.worst_grad, 100.0 * double(fb) / double(fa));
+  }
+}
+
+// With bf16 saved activations gate, up and act are already bf16: kept per layer as they are (not
+// packed again); the rest is packed as before. Against mlp_bf16 alone the forward is unchanged
+// (storage only) and the gradients are close. MoE config: its one dense layer, next to MoE layers.
+TEST(MlpBf16, WithBf16SavedActivations) {
+  for (Config c : {dense_config(), moe_config(), switches_config()}) {
+    c.model.n_layers = 4;
+    c.model.mlp_bf16 = true;
+    Config s = c;
+    s.model.saved_activations = "bf16";
+    const Compared r = compare(c, s, 5e-2);
+    EXPECT_TRUE(r.loss_equal) << tag_of(c) << ": bf16 storage must not change the forward";
+    EXPECT_GT(r.grads_differ, size_t(0)) << tag_of(c);
+    // Packing leaves the MLP tensors out: the packed model with and without mlp_bf16 differ by
+    // exactly the shared fp32 set's three [N, d_ff] tensors (dense layers exist in all three).
+    Config s32 = s;
+    s32.model.mlp_bf16 = false;
+    const size_t N = size_t(c.run.batch_size) * c.model.seq_len;
+    EXPECT_EQ(activation_bytes(s32) - activation_bytes(s), 3 * N * c.model.ff() * 4) << tag_of(c);
+    // ... and the bf16-saved model with mlp_bf16 is still close to the plain fp32 model.
+    Config f = c;
+    f.model.mlp_bf16 = false;
+    compare(f, s, 5e-2);
+  }
+}
+
+// Recomputation re-runs the bf16 layer: bit for bit the same losses and gradients, less memory.
+TEST(MlpBf16, WithRecomputeBitForBit) {
+  for (Config c : {dense_config(), moe_config()}) {
+    c.model.n_layers = 4;
+    c.model.mlp_bf16 = true;
+    Config r = c;
+    r.model.recompute = true;
+    const Compared cr = compare(c, r, 1e-30);
+    EXPECT_TRUE(cr.loss_equal) << tag_of(c);
+    EXPECT_EQ(cr.grads_differ, size_t(0)) << tag_of(c);
+    EXPECT_LT(activation_bytes(r), activation_bytes(c)) << tag_of(c);
+  }
+}
+
+// A learnable task (the target a fixed function of the input token), twenty AdamW steps: the loss
+// curve follows the fp32 run.
+TEST(MlpBf16, TrainingFollowsTheFp32Run) {
+  for (Config c : {dense_config(), switches_config()}) {
+    c.optim.name = "adamw";
+    c.optim.lr = 1e-2;
+    c.run.steps = 20;
+    Config h = c;
+    h.model.mlp_bf16 = true;
+    validate(c);
+    validate(h);
+    auto be = make_cpu_backend(0);
+    Transformer a(c.model, c.run.batch_size, *be), b(h.model, h.run.batch_size, *be);
+    a.init(5);
+    b.init(5);
+    auto oa = make_optimizer(c, a, *be), ob = make_optimizer(h, b, *be);
+    std::vector<int32_t> in(size_t(c.run.batch_size) * c.model.seq_len), tg(in.size());
+    double first = 0, last = 0, worst = 0;
+    for (int t = 0; t < c.run.steps; ++t) {
+      auto run = [&](const Config& cc, Transformer& m, Optimizer& o) {
+        uint64_t seed = 100 + uint64_t(t) * 7;
+        return train_step(cc, t, m, o, *be,
+                          [&](int32_t* x, int32_t* y) {
+                            std::vector<int32_t> bi, bt;
+                            make_batch(cc, seed++, bi, bt);
+                            for (size_t i = 0; i < bi.size(); ++i)
+                              bt[i] = int32_t((bi[i] * 7 + 3) % cc.model.vocab_size);
+                            std::copy(bi.begin(), bi.end(), x);
+                            std::copy(bt.begin(), bt.end(), y);
+                          },
+                          in.data(), tg.data());
+      };
+      const StepStats sa = run(c, a, *oa), sb = run(h, b, *ob);
+      worst = std::max(worst, std::fabs(sb.loss - sa.loss) / sa.loss);
+      if (getenv("SHOW")) std::printf("step %d fp32 %.5f mlp-bf16 %.5f\n", t, sa.loss, sb.loss);
+      if (t == 0) first = sa.loss;
+      last = sa.loss;
+    }
+    EXPECT_LT(last, first - 0.5) << "the reference run did not learn: the comparison would be empty";
+    EXPECT_LT(worst, 1e-2) << tag_of(c) << ": loss curves apart";
+    std::printf("[ mlp bf16 ] %s: 20 AdamW steps, worst loss rel diff %.2e\n", tag_of(c), worst);
+  }
+}
+
+TEST(MlpBf16, ConfigRefusesAModelWithoutDenseLayers) {
+  Config c = moe_config();
+  c.model.mlp_bf16 = true;
+  EXPECT_NO_THROW(validate(c));  // layer 1 is dense
+  c.model.moe_layers = "all";
+  try {
+    validate(c);
+    FAIL() << "mlp_bf16 accepted on an all-MoE model";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("model.mlp_bf16"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ladder
