@@ -285,18 +285,30 @@ TEST_F(CudaKernels, GemmExBf16OutputDropsAStaleCast) {
   auto bf = cuda::make_backend(o);
   const int M = 64, N = 48, K = 80;
   auto X = randv(size_t(M) * K), W = randv(size_t(N) * K), Z = randv(size_t(M) * K);
-  auto dX = up(X), dW = up(W), dZ = up(Z);
-  DeviceBuffer<float> dY(size_t(M) * N);
-  bf->gemm(false, true, M, N, K, 1.f, dX.data(), K, dW.data(), K, 0.f, dY.data(), N);  // X cached as A
-  // bf16 [M, N] output with ldc = 2K: row i lands in bytes [4K i, 4K i + 2N) of X's row i.
-  bf->gemm_ex(false, true, M, N, K, 1.f, dZ.data(), false, K, dW.data(), false, K, 0.f, nullptr,
+  std::vector<uint16_t> Z16(Z.size());
+  cpu::f32_to_bf16(Z16.data(), Z.data(), Z.size());
+  auto dX = up(X), dW = up(W);
+  auto dZ16 = up(Z16);
+  // Everything allocated (and written from outside the backend) before the first GEMM: an
+  // allocation, poison or upload in between would drop the cast by itself (device-memory epoch).
+  DeviceBuffer<float> dY(size_t(M) * N), dY2(size_t(M) * N);
+  auto dX0 = up(randv(X.size()));
+  bf->gemm(false, true, M, N, K, 1.f, dX0.data(), K, dX0.data(), K, 0.f, dY.data(), N);  // grows the cast scratch
+  bf->gemm(false, true, M, N, K, 1.f, dX.data(), K, dW.data(), K, 0.f, dY.data(), N);    // X cached as A
+  // bf16 [M, N] output with ldc = 2K: row i lands in bytes [4K i, 4K i + 2N) of X's row i. Its A is
+  // bf16 (read as it is) and its B is W (the cached cast of B), so X's cast stays in the cache: only
+  // the overlap check can drop it.
+  const uint64_t r0 = bf->bf16_cast_reuses();
+  bf->gemm_ex(false, true, M, N, K, 1.f, dZ16.data(), true, K, dW.data(), false, K, 0.f, nullptr,
               reinterpret_cast<uint16_t*>(dX.data()), true, 2 * K);
-  X = down(dX, X.size());
-  dY.poison();
-  bf->gemm(false, true, M, N, K, 1.f, dX.data(), K, dW.data(), K, 0.f, dY.data(), N);
+  EXPECT_EQ(bf->bf16_cast_reuses(), r0 + 1) << "W's cast was not reused: the setup does not keep X cached";
+  bf->gemm(false, true, M, N, K, 1.f, dX.data(), K, dW.data(), K, 0.f, dY2.data(), N);
+  EXPECT_EQ(bf->bf16_cast_reuses(), r0 + 2) << "X re-cast, W's cast reused";
+  bf->synchronize();
+  X = dX.download();  // the new X (a download leaves the epoch alone)
   std::vector<float> ref(size_t(M) * N);
   cpu::gemm<float>(false, true, M, N, K, 1.f, X.data(), K, W.data(), K, 0.f, ref.data(), N);
-  check(down(dY, ref.size()), ref, 1e-2, "bf16 cast after a bf16-output GEMM wrote into X");
+  check(dY2.download(), ref, 1e-2, "bf16 cast after a bf16-output GEMM wrote into X");
 }
 
 // bf16 GEMMs reuse an operand's cast for the next GEMMs reading it, until anything else runs or a
