@@ -444,7 +444,7 @@ TEST_F(CudaTrain, TrainCheckpointResumeOnDevice) {
   test::make_word_salad_data(d.path, 200, 5);
   const Config cg = tiny(d, "cuda"), cc = tiny(d, "cpu");
   const TrainSummary full = run(cg, d.path / "full", false);
-  run(cg, d.path / "resumed", false, 4);  // killed after step 4 (checkpoint at 4)
+  run(cg, d.path / "resumed", false, 6);  // killed after step 6, before any later checkpoint: resumes at 4
   const TrainSummary rest = run(cg, d.path / "resumed", true);
   const TrainSummary cpu = run(cc, d.path / "cpu", false);
   ASSERT_EQ(full.losses.size(), 8u);
