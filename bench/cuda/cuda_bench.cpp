@@ -196,13 +196,17 @@ int main(int argc, char** argv) {
     }
     be->synchronize();
 
-    // Muon's Newton-Schulz over an expert stack (TF32, as under bf16 precision): E matrices one call
-    // each against one batched call (strided-batched GEMMs). FLOPs: 5 steps of 4 m^2 n + 2 m^3 per
+    // Muon's Newton-Schulz over an expert stack: TF32 (run.precision tf32), E matrices one call each
+    // against one batched call (strided-batched GEMMs); and batched on bf16 operands (run.precision
+    // bf16). FLOPs: 5 steps of 4 m^2 n + 2 m^3 per
     // matrix (m = min(rows, cols), n = max), the GEMMs the CUDA backend runs.
     {
       CudaOptions o;
       o.tf32 = true;
       auto ns = make_backend(o);
+      CudaOptions o16;
+      o16.bf16 = true;
+      auto ns16 = make_backend(o16);
       struct S {
         int E, r, c;
       };
@@ -214,7 +218,7 @@ int main(int argc, char** argv) {
         const double m = std::min(x.r, x.c), nn = std::max(x.r, x.c);
         const double flop = x.E * 5.0 * (4 * m * m * nn + 2 * m * m * m);
         char shape[96];
-        std::snprintf(shape, sizeof shape, "E%d %dx%d tf32", x.E, x.r, x.c);
+        std::snprintf(shape, sizeof shape, "E%d %dx%d", x.E, x.r, x.c);
         // Fresh random input per repetition would time the fill; NS of its own output stays finite
         // (orthogonalized matrices are normalized again), so the repetitions reuse X.
         LADDER_CUDA_CHECK(k::fill_uniform(X.data(), n, 21, -1.f, 1.f, ns->stream()));
@@ -222,16 +226,60 @@ int main(int argc, char** argv) {
           for (int e = 0; e < x.E; ++e) ns->newton_schulz5(X.data() + size_t(e) * mn, x.r, x.c);
         });
         const double bms = time_ms(ns->stream(), 1, 5, [&] { ns->newton_schulz5_batched(X.data(), x.r, x.c, x.E); });
+        ns->synchronize();
+        const double b16 =
+            time_ms(ns16->stream(), 1, 5, [&] { ns16->newton_schulz5_batched(X.data(), x.r, x.c, x.E); });
+        ns16->synchronize();
         const struct {
           const char* what;
           double ms;
-        } nr[] = {{"ns5 per matrix", lms}, {"ns5 batched", bms}};
+        } nr[] = {{"ns5 per matrix", lms}, {"ns5 batched", bms}, {"ns5 batched bf16", b16}};
         for (const auto& t : nr) {
           rows.push_back({t.what, shape, t.ms, flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
           std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what, shape, t.ms, rows.back().rate);
         }
       }
       ns->synchronize();
+    }
+
+    // Memory-bound ops at the d=2048 presets' sizes (8192 tokens): rate = bytes read + written per
+    // second, against the d2d copy above. qk_prep: PKO-free q path (16 heads of 128, learned gain).
+    {
+      const int N = 8192, H = 16, hd = 128, S = 2048, I = 5632;
+      const size_t nq = size_t(N) * H * hd, ni = size_t(N) * I;
+      DeviceBuffer<float> x(nq, "qk x"), out(nq, "qk out"), rstd(size_t(N) * H, "qk rstd"), gain(hd, "qk gain"),
+          dgain(hd, "qk dgain"), dx(nq, "qk dx");
+      LADDER_CUDA_CHECK(k::fill_uniform(x.data(), nq, 31, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(gain.data(), hd, 32, 0.5f, 1.5f, st));
+      DeviceBuffer<float> g(ni, "swiglu g"), u(ni, "swiglu u"), h(ni, "swiglu h");
+      DeviceBuffer<uint16_t> g16(ni, "swiglu g bf16"), u16(ni, "swiglu u bf16"), h16(ni, "swiglu h bf16");
+      LADDER_CUDA_CHECK(k::fill_uniform(g.data(), ni, 33, -2.f, 2.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(u.data(), ni, 34, -2.f, 2.f, st));
+      be->to_bf16(g16.data(), g.data(), ni);
+      be->to_bf16(u16.data(), u.data(), ni);
+      const double qkb = 2.0 * nq * 4, qkbb = 3.0 * nq * 4;  // fwd: x in, out; bwd: dout, x in, dx out
+      const struct {
+        const char* what;
+        std::string shape;
+        double bytes;
+        std::function<void()> fn;
+      } ms_rows[] = {
+          {"qk_prep fwd", "8192 x 16 x 128", qkb,
+           [&] { be->qk_prep_forward(out.data(), rstd.data(), x.data(), gain.data(), nullptr, N, S, H, hd, hd, 5e5f, true, 1e-6f); }},
+          {"qk_prep bwd", "8192 x 16 x 128", qkbb,
+           [&] { be->qk_prep_backward(dx.data(), dgain.data(), out.data(), x.data(), gain.data(), rstd.data(), nullptr, N, S,
+                                      H, hd, hd, 5e5f, true); }},
+          {"swiglu fwd fp32", "8192 x 5632", 3.0 * ni * 4, [&] { be->swiglu_forward(h.data(), g.data(), u.data(), ni); }},
+          {"swiglu fwd bf16", "8192 x 5632", 3.0 * ni * 2,
+           [&] { be->swiglu_forward_bf16(h16.data(), g16.data(), u16.data(), ni); }},
+          {"to_bf16", "8192 x 5632", ni * 6.0, [&] { be->to_bf16(h16.data(), g.data(), ni); }},
+          {"from_bf16", "8192 x 5632", ni * 6.0, [&] { be->from_bf16(h.data(), g16.data(), ni); }},
+      };
+      for (const auto& r : ms_rows) {
+        const double ms = time_ms(st, 2, 10, r.fn);
+        rows.push_back({r.what, r.shape, ms, r.bytes / (ms * 1e-3) / 1e12, "TB/s"});
+        std::printf("%-22s %-26s %9.3f ms %8.2f TB/s\n", r.what, r.shape.c_str(), ms, rows.back().rate);
+      }
     }
 
     std::printf("\n| what | shape | ms (median) | rate |\n|---|---|---|---|\n");
