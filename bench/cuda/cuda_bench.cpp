@@ -233,7 +233,7 @@ int main(int argc, char** argv) {
         const struct {
           const char* what;
           double ms;
-        } nr[] = {{"ns5 per matrix", lms}, {"ns5 batched", bms}, {"ns5 batched bf16", b16}};
+        } nr[] = {{"ns5 per matrix tf32", lms}, {"ns5 batched tf32", bms}, {"ns5 batched bf16", b16}};
         for (const auto& t : nr) {
           rows.push_back({t.what, shape, t.ms, flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
           std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what, shape, t.ms, rows.back().rate);
