@@ -70,8 +70,8 @@ class CudaBackendImpl final : public CudaBackend {
     sync_each_ = env_flag("LADDER_CUDA_SYNC");
   }
   ~CudaBackendImpl() override {
+    if (st_) cudaStreamSynchronize(st_);  // queued work, staged uploads still reading their pinned slots
     gemm_.reset();
-    if (st_) cudaStreamSynchronize(st_);  // staged uploads may still read their pinned slots
     for (auto& s : stage_) {
       if (s.host) cudaFreeHost(s.host);
       if (s.done) cudaEventDestroy(s.done);
@@ -931,8 +931,8 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
   DeviceBuffer<double> optim_scratch_;  // optim_partials()
   std::vector<std::unique_ptr<OptimTable>> optim_tables_;  // adamw_multi / adamh_multi tables
-  DeviceBuffer<float> ns_work_;
-  DeviceBuffer<uint16_t> ns_work16_;    // newton_schulz5 under bf16 GEMMs: bf16 iterate, A, P         // newton_schulz5: Y, A, P (per matrix of a chunk)
+  DeviceBuffer<float> ns_work_;         // newton_schulz5: Y, A, P (per matrix of a chunk)
+  DeviceBuffer<uint16_t> ns_work16_;    // newton_schulz5 under bf16 GEMMs: bf16 iterate, A, P
   DeviceBuffer<double> ns_sums_;        // newton_schulz5: per-matrix norms, then their partials
   DeviceBuffer<double> muonh_sums_;     // muonh_apply_batched: per-matrix sums, then partials
   DeviceBuffer<char> moe_scratch_;      // moe_sort (CUB + keys), moe_quantile_beta (transposed keys)
