@@ -7,6 +7,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "backend/cuda/kernels.cuh"
+#include "backend/cuda/optim_math.cuh"
 
 namespace ladder::cuda::k {
 
@@ -342,14 +343,8 @@ __global__ void ssq_final_kernel(const double* partial, int np, double* out) {
 
 __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1, float b2,
                              float eps, float wd, float inv_bc1, float inv_bc2) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float gi = g[i];
-    const float mi = b1 * m[i] + (1.f - b1) * gi;
-    const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] -= lr * ((mi * inv_bc1) / (sqrtf(vi * inv_bc2) + eps) + wd * p[i]);
-  }
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    adamw_element(p[i], m[i], v[i], g[i], lr, b1, b2, eps, wd, inv_bc1, inv_bc2);
 }
 
 __global__ void scale_matrix_kernel(float* C, int M, int N, int ldc, float beta) {

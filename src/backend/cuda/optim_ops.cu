@@ -11,6 +11,7 @@
 // in a fixed shared-memory tree, and one block sums the kRedBlocks partials in a fixed tree. No
 // atomics, so a step is bitwise reproducible run to run (the order differs from the CPU's, which
 // sums static per-thread chunks, so GPU and CPU agree to double rounding, not bitwise).
+#include "backend/cuda/optim_math.cuh"
 #include "backend/cuda/switch_optim_ops.cuh"
 
 namespace ladder::cuda::k {
@@ -96,7 +97,8 @@ __global__ void adam_apply_kernel(float* w, const float* m, const float* v, size
   store_block_partial(acc, partials);
 }
 
-__global__ void axpy_sumsq_kernel(float* w, const float* x, size_t n, float alpha, double* partials) {
+// w += alpha x over this thread's grid-stride elements, then the block's partial of ||w||^2.
+__device__ __forceinline__ void axpy_sumsq_block(float* w, const float* x, size_t n, float alpha, double* partials) {
   double acc = 0.0;
   LADDER_GRID_STRIDE(i, n) {
     const float wi = w[i] + alpha * x[i];
@@ -104,6 +106,10 @@ __global__ void axpy_sumsq_kernel(float* w, const float* x, size_t n, float alph
     acc += double(wi) * double(wi);
   }
   store_block_partial(acc, partials);
+}
+
+__global__ void axpy_sumsq_kernel(float* w, const float* x, size_t n, float alpha, double* partials) {
+  axpy_sumsq_block(w, x, n, alpha, partials);
 }
 
 __global__ void muon_momentum_kernel(float* B, float* D, const float* G, size_t n, float mu) {
@@ -153,15 +159,8 @@ __global__ void adamw_multi_kernel(const OptSeg* segs, const int* block_seg, Opt
   const float lr = gs.lr[s.group], wd = gs.wd[s.group];
   float *p = s.w, *m = s.m, *v = s.v;
   const float* g = s.g;
-  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    // ops.cu's adamw_kernel (= cpu::adamw_update), element for element.
-    const float gi = g[i];
-    const float mi = b1 * m[i] + (1.f - b1) * gi;
-    const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] -= lr * ((mi * inv_bc1) / (sqrtf(vi * inv_bc2) + eps) + wd * p[i]);
-  }
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x)  // ops.cu's adamw_kernel, element for element
+    adamw_element(p[i], m[i], v[i], g[i], lr, b1, b2, eps, wd, inv_bc1, inv_bc2);
 }
 
 __global__ void adamh_moments_multi_kernel(const OptSeg* segs, const int* block_seg, float b1, float b2,
@@ -236,14 +235,7 @@ __global__ void sumsq_kernel(const float* x, size_t n, double* partials) {
 __global__ void axpy_sumsq_dev_kernel(float* w, const float* x, size_t n, const float* radius, double lr,
                                       const double* xx, double* partials) {
   const double R = *radius;
-  const float alpha = float(-lr * R / host_max(sqrt(*xx), 1e-10));
-  double acc = 0.0;
-  LADDER_GRID_STRIDE(i, n) {
-    const float wi = w[i] + alpha * x[i];
-    w[i] = wi;
-    acc += double(wi) * double(wi);
-  }
-  store_block_partial(acc, partials);
+  axpy_sumsq_block(w, x, n, float(-lr * R / host_max(sqrt(*xx), 1e-10)), partials);
 }
 
 // w *= float(R / sqrt(*ww)).
