@@ -15,34 +15,17 @@
 #include <cmath>
 
 #include "backend/cuda/moe_ops.cuh"
+#include "backend/cuda/device_common.cuh"
 
 namespace ladder::cuda::k {
 
 namespace {
 
 constexpr int kThreads = 256;
+static_assert(kThreads == 256, "grid_for (device_common.cuh) sizes grids for 256-thread blocks by default");
 constexpr int kWarps = kThreads / 32;
 
-// Grid for a grid-stride loop over n items handled `per_block` at a time (capped: loops cover the rest).
-inline unsigned grid_for(size_t n, size_t per_block = kThreads) {
-  const size_t blocks = (n + per_block - 1) / per_block;
-  return unsigned(blocks < 65536 ? (blocks ? blocks : 1) : 65536);
-}
-
 inline size_t align256(size_t b) { return (b + 255) / 256 * 256; }
-
-template <class T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 
 // The CPU's sigmoid, T(1) / (T(1) + exp(-x)), with IEEE division and expf (not the fast intrinsics).
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }

@@ -7,6 +7,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "backend/cuda/kernels.cuh"
+#include "backend/cuda/device_common.cuh"
 #include "backend/cuda/optim_math.cuh"
 
 namespace ladder::cuda::k {
@@ -14,25 +15,7 @@ namespace ladder::cuda::k {
 namespace {
 
 constexpr int kThreads = 256;
-
-inline unsigned grid_for(size_t n, int threads = kThreads) {
-  // Grid-stride loops below cover any n; cap the grid so huge tensors do not need huge grids.
-  const size_t blocks = (n + threads - 1) / threads;
-  return unsigned(blocks < 65536 ? (blocks ? blocks : 1) : 65536);
-}
-
-template <class T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
+static_assert(kThreads == 256, "grid_for (device_common.cuh) sizes grids for 256-thread blocks by default");
 
 // Block-wide sum in a fixed tree order; every thread gets the result. `red` holds 32 values.
 template <class T>

@@ -13,21 +13,18 @@
 // sums static per-thread chunks, so GPU and CPU agree to double rounding, not bitwise).
 #include "backend/cuda/optim_math.cuh"
 #include "backend/cuda/switch_optim_ops.cuh"
+#include "backend/cuda/device_common.cuh"
 
 namespace ladder::cuda::k {
 
 namespace {
 
 constexpr int kThreads = 256;
+static_assert(kThreads == 256, "grid_for (device_common.cuh) sizes grids for 256-thread blocks by default");
 constexpr int kRedBlocks = 512;  // the fixed reduction grid (as k::sum_squares in ops.cu)
 // finish_sum_kernel runs kRedBlocks threads in one block, whose warp shuffles need whole warps.
 static_assert(kRedBlocks % 32 == 0 && kRedBlocks <= 1024, "kRedBlocks: whole warps, at most one block");
-constexpr size_t kMaxBlocks = 65536;
 
-inline unsigned grid_for(size_t n) {
-  const size_t blocks = (n + kThreads - 1) / kThreads;
-  return unsigned(blocks < kMaxBlocks ? (blocks ? blocks : 1) : kMaxBlocks);
-}
 
 #define LADDER_GRID_STRIDE(i, n) \
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); i += size_t(gridDim.x) * blockDim.x)

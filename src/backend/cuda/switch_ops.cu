@@ -11,29 +11,21 @@
 // dx == dout, out == x) safe without shared memory or block barriers.
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/switch_optim_ops.cuh"
+#include "backend/cuda/device_common.cuh"
 
 namespace ladder::cuda::k {
 
 namespace {
 
 constexpr int kThreads = 256;             // 8 warps per block
+static_assert(kThreads == 256, "grid_for (device_common.cuh) sizes grids for 256-thread blocks by default");
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr size_t kMaxBlocks = 65536;      // grid-stride loops cover the rest
 
-inline unsigned grid_for(size_t n) {
-  const size_t blocks = (n + kThreads - 1) / kThreads;
-  return unsigned(blocks < kMaxBlocks ? (blocks ? blocks : 1) : kMaxBlocks);
-}
 // One warp per row.
 inline unsigned grid_for_rows(size_t rows) {
   const size_t blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
   return unsigned(blocks < kMaxBlocks ? (blocks ? blocks : 1) : kMaxBlocks);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // The CPU's expression, 1 / (1 + exp(-x)), so the two differ only by expf's last-bit rounding.

@@ -1,0 +1,29 @@
+// Launch and warp helpers shared by the kernel files (one definition each; every file keeps its own
+// block size).
+#pragma once
+#include <cstddef>
+
+namespace ladder::cuda::k {
+
+// Blocks for a grid-stride loop over n items handled per_block at a time, capped at 65536: the
+// loop covers the rest, so huge tensors do not need huge grids. At least one block.
+inline unsigned grid_for(size_t n, size_t per_block = 256) {
+  const size_t blocks = (n + per_block - 1) / per_block;
+  return unsigned(blocks < 65536 ? (blocks ? blocks : 1) : 65536);
+}
+
+// Sum / max over the 32 lanes of a warp (butterfly: every lane gets the result, in a fixed order).
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+}  // namespace ladder::cuda::k
