@@ -2,6 +2,7 @@
 // block size).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 namespace ladder::cuda::k {
 
@@ -24,6 +25,18 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// The expert owning row tile g of a grouped GEMM over expert row blocks (tile_start[e] = the first
+// row tile of expert e, k::row_tile_prefix): the last e in [0, E) with tile_start[e] <= g. An empty
+// expert shares its start with the next one and is skipped by taking the last.
+__device__ __forceinline__ int expert_of_row_tile(const int32_t* tile_start, int E, int g) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_start[mid] <= g) lo = mid; else hi = mid - 1;
+  }
+  return lo;
 }
 
 }  // namespace ladder::cuda::k

@@ -48,6 +48,7 @@
 #include <type_traits>
 
 #include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/device_common.cuh"
 #include "backend/cuda/moe_ops.cuh"
 
 namespace ladder::cuda::k {
@@ -262,14 +263,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int64_t total = int64_t(tile_start[E]) * tilesN;
   for (int64_t id = blockIdx.x; id < total; id += gridDim.x) {
     const int g = int(id / tilesN), nt = int(id % tilesN);
-    // The expert owning row tile g: the last e in [0, E) with tile_start[e] <= g (an empty expert
-    // shares its start with the next one and is skipped by taking the last).
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_start[mid] <= g) lo = mid; else hi = mid - 1;
-    }
-    const int e = lo;
+    const int e = expert_of_row_tile(tile_start, E, g);
     const int row0 = offsets[e] + (g - tile_start[e]) * kBX;
     const int rows = min(offsets[e + 1] - row0, kBX);
     const int n0 = nt * kBX;

@@ -527,14 +527,7 @@ __global__ void __launch_bounds__(kGemmThreads)
   const int64_t total = int64_t(tile_start[E]) * tilesN;
   for (int64_t id = blockIdx.x; id < total; id += gridDim.x) {
     const int g = int(id / tilesN), nt = int(id % tilesN);
-    // The expert owning row tile g: the last e in [0, E) with tile_start[e] <= g (empty experts
-    // share their start with the next expert and are skipped by taking the last).
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_start[mid] <= g) lo = mid; else hi = mid - 1;
-    }
-    const int e = lo;
+    const int e = expert_of_row_tile(tile_start, E, g);
     const int row0 = offsets[e] + (g - tile_start[e]) * kBM;
     const int rows = offsets[e + 1] - row0;
     const int n0 = nt * kBN;
