@@ -40,14 +40,7 @@ constexpr double kTcInputs = 1e-2;
 constexpr double kTcRounded = 1e-4;
 
 // Round to the nearest bf16 (ties to even), kept in a float (finite values).
-inline float bf16_round(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  u &= 0xFFFF0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
+inline float bf16_round(float x) { return cpu::bf16_value(cpu::bf16_bits(x)); }
 
 struct Case {
   bool rows_out, transB;

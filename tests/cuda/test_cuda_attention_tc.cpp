@@ -52,14 +52,7 @@ constexpr double kTcRounded = 5e-3;
 
 // Round to the nearest bf16 (ties to even), kept in a float: what __float2bfloat16_rn does to
 // the finite values used here.
-float bf16_round(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  u &= 0xFFFF0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
+float bf16_round(float x) { return cpu::bf16_value(cpu::bf16_bits(x)); }
 std::vector<float> bf16_round(std::vector<float> v) {
   for (auto& x : v) x = bf16_round(x);
   return v;

@@ -736,27 +736,14 @@ void scale_inplace(T* x, T s, size_t n) {
   for (size_t i = 0; i < n; ++i) x[i] *= s;
 }
 
-// Round to nearest even on the bit pattern: adding 0x7fff plus the lowest kept bit carries into
-// the kept half exactly when the dropped half is above one half ulp, or equal with an odd kept
-// half. NaNs are kept NaN (quiet bit set) instead of possibly rounding into infinity.
 void f32_to_bf16(uint16_t* out, const float* in, size_t n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, in + i, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-      out[i] = uint16_t((u >> 16) | 0x40u);
-    else
-      out[i] = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
+  for (size_t i = 0; i < n; ++i) out[i] = bf16_bits(in[i]);
 }
 
 void bf16_to_f32(float* out, const uint16_t* in, size_t n) {
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t u = uint32_t(in[i]) << 16;
-    std::memcpy(out + i, &u, sizeof u);
-  }
+  for (size_t i = 0; i < n; ++i) out[i] = bf16_value(in[i]);
 }
 
 // Chunks of 4096 (stack buffers, 48 KiB for the backward), one per loop iteration of the parallel

@@ -8,6 +8,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace ladder::cpu {
 
@@ -103,6 +104,22 @@ double sum_squares(const T* x, size_t n);  // deterministic for a fixed thread c
 // stays NaN), as uint16_t bits; and back (exact: a bf16 is the top half of a float).
 void f32_to_bf16(uint16_t* out, const float* in, size_t n);
 void bf16_to_f32(float* out, const uint16_t* in, size_t n);
+// The same for one value (what the array forms do per element, and what tests and the emulated
+// cuBLASLt round with). Round to nearest even on the bit pattern: adding 0x7fff plus the lowest
+// kept bit carries into the kept half exactly when the dropped half is above one half ulp, or equal
+// with an odd kept half; NaNs stay NaN (quiet bit set) instead of possibly rounding into infinity.
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf16_value(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
 // SwiGLU on bf16 gate / up (model.mlp_bf16): in chunks, the chunk's g and u widened, then
 // swiglu_forward<float> / swiglu_backward<float> on them, the forward's h rounded with f32_to_bf16:
 // bitwise those three steps on whole arrays, without [n]-sized fp32 scratch.

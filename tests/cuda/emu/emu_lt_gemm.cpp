@@ -25,18 +25,9 @@ float tf32(float x) {
   std::memcpy(&x, &u, 4);
   return x;
 }
-float bf16_to_f32(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u) return uint16_t(u >> 16 | ((u & 0xFFFFu) ? 0x40u : 0u));
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+// bf16 <-> fp32 as the CPU backend converts (round to nearest even; cuBLASLt's bf16 output does too).
+using cpu::bf16_bits;
+using cpu::bf16_value;
 // A strided operand of `rows` rows, `cols` used columns, leading dimension ld, as fp32.
 template <class Src, class F>
 std::vector<float> widen(const void* p, int rows, int cols, int ld, F f) {
@@ -75,8 +66,8 @@ void LtGemm::run(GemmType type, bool ta, bool tb, int M, int N, int K, float alp
   const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
   std::vector<float> a, b;
   if (type == GemmType::BF16) {
-    a = widen<uint16_t>(A, ar, ac, lda, bf16_to_f32);
-    b = widen<uint16_t>(B, br, bc, ldb, bf16_to_f32);
+    a = widen<uint16_t>(A, ar, ac, lda, bf16_value);
+    b = widen<uint16_t>(B, br, bc, ldb, bf16_value);
   } else {
     const bool t = type == GemmType::TF32;
     auto f = [t](float x) { return t ? tf32(x) : x; };
@@ -91,10 +82,10 @@ void LtGemm::run(GemmType type, bool ta, bool tb, int M, int N, int K, float alp
   std::vector<float> c(size_t(M) * N, 0.f);
   if (beta != 0.f)
     for (int i = 0; i < M; ++i)
-      for (int j = 0; j < N; ++j) c[size_t(i) * N + j] = bf16_to_f32(c16[size_t(i) * ldc + j]);
+      for (int j = 0; j < N; ++j) c[size_t(i) * N + j] = bf16_value(c16[size_t(i) * ldc + j]);
   cpu::gemm<float>(ta, tb, M, N, K, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), N);
   for (int i = 0; i < M; ++i)
-    for (int j = 0; j < N; ++j) c16[size_t(i) * ldc + j] = f32_to_bf16(c[size_t(i) * N + j]);
+    for (int j = 0; j < N; ++j) c16[size_t(i) * ldc + j] = bf16_bits(c[size_t(i) * N + j]);
 }
 
 // The strided batch as a loop of run()s: each product is checked against cpu::gemm's contract at
