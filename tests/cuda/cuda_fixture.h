@@ -17,6 +17,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device_memory.h"
+#include "rel_check.h"
 
 namespace ladder::test {
 
@@ -76,27 +77,10 @@ class CudaFixture : public ::testing::Test {
     return std::vector<T>(h.begin() + long(offset), h.begin() + long(offset + n));
   }
 
-  // Fails on any non-finite GPU value where the CPU value is finite, then on the relative error.
-  // `floor` > 0: the denominator is max(||cpu||, floor) (for outputs whose exact value is zero).
-  static double check(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol,
+  // rel_check.h: non-finite where the CPU is finite fails, then ||got - cpu|| / ||cpu|| <= tol.
+  static double check(const std::vector<float>& got, const std::vector<float>& cpu, double tol,
                       const std::string& what, double floor = 0) {
-    EXPECT_EQ(gpu.size(), cpu.size()) << what;
-    size_t bad = 0;
-    double num = 0, den = 0;
-    for (size_t i = 0; i < cpu.size() && i < gpu.size(); ++i) {
-      if (!std::isfinite(gpu[i]) && std::isfinite(cpu[i])) {
-        if (bad++ < 3) ADD_FAILURE() << what << ": element " << i << " is " << gpu[i] << " (cpu " << cpu[i] << ")";
-        continue;
-      }
-      const double d = double(gpu[i]) - double(cpu[i]);
-      num += d * d;
-      den += double(cpu[i]) * double(cpu[i]);
-    }
-    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not written or not finite";
-    const double rel = std::sqrt(num) / std::max({std::sqrt(den), floor, 1e-30});
-    std::printf("[ rel err  ] %-44s %.3e (tol %.0e)\n", what.c_str(), rel, tol);
-    EXPECT_LE(rel, tol) << what;
-    return rel;
+    return check_rel(got, cpu, tol, what, floor);
   }
 
   static inline std::string reason_;

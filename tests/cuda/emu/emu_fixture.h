@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "emu_cuda.h"
+#include "../rel_check.h"
 
 namespace ladder::cuda::k {}
 
@@ -50,27 +51,10 @@ class CudaEmu : public ::testing::Test {
   }
   static void ok(cudaError_t e, const std::string& what) { ASSERT_EQ(e, cudaSuccess) << what; }
 
-  // Any non-finite value where the CPU's is finite fails, then the relative error over the output.
-  // `floor` stands in for ||cpu|| when the exact result is zero and both sides hold rounding only.
-  static double check(const std::vector<float>& got, const std::vector<float>& ref, double tol,
+  // rel_check.h: non-finite where the CPU is finite fails, then ||got - cpu|| / ||cpu|| <= tol.
+  static double check(const std::vector<float>& got, const std::vector<float>& cpu, double tol,
                       const std::string& what, double floor = 0) {
-    EXPECT_EQ(got.size(), ref.size()) << what;
-    size_t bad = 0;
-    double num = 0, den = 0;
-    for (size_t i = 0; i < ref.size() && i < got.size(); ++i) {
-      if (!std::isfinite(got[i]) && std::isfinite(ref[i])) {
-        if (bad++ < 3) ADD_FAILURE() << what << ": element " << i << " is " << got[i] << " (cpu " << ref[i] << ")";
-        continue;
-      }
-      const double d = double(got[i]) - double(ref[i]);
-      num += d * d;
-      den += double(ref[i]) * double(ref[i]);
-    }
-    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not written or not finite";
-    const double rel = std::sqrt(num) / std::max({std::sqrt(den), floor, 1e-30});
-    std::printf("[ rel err  ] %-48s %.3e (tol %.0e)\n", what.c_str(), rel, tol);
-    EXPECT_LE(rel, tol) << what;
-    return rel;
+    return test::check_rel(got, cpu, tol, what, floor);
   }
   static void check_sum(double got, double ref, const std::string& what) {
     const double rel = std::abs(got - ref) / std::max(std::abs(ref), 1e-300);
