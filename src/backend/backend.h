@@ -144,6 +144,8 @@ class Backend : public MemorySpace {
   virtual void moe_balance_values(float* vals, const float* logits, const float* bias, int N, int E, int K) = 0;
   // beta [E] doubles in backend memory.
   virtual void moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K) = 0;
+  // bias [E] floats from beta [E] doubles, both in backend memory (no host round trip).
+  virtual void moe_balance_bias(float* bias, const double* beta, int E) = 0;
   virtual void moe_count_load(int64_t* load, const int32_t* offsets, int E) = 0;
   virtual void adamw_update(float* p, const float* g, float* m, float* v, size_t n, float lr, float b1,
                             float b2, float eps, float wd, float bc1, float bc2) = 0;

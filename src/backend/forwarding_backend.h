@@ -271,6 +271,9 @@ class ForwardingBackend : public Backend {
   void moe_quantile_beta(double* beta, const float* v, int64_t T, int E, int K) override {
     wrap("moe routing", 0, [&] { b_->moe_quantile_beta(beta, v, T, E, K); });
   }
+  void moe_balance_bias(float* bias, const double* beta, int E) override {
+    wrap("moe routing", 0, [&] { b_->moe_balance_bias(bias, beta, E); });
+  }
   void moe_count_load(int64_t* load, const int32_t* off, int E) override {
     wrap("moe routing", 0, [&] { b_->moe_count_load(load, off, E); });
   }

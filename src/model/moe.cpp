@@ -109,14 +109,6 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
   ops.gemm(true, false, E, d, N, T(1), S.ds, E, h, d, T(1), G.router, d);
 }
 
-template <class T>
-void moe_bias_from_beta(const double* beta, int E, T* bias) {
-  double mean = 0;
-  for (int e = 0; e < E; ++e) mean += beta[e];
-  mean /= E;
-  for (int e = 0; e < E; ++e) bias[e] = T(-(beta[e] - mean));
-}
-
 #define LADDER_MOE_INSTANTIATE(T, OPS)                                                                     \
   template void moe_forward<T, OPS>(OPS&, const MoeDims&, const MoeWeights<T>&, MoeActs<T>&, const T*, T*); \
   template void moe_backward<T, OPS>(OPS&, const MoeDims&, const MoeWeights<T>&, MoeGrads<T>&,             \
@@ -128,8 +120,7 @@ LADDER_MOE_INSTANTIATE(double, KernelOps<double>)
 
 #define LADDER_MOE_INSTANTIATE_T(T)                                                                     \
   template std::vector<std::pair<void**, size_t>> moe_act_requests<T>(const MoeDims&, MoeActs<T>&);     \
-  template std::vector<std::pair<void**, size_t>> moe_scratch_requests<T>(const MoeDims&, MoeScratch<T>&); \
-  template void moe_bias_from_beta<T>(const double*, int, T*);
+  template std::vector<std::pair<void**, size_t>> moe_scratch_requests<T>(const MoeDims&, MoeScratch<T>&);
 LADDER_MOE_INSTANTIATE_T(float)
 LADDER_MOE_INSTANTIATE_T(double)
 #undef LADDER_MOE_INSTANTIATE_T

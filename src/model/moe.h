@@ -107,10 +107,8 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
                   MoeScratch<T>& S, const T* h, const T* dout, T* dh, T z_scale);
 
 // Quantile balancing (RECIPE.md section 2), in two halves so data-parallel ranks can average beta
-// in between: Backend::moe_balance_values per forward, Backend::moe_quantile_beta per step (the
-// contracts in backend/cpu/moe_kernels.h), then bias = -(beta - mean(beta)):
-template <class T>
-void moe_bias_from_beta(const double* beta, int E, T* bias);
+// in between: Backend::moe_balance_values per forward, Backend::moe_quantile_beta per step, then
+// Backend::moe_balance_bias, bias = -(beta - mean(beta)) (contracts in backend/cpu/moe_kernels.h).
 
 // gemm / grouped_gemm / swiglu through the templated CPU kernels (any T).
 template <class T>

@@ -274,22 +274,21 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   // The host edge, in backend memory: ids and targets of one micro-batch, PKO flags, the sums a
   // forward downloads once, per-tensor gradient sums of squares, MoE load counts and betas.
   n_chunks_ = int((N + size_t(chunk_rows_) - 1) / size_t(chunk_rows_));
-  const size_t n_sums = 2 * size_t(n_chunks_) + size_t(n_moe_), n_ex = size_t(n_moe_) * size_t(cfg.moe_experts);
+  n_sums_ = 2 * size_t(n_chunks_) + size_t(n_moe_);
+  const size_t n_ex = size_t(n_moe_) * size_t(cfg.moe_experts);
   const size_t io_bytes = 2 * Arena::padded(N, sizeof(int32_t)) + (cfg.pko ? Arena::padded(N, 1) : 0) +
-                          Arena::padded(n_sums, sizeof(double)) + Arena::padded(params_.size(), sizeof(double)) +
+                          Arena::padded(params_.size(), sizeof(double)) +
                           Arena::padded(n_ex, sizeof(int64_t)) + Arena::padded(n_ex, sizeof(double));
   io_arena_.reserve(io_bytes, be_, "token ids and step sums");
   ids_ = io_arena_.alloc<int32_t>(N);
   targets_ = io_arena_.alloc<int32_t>(N);
   if (cfg.pko) resets_ = io_arena_.alloc<uint8_t>(N);
-  sums_ = io_arena_.alloc<double>(n_sums);
   gnorm_ = io_arena_.alloc<double>(params_.size());
   load_ = io_arena_.alloc<int64_t>(n_ex);  // zero: the arena starts zeroed
   beta_ = io_arena_.alloc<double>(n_ex);
-  host_sums_.assign(n_sums, 0.0);
+  reserve_micro_batches(1);
   host_gnorm_.assign(params_.size(), 0.0);
   host_load_.assign(n_ex, 0);
-  host_bias_.assign(size_t(cfg.moe_experts), 0.0f);
   if (cfg.moe_quantile_balance() && n_moe_ > 0) reserve_balance_tokens(N_);
 }
 
@@ -417,28 +416,43 @@ void Transformer::reserve_balance_tokens(int64_t tokens) {
   balance_cap_ = tokens;
 }
 
-std::vector<double> Transformer::balance_beta() {
+bool Transformer::compute_beta() {
   const int E = cfg_.moe_experts, K = cfg_.moe_top_k;
-  std::vector<double> beta;
-  if (!cfg_.moe_quantile_balance() || K >= E || balance_tokens_ == 0) return beta;
-  beta.resize(size_t(n_moe_) * size_t(E));
+  if (!cfg_.moe_quantile_balance() || K >= E || balance_tokens_ == 0) return false;
   for (int m = 0; m < n_moe_; ++m) be_.moe_quantile_beta(beta_ + size_t(m) * E, balance_vals(m), balance_tokens_, E, K);
+  return true;
+}
+
+void Transformer::bias_from_beta() {
+  const int E = cfg_.moe_experts;
+  for (auto& L : layers_)
+    if (L.moe) be_.moe_balance_bias(L.bias->w, beta_ + size_t(L.moe_index) * E, E);
+}
+
+std::vector<double> Transformer::balance_beta() {
+  std::vector<double> beta;
+  if (!compute_beta()) return beta;
+  beta.resize(size_t(n_moe_) * size_t(cfg_.moe_experts));
   be_.download(beta.data(), beta_, beta.size() * sizeof(double));
   return beta;
 }
 
-// The bias is E floats per layer: computed on the host from the (possibly rank-averaged) beta and
-// uploaded.
+// The (possibly rank-averaged) beta goes back up; the bias is computed from it on the backend.
 void Transformer::apply_balance(const std::vector<double>& beta) {
   balance_tokens_ = 0;  // forget the tokens; the store keeps its capacity
   if (beta.empty()) return;
-  const int E = cfg_.moe_experts;
-  LADDER_ASSERT(beta.size() == size_t(n_moe_) * size_t(E));
-  for (auto& L : layers_)
-    if (L.moe) {
-      moe_bias_from_beta<float>(beta.data() + size_t(L.moe_index) * E, E, host_bias_.data());
-      upload(*L.bias, host_bias_.data());
-    }
+  LADDER_ASSERT(beta.size() == size_t(n_moe_) * size_t(cfg_.moe_experts));
+  be_.upload(beta_, beta.data(), beta.size() * sizeof(double));
+  bias_from_beta();
+}
+
+// The training step's path: no host copy of beta or the bias at all.
+void Transformer::update_balance() {
+  if (compute_beta()) {
+    // (data parallel: the ranks average beta_, [n_moe * E] doubles in backend memory, here)
+    bias_from_beta();
+  }
+  balance_tokens_ = 0;
 }
 
 std::vector<MoeLayerStats> Transformer::take_moe_stats() {
@@ -569,8 +583,8 @@ void Transformer::layer_forward(size_t l, bool record, bool balance) {
     const MoeDims md = moe_dims();
     const size_t mi = size_t(L.moe_index);
     moe_forward<float>(ops_, md, moe_weights(L), L.ma, L.h2, next);
-    // Router z term of this layer: a device double, read with the loss sums (read_sums).
-    be_.sum_squares_async(L.ma.lse, size_t(N), sums_ + 2 * size_t(n_chunks_) + mi);
+    // Router z term of this layer: a device double, read with the loss sums (parse_sums).
+    be_.sum_squares_async(L.ma.lse, size_t(N), cur_sums_ + 2 * size_t(n_chunks_) + mi);
     if (record) {
       be_.moe_count_load(load_ + mi * size_t(md.E), L.ma.offsets, md.E);
       if (balance)
@@ -614,19 +628,18 @@ void Transformer::forward(bool training) {
   norm_forward(hf_, rf_, x_final_, norm_f_, gnf_);
 }
 
-// The one host wait of a forward_backward / forward_loss call: (xent, lse^2) of each head chunk and
-// each MoE layer's router sum of lse^2, summed on the host in chunk / layer order (the order the
-// synchronous sums were added in before, so CPU results are bitwise unchanged).
-LossSums Transformer::read_sums(int chunks, bool training) {
-  be_.download(host_sums_.data(), sums_, host_sums_.size() * sizeof(double));
+// One micro-batch's sums, downloaded: (xent, lse^2) of each head chunk and each MoE layer's router
+// sum of lse^2, summed on the host in chunk / layer order (the order the synchronous sums were
+// added in before, so CPU results are bitwise unchanged).
+LossSums Transformer::parse_sums(const double* host, bool training) {
   LossSums sums;
   sums.tokens = N_;
-  for (int c = 0; c < chunks; ++c) {
-    sums.xent += host_sums_[2 * size_t(c)];
-    sums.lse_sq += host_sums_[2 * size_t(c) + 1];
+  for (int c = 0; c < n_chunks_; ++c) {
+    sums.xent += host[2 * size_t(c)];
+    sums.lse_sq += host[2 * size_t(c) + 1];
   }
   for (int m = 0; m < n_moe_; ++m) {
-    moe_lse_sq_[size_t(m)] = host_sums_[2 * size_t(n_chunks_) + size_t(m)];
+    moe_lse_sq_[size_t(m)] = host[2 * size_t(n_chunks_) + size_t(m)];
     if (training) stats_lse_sq_[size_t(m)] += moe_lse_sq_[size_t(m)];
   }
   if (cfg_.router_z_loss > 0 && n_moe_ > 0) {
@@ -637,9 +650,45 @@ LossSums Transformer::read_sums(int chunks, bool training) {
   return sums;
 }
 
+void Transformer::check_no_pending(const char* call) const {
+  if (pending_ > 0)
+    fail("Transformer::{}: {} micro-batch(es) of forward_backward_async still wait for take_loss_sums()", call,
+         pending_);
+}
+
+// Grows the slots (keeping the pending ones); allocates, so a planned step reserves up front.
+void Transformer::reserve_micro_batches(int n) {
+  if (n <= sums_cap_) return;
+  Arena grown(Arena::padded(size_t(n) * n_sums_, sizeof(double)), be_, "loss sums of an optimizer step");
+  double* base = grown.alloc<double>(size_t(n) * n_sums_);
+  if (pending_ > 0) be_.copy(base, sums_, size_t(pending_) * n_sums_ * sizeof(double));
+  sums_arena_ = std::move(grown);
+  sums_ = base;
+  sums_cap_ = n;
+  host_sums_.assign(size_t(n) * n_sums_, 0.0);
+}
+
+std::vector<LossSums> Transformer::take_loss_sums() {
+  std::vector<LossSums> out;
+  if (pending_ == 0) return out;
+  // The one host wait: everything enqueued before it has run when the sums arrive.
+  be_.download(host_sums_.data(), sums_, size_t(pending_) * n_sums_ * sizeof(double));
+  for (int i = 0; i < pending_; ++i) out.push_back(parse_sums(host_sums_.data() + size_t(i) * n_sums_, true));
+  pending_ = 0;
+  return out;
+}
+
 LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale) {
+  check_no_pending("forward_backward");
+  forward_backward_async(inputs, targets, grad_scale);
+  return take_loss_sums().front();
+}
+
+void Transformer::forward_backward_async(const int32_t* inputs, const int32_t* targets, float grad_scale) {
   const int N = N_, d = cfg_.d_model, I = cfg_.ff();
   const int V = cfg_.vocab_size;
+  if (pending_ == sums_cap_) reserve_micro_batches(2 * sums_cap_);  // unplanned: see reserve_micro_batches
+  cur_sums_ = sums_ + size_t(pending_) * n_sums_;
   upload_batch(inputs, targets);
   forward(/*training=*/true);
 
@@ -649,7 +698,8 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
   for (int r0 = 0; r0 < N; r0 += chunk_rows_, ++chunk) {
     const int rows = std::min(chunk_rows_, N - r0);
     be_.gemm(false, true, rows, V, d, 1.f, hf_ + size_t(r0) * d, d, head_->w, d, 0.f, logits_, V);
-    be_.softmax_xent_async(logits_, targets_ + r0, rows, V, float(cfg_.z_loss), grad_scale, sums_ + 2 * size_t(chunk));
+    be_.softmax_xent_async(logits_, targets_ + r0, rows, V, float(cfg_.z_loss), grad_scale,
+                           cur_sums_ + 2 * size_t(chunk));
     be_.gemm(false, false, rows, d, V, 1.f, logits_, V, head_->w, d, 0.f, d_h_ + size_t(r0) * d, d);
     be_.gemm(true, false, V, d, rows, 1.f, logits_, V, hf_ + size_t(r0) * d, d, 1.f, head_->g, d);
   }
@@ -692,12 +742,14 @@ LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* tar
     norm_backward(d_res_, d_h_, L.x, L.ln1, L.r1, L.gn1, true);    // d_res = d(x)
   }
   be_.embedding_backward(embed_->g, d_res_, ids_, N, d);
-  // At the end, not after the head: the host waits once, for the whole micro-batch.
-  return read_sums(chunk, /*training=*/true);
+  // The sums wait in their slot (forward_backward: read at once; a step: after its optimizer).
+  ++pending_;
 }
 
 LossSums Transformer::forward_loss(const int32_t* inputs, const int32_t* targets) {
   const int N = N_, d = cfg_.d_model, V = cfg_.vocab_size;
+  check_no_pending("forward_loss");
+  cur_sums_ = sums_;
   upload_batch(inputs, targets);
   forward();
   int chunk = 0;
@@ -706,11 +758,14 @@ LossSums Transformer::forward_loss(const int32_t* inputs, const int32_t* targets
     be_.gemm(false, true, rows, V, d, 1.f, hf_ + size_t(r0) * d, d, head_->w, d, 0.f, logits_, V);
     be_.softmax_xent_forward_async(logits_, targets_ + r0, rows, V, nullptr, sums_ + 2 * size_t(chunk));
   }
-  return read_sums(chunk, /*training=*/false);
+  be_.download(host_sums_.data(), sums_, n_sums_ * sizeof(double));  // the one wait
+  return parse_sums(host_sums_.data(), /*training=*/false);
 }
 
 void Transformer::forward_logits(const int32_t* inputs, float* logits) {
   const int N = N_, d = cfg_.d_model, V = cfg_.vocab_size;
+  check_no_pending("forward_logits");
+  cur_sums_ = sums_;
   upload_batch(inputs, nullptr);
   forward();
   if (be_.is_host()) {  // `logits` is host memory, which is this backend's: one GEMM straight into it

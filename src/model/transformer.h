@@ -11,7 +11,9 @@
 // Host or backend memory: Param::w / Param::g, buffers(), weights() and attention_keys() are
 // pointers of the backend's memory (host code reads them with download() or Backend::download);
 // token ids, targets and forward_logits()'s output are HOST memory, copied at the edges. Per
-// forward_backward() / forward_loss() call the host waits once, for one download of the loss sums.
+// forward_backward() / forward_loss() call the host waits once, for one download of the loss sums;
+// an optimizer step's micro-batches (forward_backward_async) do not wait at all: their sums stay
+// in backend memory until take_loss_sums(), after the step's optimizer update is enqueued.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -98,7 +100,15 @@ class Transformer {
   // Forward and backward of one micro-batch [batch, seq_len]. Gradients ACCUMULATE into the grads
   // arena, scaled by grad_scale (1 / total tokens of the optimizer step gives mean-loss gradients).
   // inputs / targets: HOST memory (copied into the model's own buffers in backend memory).
+  // Waits once, at the end, for the loss sums; needs no forward_backward_async pending.
   LossSums forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale);
+  // The same without a host wait: the micro-batch's loss sums stay in backend memory, one slot per
+  // micro-batch, until take_loss_sums() downloads all of them at once (and returns them in call
+  // order). reserve_micro_batches(n) sizes the slots for n micro-batches (train_step: grad_accum;
+  // a no-op when already that large); without it they grow, allocating, when more are pending.
+  void forward_backward_async(const int32_t* inputs, const int32_t* targets, float grad_scale);
+  void reserve_micro_batches(int n);
+  std::vector<LossSums> take_loss_sums();
   // Forward only: loss sums (evaluation). Host inputs/targets.
   LossSums forward_loss(const int32_t* inputs, const int32_t* targets);
   // Forward only: writes all logits [batch*seq_len, vocab] to `logits`, HOST memory. On a host
@@ -133,6 +143,8 @@ class Transformer {
   // from the tokens of every training forward since the previous update. balance_beta() returns
   // beta of every MoE layer ([n_moe_layers * E], empty when balancing is off); data-parallel ranks
   // average it, then apply_balance() sets bias = -(beta - mean(beta)) and forgets the tokens.
+  // update_balance() is both without the host: beta and the bias computed in backend memory (the
+  // training step's path; a data-parallel all-reduce of beta would run there, on the device).
   // The router values of those tokens stay in backend memory until then: reserve_balance_tokens()
   // sizes that store for a whole optimizer step (train_step calls it with grad_accum * batch *
   // seq_len; a no-op when already large enough). Without it the store holds one micro-batch and
@@ -140,6 +152,7 @@ class Transformer {
   void reserve_balance_tokens(int64_t tokens);
   std::vector<double> balance_beta();
   void apply_balance(const std::vector<double>& beta);
+  void update_balance();
   // Expert load and router z statistics per MoE layer since the previous call (resets them). The
   // load counts stay in backend memory between calls: one download here.
   std::vector<MoeLayerStats> take_moe_stats();
@@ -196,8 +209,15 @@ class Transformer {
   void forward(bool training = false);
   // Layer l's block (norms, attention, MLP or MoE) from L.x; record: MoE load and balancing data.
   void layer_forward(size_t l, bool record, bool balance);
-  // After the LM head: the one download of the loss and router sums of this call, into a LossSums.
-  LossSums read_sums(int chunks, bool training);
+  // One micro-batch's slot of sums (downloaded to host memory) into a LossSums; training: adds the
+  // router terms to the MoE statistics.
+  LossSums parse_sums(const double* host, bool training);
+  // forward_loss / forward_logits / forward_backward: no forward_backward_async may be pending.
+  void check_no_pending(const char* call) const;
+  // Quantile balancing halves: beta_ from the step's router values (false: nothing to balance),
+  // and every MoE layer's bias from beta_, both on the backend.
+  bool compute_beta();
+  void bias_from_beta();
   MoeDims moe_dims() const;
   MoeWeights<float> moe_weights(const Layer& L) const;
   float* balance_vals(int moe_index);  // [balance_cap_, E] of MoE layer moe_index
@@ -241,9 +261,14 @@ class Transformer {
   Arena io_arena_;
   int32_t *ids_ = nullptr, *targets_ = nullptr;  // [N] each
   uint8_t* resets_ = nullptr;                    // PKO: [N] sequence/document starts
-  // sums_: [2 * chunks] (xent, lse^2) per LM-head row chunk, then [n_moe] router sum of lse^2 per
-  // MoE layer; host_sums_ is its host copy (sized once).
+  // sums_arena_: sums_cap_ slots of n_sums_ doubles, one per pending micro-batch: [2 * chunks]
+  // (xent, lse^2) per LM-head row chunk, then [n_moe] router sum of lse^2 per MoE layer. cur_sums_
+  // is the slot the running forward writes; host_sums_ the host copy (sized with the slots).
+  Arena sums_arena_;
   double* sums_ = nullptr;
+  double* cur_sums_ = nullptr;
+  size_t n_sums_ = 0;
+  int sums_cap_ = 0, pending_ = 0;
   std::vector<double> host_sums_;
   int n_chunks_ = 0;
   double* gnorm_ = nullptr;  // [params] per-tensor gradient sums of squares (grad_norm)
@@ -262,7 +287,6 @@ class Transformer {
   double* beta_ = nullptr;          // [n_moe, E] quantile-balancing beta
   Arena balance_arena_;             // per MoE layer [balance_cap_, E] of s - alpha (backend memory)
   int64_t balance_cap_ = 0, balance_tokens_ = 0;
-  std::vector<float> host_bias_;    // [E] staging for apply_balance
   std::vector<double> stats_lse_sq_;
   int64_t stats_tokens_ = 0;
 };

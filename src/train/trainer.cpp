@@ -55,37 +55,43 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
                      const BatchFn& next_batch, int32_t* inputs, int32_t* targets) {
   const int N = model.batch() * cfg.model.seq_len;
   const int accum = cfg.run.grad_accum;
-  // The step's MoE balancing store, sized once (a no-op from the second call on; train() and the
-  // benchmark call it before the first step, so no step allocates).
+  // The step's MoE balancing store and loss-sum slots, sized once (no-ops from the second call on;
+  // train() and the benchmark call this before the first step, so no step allocates).
   model.reserve_balance_tokens(int64_t(N) * accum);
+  model.reserve_micro_batches(accum);
   model.zero_grad();
-  double xent = 0, lse_sq = 0, router_z = 0;
-  int64_t ntok = 0;
   const float grad_scale = 1.0f / float(int64_t(N) * accum);
+  // Nothing below waits for the backend until every op of the step is enqueued: the micro-batches'
+  // loss sums stay in backend memory, the MoE bias is updated there, the clip factor is computed
+  // there; the host reads the norm, the sums and the load counts after the optimizer is queued.
   for (int micro = 0; micro < accum; ++micro) {
     next_batch(inputs, targets);
-    LossSums s = model.forward_backward(inputs, targets, grad_scale);
+    model.forward_backward_async(inputs, targets, grad_scale);
+  }
+  // (data parallel: the all-reduce of the contiguous gradient arena goes here)
+  // MoE quantile balancing, once per step from the step's tokens (data parallel: beta is averaged
+  // over the ranks inside, on the device, before the bias). The bias has no gradient, so its place relative to the
+  // optimizer update does not matter; the next step's selection uses the new bias.
+  model.update_balance();
+  // Clip on the device and enqueue the optimizer step before reading anything back.
+  // (Bitwise the host-side clip it replaced: the same per-tensor sums, order and float factor.)
+  LADDER_ASSERT(&be == &model.backend());
+  model.clip_grads_async(cfg.optim.clip);
+  StepStats st;
+  st.lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, cfg.run.steps);
+  opt.step(st.lr);
+  // The step's one wait (the first download); the rest copy finished results.
+  st.grad_norm = model.last_grad_norm();
+  double xent = 0, lse_sq = 0, router_z = 0;
+  int64_t ntok = 0;
+  for (const LossSums& s : model.take_loss_sums()) {  // in micro-batch order, as they were added before
     xent += s.xent;
     lse_sq += s.lse_sq;
     router_z += s.router_z;
     ntok += s.tokens;
   }
-  // (data parallel: the all-reduce of the contiguous gradient arena goes here)
-  // MoE quantile balancing, once per step from the step's tokens (data parallel: average beta over
-  // the ranks between the two calls). The bias has no gradient, so its place relative to the
-  // optimizer update does not matter; the next step's selection uses the new bias.
-  model.apply_balance(model.balance_beta());
-  StepStats st;
   st.moe = model.take_moe_stats();
   st.router_z = router_z / double(ntok);
-  // Clip on the device and enqueue the optimizer step before reading the norm back: the one wait of
-  // this tail of the step is the norm's download, after all of the optimizer's work is queued.
-  // (Bitwise the host-side clip it replaced: the same per-tensor sums, order and float factor.)
-  LADDER_ASSERT(&be == &model.backend());
-  model.clip_grads_async(cfg.optim.clip);
-  st.lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, cfg.run.steps);
-  opt.step(st.lr);
-  st.grad_norm = model.last_grad_norm();
   st.loss = xent / double(ntok);
   st.lse_sq = lse_sq / double(ntok);
   st.tokens = ntok;
@@ -129,6 +135,7 @@ TrainSummary train(const TrainOptions& opt) {
   const int threads = cpu_threads();
   Transformer model(cfg.model, rc.batch_size, *be);
   model.reserve_balance_tokens(int64_t(rc.grad_accum) * rc.batch_size * cfg.model.seq_len);
+  model.reserve_micro_batches(rc.grad_accum);
   auto optimizer = make_optimizer(cfg, model, *be);  // the whole config: `auto` lrs need the run size
   // Data-parallel slot: rank/world come from the launcher when MPI arrives; one rank for now.
   const int rank = 0, world = 1;

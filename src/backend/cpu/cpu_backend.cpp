@@ -182,6 +182,7 @@ class CpuBackend final : public Backend {
   void moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K) override {
     cpu::moe_quantile_beta(beta, vals, T, E, K);
   }
+  void moe_balance_bias(float* bias, const double* beta, int E) override { cpu::moe_balance_bias(bias, beta, E); }
   void moe_count_load(int64_t* load, const int32_t* offsets, int E) override { cpu::moe_count_load(load, offsets, E); }
   void pko_shift_forward(float* out, const float* k, const uint8_t* reset, int n, int nkv, int hd, int from) override {
     cpu::pko_shift_forward<float>(out, k, reset, n, nkv, hd, from);

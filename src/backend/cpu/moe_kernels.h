@@ -58,6 +58,16 @@ void moe_balance_values(float* vals, const T* logits, const T* bias, int N, int 
 // tokens (rows) of the step, q = max(1, floor(T*K/E)). Exact (a selection, no approximation).
 void moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K);
 
+// Quantile balancing, the bias from beta: bias[e] = -(beta[e] - mean(beta)), the mean summed in
+// double in expert order (what a one-thread device kernel repeats bit for bit).
+template <class T>
+void moe_balance_bias(T* bias, const double* beta, int E) {
+  double mean = 0;
+  for (int e = 0; e < E; ++e) mean += beta[e];
+  mean /= E;
+  for (int e = 0; e < E; ++e) bias[e] = T(-(beta[e] - mean));
+}
+
 // load[e] += offsets[e+1] - offsets[e]  (tokens routed to each expert, for the load statistics).
 void moe_count_load(int64_t* load, const int32_t* offsets, int E);
 

@@ -514,6 +514,9 @@ class CudaBackendImpl final : public CudaBackend {
     check(k::moe_quantile_beta(beta, vals, T, E, K, moe_scratch_.data(), moe_scratch_.bytes(), st_),
           "moe_quantile_beta");
   }
+  void moe_balance_bias(float* bias, const double* beta, int E) override {
+    check(k::moe_balance_bias(bias, beta, E, st_), "moe_balance_bias");
+  }
   void moe_count_load(int64_t* load, const int32_t* offsets, int E) override {
     check(k::moe_count_load(load, offsets, E, st_), "moe_count_load");
   }

@@ -741,6 +741,16 @@ __global__ void count_load_kernel(int64_t* load, const int32_t* offsets, int E) 
     load[e] += int64_t(offsets[e + 1] - offsets[e]);
 }
 
+// E is small (the experts of one layer) and this runs once per layer and optimizer step: one
+// thread (of one warp) keeps the summation order of cpu::moe_balance_bias.
+__global__ void balance_bias_kernel(float* bias, const double* beta, int E) {
+  if (threadIdx.x != 0) return;
+  double mean = 0;
+  for (int e = 0; e < E; ++e) mean += beta[e];
+  mean /= E;
+  for (int e = 0; e < E; ++e) bias[e] = float(-(beta[e] - mean));
+}
+
 __global__ void pko_resets_kernel(uint8_t* reset, const int32_t* ids, int N_tok, int S, int eod_id) {
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < N_tok; t += gridDim.x * blockDim.x)
     reset[t] = (t % S == 0 || ids[t - 1] == eod_id) ? 1 : 0;  // t % S == 0 covers t = 0: ids[-1] unread
@@ -750,6 +760,12 @@ __global__ void pko_resets_kernel(uint8_t* reset, const int32_t* ids, int N_tok,
 cudaError_t moe_count_load(int64_t* load, const int32_t* offsets, int E, cudaStream_t st) {
   if (E <= 0) return cudaSuccess;
   count_load_kernel<<<grid_for(size_t(E)), kThreads, 0, st>>>(load, offsets, E);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_balance_bias(float* bias, const double* beta, int E, cudaStream_t st) {
+  if (E <= 0) return cudaSuccess;
+  balance_bias_kernel<<<1, 32, 0, st>>>(bias, beta, E);
   return cudaGetLastError();
 }
 

@@ -62,6 +62,8 @@ cudaError_t moe_balance_values(float* vals, const float* logits, const float* bi
 size_t moe_quantile_beta_scratch_bytes(int64_t T, int E);
 cudaError_t moe_quantile_beta(double* beta, const float* vals, int64_t T, int E, int K, void* scratch,
                               size_t scratch_bytes, cudaStream_t st);
+// One thread: the CPU's expert-order double sum, so the bias is bitwise the CPU's.
+cudaError_t moe_balance_bias(float* bias, const double* beta, int E, cudaStream_t st);
 cudaError_t moe_count_load(int64_t* load, const int32_t* offsets, int E, cudaStream_t st);
 // Requires S >= 1.
 cudaError_t pko_resets(uint8_t* reset, const int32_t* ids, int N_tok, int S, int eod_id, cudaStream_t st);
