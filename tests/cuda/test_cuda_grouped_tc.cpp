@@ -9,11 +9,15 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device_memory.h"
 #include "cuda_fixture.h"
@@ -107,6 +111,44 @@ TEST_F(CudaGroupedTc, AllExpertsEmpty) {
   EXPECT_EQ(d_R.download(), std::vector<float>(C.begin(), C.begin() + 7));
 }
 
+// Under bf16 precision the backend's grouped_gemm reads expert weights (B of the rows_out shape)
+// from the bf16 mirror of registered weights (grouped_gemm_tc_ex): bitwise what the same values
+// outside the registered arena give, and still after the weights change (the mirror is re-cast).
+TEST_F(CudaGroupedTc, BackendReadsExpertWeightsThroughTheMirror) {
+  auto bf = make_cuda_backend("bf16");
+  const int E = 6, f = 40, d = 36;
+  std::vector<int32_t> off(E + 1, 0);
+  std::uniform_int_distribution<int> rows(0, 150);
+  for (int e = 0; e < E; ++e) off[e + 1] = off[e] + (e == 2 ? 0 : rows(rng_));
+  const int total = off[E];
+  auto d_off = up(off);
+  const size_t wn = size_t(E) * f * d;
+  DeviceBuffer<float> W(wn), Wc(wn);  // W registered (mirrored), Wc a plain copy
+  bf->register_weights(W.data(), wn * sizeof(float));
+  auto X = up(randv(size_t(total) * d)), Y = up(randv(size_t(total) * f));
+  for (int round = 0; round < 2; ++round) {
+    const std::vector<float> w = randv(wn);
+    bf->upload(W.data(), w.data(), wn * sizeof(float));  // a write into the weights: the mirror goes stale
+    Wc.upload(w);
+    for (bool transB : {true, false}) {
+      // transB: y [rows, f] = x W_e^T (W_e [f, d]); else dx [rows, d] = dy W_e.
+      const int N = transB ? f : d, K = transB ? d : f;
+      const float* A = transB ? X.data() : Y.data();
+      auto C1 = poisoned(size_t(total) * N), C2 = poisoned(size_t(total) * N);
+      bf->grouped_gemm(true, transB, E, d_off.data(), 0, N, K, 1.f, A, K, W.data(), d, size_t(f) * d,
+                       0.f, C1.data(), N, 0);
+      bf->grouped_gemm(true, transB, E, d_off.data(), 0, N, K, 1.f, A, K, Wc.data(), d, size_t(f) * d,
+                       0.f, C2.data(), N, 0);
+      bf->synchronize();
+      const auto a = C1.download(), b = C2.download();
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+          << "round " << round << " transB " << transB;
+      EXPECT_TRUE(std::all_of(a.begin(), a.end(), [](float v) { return std::isfinite(v); }));
+    }
+  }
+  bf->unregister_weights(W.data());
+}
+
 // Throughput at an MoE-like size (E experts, uniform load, d_model x d_ff experts): the three GEMMs
 // of an expert FFN layer's forward and backward (rows_out with and without transB, weight gradient),
 // tensor-core kernel vs the fp32 kernel. Printed only: a number to read when a GPU is lent.
@@ -120,6 +162,10 @@ TEST_F(CudaGroupedTc, Throughput) {
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   for (auto& x : init) x = u(rng_);
   W.upload(init);
+  std::vector<uint16_t> w16(init.size());  // the weights' bf16 mirror, as the bf16 backend reads them
+  for (size_t i = 0; i < init.size(); ++i) w16[i] = cpu::bf16_bits(init[i]);
+  DeviceBuffer<uint16_t> W16(w16.size());
+  W16.upload(w16);
   init.resize(size_t(total) * d);
   X.upload(init);
   init.resize(size_t(total) * f);
@@ -144,9 +190,16 @@ TEST_F(CudaGroupedTc, Throughput) {
       {"dgrad rows_out tB=0", true, false, 0, d, f, f, d, d, Y.data(), W.data(), size_t(f) * d, 0, X.data()},
       {"wgrad            ", false, false, f, d, 0, f, d, d, Y.data(), X.data(), 0, size_t(f) * d, G.data()},
   };
+  // tc 0: the fp32 kernel; 1: tensor cores, fp32 operands; 2: tensor cores, the weights (B of the
+  // rows_out shapes) in bf16, as the bf16 backend passes them.
   for (const Op& o : ops)
-    for (int tc = 0; tc < 2; ++tc) {
+    for (int tc = 0; tc < 3; ++tc) {
+      if (tc == 2 && !o.rows_out) continue;
       auto launch = [&] {
+        if (tc == 2)
+          return k::grouped_gemm_tc_ex(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, false, o.lda,
+                                       W16.data(), true, o.ldb, o.sB, 0.f, o.C, o.ldc, o.sC, scratch.data(), sms_,
+                                       nullptr);
         return tc ? k::grouped_gemm_tc(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, o.lda, o.B,
                                        o.ldb, o.sB, 0.f, o.C, o.ldc, o.sC, scratch.data(), sms_, nullptr)
                   : k::grouped_gemm(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, o.lda, o.B,
@@ -160,7 +213,8 @@ TEST_F(CudaGroupedTc, Throughput) {
       cuda::device_synchronize();
       float ms = 0;
       cudaEventElapsedTime(&ms, t0, t1);
-      std::printf("[ thruput  ] %s %-5s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, tc ? "bf16" : "fp32",
+      const char* kind = tc == 2 ? "bf16 (W bf16)" : tc ? "bf16" : "fp32";
+      std::printf("[ thruput  ] %s %-13s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, kind,
                   E, total, d, f, ms / reps, flops * reps / (ms * 1e-3) / 1e12);
     }
   cudaEventDestroy(t0);

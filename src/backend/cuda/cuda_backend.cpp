@@ -392,9 +392,15 @@ class CudaBackendImpl final : public CudaBackend {
     if (opt_.bf16) {
       // bf16 precision: the tensor-core kernel (grouped_gemm_tc.cu), operands rounded to bf16 on
       // the way into shared memory, fp32 accumulation; same contract, scheduling and determinism.
+      // Expert weights as B (the forward and the data gradient: rows_out) are read from the bf16
+      // mirror, half the bytes and bitwise the same result (the mirror is their rounding).
       moe_tiles_.reserve(k::grouped_gemm_tc_scratch_ints(E), "grouped gemm tile prefix");
-      check(k::grouped_gemm_tc(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc,
-                               strideC, moe_tiles_.data(), info_.sm_count, st_),
+      const uint16_t* Bm = nullptr;
+      if (rows_out && E > 0 && N > 0 && K > 0)
+        Bm = mirrored(B, size_t(E - 1) * strideB + (transB ? size_t(N - 1) * ldb + K : size_t(K - 1) * ldb + N));
+      check(k::grouped_gemm_tc_ex(rows_out, transB, E, offsets, M, N, K, alpha, A, false, lda,
+                                  Bm ? static_cast<const void*>(Bm) : B, Bm != nullptr, ldb, strideB, beta, C, ldc,
+                                  strideC, moe_tiles_.data(), info_.sm_count, st_),
             "grouped_gemm_tc");
       return;
     }

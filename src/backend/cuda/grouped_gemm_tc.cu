@@ -14,9 +14,11 @@
 //                     t runs over K; a tile is 128 of the expert's rows x 128 columns.
 //   rows_out = false: opA(m, t) = A[(r0 + t) * lda + m],  opB(t, n) = B[(r0 + t) * ldb + n]
 //                     (both x-contiguous); t runs over the expert's rows; a tile is 128x128 of C_e.
-// An operand tile lives in shared memory as bf16 in the layout its global memory has, so a thread's
-// 4 consecutive floats (one float4 where the operand is 16-byte aligned with ld % 4 == 0, else 4
-// scalar loads) become 4 consecutive bf16: t-contiguous tiles as [128 x][32 t] (ld 40), read as a
+// An operand is fp32 or, already rounded, bf16 in global memory (grouped_gemm_tc_ex: the weights'
+// bf16 mirror under bf16 precision; half the bytes to load, the same bf16 values in shared memory,
+// so the same bits out). An operand tile lives in shared memory as bf16 in the layout its global
+// memory has, so a thread's 4 consecutive elements (one float4 / one 8-byte load of bf16 where the
+// operand is 16- / 8-byte aligned with ld % 4 == 0, else 4 scalar loads) become 4 consecutive bf16: t-contiguous tiles as [128 x][32 t] (ld 40), read as a
 // row_major matrix_a / col_major matrix_b; x-contiguous ones as [32 t][128 x] (ld 136), read as
 // col_major matrix_a / row_major matrix_b. Elements outside the operand (x >= its extent, t >= the
 // reduction length) are stored as zeros, so partial tiles add exact zeros and need no other path.
@@ -82,14 +84,53 @@ static_assert(kBX * kBK == 4 * 4 * kThreads, "each thread stages 4 groups of 4 e
 
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-// An operand: element (x, t) at p[x * ld + t] (t-contiguous) or p[t * ld + x]; x < xlim valid.
-// `vec`: p is 16-byte aligned and ld % 4 == 0, so every group of 4 starting at a multiple of 4 is.
+// An operand: element (x, t) at p[x * ld + t] (t-contiguous) or p[t * ld + x]; x < xlim valid;
+// p is const float* or, when b16, const bf16*. `vec`: p is aligned to 4 elements (16 bytes fp32,
+// 8 bytes bf16) and ld % 4 == 0, so every group of 4 starting at a multiple of 4 is.
 struct Operand {
-  const float* p;
+  const void* p;
   size_t ld;
   int xlim;
   bool vec;
+  bool b16;
 };
+
+// p advanced by n elements of the operand's type.
+__device__ __forceinline__ const void* advance(const void* p, bool b16, size_t n) {
+  return static_cast<const char*>(p) + n * (b16 ? sizeof(bf16) : sizeof(float));
+}
+
+// Four bf16, one 8-byte load or shared-memory store.
+struct alignas(8) Bf16x4 {
+  __nv_bfloat162 lo, hi;
+};
+
+// The first `nv` (0..4) of 4 consecutive elements from element `off` of op into v (the rest stay 0);
+// one vector load when all 4 are valid and op.vec.
+__device__ __forceinline__ void load4(float (&v)[4], const Operand& op, size_t off, int nv) {
+  if (op.b16) {
+    const bf16* p = static_cast<const bf16*>(op.p) + off;
+    if (op.vec && nv == 4) {
+      const Bf16x4 u = *reinterpret_cast<const Bf16x4*>(p);
+      v[0] = __bfloat162float(u.lo.x), v[1] = __bfloat162float(u.lo.y);
+      v[2] = __bfloat162float(u.hi.x), v[3] = __bfloat162float(u.hi.y);
+    } else {
+#pragma unroll  // static indices: v stays in registers
+      for (int i = 0; i < 4; ++i)
+        if (i < nv) v[i] = __bfloat162float(p[i]);
+    }
+  } else {
+    const float* p = static_cast<const float*>(op.p) + off;
+    if (op.vec && nv == 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+#pragma unroll  // static indices: v stays in registers
+      for (int i = 0; i < 4; ++i)
+        if (i < nv) v[i] = p[i];
+    }
+  }
+}
 
 // Thread `tid`'s q-th group of 4: t-contiguous groups walk t fastest (a warp reads 4 rows x 128
 // bytes), x-contiguous ones x (a warp reads 512 contiguous bytes of one t).
@@ -111,49 +152,19 @@ __device__ __forceinline__ void load_regs(float (&r)[4][4], const Operand& op, i
     int x, t;
     group_coords<TC>(threadIdx.x + q * kThreads, x, t);
     const int tt = t0 + t;
-    float v0 = 0.f, v1 = 0.f, v2 = 0.f, v3 = 0.f;
-    if (TC) {
-      if (x < op.xlim && tt < tlim) {
-        const float* p = op.p + size_t(x) * op.ld + tt;
-        if (op.vec && tt + 3 < tlim) {
-          const float4 f = *reinterpret_cast<const float4*>(p);
-          v0 = f.x, v1 = f.y, v2 = f.z, v3 = f.w;
-        } else {
-          v0 = p[0];
-          if (tt + 1 < tlim) v1 = p[1];
-          if (tt + 2 < tlim) v2 = p[2];
-          if (tt + 3 < tlim) v3 = p[3];
-        }
-      }
-    } else {
-      if (tt < tlim && x < op.xlim) {
-        const float* p = op.p + size_t(tt) * op.ld + x;
-        if (op.vec && x + 3 < op.xlim) {
-          const float4 f = *reinterpret_cast<const float4*>(p);
-          v0 = f.x, v1 = f.y, v2 = f.z, v3 = f.w;
-        } else {
-          v0 = p[0];
-          if (x + 1 < op.xlim) v1 = p[1];
-          if (x + 2 < op.xlim) v2 = p[2];
-          if (x + 3 < op.xlim) v3 = p[3];
-        }
-      }
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (x < op.xlim && tt < tlim) {
+      if (TC) load4(v, op, size_t(x) * op.ld + tt, min(4, tlim - tt));
+      else load4(v, op, size_t(tt) * op.ld + x, min(4, op.xlim - x));
     }
-    r[q][0] = v0;
-    r[q][1] = v1;
-    r[q][2] = v2;
-    r[q][3] = v3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[q][i] = v[i];
   }
 }
 
-// Four bf16, one 8-byte shared-memory store (a warp's 32 stores: 256 bytes, no more wavefronts
-// than needed).
-struct alignas(8) Bf16x4 {
-  __nv_bfloat162 lo, hi;
-};
-
-// The registers into a stage slot as bf16, rounded to nearest even (8-byte aligned stores: the
-// group's first element is a multiple of 4 and both row pitches are multiples of 8 bytes).
+// The registers into a stage slot as bf16, rounded to nearest even (exact for a bf16 operand), as
+// one 8-byte store per group (the group's first element is a multiple of 4 and both row pitches are
+// multiples of 8 bytes; a warp's 32 stores: 256 bytes, no more wavefronts than needed).
 template <bool TC>
 __device__ __forceinline__ void store_regs(bf16* s, const float (&r)[4][4]) {
 #pragma unroll
@@ -256,8 +267,8 @@ __device__ void tile_product(unsigned char* smem, const Operand& a, const Operan
 template <bool TRANSB>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     tc_rows_kernel(const int32_t* offsets, const int32_t* tile_start, int E, int N, int K, float alpha,
-                   const float* A, int lda, bool vecA, const float* B, int ldb, size_t strideB, bool vecB, float beta,
-                   float* C, int ldc) {
+                   const void* A, bool a16, int lda, bool vecA, const void* B, bool b16, int ldb, size_t strideB,
+                   bool vecB, float beta, float* C, int ldc) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tilesN = (N + kBX - 1) / kBX;
   const int64_t total = int64_t(tile_start[E]) * tilesN;
@@ -267,17 +278,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const int row0 = offsets[e] + (g - tile_start[e]) * kBX;
     const int rows = min(offsets[e + 1] - row0, kBX);
     const int n0 = nt * kBX;
-    const float* Be = B + size_t(e) * strideB;
-    const Operand a{A + size_t(row0) * lda, size_t(lda), rows, vecA};
-    const Operand b = TRANSB ? Operand{Be + size_t(n0) * ldb, size_t(ldb), N - n0, vecB}
-                             : Operand{Be + n0, size_t(ldb), N - n0, vecB};
+    const size_t b0 = size_t(e) * strideB + (TRANSB ? size_t(n0) * ldb : size_t(n0));
+    const Operand a{advance(A, a16, size_t(row0) * lda), size_t(lda), rows, vecA, a16};
+    const Operand b{advance(B, b16, b0), size_t(ldb), N - n0, vecB, b16};
     tile_product<true, TRANSB>(smem, a, b, K, alpha, beta, C + size_t(row0) * ldc + n0, size_t(ldc), rows, N - n0);
   }
 }
 
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
-    tc_wgrad_kernel(const int32_t* offsets, int M, int N, float alpha, const float* A, int lda, bool vecA,
-                    const float* B, int ldb, bool vecB, float beta, float* C, int ldc, size_t strideC) {
+    tc_wgrad_kernel(const int32_t* offsets, int M, int N, float alpha, const void* A, bool a16, int lda, bool vecA,
+                    const void* B, bool b16, int ldb, bool vecB, float beta, float* C, int ldc, size_t strideC) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tilesM = (M + kBX - 1) / kBX, tilesN = (N + kBX - 1) / kBX;
   const int64_t per_e = int64_t(tilesM) * tilesN;
@@ -287,13 +297,14 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int r0 = offsets[e];
   const int rows = max(0, offsets[e + 1] - r0);
   if (rows == 0 && beta == 1.f) return;  // C_e = 1 * C_e: nothing to write (block-uniform exit)
-  const Operand a{A + size_t(r0) * lda + m0, size_t(lda), M - m0, vecA};
-  const Operand b{B + size_t(r0) * ldb + n0, size_t(ldb), N - n0, vecB};
+  const Operand a{advance(A, a16, size_t(r0) * lda + m0), size_t(lda), M - m0, vecA, a16};
+  const Operand b{advance(B, b16, size_t(r0) * ldb + n0), size_t(ldb), N - n0, vecB, b16};
   tile_product<false, false>(smem, a, b, rows, alpha, beta, C + size_t(e) * strideC + size_t(m0) * ldc + n0,
                              size_t(ldc), M - m0, N - n0);
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// Four elements' worth of alignment: 16 bytes for fp32, 8 for bf16.
+bool aligned4(const void* p, bool b16) { return (reinterpret_cast<uintptr_t>(p) & (b16 ? 7u : 15u)) == 0; }
 
 }  // namespace
 
@@ -302,26 +313,34 @@ size_t grouped_gemm_tc_scratch_ints(int E) { return size_t(E > 0 ? E : 0) + 1; }
 cudaError_t grouped_gemm_tc(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
                             float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB, float beta,
                             float* C, int ldc, size_t strideC, int32_t* tile_scratch, int sm_count, cudaStream_t st) {
+  return grouped_gemm_tc_ex(rows_out, transB, E, offsets, M, N, K, alpha, A, false, lda, B, false, ldb, strideB, beta,
+                            C, ldc, strideC, tile_scratch, sm_count, st);
+}
+
+cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
+                               float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
+                               size_t strideB, float beta, float* C, int ldc, size_t strideC, int32_t* tile_scratch,
+                               int sm_count, cudaStream_t st) {
   if (E <= 0 || N <= 0) return cudaSuccess;
-  const bool vecA = aligned16(A) && lda % 4 == 0;
-  const bool vecB = aligned16(B) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);
+  const bool vecA = aligned4(A, a_bf16) && lda % 4 == 0;
+  const bool vecB = aligned4(B, b_bf16) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);
   if (rows_out) {
     if (K < 0) return cudaErrorInvalidValue;
     if (const cudaError_t e = row_tile_prefix(tile_scratch, offsets, E, kBX, st); e != cudaSuccess) return e;
     const unsigned grid = unsigned(sm_count > 0 ? sm_count : kDefaultSms) * kBlocksPerSm;
     if (transB) {
-      tc_rows_kernel<true><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, lda, vecA, B, ldb,
-                                                          strideB, vecB, beta, C, ldc);
+      tc_rows_kernel<true><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, a_bf16, lda, vecA,
+                                                          B, b_bf16, ldb, strideB, vecB, beta, C, ldc);
     } else {
-      tc_rows_kernel<false><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, lda, vecA, B,
-                                                           ldb, strideB, vecB, beta, C, ldc);
+      tc_rows_kernel<false><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, a_bf16, lda,
+                                                           vecA, B, b_bf16, ldb, strideB, vecB, beta, C, ldc);
     }
   } else {
     if (M <= 0) return cudaSuccess;
     const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
     if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-    tc_wgrad_kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, lda, vecA, B, ldb, vecB, beta,
-                                                               C, ldc, strideC);
+    tc_wgrad_kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16,
+                                                               ldb, vecB, beta, C, ldc, strideC);
   }
   return cudaGetLastError();
 }

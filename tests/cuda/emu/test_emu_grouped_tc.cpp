@@ -9,11 +9,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "../grouped_tc_cases.h"
+#include "backend/cpu/kernels.h"
 #include "backend/cuda/grouped_gemm_tc.cuh"
 #include "emu_cuda.h"
 
@@ -69,6 +71,39 @@ TEST_F(CudaEmuGroupedTc, GridIndependent) {
     }
     EXPECT_EQ(out[0], out[1]);
     EXPECT_EQ(out[0], out[2]);
+  }
+}
+
+// grouped_gemm_tc_ex: an operand given as its bf16 rounding (the backend passes the expert
+// weights' bf16 mirror) gives bitwise what the fp32 operand gives, which the kernel rounds the
+// same way; every case (aligned and misaligned, both shapes), A, B or both in bf16.
+TEST_F(CudaEmuGroupedTc, Bf16OperandsGiveTheFp32OperandsBits) {
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = cpu::bf16_bits(v[i]);
+    return b;
+  };
+  int i = 0;
+  for (const auto& c : gt::cases(quick())) {
+    SCOPED_TRACE(c.name());
+    const gt::Problem p = gt::make_problem(c, rng_);
+    const int s = p.shift;
+    std::vector<float> ref = p.C;
+    launch(c, p, ref, 1 + i % 3);
+    const std::vector<uint16_t> A16 = bits(p.A), B16 = bits(p.B);
+    for (auto [a16, b16] : {std::pair{false, true}, std::pair{true, false}, std::pair{true, true}}) {
+      std::vector<float> got = p.C;
+      std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
+      const void* A = a16 ? static_cast<const void*>(A16.data() + s) : p.A.data() + s;
+      const void* B = b16 ? static_cast<const void*>(B16.data() + s) : p.B.data() + s;
+      ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, A, a16, p.lda,
+                                      B, b16, p.ldb, p.sB, c.beta, got.data() + s, p.ldc, p.sC, scratch.data(),
+                                      1 + i % 3, nullptr),
+                cudaSuccess);
+      EXPECT_EQ(std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float)), 0)
+          << "bf16 A " << a16 << ", bf16 B " << b16;
+    }
+    ++i;
   }
 }
 
