@@ -9,6 +9,7 @@
 # (carried with the call). Which one ran is printed.
 #   GPU_CHECK_BUILD=0      skip the device build, use gpu-bundle/ directly (saves ~1-2 minutes)
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
+#   GPU_CHECK_PROFILE=0    skip the profiled MoE bench (per-op shares of a step)
 #   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark
 #                          (default: the four presets in bf16, the d=1024 pair in tf32, then the d=2048
 #                          MoE with bf16 saved activations and the d=1024 dense with model.mlp_bf16, while
@@ -124,6 +125,25 @@ except Exception:
   MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rc" "$row" "$extra")"$'\n'
 done
 
+# ---- 5b. where the time goes: one profiled bench (every op timed to completion, a sync per op, so
+# the step is slower than above; the shares are what to read) of the bf16 MoE at d=1024.
+PROFILE_ROWS=""
+if [ "${GPU_CHECK_PROFILE:-1}" != 0 ] && [ $(($(date +%s) - T0)) -lt 400 ]; then
+  log "profiled bench: moe-d1024 bf16 (log: profile.log)"
+  timeout 90 "$BIN/ladder" bench --config configs/gpu/moe-d1024.yaml --device cuda --set run.precision=bf16 \
+    --steps 2 --profile --json >"$OUT/profile.log" 2>&1
+  PROFILE_ROWS=$(tail -n 1 "$OUT/profile.log" | python3 -c 'import json,sys
+try:
+    j = json.loads(sys.stdin.read())
+    p, steps = j["profile"], max(1, j["steps_timed"])
+    for op, t in sorted(p.items(), key=lambda kv: -kv[1]["share"])[:12]:
+        g = t["gflops"]
+        print("  %-18s %5.1f%% %9.2f ms/step %7d calls %s" % (op, 100 * t["share"], t["ms_per_step"], t["calls"] // steps,
+              ("%.1f TFLOP/s" % (g / 1e3)) if g > 0 else ""))
+except Exception:
+    print("  (failed: see profile.log)")' 2>/dev/null)
+fi
+
 # ---- 6. the table, last -------------------------------------------------------------------------
 echo
 echo "== gpu-check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), build: $BIN, $(($(date +%s) - T0)) s =="
@@ -138,4 +158,8 @@ sed -n '/^| what/,$p' "$OUT/bench.log"
 echo "model benchmarks (ladder bench --device cuda, median of 4 steps; MFU = model TFLOP/s / same-run GEMM TFLOP/s):"
 echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@ds  act MiB  dev MiB  (settings)"
 printf '%s' "$MODEL_ROWS"
+if [ -n "$PROFILE_ROWS" ]; then
+  echo "where a step's time goes (moe-d1024 bf16, ladder bench --profile: each op synchronized, top 12):"
+  printf '%s\n' "$PROFILE_ROWS"
+fi
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
