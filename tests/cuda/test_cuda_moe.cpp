@@ -22,6 +22,7 @@
 #include "backend/cpu/moe_kernels.h"
 #include "backend/cuda/cuda_backend.h"
 #include "cuda_fixture.h"
+#include "grouped_gemm_case.h"
 #include "backend/cuda/device_memory.h"
 #include "core/error.h"
 #include "model/moe.h"
@@ -300,25 +301,7 @@ TEST_F(CudaMoe, CountLoadAndPkoResets) {
 // ---------------------------------------------------------------------------------------------
 // Grouped GEMM
 
-struct GroupedCase {
-  bool rows_out, transB;
-  int E, M, N, K;  // rows_out: N x K per expert (M unused); else M x N per expert (K unused)
-  int pad;         // extra floats per row of every operand
-  float alpha, beta;
-  int max_rows;    // rows per expert drawn from [0, max_rows]; some experts forced empty
-};
-
-std::vector<int32_t> random_offsets(std::mt19937_64& rng, int E, int max_rows) {
-  std::vector<int32_t> off(E + 1, 0);
-  std::uniform_int_distribution<int> rows(0, max_rows), coin(0, 3);
-  for (int e = 0; e < E; ++e) {
-    int r = coin(rng) == 0 ? 0 : rows(rng);  // about a quarter empty
-    if (e == 1) r = 0;                       // at least one empty expert
-    if (e == 2) r = max_rows * 3 + 7;        // one crowded expert (several row tiles, a partial one)
-    off[e + 1] = off[e] + r;
-  }
-  return off;
-}
+using grouped_gemm_test::GroupedCase;
 
 TEST_F(CudaMoe, GroupedGemmBothShapes) {
   const GroupedCase cases[] = {
@@ -338,62 +321,26 @@ TEST_F(CudaMoe, GroupedGemmBothShapes) {
       {false, false, 8, 129, 200, 0, 3, 0.5f, 0.f, 300},
   };
   for (const auto& c : cases) {
-    const std::string what = fmt::format("grouped_gemm rows_out={} tB={} E={} M={} N={} K={} a={} b={}",
-                                         int(c.rows_out), int(c.transB), c.E, c.M, c.N, c.K, c.alpha, c.beta);
+    const std::string what = c.name();
     SCOPED_TRACE(what);
-    const auto off = random_offsets(rng_, c.E, c.max_rows);
-    const int total = off[c.E];
-    std::vector<float> A, B, C;
-    int lda, ldb, ldc;
-    size_t sB = 0, sC = 0;
-    if (c.rows_out) {
-      lda = std::max(1, c.K + c.pad);
-      ldb = std::max(1, (c.transB ? c.K : c.N) + c.pad);
-      ldc = c.N + c.pad;
-      sB = size_t(c.transB ? c.N : c.K) * ldb + 3;
-      A = randv(size_t(total) * lda);
-      B = randv(sB * c.E);
-      C = randv(size_t(total) * ldc);
-    } else {
-      lda = c.M + c.pad;
-      ldb = c.N + c.pad;
-      ldc = c.N + c.pad;
-      sC = size_t(c.M) * ldc + 2;
-      A = randv(size_t(total) * lda);
-      B = randv(size_t(total) * ldb);
-      C = randv(sC * c.E);
-    }
-    auto d_off = up(off);
-    auto d_A = up(A), d_B = up(B);
+    const auto p = grouped_gemm_test::make_problem(c, rng_);
+    const auto& C = p.C;
+    const std::vector<float> ref = grouped_gemm_test::reference(c, p);
+    auto d_off = up(p.off);
+    auto d_A = up(p.A), d_B = up(p.B);
     std::vector<float> first;
     for (int rep = 0; rep < 2; ++rep) {
       DeviceBuffer<float> d_C(C.size() ? C.size() : 1);
       if (c.beta == 0.f) d_C.poison(); else d_C.upload(C);  // beta 0 must not read C
-      be().grouped_gemm(c.rows_out, c.transB, c.E, d_off.data(), c.M, c.N, c.K, c.alpha, d_A.data(), lda, d_B.data(),
-                        ldb, sB, c.beta, d_C.data(), ldc, sC);
+      be().grouped_gemm(c.rows_out, c.transB, c.E, d_off.data(), c.M, c.N, c.K, c.alpha, d_A.data(), p.lda,
+                        d_B.data(), p.ldb, p.sB, c.beta, d_C.data(), p.ldc, p.sC);
       auto got = down(d_C, C.size());
-      std::vector<float> ref = C;
-      cpu::grouped_gemm<float>(c.rows_out, c.transB, c.E, off.data(), c.M, c.N, c.K, c.alpha, A.data(), lda,
-                               B.data(), ldb, sB, c.beta, ref.data(), ldc, sC);
       // Compare the logical output (padding is not part of it), and that padding kept its value
       // when C was not poisoned.
-      std::vector<float> g, r;
-      size_t pad_changed = 0;
-      const int blocks = c.rows_out ? 1 : c.E, rows = c.rows_out ? total : c.M;
-      for (int e = 0; e < blocks; ++e)
-        for (int i = 0; i < rows; ++i)
-          for (int j = 0; j < ldc; ++j) {
-            const size_t at = size_t(e) * sC + size_t(i) * ldc + j;
-            if (j < c.N) {
-              g.push_back(got[at]);
-              r.push_back(ref[at]);
-            } else if (c.beta != 0.f && std::memcmp(&got[at], &C[at], sizeof(float)) != 0) {
-              ++pad_changed;
-            }
-          }
-      EXPECT_EQ(pad_changed, 0u) << "elements outside the output were written";
-      if (g.empty()) continue;
-      check(g, r, kF32, what);
+      const auto out = grouped_gemm_test::logical_output(c, p, got, ref);
+      EXPECT_EQ(out.pad_changed, 0u) << "elements outside the output were written";
+      if (out.got.empty()) continue;
+      check(out.got, out.ref, kF32, what);
       if (rep == 0) {
         first = got;
       } else {

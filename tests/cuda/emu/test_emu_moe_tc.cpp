@@ -9,6 +9,7 @@
 // tests/cuda/test_cuda_moe.cpp and test_cuda_attention_tc.cpp, made smaller where the emulation's
 // cost (a std::thread per CUDA thread, ~2 us per barrier per thread) would dominate; EMU_FULL=1 runs
 // the GPU tests' attention_tc shapes (run.sh tc does).
+#include "../grouped_gemm_case.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/moe_kernels.h"
 #include "backend/cuda/attention_tc.cuh"
@@ -265,25 +266,7 @@ TEST_F(CudaEmu, MoeBalanceValuesAndQuantileBeta) {
 // ---------------------------------------------------------------------------------------------
 // moe_ops.cu: grouped GEMM
 
-struct GroupedCase {
-  bool rows_out, transB;
-  int E, M, N, K;  // rows_out: N x K per expert (M unused); else M x N per expert (K unused)
-  int pad;         // extra floats per row of every operand
-  float alpha, beta;
-  int max_rows;    // rows per expert drawn from [0, max_rows]; expert 1 empty, expert 2 crowded
-};
-
-std::vector<int32_t> random_offsets(std::mt19937_64& rng, int E, int max_rows) {
-  std::vector<int32_t> off(E + 1, 0);
-  std::uniform_int_distribution<int> rows(0, max_rows), coin(0, 3);
-  for (int e = 0; e < E; ++e) {
-    int r = coin(rng) == 0 ? 0 : rows(rng);  // about a quarter empty
-    if (e == 1) r = 0;
-    if (e == 2) r = max_rows * 3 + 7;  // several row tiles, a partial one
-    off[e + 1] = off[e] + r;
-  }
-  return off;
-}
+using grouped_gemm_test::GroupedCase;
 
 TEST_F(CudaEmu, MoeGroupedGemmBothShapes) {
   // test_cuda_moe.cpp's cases, smaller: every tile costs K/16 (or rows/16) block barriers here.
@@ -303,55 +286,17 @@ TEST_F(CudaEmu, MoeGroupedGemmBothShapes) {
   };
   for (const auto& c : cases) {
     if (quick() && (c.E == 65 || c.M == 129 || c.N == 130)) continue;
-    const std::string what = fmt("grouped_gemm rows_out=%d tB=%d E=%d M=%d N=%d K=%d a=%g b=%g", int(c.rows_out),
-                                 int(c.transB), c.E, c.M, c.N, c.K, c.alpha, c.beta);
-    const auto off = random_offsets(rng_, c.E, c.max_rows);
-    const int total = off[c.E];
-    std::vector<float> A, B, C;
-    int lda, ldb, ldc;
-    size_t sB = 0, sC = 0;
-    if (c.rows_out) {
-      lda = std::max(1, c.K + c.pad);
-      ldb = std::max(1, (c.transB ? c.K : c.N) + c.pad);
-      ldc = c.N + c.pad;
-      sB = size_t(c.transB ? c.N : c.K) * ldb + 3;
-      A = randv(size_t(total) * lda);
-      B = randv(sB * c.E);
-      C = randv(size_t(total) * ldc);
-    } else {
-      lda = c.M + c.pad;
-      ldb = c.N + c.pad;
-      ldc = c.N + c.pad;
-      sC = size_t(c.M) * ldc + 2;
-      A = randv(size_t(total) * lda);
-      B = randv(size_t(total) * ldb);
-      C = randv(sC * c.E);
-    }
-    auto got = c.beta == 0.f ? poisoned(C.size()) : C;  // beta 0 must not read C
+    const std::string what = c.name();
+    const auto p = grouped_gemm_test::make_problem(c, rng_);
+    auto got = c.beta == 0.f ? poisoned(p.C.size()) : p.C;  // beta 0 must not read C
     std::vector<int32_t> tiles = poisoned<int32_t>(k::grouped_gemm_scratch_ints(c.E));
-    ok(k::grouped_gemm(c.rows_out, c.transB, c.E, off.data(), c.M, c.N, c.K, c.alpha, A.data(), lda, B.data(), ldb,
-                       sB, c.beta, got.data(), ldc, sC, tiles.data(), nullptr),
+    ok(k::grouped_gemm(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, p.A.data(), p.lda,
+                       p.B.data(), p.ldb, p.sB, c.beta, got.data(), p.ldc, p.sC, tiles.data(), nullptr),
        what);
-    std::vector<float> ref = C;
-    cpu::grouped_gemm<float>(c.rows_out, c.transB, c.E, off.data(), c.M, c.N, c.K, c.alpha, A.data(), lda, B.data(),
-                             ldb, sB, c.beta, ref.data(), ldc, sC);
     // The logical output, and padding left alone (when C held values: with beta 0 it is poison).
-    std::vector<float> g, r;
-    size_t pad_changed = 0;
-    const int blocks = c.rows_out ? 1 : c.E, rows = c.rows_out ? total : c.M;
-    for (int e = 0; e < blocks; ++e)
-      for (int i = 0; i < rows; ++i)
-        for (int j = 0; j < ldc; ++j) {
-          const size_t at = size_t(e) * sC + size_t(i) * ldc + j;
-          if (j < c.N) {
-            g.push_back(got[at]);
-            r.push_back(ref[at]);
-          } else if (c.beta != 0.f && std::memcmp(&got[at], &C[at], sizeof(float)) != 0) {
-            ++pad_changed;
-          }
-        }
-    EXPECT_EQ(pad_changed, 0u) << what << ": elements outside the output were written";
-    if (!g.empty()) check(g, r, kF32, what);
+    const auto out = grouped_gemm_test::logical_output(c, p, got, grouped_gemm_test::reference(c, p));
+    EXPECT_EQ(out.pad_changed, 0u) << what << ": elements outside the output were written";
+    if (!out.got.empty()) check(out.got, out.ref, kF32, what);
   }
 }
 
