@@ -66,6 +66,16 @@ class Backend : public MemorySpace {
   virtual void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
                             float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB,
                             float beta, float* C, int ldc, size_t strideC) = 0;
+  // grouped_gemm with typed operands, for the bf16 MoE experts (model.moe_bf16): A, B and C each
+  // fp32 or bf16 bits (uint16_t storage). `rows` bounds offsets[E], the row count of A (and of C
+  // for rows_out) that the caller's buffers hold: a backend widening a bf16 operand into scratch
+  // sizes it from `rows`, never by reading the offsets. A bf16 C takes no addend (beta 0) and is
+  // packed (ldc == N; rows_out = false: strideC == M * N). The values are the CPU reference's steps:
+  // widen, fp32 grouped GEMM, round to nearest even; grouped_gemm is its all-fp32 case.
+  virtual void grouped_gemm_ex(bool rows_out, bool transB, int E, const int32_t* offsets, int rows, int M, int N,
+                               int K, float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16,
+                               int ldb, size_t strideB, float beta, void* C, bool c_bf16, int ldc,
+                               size_t strideC) = 0;
   virtual void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) = 0;
   virtual void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int N, int D) = 0;
   virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps) = 0;
@@ -213,6 +223,10 @@ class Backend : public MemorySpace {
   virtual double device_memory_used() const { return -1; }
   virtual void unregister_weights(const void* base) { (void)base; }
 };
+
+// Backend::grouped_gemm_ex's shape rules for a bf16 C (beta 0, packed), one clear error each;
+// every backend calls it first.
+void check_grouped_gemm_ex(bool rows_out, int E, int M, int N, float beta, bool c_bf16, int ldc, size_t strideC);
 
 // The CPU backend. `threads` <= 0: all cores. Sets the OpenMP and OpenBLAS thread counts.
 std::unique_ptr<Backend> make_cpu_backend(int threads);

@@ -14,6 +14,14 @@ std::unique_ptr<Backend> make_cuda_backend(const std::string&) {
 }
 #endif
 
+void check_grouped_gemm_ex(bool rows_out, int E, int M, int N, float beta, bool c_bf16, int ldc, size_t strideC) {
+  if (!c_bf16 || E <= 0 || N <= 0) return;
+  if (beta != 0.f) fail("grouped_gemm_ex: a bf16 output takes no addend (beta must be 0, got {})", beta);
+  if (ldc != N) fail("grouped_gemm_ex: a bf16 output must be packed (ldc {} != N {})", ldc, N);
+  if (!rows_out && strideC != size_t(M) * size_t(N))
+    fail("grouped_gemm_ex: a bf16 output must be packed (strideC {} != M * N = {})", strideC, size_t(M) * size_t(N));
+}
+
 void check_run_device(const std::string& device) {
   if (device == "cpu") return;
   if (device != "cuda") fail("run.device '{}' is not known (expected cpu or cuda)", device);

@@ -68,6 +68,14 @@ class ForwardingBackend : public Backend {
       b_->grouped_gemm(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc, strideC);
     });
   }
+  void grouped_gemm_ex(bool rows_out, bool transB, int E, const int32_t* offsets, int rows, int M, int N, int K,
+                       float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
+                       size_t strideB, float beta, void* C, bool c_bf16, int ldc, size_t strideC) override {
+    wrap("grouped gemm", 0, [&] {
+      b_->grouped_gemm_ex(rows_out, transB, E, offsets, rows, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, strideB,
+                          beta, C, c_bf16, ldc, strideC);
+    });
+  }
   void embedding_forward(float* o, const float* t, const int32_t* ids, int N, int D) override {
     wrap("embedding", 0, [&] { b_->embedding_forward(o, t, ids, N, D); });
   }

@@ -64,6 +64,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, attn_gate, "per-head attention output gate 2*sigmoid(h W_g), h the block's normed attention input, W_g [H, d] zero at init"),
       LADDER_FIELD(model, recompute, "activation recomputation: keep only each layer's input and re-run the layer's forward in the backward (about one more forward of compute; saved activations drop to one layer's plus the residual stream; same results bit for bit)"),
       LADDER_FIELD(model, saved_activations, "storage of the activations the backward reads: fp32, or bf16 (half the memory; the residual stream, norm statistics and MoE routing stay fp32; the forward and the loss are unchanged, gradients see bf16-rounded activations)"),
+      LADDER_FIELD(model, moe_bf16, "MoE layers' experts in bf16, as model.mlp_bf16 does for dense MLPs: the routed experts' gate and up projections are written by the grouped GEMM in bf16 (rounded fp32 accumulation), SwiGLU computes in fp32 from them into bf16, and the down projection and its weight gradient read that; the shared expert likewise; routing, the gathered rows, the expert outputs and every gradient stay fp32. Halves the memory of the [tokens * top_k, expert_ff] tensors of every MoE layer; under run.precision bf16 the grouped GEMMs write and read the bf16 tensors directly (on cuda with fp32 or tf32 GEMMs they are widened and rounded in scratch); the loss changes by bf16 rounding (docs/cuda.md)"),
       LADDER_FIELD(model, mlp_bf16, "dense MLP layers (not MoE) in bf16: the gate and up projections are written by the GEMM in bf16 (rounded fp32 accumulation), SwiGLU reads them in bf16, computes in fp32 and writes its output in bf16, which the down projection and its weight gradient read; the backward's gradients stay fp32. Halves the memory of the three [tokens, d_ff] tensors per dense layer (on cuda with fp32 or tf32 GEMMs the widen/round passes keep three fp32 [tokens, d_ff] scratch buffers, about two layers of that saving; with bf16 GEMMs none); the loss changes by bf16 rounding (first slice of the bf16 activation path, docs/cuda.md)"),
       LADDER_FIELD(model, gated_norm_rank, "GatedNorm x*sigmoid(W_up SiLU(W_down x)) after each d-wide RMSNorm (block norms and final norm) with this rank; 0 = off (recipe V1: 128)"),
       LADDER_FIELD(optim, name, "optimizer preset: adamw | adam | adamh | muon | muonh (which tensors each optimizer gets: docs/optimizers.md)"),
@@ -355,6 +356,10 @@ void validate(const Config& c) {
          where);
   if (m.mlp_bf16 && m.n_layers > 0 && m.n_moe_layers() == m.n_layers)
     fail("{}: model.mlp_bf16 applies to dense MLP layers, but every layer is an MoE layer: turn it off", where);
+  if (m.moe_bf16 && m.n_moe_layers() == 0)
+    fail("{}: model.moe_bf16 applies to MoE layers, but the model has none (model.moe_experts 0 or no "
+         "model.moe_layers): turn it off",
+         where);
   if (c.optim.name != "adamw" && c.optim.name != "adam" && c.optim.name != "adamh" && c.optim.name != "muon" &&
       c.optim.name != "muonh")
     fail("{}: optim.name: unknown optimizer '{}' (expected adamw, adam, adamh, muon or muonh)", where, c.optim.name);

@@ -50,6 +50,7 @@ struct ModelConfig {
   bool recompute = false;      // activation recomputation: keep only each layer's input, re-run its forward in backward
   std::string saved_activations = "fp32";  // fp32 | bf16: storage of what the backward reads (compute stays fp32)
   bool mlp_bf16 = false;       // dense MLP layers: gate/up/SwiGLU output computed into and stored in bf16
+  bool moe_bf16 = false;       // MoE layers: the experts' gate/up/SwiGLU output likewise (routed and shared)
 
   int kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int hd() const { return head_dim > 0 ? head_dim : d_model / n_heads; }

@@ -181,13 +181,14 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
       L.bias = &buffers_[bi++];
       L.wg = L.wu = L.wd = nullptr;
       L.gate = L.up = L.act = nullptr;
-      // MoE arrays are float or int32: 4 bytes either way, so they come from the same arena.
-      // The expert rows (xs, g, u, a, y) and the shared expert's activations are packed; router
-      // logits, lse, combine weights and the int32 routing arrays stay as they are.
-      const std::vector<void*> packable = {&L.ma.xs, &L.ma.g, &L.ma.u, &L.ma.a, &L.ma.y,
-                                           &L.ma.sgate, &L.ma.sup, &L.ma.sact};
+      // MoE arrays are float, int32 or (model.moe_bf16: the experts' hidden tensors) bf16, in whole
+      // floats of the same arena. The expert rows (xs, g, u, a, y) and the shared expert's
+      // activations are packed, except what moe_bf16 already keeps in bf16; router logits, lse,
+      // combine weights and the int32 routing arrays stay as they are.
+      std::vector<void*> packable = {&L.ma.xs, &L.ma.y};
+      if (!cfg.moe_bf16) packable.insert(packable.end(), {&L.ma.g, &L.ma.u, &L.ma.a, &L.ma.sgate, &L.ma.sup, &L.ma.sact});
       for (auto& [ptr, bytes] : moe_act_requests<float>(md, L.ma))
-        lreqs.push_back({reinterpret_cast<float**>(ptr), bytes / sizeof(float),
+        lreqs.push_back({reinterpret_cast<float**>(ptr), (bytes + sizeof(float) - 1) / sizeof(float),
                          std::find(packable.begin(), packable.end(), static_cast<void*>(ptr)) != packable.end()});
     } else {
       L.wg = &params_[pi++];
@@ -343,6 +344,7 @@ MoeDims Transformer::moe_dims() const {
   D.Is = cfg_.shared_ff();
   D.normalized = cfg_.moe_normalized();
   D.route_scale = cfg_.moe_route_scale;
+  D.bf16 = cfg_.moe_bf16;
   return D;
 }
 

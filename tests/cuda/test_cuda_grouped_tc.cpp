@@ -198,7 +198,7 @@ TEST_F(CudaGroupedTc, Throughput) {
       auto launch = [&] {
         if (tc == 2)
           return k::grouped_gemm_tc_ex(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, false, o.lda,
-                                       W16.data(), true, o.ldb, o.sB, 0.f, o.C, o.ldc, o.sC, scratch.data(), sms_,
+                                       W16.data(), true, o.ldb, o.sB, 0.f, o.C, false, o.ldc, o.sC, scratch.data(), sms_,
                                        nullptr);
         return tc ? k::grouped_gemm_tc(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, o.lda, o.B,
                                        o.ldb, o.sB, 0.f, o.C, o.ldc, o.sC, scratch.data(), sms_, nullptr)

@@ -85,6 +85,34 @@ class CpuBackend final : public Backend {
                     int ldc, size_t strideC) override {
     cpu::grouped_gemm<float>(rows_out, tb, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc, strideC);
   }
+  // The reference of the typed form: widen the bf16 operands, the fp32 grouped GEMM, round the
+  // output. The offsets are host memory here, so the spans come from offsets[E] itself.
+  void grouped_gemm_ex(bool rows_out, bool tb, int E, const int32_t* offsets, int rows, int M, int N, int K,
+                       float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
+                       size_t strideB, float beta, void* C, bool c_bf16, int ldc, size_t strideC) override {
+    check_grouped_gemm_ex(rows_out, E, M, N, beta, c_bf16, ldc, strideC);
+    if (E <= 0) return;
+    const int total = offsets[E];
+    if (total > rows) fail("grouped_gemm_ex: the offsets hold {} rows, more than the {} the call bounds", total, rows);
+    auto span = [](int r, int ld, int cols) { return r > 0 && cols > 0 ? size_t(r - 1) * size_t(ld) + size_t(cols) : 0; };
+    auto widen = [](std::vector<float>& buf, const void* X, size_t n) -> const float* {
+      if (buf.size() < n) buf.resize(n);
+      cpu::bf16_to_f32(buf.data(), static_cast<const uint16_t*>(X), n);
+      return buf.data();
+    };
+    const size_t a_n = rows_out ? span(total, lda, K) : span(total, lda, M);
+    const size_t b_n = rows_out ? size_t(E - 1) * strideB + (tb ? span(N, ldb, K) : span(K, ldb, N)) : span(total, ldb, N);
+    const float* a = a_bf16 ? widen(a_wide_, A, a_n) : static_cast<const float*>(A);
+    const float* b = b_bf16 ? widen(b_wide_, B, b_n) : static_cast<const float*>(B);
+    if (!c_bf16)
+      return cpu::grouped_gemm<float>(rows_out, tb, E, offsets, M, N, K, alpha, a, lda, b, ldb, strideB, beta,
+                                      static_cast<float*>(C), ldc, strideC);
+    const size_t c_n = rows_out ? size_t(total) * size_t(N) : size_t(E) * strideC;
+    if (d_wide_.size() < c_n) d_wide_.resize(c_n);
+    cpu::grouped_gemm<float>(rows_out, tb, E, offsets, M, N, K, alpha, a, lda, b, ldb, strideB, 0.f, d_wide_.data(), ldc,
+                             strideC);
+    cpu::f32_to_bf16(static_cast<uint16_t*>(C), d_wide_.data(), c_n);
+  }
   void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) override {
     cpu::embedding_forward<float>(out, table, ids, N, D);
   }

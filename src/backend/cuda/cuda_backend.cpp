@@ -389,26 +389,61 @@ class CudaBackendImpl final : public CudaBackend {
   void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C, int ldc,
                     size_t strideC) override {
+    // All fp32: nothing is widened, so no row bound is needed.
+    grouped_gemm_ex(rows_out, transB, E, offsets, 0, M, N, K, alpha, A, false, lda, B, false, ldb, strideB, beta, C,
+                    false, ldc, strideC);
+  }
+  void grouped_gemm_ex(bool rows_out, bool transB, int E, const int32_t* offsets, int rows, int M, int N, int K,
+                       float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
+                       size_t strideB, float beta, void* C, bool c_bf16, int ldc, size_t strideC) override {
+    check_grouped_gemm_ex(rows_out, E, M, N, beta, c_bf16, ldc, strideC);
+    auto span = [](int r, int ld, int cols) { return r > 0 && cols > 0 ? size_t(r - 1) * size_t(ld) + size_t(cols) : 0; };
+    const size_t b_span = rows_out ? (E > 0 ? size_t(E - 1) * strideB + (transB ? span(N, ldb, K) : span(K, ldb, N)) : 0)
+                                   : span(rows, ldb, N);
     if (opt_.bf16) {
-      // bf16 precision: the tensor-core kernel (grouped_gemm_tc.cu), operands rounded to bf16 on
-      // the way into shared memory, fp32 accumulation; same contract, scheduling and determinism.
-      // Expert weights as B (the forward and the data gradient: rows_out) are read from the bf16
-      // mirror, half the bytes and bitwise the same result (the mirror is their rounding).
+      // bf16 precision: the tensor-core kernel (grouped_gemm_tc.cu), fp32 operands rounded to bf16
+      // on the way into shared memory, bf16 ones read as they are, fp32 accumulation; same
+      // contract, scheduling and determinism. Expert weights as B (the forward and the data
+      // gradient: rows_out) come from the bf16 mirror, half the bytes and bitwise the same result.
       moe_tiles_.reserve(k::grouped_gemm_tc_scratch_ints(E), "grouped gemm tile prefix");
-      const uint16_t* Bm = nullptr;
-      if (rows_out && E > 0 && N > 0 && K > 0)
-        Bm = mirrored(B, size_t(E - 1) * strideB + (transB ? size_t(N - 1) * ldb + K : size_t(K - 1) * ldb + N));
-      check(k::grouped_gemm_tc_ex(rows_out, transB, E, offsets, M, N, K, alpha, A, false, lda,
-                                  Bm ? static_cast<const void*>(Bm) : B, Bm != nullptr, ldb, strideB, beta, C, ldc,
-                                  strideC, moe_tiles_.data(), info_.sm_count, st_),
+      const void* b = B;
+      bool b16 = b_bf16;
+      if (!b_bf16 && rows_out && E > 0 && N > 0 && K > 0)
+        if (const uint16_t* m = mirrored(static_cast<const float*>(B), b_span)) b = m, b16 = true;
+      check(k::grouped_gemm_tc_ex(rows_out, transB, E, offsets, M, N, K, alpha, A, a_bf16, lda, b, b16, ldb, strideB,
+                                  beta, C, c_bf16, ldc, strideC, moe_tiles_.data(), info_.sm_count, st_),
             "grouped_gemm_tc");
       return;
     }
-    // fp32 CUDA-core kernel even when tf32 is on: exact fp32 is the goal here (docs/cuda.md).
+    // fp32 CUDA-core kernel even when tf32 is on: exact fp32 is the goal here (docs/cuda.md). bf16
+    // operands are widened into scratch over what `rows` bounds (the offsets stay on the device);
+    // a bf16 C is the fp32 result in scratch, rounded over the offsets' own row count.
+    auto widen = [&](const void* X, size_t n, DeviceBuffer<float>& buf, const char* what) -> const float* {
+      buf.reserve(n ? n : 1, what);
+      check(k::bf16_to_f32(buf.data(), static_cast<const uint16_t*>(X), n, st_), what);
+      return buf.data();
+    };
+    const float* a = a_bf16 ? widen(A, rows_out ? span(rows, lda, K) : span(rows, lda, M), a_wide_,
+                                    "grouped gemm (bf16 A widened)")
+                            : static_cast<const float*>(A);
+    const float* b = b_bf16 ? widen(B, b_span, b_wide_, "grouped gemm (bf16 B widened)") : static_cast<const float*>(B);
+    float* c = static_cast<float*>(C);
+    if (c_bf16) {
+      const size_t n = rows_out ? size_t(std::max(rows, 0)) * size_t(std::max(N, 0)) : size_t(std::max(E, 0)) * strideC;
+      d_wide_.reserve(n ? n : 1, "grouped gemm (fp32 result of a bf16 output)");
+      c = d_wide_.data();
+    }
     moe_tiles_.reserve(k::grouped_gemm_scratch_ints(E), "grouped gemm tile prefix");
-    check(k::grouped_gemm(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc,
-                          strideC, moe_tiles_.data(), st_),
+    check(k::grouped_gemm(rows_out, transB, E, offsets, M, N, K, alpha, a, lda, b, ldb, strideB, c_bf16 ? 0.f : beta, c,
+                          ldc, strideC, moe_tiles_.data(), st_),
           "grouped_gemm");
+    if (!c_bf16 || E <= 0 || N <= 0) return;
+    uint16_t* c16 = static_cast<uint16_t*>(C);
+    if (rows_out)
+      check(k::f32_to_bf16_rows(c16, c, offsets + E, size_t(N), size_t(std::max(rows, 0)), st_),
+            "grouped gemm (bf16 output)");
+    else if (M > 0)
+      check(k::f32_to_bf16(c16, c, size_t(E) * strideC, st_), "grouped gemm (bf16 output)");
   }
   void pko_resets(uint8_t* reset, const int32_t* ids, int N_tok, int S, int eod_id) override {
     if (N_tok > 0 && S < 1) fail("pko_resets: sequence length must be >= 1 (got {})", S);

@@ -95,6 +95,12 @@ struct Operand {
   bool b16;
 };
 
+// The output: fp32, or bf16 (c16: rounded to nearest even; beta is 0 then, C never read).
+struct Out {
+  void* p;
+  bool c16;
+};
+
 // p advanced by n elements of the operand's type.
 __device__ __forceinline__ const void* advance(const void* p, bool b16, size_t n) {
   return static_cast<const char*>(p) + n * (b16 ? sizeof(bf16) : sizeof(float));
@@ -185,7 +191,7 @@ __device__ __forceinline__ bf16* slot(unsigned char* smem, int stage, int operan
 // reduction length. Called by the whole block with block-uniform arguments (it synchronizes).
 template <bool A_TC, bool B_TC>
 __device__ void tile_product(unsigned char* smem, const Operand& a, const Operand& b, int tlim, float alpha,
-                             float beta, float* C, size_t ldc, int mlim, int nlim) {
+                             float beta, Out C, size_t ldc, int mlim, int nlim) {
   using LA = std::conditional_t<A_TC, wmma::row_major, wmma::col_major>;
   using LB = std::conditional_t<B_TC, wmma::col_major, wmma::row_major>;
   using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, LA>;
@@ -255,9 +261,13 @@ __device__ void tile_product(unsigned char* smem, const Operand& a, const Operan
       for (int r = 0; r < 16; ++r) {
         const int m = wm0 + i * 16 + r;
         if (m >= mlim) break;
-        float* c = C + size_t(m) * ldc + n;
         const float v = alpha * stg[r * kLdE + lane];
-        *c = beta == 0.f ? v : v + beta * *c;  // beta 0: C is not read (it may hold NaN)
+        if (C.c16) {
+          static_cast<bf16*>(C.p)[size_t(m) * ldc + n] = __float2bfloat16_rn(v);
+        } else {
+          float* c = static_cast<float*>(C.p) + size_t(m) * ldc + n;
+          *c = beta == 0.f ? v : v + beta * *c;  // beta 0: C is not read (it may hold NaN)
+        }
       }
     }
     __syncwarp();  // the strip is read before the next one overwrites it
@@ -268,7 +278,7 @@ template <bool TRANSB>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     tc_rows_kernel(const int32_t* offsets, const int32_t* tile_start, int E, int N, int K, float alpha,
                    const void* A, bool a16, int lda, bool vecA, const void* B, bool b16, int ldb, size_t strideB,
-                   bool vecB, float beta, float* C, int ldc) {
+                   bool vecB, float beta, void* C, bool c16, int ldc) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tilesN = (N + kBX - 1) / kBX;
   const int64_t total = int64_t(tile_start[E]) * tilesN;
@@ -281,13 +291,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const size_t b0 = size_t(e) * strideB + (TRANSB ? size_t(n0) * ldb : size_t(n0));
     const Operand a{advance(A, a16, size_t(row0) * lda), size_t(lda), rows, vecA, a16};
     const Operand b{advance(B, b16, b0), size_t(ldb), N - n0, vecB, b16};
-    tile_product<true, TRANSB>(smem, a, b, K, alpha, beta, C + size_t(row0) * ldc + n0, size_t(ldc), rows, N - n0);
+    const Out out{const_cast<void*>(advance(C, c16, size_t(row0) * ldc + n0)), c16};
+    tile_product<true, TRANSB>(smem, a, b, K, alpha, beta, out, size_t(ldc), rows, N - n0);
   }
 }
 
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     tc_wgrad_kernel(const int32_t* offsets, int M, int N, float alpha, const void* A, bool a16, int lda, bool vecA,
-                    const void* B, bool b16, int ldb, bool vecB, float beta, float* C, int ldc, size_t strideC) {
+                    const void* B, bool b16, int ldb, bool vecB, float beta, void* C, bool c16, int ldc,
+                    size_t strideC) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tilesM = (M + kBX - 1) / kBX, tilesN = (N + kBX - 1) / kBX;
   const int64_t per_e = int64_t(tilesM) * tilesN;
@@ -299,7 +311,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   if (rows == 0 && beta == 1.f) return;  // C_e = 1 * C_e: nothing to write (block-uniform exit)
   const Operand a{advance(A, a16, size_t(r0) * lda + m0), size_t(lda), M - m0, vecA, a16};
   const Operand b{advance(B, b16, size_t(r0) * ldb + n0), size_t(ldb), N - n0, vecB, b16};
-  tile_product<false, false>(smem, a, b, rows, alpha, beta, C + size_t(e) * strideC + size_t(m0) * ldc + n0,
+  const Out out{const_cast<void*>(advance(C, c16, size_t(e) * strideC + size_t(m0) * ldc + n0)), c16};
+  tile_product<false, false>(smem, a, b, rows, alpha, beta, out,
                              size_t(ldc), M - m0, N - n0);
 }
 
@@ -314,14 +327,16 @@ cudaError_t grouped_gemm_tc(bool rows_out, bool transB, int E, const int32_t* of
                             float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB, float beta,
                             float* C, int ldc, size_t strideC, int32_t* tile_scratch, int sm_count, cudaStream_t st) {
   return grouped_gemm_tc_ex(rows_out, transB, E, offsets, M, N, K, alpha, A, false, lda, B, false, ldb, strideB, beta,
-                            C, ldc, strideC, tile_scratch, sm_count, st);
+                            C, false, ldc, strideC, tile_scratch, sm_count, st);
 }
 
 cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
                                float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
-                               size_t strideB, float beta, float* C, int ldc, size_t strideC, int32_t* tile_scratch,
+                               size_t strideB, float beta, void* C, bool c_bf16, int ldc, size_t strideC,
+                               int32_t* tile_scratch,
                                int sm_count, cudaStream_t st) {
   if (E <= 0 || N <= 0) return cudaSuccess;
+  if (c_bf16 && beta != 0.f) return cudaErrorInvalidValue;
   const bool vecA = aligned4(A, a_bf16) && lda % 4 == 0;
   const bool vecB = aligned4(B, b_bf16) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);
   if (rows_out) {
@@ -330,17 +345,17 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
     const unsigned grid = unsigned(sm_count > 0 ? sm_count : kDefaultSms) * kBlocksPerSm;
     if (transB) {
       tc_rows_kernel<true><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, a_bf16, lda, vecA,
-                                                          B, b_bf16, ldb, strideB, vecB, beta, C, ldc);
+                                                          B, b_bf16, ldb, strideB, vecB, beta, C, c_bf16, ldc);
     } else {
       tc_rows_kernel<false><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, a_bf16, lda,
-                                                           vecA, B, b_bf16, ldb, strideB, vecB, beta, C, ldc);
+                                                           vecA, B, b_bf16, ldb, strideB, vecB, beta, C, c_bf16, ldc);
     }
   } else {
     if (M <= 0) return cudaSuccess;
     const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
     if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
     tc_wgrad_kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16,
-                                                               ldb, vecB, beta, C, ldc, strideC);
+                                                               ldb, vecB, beta, C, c_bf16, ldc, strideC);
   }
   return cudaGetLastError();
 }

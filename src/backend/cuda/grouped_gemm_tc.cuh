@@ -31,10 +31,11 @@ cudaError_t grouped_gemm_tc(bool rows_out, bool transB, int E, const int32_t* of
 // The same with each operand fp32 or bf16 (a_bf16 / b_bf16: A / B point at bf16 bits, already
 // rounded; the kernel's rounding of them is then exact, so an operand given as its bf16 rounding
 // gives bitwise the result of giving it in fp32). What bf16 saves is half the operand's loads:
-// the backend passes the expert weights' bf16 mirror.
+// the backend passes the expert weights' bf16 mirror. c_bf16: C is bf16 bits, each element the
+// fp32 result rounded to nearest even (needs beta == 0: C is never read).
 cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
                                float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
-                               size_t strideB, float beta, float* C, int ldc, size_t strideC, int32_t* tile_scratch,
-                               int sm_count, cudaStream_t st);
+                               size_t strideB, float beta, void* C, bool c_bf16, int ldc, size_t strideC,
+                               int32_t* tile_scratch, int sm_count, cudaStream_t st);
 
 }  // namespace ladder::cuda::k

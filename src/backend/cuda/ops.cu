@@ -348,6 +348,14 @@ __global__ void bf16_to_f32_kernel(float* out, const __nv_bfloat16* in, size_t n
     out[i] = __bfloat162float(in[i]);
 }
 
+// The first min(*rows, max_rows) rows of `cols` elements: the row count read on the device.
+__global__ void f32_to_bf16_rows_kernel(__nv_bfloat16* out, const float* in, const int32_t* rows, size_t cols,
+                                        size_t max_rows) {
+  const size_t n = min(size_t(max(*rows, 0)), max_rows) * cols;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16_rn(in[i]);
+}
+
 // A rows x cols view with leading dimension ld -> packed bf16 [rows, cols]. One block row per
 // matrix row keeps both sides coalesced.
 __global__ void f32_to_bf16_2d_kernel(__nv_bfloat16* out, const float* in, int rows, int cols, int ld) {
@@ -535,6 +543,14 @@ cudaError_t f32_to_bf16(uint16_t* out, const float* in, size_t n, cudaStream_t s
 cudaError_t bf16_to_f32(float* out, const uint16_t* in, size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
   bf16_to_f32_kernel<<<grid_for(n), kThreads, 0, st>>>(out, reinterpret_cast<const __nv_bfloat16*>(in), n);
+  return cudaGetLastError();
+}
+
+cudaError_t f32_to_bf16_rows(uint16_t* out, const float* in, const int32_t* rows, size_t cols, size_t max_rows,
+                             cudaStream_t st) {
+  if (!cols || !max_rows) return cudaSuccess;
+  f32_to_bf16_rows_kernel<<<grid_for(cols * max_rows), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(out), in,
+                                                                          rows, cols, max_rows);
   return cudaGetLastError();
 }
 

@@ -97,7 +97,7 @@ TEST_F(CudaEmuGroupedTc, Bf16OperandsGiveTheFp32OperandsBits) {
       const void* A = a16 ? static_cast<const void*>(A16.data() + s) : p.A.data() + s;
       const void* B = b16 ? static_cast<const void*>(B16.data() + s) : p.B.data() + s;
       ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, A, a16, p.lda,
-                                      B, b16, p.ldb, p.sB, c.beta, got.data() + s, p.ldc, p.sC, scratch.data(),
+                                      B, b16, p.ldb, p.sB, c.beta, got.data() + s, false, p.ldc, p.sC, scratch.data(),
                                       1 + i % 3, nullptr),
                 cudaSuccess);
       EXPECT_EQ(std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float)), 0)
