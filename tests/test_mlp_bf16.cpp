@@ -18,6 +18,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/kernels.h"
 #include "model/transformer.h"
+#include "bf16_model_compare.h"
 #include "model_test_configs.h"
 #include "train_side_by_side.h"
 #include "optim/optimizer.h"
@@ -27,24 +28,6 @@ namespace ladder {
 namespace {
 
 using namespace test;  // model_test_configs.h
-
-std::vector<float> random_floats(size_t n, uint32_t seed, float scale = 1.f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.f, scale);
-  std::vector<float> x(n);
-  for (auto& v : x) v = d(rng);
-  return x;
-}
-std::vector<uint16_t> to_b16(const std::vector<float>& x) {
-  std::vector<uint16_t> b(x.size());
-  cpu::f32_to_bf16(b.data(), x.data(), x.size());
-  return b;
-}
-std::vector<float> widen(const std::vector<uint16_t>& b) {
-  std::vector<float> x(b.size());
-  cpu::bf16_to_f32(x.data(), b.data(), b.size());
-  return x;
-}
 
 // gemm_ex on the CPU backend against the composition by hand, bitwise: every mix of fp32 / bf16
 // A, B and D, both transposes, leading dimensions wider than the rows, and the fp32 addend forms
@@ -117,61 +100,6 @@ TEST(MlpBf16Ops, SwigluBf16IsWidenComputeRound) {
     EXPECT_EQ(0, std::memcmp(DG.data(), dg.data(), n * sizeof(float))) << n;
     EXPECT_EQ(0, std::memcmp(DU.data(), du.data(), n * sizeof(float))) << n;
   }
-}
-
-double rel(const float* a, const float* b, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const double e = double(a[i]) - double(b[i]);
-    num += e * e;
-    den += double(b[i]) * double(b[i]);
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-const char* tag_of(const Config& c) { return c.model.moe() ? "moe" : c.model.pko ? "switches" : "dense"; }
-
-struct Compared {
-  double loss_rel = 0, worst_grad = 0;
-  size_t grads_differ = 0;
-  bool loss_equal = false;
-};
-
-// One config against another, same weights and two micro-batches (gradients accumulate): the
-// loss of each, every gradient's relative error (each asserted under grad_tol).
-Compared compare(const Config& ref, const Config& test, double grad_tol) {
-  validate(ref);
-  validate(test);
-  auto be = make_cpu_backend(0);
-  Transformer a(ref.model, ref.run.batch_size, *be), b(test.model, test.run.batch_size, *be);
-  a.init(9);
-  b.init(9);
-  Compared r;
-  r.loss_equal = true;
-  for (int mb = 0; mb < 2; ++mb) {
-    std::vector<int32_t> in, tg;
-    make_batch(ref, 40 + mb, in, tg);
-    const LossSums la = a.forward_backward(in.data(), tg.data(), 1e-3f);
-    const LossSums lb = b.forward_backward(in.data(), tg.data(), 1e-3f);
-    r.loss_rel = std::max(r.loss_rel, std::fabs(lb.xent - la.xent) / la.xent);
-    r.loss_equal = r.loss_equal && la.xent == lb.xent && la.lse_sq == lb.lse_sq;
-  }
-  for (size_t i = 0; i < a.params().size(); ++i) {
-    const Param& pa = a.params()[i];
-    const double e = rel(b.params()[i].g, pa.g, pa.numel);
-    r.worst_grad = std::max(r.worst_grad, e);
-    r.grads_differ += std::memcmp(b.params()[i].g, pa.g, pa.numel * sizeof(float)) != 0;
-    EXPECT_LT(e, grad_tol) << tag_of(ref) << " " << pa.name;
-    if (getenv("SHOW")) std::printf("%s %.3e\n", pa.name.c_str(), e);
-  }
-  return r;
-}
-
-size_t activation_bytes(const Config& c) {
-  validate(c);
-  auto be = make_cpu_backend(1);
-  Transformer m(c.model, c.run.batch_size, *be);
-  return m.activation_bytes();
 }
 
 // bf16 keeps 8 significant bits (2^-9 = 2e-3 relative rounding per element); gate, up and act

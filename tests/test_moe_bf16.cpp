@@ -1,0 +1,215 @@
+// model.moe_bf16: the MoE experts' gate, up and SwiGLU output (routed and shared) are written and
+// kept in bf16. What must hold:
+// - the op behind it, Backend::grouped_gemm_ex, is on the CPU reference exactly "widen the bf16
+//   operands, run the fp32 grouped GEMM, round the bf16 output", writes nothing past offsets[E],
+//   and refuses what a bf16 output cannot take;
+// - the model with it stays close to the fp32 model (loss, every gradient, a short training run)
+//   but is not the fp32 model, and plans exactly the expected activation bytes less;
+// - it composes with bf16 saved activations (its tensors are not packed twice) and with
+//   recomputation (which stays exact).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/kernels.h"
+#include "bf16_model_compare.h"
+#include "core/error.h"
+#include "model/transformer.h"
+#include "model_test_configs.h"
+#include "train_side_by_side.h"
+
+namespace ladder {
+namespace {
+
+using namespace test;
+
+// Rows per expert from [0, max_rows], expert 1 always empty.
+std::vector<int32_t> offsets(int E, int max_rows, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> off(size_t(E) + 1, 0);
+  for (int e = 0; e < E; ++e) off[size_t(e) + 1] = off[size_t(e)] + (e == 1 ? 0 : int32_t(rng() % uint32_t(max_rows + 1)));
+  return off;
+}
+
+// grouped_gemm_ex on the CPU backend against the composition by hand, bitwise: every mix of fp32 /
+// bf16 A, B and C, both shapes (rows_out with and without transB; the weight-gradient shape),
+// leading dimensions wider than the rows, an addend where C is fp32; a bf16 C's rows past
+// offsets[E] (the `rows` bound is larger) stay as they were.
+TEST(MoeBf16Ops, GroupedGemmExIsWidenGroupedGemmRound) {
+  auto be = make_cpu_backend(0);
+  const int E = 5, pad = 3;
+  const auto off = offsets(E, 23, 7);
+  const int total = off[E], rows = total + 9;
+  for (int shape = 0; shape < 3; ++shape)
+    for (int mask = 0; mask < 8; ++mask) {
+      const bool rows_out = shape < 2, tb = shape == 0, a16 = mask & 1, b16 = mask & 2, c16 = mask & 4;
+      // rows_out: C[rows, N] = A[rows, K] op(B_e); else C_e[M, N] = A[rows, M]^T B[rows, N].
+      const int M = rows_out ? 0 : 19, N = 21, K = rows_out ? 26 : 0;
+      const int lda = (rows_out ? K : M) + pad, ldb = rows_out ? (tb ? K : N) + pad : N + pad;
+      const int ldc = c16 ? N : N + pad;  // a bf16 C is packed
+      const size_t sB = rows_out ? size_t(tb ? N : K) * ldb + 5 : 0, sC = rows_out ? 0 : size_t(M) * ldc;
+      const size_t na = size_t(rows) * lda, nb = rows_out ? size_t(E) * sB : size_t(rows) * ldb;
+      const size_t nc = rows_out ? size_t(rows) * ldc : size_t(E) * sC;
+      const auto A = random_floats(na, 1 + mask), B = random_floats(nb, 11 + shape), C0 = random_floats(nc, 21);
+      const auto A16 = to_b16(A), B16 = to_b16(B);
+      const std::vector<float> Aw = widen(A16), Bw = widen(B16);
+      const float beta = c16 ? 0.f : 0.5f;
+      std::vector<float> ref = C0;
+      cpu::grouped_gemm<float>(rows_out, tb, E, off.data(), M, N, K, 1.25f, a16 ? Aw.data() : A.data(), lda,
+                               b16 ? Bw.data() : B.data(), ldb, sB, beta, ref.data(), ldc, sC);
+      const std::string tag = "shape " + std::to_string(shape) + " a16 " + std::to_string(a16) + " b16 " +
+                              std::to_string(b16) + " c16 " + std::to_string(c16);
+      const void* pa = a16 ? static_cast<const void*>(A16.data()) : A.data();
+      const void* pb = b16 ? static_cast<const void*>(B16.data()) : B.data();
+      if (c16) {
+        std::vector<uint16_t> D(nc, 0xffff);
+        be->grouped_gemm_ex(rows_out, tb, E, off.data(), rows, M, N, K, 1.25f, pa, a16, lda, pb, b16, ldb, sB, 0.f,
+                            D.data(), true, ldc, sC);
+        const size_t written = rows_out ? size_t(total) * N : nc;
+        std::vector<uint16_t> r(written);
+        cpu::f32_to_bf16(r.data(), ref.data(), written);
+        for (size_t i = 0; i < written; ++i) ASSERT_EQ(D[i], r[i]) << tag << " at " << i;
+        for (size_t i = written; i < nc; ++i) ASSERT_EQ(D[i], 0xffff) << tag << ": row past offsets[E] written";
+        continue;
+      }
+      std::vector<float> D = C0;
+      be->grouped_gemm_ex(rows_out, tb, E, off.data(), rows, M, N, K, 1.25f, pa, a16, lda, pb, b16, ldb, sB, beta,
+                          D.data(), false, ldc, sC);
+      ASSERT_EQ(0, std::memcmp(D.data(), ref.data(), nc * sizeof(float))) << tag;
+    }
+}
+
+TEST(MoeBf16Ops, GroupedGemmExRefusesWhatABf16OutputCannotTake) {
+  auto be = make_cpu_backend(0);
+  const int E = 2;
+  const std::vector<int32_t> off = {0, 3, 5};
+  std::vector<float> A(64, 1.f), B(64, 1.f);
+  std::vector<uint16_t> C(64);
+  auto call = [&](int rows, float beta, int ldc, size_t sC, bool rows_out) {
+    be->grouped_gemm_ex(rows_out, true, E, off.data(), rows, 2, 2, 2, 1.f, A.data(), false, 2, B.data(), false, 2, 4,
+                        beta, C.data(), true, ldc, sC);
+  };
+  EXPECT_NO_THROW(call(5, 0.f, 2, 0, true));
+  EXPECT_THROW(call(5, 1.f, 2, 0, true), Error);   // an addend into bf16
+  EXPECT_THROW(call(5, 0.f, 3, 0, true), Error);   // not packed
+  EXPECT_THROW(call(5, 0.f, 2, 5, false), Error);  // weight-gradient shape: strideC != M * N
+  EXPECT_THROW(call(4, 0.f, 2, 0, true), Error);   // the offsets hold more rows than `rows`
+}
+
+// Per MoE layer: the routed experts' three [N*K, I] and the shared expert's three [N, I_s] tensors.
+size_t moe_bf16_saving(const Config& c) {
+  const size_t N = size_t(c.run.batch_size) * c.model.seq_len, NK = N * size_t(c.model.moe_top_k);
+  const size_t per_layer = 3 * NK * size_t(c.model.expert_ff()) + 3 * N * size_t(c.model.shared_ff());
+  return per_layer * 2 * size_t(c.model.n_moe_layers());  // half of 4 bytes each
+}
+
+// bf16 keeps 8 significant bits; gate, up and a each rounded, through the layers and the
+// backward's sums: a few times 2^-9 per gradient (5e-2 as for model.mlp_bf16). A misread bf16
+// buffer or a wrong layout gives O(1). One thing bf16 does that an fp32 comparison cannot hold to
+// a tolerance: an MoE layer after a bf16 one may route a near-tie token to another expert (the
+// switches model does so in layer 2: its expert loads differ), a discrete change of that layer's
+// gradients. So the switches model here has its MoE layer first, whose routing sees the same input
+// in both models; the MoE config's second MoE layer happens to route alike on this batch.
+TEST(MoeBf16, CloseToTheFp32ModelButNotIt) {
+  Config sw = moe_switches_config();
+  sw.model.moe_layers = "0";
+  for (Config c : {moe_config(), sw}) {
+    Config h = c;
+    h.model.moe_bf16 = true;
+    const Compared r = compare(c, h, 5e-2);
+    EXPECT_LT(r.loss_rel, 1e-2) << tag_of(c);
+    EXPECT_FALSE(r.loss_equal) << tag_of(c) << ": the forward did not change: is the option in effect?";
+    EXPECT_GT(r.grads_differ, size_t(0)) << tag_of(c);
+    const size_t fa = activation_bytes(c), fb = activation_bytes(h);
+    EXPECT_EQ(fa - fb, moe_bf16_saving(c)) << tag_of(c);
+    std::printf("[ moe bf16 ] %s: loss rel %.2e, worst gradient rel err %.2e, activations %.1f%% of fp32\n",
+                tag_of(c), r.loss_rel, r.worst_grad, 100.0 * double(fb) / double(fa));
+  }
+}
+
+// With bf16 saved activations the experts' hidden tensors are already bf16: kept per layer as they
+// are (not packed again), so the forward is unchanged (storage only) and the gradients are close;
+// with mlp_bf16 too, every MLP tensor of the model is bf16.
+TEST(MoeBf16, WithBf16SavedActivations) {
+  for (bool mlp : {false, true}) {
+    Config c = moe_switches_config();
+    c.model.n_layers = 4;
+    c.model.moe_bf16 = true;
+    c.model.mlp_bf16 = mlp;
+    Config s = c;
+    s.model.saved_activations = "bf16";
+    const Compared r = compare(c, s, 5e-2);
+    EXPECT_TRUE(r.loss_equal) << "bf16 storage must not change the forward";
+    EXPECT_GT(r.grads_differ, size_t(0));
+    // Packing leaves the expert tensors out: both models keep 2 bytes per element of them per MoE
+    // layer (their own bf16 arrays, or the packed copies), and without moe_bf16 also the fp32 set
+    // the MoE layers share (4 bytes per element, once).
+    Config s32 = s;
+    s32.model.moe_bf16 = false;
+    const size_t per_layer_elems = moe_bf16_saving(c) / 2 / size_t(c.model.n_moe_layers());
+    EXPECT_EQ(activation_bytes(s32) - activation_bytes(s), per_layer_elems * 4) << "mlp_bf16 " << mlp;
+    Config f = c;
+    f.model.moe_bf16 = false;
+    f.model.mlp_bf16 = false;
+    compare(f, s, 5e-2);
+  }
+}
+
+// Recomputation re-runs the bf16 layer: bit for bit the same losses and gradients, less memory.
+TEST(MoeBf16, WithRecomputeBitForBit) {
+  Config c = moe_config();
+  c.model.n_layers = 4;
+  c.model.moe_bf16 = true;
+  Config r = c;
+  r.model.recompute = true;
+  const Compared cr = compare(c, r, 1e-30);
+  EXPECT_TRUE(cr.loss_equal);
+  EXPECT_EQ(cr.grads_differ, size_t(0));
+  EXPECT_LT(activation_bytes(r), activation_bytes(c));
+}
+
+// A learnable task, twenty AdamW steps (lr 1e-2): the loss curve follows the fp32 run. Routing
+// makes this noisier than for model.mlp_bf16: once the weights differ by rounding, near-tie
+// tokens go to other experts and single steps move by a few percent either way (the bf16 run is
+// as often below the fp32 run as above it). So: every step within 5e-2, and the last five steps'
+// mean within 1.5e-2 (a misread bf16 buffer or a lost gradient is far outside both).
+TEST(MoeBf16, TrainingFollowsTheFp32Run) {
+  Config c = moe_config();
+  c.optim.name = "adamw";
+  c.optim.lr = 1e-2;
+  c.run.steps = 20;
+  Config h = c;
+  h.model.moe_bf16 = true;
+  validate(c);
+  validate(h);
+  const LossCurves lc = train_side_by_side(c, h, c.run.steps);
+  EXPECT_LT(lc.a.back(), lc.a.front() - 0.5) << "the reference run did not learn: the comparison would be empty";
+  EXPECT_LT(lc.worst_rel(), 5e-2) << "loss curves apart";
+  double ta = 0, tb = 0;
+  for (size_t t = lc.a.size() - 5; t < lc.a.size(); ++t) ta += lc.a[t], tb += lc.b[t];
+  EXPECT_LT(std::fabs(tb - ta) / ta, 1.5e-2) << "the bf16 run ends elsewhere";
+  std::printf("[ moe bf16 ] 20 AdamW steps, worst loss rel diff %.2e, last five steps' mean %.2e apart\n",
+              lc.worst_rel(), std::fabs(tb - ta) / ta);
+}
+
+TEST(MoeBf16, ConfigRefusesAModelWithoutMoeLayers) {
+  Config c = dense_config();
+  c.model.moe_bf16 = true;
+  try {
+    validate(c);
+    FAIL() << "moe_bf16 accepted on a dense model";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("model.moe_bf16"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ladder
