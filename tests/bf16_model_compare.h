@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -90,6 +91,16 @@ inline size_t activation_bytes(const Config& c) {
   auto be = make_cpu_backend(1);
   Transformer m(c.model, c.run.batch_size, *be);
   return m.activation_bytes();
+}
+
+// validate(c) must refuse c with an error that names `field` (the config key the user must change).
+inline void expect_refused_naming(const Config& c, const std::string& field) {
+  try {
+    validate(c);
+    ADD_FAILURE() << field << ": the config was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace ladder::test

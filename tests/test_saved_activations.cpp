@@ -17,6 +17,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/kernels.h"
 #include "model/transformer.h"
+#include "bf16_model_compare.h"
 #include "model_test_configs.h"
 #include "train_side_by_side.h"
 #include "optim/optimizer.h"
@@ -80,16 +81,6 @@ std::pair<Config, Config> fp32_and_bf16(const Config& c) {
   validate(r.first);
   validate(r.second);
   return r;
-}
-
-double rel(const float* a, const float* b, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const double e = double(a[i]) - double(b[i]);
-    num += e * e;
-    den += double(b[i]) * double(b[i]);
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 // One forward_backward per storage, same weights and batch: dense, MoE (mixed with a dense layer)
