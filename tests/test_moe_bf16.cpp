@@ -16,6 +16,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -87,6 +88,22 @@ TEST(MoeBf16Ops, GroupedGemmExIsWidenGroupedGemmRound) {
     }
 }
 
+// The bf16 gather is the fp32 gather rounded, bitwise (odd d, a size above the parallel threshold).
+TEST(MoeBf16Ops, GatherBf16IsTheGatherRounded) {
+  auto be = make_cpu_backend(0);
+  for (auto [N, K, d] : {std::tuple{7, 2, 5}, std::tuple{300, 4, 257}}) {
+    const auto h = random_floats(size_t(N) * d, 3, 2.f);
+    std::vector<int32_t> slot(size_t(N) * K);
+    std::mt19937 rng(5);
+    for (auto& s : slot) s = int32_t(rng() % uint32_t(N * K));
+    std::vector<float> xs(slot.size() * d);
+    cpu::moe_gather<float>(xs.data(), h.data(), slot.data(), N * K, K, d);
+    std::vector<uint16_t> got(xs.size(), 0xffff);
+    be->moe_gather_bf16(got.data(), h.data(), slot.data(), N * K, K, d);
+    EXPECT_EQ(got, to_b16(xs)) << N << " x " << d;
+  }
+}
+
 TEST(MoeBf16Ops, GroupedGemmExRefusesWhatABf16OutputCannotTake) {
   auto be = make_cpu_backend(0);
   const int E = 2;
@@ -104,10 +121,12 @@ TEST(MoeBf16Ops, GroupedGemmExRefusesWhatABf16OutputCannotTake) {
   EXPECT_THROW(call(4, 0.f, 2, 0, true), Error);   // the offsets hold more rows than `rows`
 }
 
-// Per MoE layer: the routed experts' three [N*K, I] and the shared expert's three [N, I_s] tensors.
+// Per MoE layer: the gathered rows [N*K, d], the routed experts' three [N*K, I] and the shared
+// expert's three [N, I_s] tensors.
 size_t moe_bf16_saving(const Config& c) {
   const size_t N = size_t(c.run.batch_size) * c.model.seq_len, NK = N * size_t(c.model.moe_top_k);
-  const size_t per_layer = 3 * NK * size_t(c.model.expert_ff()) + 3 * N * size_t(c.model.shared_ff());
+  const size_t per_layer =
+      NK * size_t(c.model.d_model) + 3 * NK * size_t(c.model.expert_ff()) + 3 * N * size_t(c.model.shared_ff());
   return per_layer * 2 * size_t(c.model.n_moe_layers());  // half of 4 bytes each
 }
 
@@ -178,9 +197,10 @@ TEST(MoeBf16, WithRecomputeBitForBit) {
 
 // A learnable task, twenty AdamW steps (lr 1e-2): the loss curve follows the fp32 run. Routing
 // makes this noisier than for model.mlp_bf16: once the weights differ by rounding, near-tie
-// tokens go to other experts and single steps move by a few percent either way (the bf16 run is
-// as often below the fp32 run as above it). So: every step within 5e-2, and the last five steps'
-// mean within 1.5e-2 (a misread bf16 buffer or a lost gradient is far outside both).
+// tokens go to other experts and single steps move by a few percent either way (the bf16 run ends
+// below the fp32 run as often as above it). So: every step within 5e-2, and the bf16 run learns
+// at least 90% of what the fp32 run learns (first step to the mean of the last five); a misread
+// bf16 buffer or a lost gradient is far outside both.
 TEST(MoeBf16, TrainingFollowsTheFp32Run) {
   Config c = moe_config();
   c.optim.name = "adamw";
@@ -194,10 +214,13 @@ TEST(MoeBf16, TrainingFollowsTheFp32Run) {
   EXPECT_LT(lc.a.back(), lc.a.front() - 0.5) << "the reference run did not learn: the comparison would be empty";
   EXPECT_LT(lc.worst_rel(), 5e-2) << "loss curves apart";
   double ta = 0, tb = 0;
-  for (size_t t = lc.a.size() - 5; t < lc.a.size(); ++t) ta += lc.a[t], tb += lc.b[t];
-  EXPECT_LT(std::fabs(tb - ta) / ta, 1.5e-2) << "the bf16 run ends elsewhere";
-  std::printf("[ moe bf16 ] 20 AdamW steps, worst loss rel diff %.2e, last five steps' mean %.2e apart\n",
-              lc.worst_rel(), std::fabs(tb - ta) / ta);
+  for (size_t t = lc.a.size() - 5; t < lc.a.size(); ++t) ta += lc.a[t] / 5, tb += lc.b[t] / 5;
+  const double learned_a = lc.a.front() - ta, learned_b = lc.b.front() - tb;
+  EXPECT_GT(learned_b, 0.9 * learned_a) << "the bf16 run learns less";
+  if (getenv("SHOW"))
+    for (size_t t = 0; t < lc.a.size(); ++t) std::printf("%zu %.5f %.5f\n", t, lc.a[t], lc.b[t]);
+  std::printf("[ moe bf16 ] 20 AdamW steps, worst loss rel diff %.2e, learned %.3f (fp32 %.3f)\n", lc.worst_rel(),
+              learned_b, learned_a);
 }
 
 TEST(MoeBf16, ConfigRefusesAModelWithoutMoeLayers) {

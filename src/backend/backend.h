@@ -143,6 +143,7 @@ class Backend : public MemorySpace {
                          int E, int K, bool normalized, double route_scale) = 0;
   virtual void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E) = 0;
   virtual void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) = 0;
+  virtual void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) = 0;
   virtual void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K,
                            int d) = 0;
   virtual void moe_combine_backward(float* dy, float* dcomb, const float* dout, const float* y, const float* comb,

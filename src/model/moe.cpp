@@ -19,7 +19,7 @@ std::vector<std::pair<void**, size_t>> moe_act_requests(const MoeDims& D, MoeAct
   std::vector<std::pair<void**, size_t>> r = {
       {(void**)&a.logits, N * D.E * t}, {(void**)&a.lse, N * t},          {(void**)&a.expert, NK * i4},
       {(void**)&a.comb, NK * t},        {(void**)&a.row, NK * i4},        {(void**)&a.slot, NK * i4},
-      {(void**)&a.offsets, size_t(D.E + 1) * i4},                         {(void**)&a.xs, NK * D.d * t},
+      {(void**)&a.offsets, size_t(D.E + 1) * i4},                         {(void**)&a.xs, NK * D.d * th},
       {(void**)&a.g, NK * D.I * th},    {(void**)&a.u, NK * D.I * th},    {(void**)&a.a, NK * D.I * th},
       {(void**)&a.y, NK * D.d * t}};
   if (D.Is > 0)
@@ -56,21 +56,21 @@ void moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>&
   ops.moe_route(A.lse, A.expert, A.comb, A.logits, W.bias, N, E, K, D.normalized, D.route_scale);
   // 3. Counting sort of the slots by expert; stable, so each expert's rows are in token order.
   ops.moe_sort(A.offsets, A.row, A.slot, A.expert, int(NK), E);
-  // 4. Gather the input rows into expert order.
-  ops.moe_gather(A.xs, h, A.slot, int(NK), K, d);
-
+  // 4. Gather the input rows into expert order (D.bf16: rounded to bf16 on the way).
   // 5. The experts: one GEMM per matrix per expert over its contiguous rows. D.bf16: gate and up
-  //    written as bf16 by the GEMM, SwiGLU in fp32 from them into bf16, read as it is by down.
+  //    from the bf16 rows, written as bf16 by the GEMM, SwiGLU in fp32 from them into bf16, read
+  //    as it is by down.
   bool bf16 = false;
   if constexpr (std::is_same_v<Ops, BackendOps>) {
     bf16 = D.bf16;
     if (bf16) {
       Backend& be = *ops.be;
       const int rows = int(NK);
-      be.grouped_gemm_ex(true, true, E, A.offsets, rows, 0, I, d, 1.f, A.xs, false, d, W.wg, false, d, size_t(I) * d,
-                         0.f, b16(A.g), true, I, 0);
-      be.grouped_gemm_ex(true, true, E, A.offsets, rows, 0, I, d, 1.f, A.xs, false, d, W.wu, false, d, size_t(I) * d,
-                         0.f, b16(A.u), true, I, 0);
+      be.moe_gather_bf16(b16(A.xs), h, A.slot, int(NK), K, d);
+      be.grouped_gemm_ex(true, true, E, A.offsets, rows, 0, I, d, 1.f, b16(A.xs), true, d, W.wg, false, d,
+                         size_t(I) * d, 0.f, b16(A.g), true, I, 0);
+      be.grouped_gemm_ex(true, true, E, A.offsets, rows, 0, I, d, 1.f, b16(A.xs), true, d, W.wu, false, d,
+                         size_t(I) * d, 0.f, b16(A.u), true, I, 0);
       be.swiglu_forward_bf16(b16(A.a), b16(A.g), b16(A.u), NK * I);
       be.grouped_gemm_ex(true, true, E, A.offsets, rows, 0, d, I, 1.f, b16(A.a), true, I, W.wd, false, I,
                          size_t(d) * I, 0.f, A.y, false, d, 0);
@@ -78,6 +78,7 @@ void moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>&
   }
   LADDER_ASSERT(bf16 == D.bf16);  // bf16 only through a Backend
   if (!bf16) {
+    ops.moe_gather(A.xs, h, A.slot, int(NK), K, d);
     ops.grouped_gemm(true, true, E, A.offsets, 0, I, d, T(1), A.xs, d, W.wg, d, size_t(I) * d, T(0), A.g, I, 0);
     ops.grouped_gemm(true, true, E, A.offsets, 0, I, d, T(1), A.xs, d, W.wu, d, size_t(I) * d, T(0), A.u, I, 0);
     ops.swiglu_forward(A.a, A.g, A.u, NK * I);
@@ -133,8 +134,18 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
   }
   ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.dg, I, W.wg, d, size_t(I) * d, T(0), S.dx, d, 0);
   ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.du, I, W.wu, d, size_t(I) * d, T(1), S.dx, d, 0);
-  ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.dg, I, A.xs, d, 0, T(1), G.wg, d, size_t(I) * d);
-  ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.du, I, A.xs, d, 0, T(1), G.wu, d, size_t(I) * d);
+  if constexpr (std::is_same_v<Ops, BackendOps>) {
+    if (bf16) {  // the gathered rows are bf16
+      ops.be->grouped_gemm_ex(false, false, E, A.offsets, int(NK), I, d, 0, 1.f, S.dg, false, I, b16(A.xs), true, d, 0,
+                              1.f, G.wg, false, d, size_t(I) * d);
+      ops.be->grouped_gemm_ex(false, false, E, A.offsets, int(NK), I, d, 0, 1.f, S.du, false, I, b16(A.xs), true, d, 0,
+                              1.f, G.wu, false, d, size_t(I) * d);
+    }
+  }
+  if (!bf16) {
+    ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.dg, I, A.xs, d, 0, T(1), G.wg, d, size_t(I) * d);
+    ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.du, I, A.xs, d, 0, T(1), G.wu, d, size_t(I) * d);
+  }
 
   // 3. Gather the row gradients back to their tokens (the adjoint of the forward gather).
   ops.moe_gather_backward(dh, S.dx, A.row, N, K, d);

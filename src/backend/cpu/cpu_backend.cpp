@@ -196,6 +196,9 @@ class CpuBackend final : public Backend {
                             const int32_t* row, int N, int K, int d) override {
     cpu::moe_combine_backward<float>(dy, dcomb, dout, y, comb, row, N, K, d);
   }
+  void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
+    cpu::moe_gather_bf16(xs, h, slot, NK, K, d);
+  }
   void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) override {
     cpu::moe_gather_backward<float>(dh, dx, row, N, K, d);
   }

@@ -9,6 +9,7 @@
 #include <functional>
 #include <vector>
 
+#include "backend/cpu/kernels.h"
 #include "core/error.h"
 
 namespace ladder::cpu {
@@ -83,6 +84,15 @@ template <class T>
 void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d) {
 #pragma omp parallel for schedule(static) if (size_t(NK) * d >= kParMin)
   for (int r = 0; r < NK; ++r) std::memcpy(xs + size_t(r) * d, h + size_t(slot[r] / K) * d, sizeof(T) * d);
+}
+
+void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
+#pragma omp parallel for schedule(static) if (size_t(NK) * d >= kParMin)
+  for (int r = 0; r < NK; ++r) {
+    const float* src = h + size_t(slot[r] / K) * d;
+    uint16_t* dst = xs + size_t(r) * d;
+    for (int c = 0; c < d; ++c) dst[c] = bf16_bits(src[c]);
+  }
 }
 
 template <class T>

@@ -37,6 +37,10 @@ template <class T>
 void moe_combine_backward(T* dy, T* dcomb, const T* dout, const T* y, const T* comb, const int32_t* row, int N,
                           int K, int d);
 
+// moe_gather with each row rounded to bf16 (nearest even) on the way: xs [NK, d] bf16 bits
+// (model.moe_bf16's gathered expert rows).
+void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d);
+
 // Backward of moe_gather: dh[i] = sum_k dx[row[iK+k]] in k order (OVERWRITTEN).
 template <class T>
 void moe_gather_backward(T* dh, const T* dx, const int32_t* row, int N, int K, int d);

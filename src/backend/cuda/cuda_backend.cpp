@@ -534,6 +534,9 @@ class CudaBackendImpl final : public CudaBackend {
                             const int32_t* row, int N, int K, int d) override {
     check(k::moe_combine_backward(dy, dcomb, dout, y, comb, row, N, K, d, st_), "moe_combine_backward");
   }
+  void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
+    check(k::moe_gather_bf16(xs, h, slot, NK, K, d, st_), "moe_gather_bf16");
+  }
   void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) override {
     check(k::moe_gather_backward(dh, dx, row, N, K, d, st_), "moe_gather_backward");
   }

@@ -11,6 +11,8 @@
 //  - element offsets computed in size_t (N*K*d and T*E can exceed 2^31).
 #include <cub/device/device_radix_sort.cuh>
 
+#include <cuda_bf16.h>
+
 #include <climits>
 #include <cmath>
 
@@ -164,6 +166,14 @@ __global__ void gather_kernel(float* xs, const float* h, const int32_t* slot, in
     const float* src = h + size_t(slot[r] / K) * d;
     float* dst = xs + size_t(r) * d;
     for (int c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+  }
+}
+
+__global__ void gather_bf16_kernel(__nv_bfloat16* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
+  for (int r = blockIdx.x; r < NK; r += gridDim.x) {
+    const float* src = h + size_t(slot[r] / K) * d;
+    __nv_bfloat16* dst = xs + size_t(r) * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) dst[c] = __float2bfloat16_rn(src[c]);
   }
 }
 
@@ -671,6 +681,14 @@ cudaError_t moe_combine_backward(float* dy, float* dcomb, const float* dout, con
   if (NK <= 0) return cudaSuccess;
   combine_backward_kernel<<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(dy, dcomb, dout, y, comb, row, NK, K,
                                                                              d);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d, cudaStream_t st) {
+  if (NK <= 0 || d <= 0) return cudaSuccess;
+  if (K < 1) return cudaErrorInvalidValue;
+  gather_bf16_kernel<<<grid_for(size_t(NK), 1), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(xs), h, slot, NK,
+                                                                    K, d);
   return cudaGetLastError();
 }
 
