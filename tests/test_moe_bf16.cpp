@@ -104,6 +104,28 @@ TEST(MoeBf16Ops, GatherBf16IsTheGatherRounded) {
   }
 }
 
+// The combine and its backward from bf16 expert outputs are those from the widened outputs, bitwise.
+TEST(MoeBf16Ops, CombineFromBf16IsTheCombineOfTheWidened) {
+  auto be = make_cpu_backend(0);
+  for (auto [N, K, d] : {std::tuple{7, 2, 5}, std::tuple{300, 4, 257}}) {
+    const size_t NK = size_t(N) * K;
+    const auto y16 = to_b16(random_floats(NK * d, 6, 2.f));
+    const auto yw = widen(y16);
+    const auto comb = random_floats(NK, 7), dout = random_floats(size_t(N) * d, 8), out0 = random_floats(size_t(N) * d, 9);
+    std::vector<int32_t> row(NK);
+    for (size_t j = 0; j < NK; ++j) row[j] = int32_t((j * 7919) % NK);  // a permutation (7919 is prime, NK < 7919)
+    std::vector<float> ref = out0, got = out0;
+    cpu::moe_combine<float>(ref.data(), yw.data(), comb.data(), row.data(), N, K, d);
+    be->moe_combine_bf16(got.data(), y16.data(), comb.data(), row.data(), N, K, d);
+    EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float))) << N << " x " << d;
+    std::vector<float> dy_ref(NK * d, NAN), dc_ref(NK, NAN), dy(NK * d, NAN), dc(NK, NAN);
+    cpu::moe_combine_backward<float>(dy_ref.data(), dc_ref.data(), dout.data(), yw.data(), comb.data(), row.data(), N, K, d);
+    be->moe_combine_backward_bf16(dy.data(), dc.data(), dout.data(), y16.data(), comb.data(), row.data(), N, K, d);
+    EXPECT_EQ(0, std::memcmp(dy.data(), dy_ref.data(), dy.size() * sizeof(float))) << N << " x " << d;
+    EXPECT_EQ(0, std::memcmp(dc.data(), dc_ref.data(), dc.size() * sizeof(float))) << N << " x " << d;
+  }
+}
+
 TEST(MoeBf16Ops, GroupedGemmExRefusesWhatABf16OutputCannotTake) {
   auto be = make_cpu_backend(0);
   const int E = 2;
@@ -121,12 +143,12 @@ TEST(MoeBf16Ops, GroupedGemmExRefusesWhatABf16OutputCannotTake) {
   EXPECT_THROW(call(4, 0.f, 2, 0, true), Error);   // the offsets hold more rows than `rows`
 }
 
-// Per MoE layer: the gathered rows [N*K, d], the routed experts' three [N*K, I] and the shared
-// expert's three [N, I_s] tensors.
+// Per MoE layer: the gathered rows and the expert outputs [N*K, d], the routed experts' three
+// [N*K, I] and the shared expert's three [N, I_s] tensors.
 size_t moe_bf16_saving(const Config& c) {
   const size_t N = size_t(c.run.batch_size) * c.model.seq_len, NK = N * size_t(c.model.moe_top_k);
   const size_t per_layer =
-      NK * size_t(c.model.d_model) + 3 * NK * size_t(c.model.expert_ff()) + 3 * N * size_t(c.model.shared_ff());
+      2 * NK * size_t(c.model.d_model) + 3 * NK * size_t(c.model.expert_ff()) + 3 * N * size_t(c.model.shared_ff());
   return per_layer * 2 * size_t(c.model.n_moe_layers());  // half of 4 bytes each
 }
 

@@ -148,6 +148,11 @@ class Backend : public MemorySpace {
                            int d) = 0;
   virtual void moe_combine_backward(float* dy, float* dcomb, const float* dout, const float* y, const float* comb,
                                     const int32_t* row, int N, int K, int d) = 0;
+  // moe_combine / moe_combine_backward with y in bf16 bits (model.moe_bf16's expert outputs).
+  virtual void moe_combine_bf16(float* out, const uint16_t* y, const float* comb, const int32_t* row, int N, int K,
+                                int d) = 0;
+  virtual void moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout, const uint16_t* y,
+                                         const float* comb, const int32_t* row, int N, int K, int d) = 0;
   virtual void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) = 0;
   virtual void moe_router_backward(float* ds, const float* logits, const float* lse, const int32_t* expert,
                                    const float* dcomb, int N, int E, int K, bool normalized, double route_scale,

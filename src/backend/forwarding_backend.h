@@ -266,6 +266,14 @@ class ForwardingBackend : public Backend {
                             const int32_t* row, int N, int K, int d) override {
     wrap("moe permute", 0, [&] { b_->moe_combine_backward(dy, dc, dout, y, comb, row, N, K, d); });
   }
+  void moe_combine_bf16(float* out, const uint16_t* y, const float* comb, const int32_t* row, int N, int K,
+                        int d) override {
+    wrap("moe permute", 0, [&] { b_->moe_combine_bf16(out, y, comb, row, N, K, d); });
+  }
+  void moe_combine_backward_bf16(float* dy, float* dc, const float* dout, const uint16_t* y, const float* comb,
+                                 const int32_t* row, int N, int K, int d) override {
+    wrap("moe permute", 0, [&] { b_->moe_combine_backward_bf16(dy, dc, dout, y, comb, row, N, K, d); });
+  }
   void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     wrap("moe permute", 0, [&] { b_->moe_gather_bf16(xs, h, slot, NK, K, d); });
   }

@@ -21,7 +21,7 @@ std::vector<std::pair<void**, size_t>> moe_act_requests(const MoeDims& D, MoeAct
       {(void**)&a.comb, NK * t},        {(void**)&a.row, NK * i4},        {(void**)&a.slot, NK * i4},
       {(void**)&a.offsets, size_t(D.E + 1) * i4},                         {(void**)&a.xs, NK * D.d * th},
       {(void**)&a.g, NK * D.I * th},    {(void**)&a.u, NK * D.I * th},    {(void**)&a.a, NK * D.I * th},
-      {(void**)&a.y, NK * D.d * t}};
+      {(void**)&a.y, NK * D.d * th}};
   if (D.Is > 0)
     r.insert(r.end(),
              {{(void**)&a.sgate, N * D.Is * th}, {(void**)&a.sup, N * D.Is * th}, {(void**)&a.sact, N * D.Is * th}});
@@ -73,7 +73,8 @@ void moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>&
                          size_t(I) * d, 0.f, b16(A.u), true, I, 0);
       be.swiglu_forward_bf16(b16(A.a), b16(A.g), b16(A.u), NK * I);
       be.grouped_gemm_ex(true, true, E, A.offsets, rows, 0, d, I, 1.f, b16(A.a), true, I, W.wd, false, I,
-                         size_t(d) * I, 0.f, A.y, false, d, 0);
+                         size_t(d) * I, 0.f, b16(A.y), true, d, 0);
+      be.moe_combine_bf16(out, b16(A.y), A.comb, A.row, N, K, d);
     }
   }
   LADDER_ASSERT(bf16 == D.bf16);  // bf16 only through a Backend
@@ -83,10 +84,10 @@ void moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>&
     ops.grouped_gemm(true, true, E, A.offsets, 0, I, d, T(1), A.xs, d, W.wu, d, size_t(I) * d, T(0), A.u, I, 0);
     ops.swiglu_forward(A.a, A.g, A.u, NK * I);
     ops.grouped_gemm(true, true, E, A.offsets, 0, d, I, T(1), A.a, I, W.wd, I, size_t(d) * I, T(0), A.y, d, 0);
+    // 6. Scatter back, weighted. Each token sums its own K rows in slot order: deterministic.
+    //    (D.bf16: the same from the bf16 expert outputs, above.)
+    ops.moe_combine(out, A.y, A.comb, A.row, N, K, d);
   }
-
-  // 6. Scatter back, weighted. Each token sums its own K rows in slot order: deterministic.
-  ops.moe_combine(out, A.y, A.comb, A.row, N, K, d);
 
   // 7. The shared expert, on every token (D.bf16: as the routed experts, through gemm_ex).
   if constexpr (std::is_same_v<Ops, BackendOps>) {
@@ -113,14 +114,16 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
   const size_t NK = size_t(N) * K;
 
   // 1. Through the weighted scatter: dy_row = w_slot * dout_token; dL/dw_slot = dout_token . y_row.
-  ops.moe_combine_backward(S.dy, S.dcomb, dout, A.y, A.comb, A.row, N, K, d);
-
   // 2. The experts, per block: down, SwiGLU, gate/up; weight gradients summed over each block.
-  //    D.bf16: a, g and u are read as the bf16 they are; every gradient is fp32.
+  //    D.bf16: y, a, g, u and xs are read as the bf16 they are; every gradient is fp32.
   bool bf16 = false;
+  if constexpr (std::is_same_v<Ops, BackendOps>) bf16 = D.bf16;
+  if (!bf16) ops.moe_combine_backward(S.dy, S.dcomb, dout, A.y, A.comb, A.row, N, K, d);
+  if constexpr (std::is_same_v<Ops, BackendOps>) {
+    if (bf16) ops.be->moe_combine_backward_bf16(S.dy, S.dcomb, dout, b16(A.y), A.comb, A.row, N, K, d);
+  }
   ops.grouped_gemm(true, false, E, A.offsets, 0, I, d, T(1), S.dy, d, W.wd, I, size_t(d) * I, T(0), S.da, I, 0);
   if constexpr (std::is_same_v<Ops, BackendOps>) {
-    bf16 = D.bf16;
     if (bf16) {
       ops.be->grouped_gemm_ex(false, false, E, A.offsets, int(NK), d, I, 0, 1.f, S.dy, false, d, b16(A.a), true, I, 0,
                               1.f, G.wd, false, I, size_t(d) * I);

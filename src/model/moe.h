@@ -43,11 +43,12 @@ struct MoeDims {
   int Is = 0;                 // shared expert hidden; 0 = no shared expert
   bool normalized = false;    // combine = scale * sig / (sum_topK sig + 1e-9) instead of sig
   double route_scale = 1.0;   // the scale of the normalized combine
-  // model.moe_bf16: the gathered rows xs and the experts' hidden tensors (g, u, a; the shared
-  // expert's sgate, sup, sact) are bf16 bits in their arrays (half the bytes): the gather rounds
-  // xs, the GEMMs read it and write gate and up rounded to bf16, SwiGLU reads them and writes a in
-  // bf16, the down projection and the weight gradients read xs and a as they are; the expert
-  // outputs y and every gradient stay fp32. Only through a Backend (BackendOps): the double-precision kernels
+  // model.moe_bf16: the gathered rows xs, the experts' hidden tensors (g, u, a; the shared
+  // expert's sgate, sup, sact) and their outputs y are bf16 bits in their arrays (half the bytes):
+  // the gather rounds xs, the GEMMs read it and write gate and up rounded to bf16, SwiGLU reads
+  // them and writes a in bf16, the down projection reads a and writes y in bf16, which the combine
+  // and its backward read; the weight gradients read xs and a as they are; every gradient stays
+  // fp32. Only through a Backend (BackendOps): the double-precision kernels
   // have no bf16 form.
   bool bf16 = false;
 };
@@ -78,7 +79,7 @@ struct MoeActs {
   int32_t* offsets = nullptr;  // [E+1] expert e owns rows [offsets[e], offsets[e+1])
   T* xs = nullptr;             // [N*K, d] input rows in expert-sorted order (bf16 bits: D.bf16)
   T *g = nullptr, *u = nullptr, *a = nullptr;  // [N*K, I] gate, up, silu(gate)*up (bf16 bits: D.bf16)
-  T* y = nullptr;              // [N*K, d] expert outputs, unweighted
+  T* y = nullptr;              // [N*K, d] expert outputs, unweighted (bf16 bits: D.bf16)
   T *sgate = nullptr, *sup = nullptr, *sact = nullptr;  // [N, Is] shared expert (bf16 bits: D.bf16)
 };
 

@@ -185,9 +185,9 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
       // floats of the same arena. The expert rows (xs, g, u, a, y) and the shared expert's
       // activations are packed, except what moe_bf16 already keeps in bf16; router logits, lse,
       // combine weights and the int32 routing arrays stay as they are.
-      std::vector<void*> packable = {&L.ma.y};
+      std::vector<void*> packable;
       if (!cfg.moe_bf16)
-        packable.insert(packable.end(), {&L.ma.xs, &L.ma.g, &L.ma.u, &L.ma.a, &L.ma.sgate, &L.ma.sup, &L.ma.sact});
+        packable = {&L.ma.xs, &L.ma.g, &L.ma.u, &L.ma.a, &L.ma.y, &L.ma.sgate, &L.ma.sup, &L.ma.sact};
       for (auto& [ptr, bytes] : moe_act_requests<float>(md, L.ma))
         lreqs.push_back({reinterpret_cast<float**>(ptr), (bytes + sizeof(float) - 1) / sizeof(float),
                          std::find(packable.begin(), packable.end(), static_cast<void*>(ptr)) != packable.end()});

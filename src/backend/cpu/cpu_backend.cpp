@@ -196,6 +196,14 @@ class CpuBackend final : public Backend {
                             const int32_t* row, int N, int K, int d) override {
     cpu::moe_combine_backward<float>(dy, dcomb, dout, y, comb, row, N, K, d);
   }
+  void moe_combine_bf16(float* out, const uint16_t* y, const float* comb, const int32_t* row, int N, int K,
+                        int d) override {
+    cpu::moe_combine<float>(out, y, comb, row, N, K, d);
+  }
+  void moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout, const uint16_t* y, const float* comb,
+                                 const int32_t* row, int N, int K, int d) override {
+    cpu::moe_combine_backward<float>(dy, dcomb, dout, y, comb, row, N, K, d);
+  }
   void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     cpu::moe_gather_bf16(xs, h, slot, NK, K, d);
   }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cpu/kernels.h"
@@ -95,40 +96,63 @@ void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, 
   }
 }
 
-template <class T>
-void moe_combine(T* out, const T* y, const T* comb, const int32_t* row, int N, int K, int d) {
+// An element of y as T: itself, or bf16 bits widened (exact).
+template <class T, class Y>
+inline T y_value(Y v) {
+  if constexpr (std::is_same_v<Y, uint16_t>) return T(bf16_value(v));
+  else return v;
+}
+
+template <class T, class Y>
+void moe_combine(T* out, const Y* y, const T* comb, const int32_t* row, int N, int K, int d) {
 #pragma omp parallel for schedule(static) if (size_t(N) * K * d >= kParMin)
   for (int i = 0; i < N; ++i) {
     T* o = out + size_t(i) * d;
     for (int k = 0; k < K; ++k) {
       const size_t j = size_t(i) * K + k;
       const T w = comb[j];
-      const T* yr = y + size_t(row[j]) * d;
+      const Y* yr = y + size_t(row[j]) * d;
 #pragma omp simd
-      for (int c = 0; c < d; ++c) o[c] += w * yr[c];
+      for (int c = 0; c < d; ++c) o[c] += w * y_value<T>(yr[c]);
     }
   }
 }
 
+// One slot of moe_combine_backward on T rows: dyr = w * go, returns go . yr. One function for every
+// Y, so a bf16 y (widened into a T row first) gets bitwise the fp32 sum: the simd reduction's order
+// is the compiler's, and is the same only for the same code.
 template <class T>
-void moe_combine_backward(T* dy, T* dcomb, const T* dout, const T* y, const T* comb, const int32_t* row, int N,
-                          int K, int d) {
-#pragma omp parallel for schedule(static) if (size_t(N) * K * d >= kParMin)
-  for (int i = 0; i < N; ++i) {
-    const T* go = dout + size_t(i) * d;
-    for (int k = 0; k < K; ++k) {
-      const size_t j = size_t(i) * K + k;
-      const size_t r = size_t(row[j]);
-      const T* yr = y + r * d;
-      T* dyr = dy + r * d;
-      const T w = comb[j];
-      T dot = 0;
+[[gnu::noinline]] T combine_backward_row(T* dyr, const T* go, const T* yr, T w, int d) {
+  T dot = 0;
 #pragma omp simd reduction(+ : dot)
-      for (int c = 0; c < d; ++c) {
-        dot += go[c] * yr[c];
-        dyr[c] = w * go[c];
+  for (int c = 0; c < d; ++c) {
+    dot += go[c] * yr[c];
+    dyr[c] = w * go[c];
+  }
+  return dot;
+}
+
+template <class T, class Y>
+void moe_combine_backward(T* dy, T* dcomb, const T* dout, const Y* y, const T* comb, const int32_t* row, int N,
+                          int K, int d) {
+#pragma omp parallel if (size_t(N) * K * d >= kParMin)
+  {
+    std::vector<T> wide(std::is_same_v<Y, T> ? 0 : size_t(d));  // a bf16 row, widened
+#pragma omp for schedule(static)
+    for (int i = 0; i < N; ++i) {
+      const T* go = dout + size_t(i) * d;
+      for (int k = 0; k < K; ++k) {
+        const size_t j = size_t(i) * K + k;
+        const size_t r = size_t(row[j]);
+        const T* yr;
+        if constexpr (std::is_same_v<Y, T>) {
+          yr = y + r * d;
+        } else {
+          for (int c = 0; c < d; ++c) wide[size_t(c)] = y_value<T>(y[r * d + size_t(c)]);
+          yr = wide.data();
+        }
+        dcomb[j] = combine_backward_row<T>(dy + r * d, go, yr, comb[j], d);
       }
-      dcomb[j] = dot;
     }
   }
 }
@@ -234,5 +258,8 @@ void pko_resets(uint8_t* reset, const int32_t* ids, int N_tok, int S, int eod_id
 LADDER_MOE_KERNELS(float)
 LADDER_MOE_KERNELS(double)
 #undef LADDER_MOE_KERNELS
+template void moe_combine<float, uint16_t>(float*, const uint16_t*, const float*, const int32_t*, int, int, int);
+template void moe_combine_backward<float, uint16_t>(float*, float*, const float*, const uint16_t*, const float*,
+                                                    const int32_t*, int, int, int);
 
 }  // namespace ladder::cpu

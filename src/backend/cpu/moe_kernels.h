@@ -28,13 +28,14 @@ template <class T>
 void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d);
 
 // out[i] += sum_k comb[iK+k] * y[row[iK+k]], the K terms added in k order (deterministic).
-template <class T>
-void moe_combine(T* out, const T* y, const T* comb, const int32_t* row, int N, int K, int d);
+// Y: T, or uint16_t for bf16 bits of y (model.moe_bf16's expert outputs), each widened exactly.
+template <class T, class Y = T>
+void moe_combine(T* out, const Y* y, const T* comb, const int32_t* row, int N, int K, int d);
 
 // Backward of moe_combine: dy[row[j]] = comb[j] * dout[i] (OVERWRITTEN; every row is some slot's),
-// dcomb[j] = dout[i] . y[row[j]].
-template <class T>
-void moe_combine_backward(T* dy, T* dcomb, const T* dout, const T* y, const T* comb, const int32_t* row, int N,
+// dcomb[j] = dout[i] . y[row[j]]. Y as for moe_combine.
+template <class T, class Y = T>
+void moe_combine_backward(T* dy, T* dcomb, const T* dout, const Y* y, const T* comb, const int32_t* row, int N,
                           int K, int d);
 
 // moe_gather with each row rounded to bf16 (nearest even) on the way: xs [NK, d] bf16 bits

@@ -534,6 +534,14 @@ class CudaBackendImpl final : public CudaBackend {
                             const int32_t* row, int N, int K, int d) override {
     check(k::moe_combine_backward(dy, dcomb, dout, y, comb, row, N, K, d, st_), "moe_combine_backward");
   }
+  void moe_combine_bf16(float* out, const uint16_t* y, const float* comb, const int32_t* row, int N, int K,
+                        int d) override {
+    check(k::moe_combine_bf16(out, y, comb, row, N, K, d, st_), "moe_combine_bf16");
+  }
+  void moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout, const uint16_t* y, const float* comb,
+                                 const int32_t* row, int N, int K, int d) override {
+    check(k::moe_combine_backward_bf16(dy, dcomb, dout, y, comb, row, N, K, d, st_), "moe_combine_backward_bf16");
+  }
   void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     check(k::moe_gather_bf16(xs, h, slot, NK, K, d, st_), "moe_gather_bf16");
   }

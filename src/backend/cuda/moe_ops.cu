@@ -177,15 +177,19 @@ __global__ void gather_bf16_kernel(__nv_bfloat16* xs, const float* h, const int3
   }
 }
 
+// An element of y: fp32, or bf16 widened (exact).
+__device__ __forceinline__ float y_value(float v) { return v; }
+__device__ __forceinline__ float y_value(__nv_bfloat16 v) { return __bfloat162float(v); }
+
 // out[i] += sum_k comb[iK+k] y[row[iK+k]], added in k order (the CPU's order).
-__global__ void combine_kernel(float* out, const float* y, const float* comb, const int32_t* row, int N, int K,
-                               int d) {
+template <class Y>
+__global__ void combine_kernel(float* out, const Y* y, const float* comb, const int32_t* row, int N, int K, int d) {
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
     float* o = out + size_t(i) * d;
     const size_t j0 = size_t(i) * K;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
       float acc = o[c];
-      for (int k = 0; k < K; ++k) acc += comb[j0 + k] * y[size_t(row[j0 + k]) * d + c];
+      for (int k = 0; k < K; ++k) acc += comb[j0 + k] * y_value(y[size_t(row[j0 + k]) * d + c]);
       o[c] = acc;
     }
   }
@@ -193,19 +197,20 @@ __global__ void combine_kernel(float* out, const float* y, const float* comb, co
 
 // One warp per slot j: dy[row[j]] = comb[j] dout[i] (each row is exactly one slot's: no conflicts),
 // dcomb[j] = dout[i] . y[row[j]] (lane partials, then a fixed butterfly).
-__global__ void combine_backward_kernel(float* dy, float* dcomb, const float* dout, const float* y, const float* comb,
+template <class Y>
+__global__ void combine_backward_kernel(float* dy, float* dcomb, const float* dout, const Y* y, const float* comb,
                                         const int32_t* row, int64_t NK, int K, int d) {
   const int lane = threadIdx.x & 31;
   for (int64_t j = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); j < NK; j += int64_t(gridDim.x) * kWarps) {
     const float* go = dout + size_t(j / K) * d;
     const size_t r = size_t(row[j]);
-    const float* yr = y + r * d;
+    const Y* yr = y + r * d;
     float* dyr = dy + r * d;
     const float w = comb[j];
     float dot = 0.f;
     for (int c = lane; c < d; c += 32) {
       const float g = go[c];
-      dot += g * yr[c];
+      dot += g * y_value(yr[c]);
       dyr[c] = w * g;
     }
     dot = warp_sum(dot);
@@ -671,7 +676,7 @@ cudaError_t moe_gather(float* xs, const float* h, const int32_t* slot, int NK, i
 cudaError_t moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d,
                         cudaStream_t st) {
   if (N <= 0 || d <= 0 || K <= 0) return cudaSuccess;
-  combine_kernel<<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, y, comb, row, N, K, d);
+  combine_kernel<float><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, y, comb, row, N, K, d);
   return cudaGetLastError();
 }
 
@@ -679,8 +684,25 @@ cudaError_t moe_combine_backward(float* dy, float* dcomb, const float* dout, con
                                  const int32_t* row, int N, int K, int d, cudaStream_t st) {
   const int64_t NK = int64_t(N) * K;
   if (NK <= 0) return cudaSuccess;
-  combine_backward_kernel<<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(dy, dcomb, dout, y, comb, row, NK, K,
+  combine_backward_kernel<float><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(dy, dcomb, dout, y, comb, row, NK, K,
                                                                              d);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_combine_bf16(float* out, const uint16_t* y, const float* comb, const int32_t* row, int N, int K, int d,
+                             cudaStream_t st) {
+  if (N <= 0 || d <= 0 || K <= 0) return cudaSuccess;
+  combine_kernel<__nv_bfloat16><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, reinterpret_cast<const __nv_bfloat16*>(y), comb, row,
+                                                              N, K, d);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout, const uint16_t* y, const float* comb,
+                                      const int32_t* row, int N, int K, int d, cudaStream_t st) {
+  const int64_t NK = int64_t(N) * K;
+  if (NK <= 0) return cudaSuccess;
+  combine_backward_kernel<__nv_bfloat16><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(
+      dy, dcomb, dout, reinterpret_cast<const __nv_bfloat16*>(y), comb, row, NK, K, d);
   return cudaGetLastError();
 }
 

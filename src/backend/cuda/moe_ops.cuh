@@ -44,6 +44,11 @@ cudaError_t moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_
                      void* scratch, size_t scratch_bytes, cudaStream_t st);
 
 cudaError_t moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d, cudaStream_t st);
+// moe_combine / moe_combine_backward with y as bf16 bits.
+cudaError_t moe_combine_bf16(float* out, const uint16_t* y, const float* comb, const int32_t* row, int N, int K, int d,
+                             cudaStream_t st);
+cudaError_t moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout, const uint16_t* y, const float* comb,
+                                      const int32_t* row, int N, int K, int d, cudaStream_t st);
 // The same with each element rounded to bf16 (nearest even): xs holds bf16 bits.
 cudaError_t moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d, cudaStream_t st);
 cudaError_t moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d,
