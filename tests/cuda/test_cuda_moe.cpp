@@ -379,13 +379,14 @@ TEST_F(CudaMoe, GroupedGemmAllExpertsEmpty) {
 // grouped_gemm_ex (model.moe_bf16): A, B and C each fp32 or bf16 bits, the CUDA backend against the
 // CPU backend's reference (widen, fp32 grouped GEMM, round to nearest even), every (a_bf16, b_bf16,
 // c_bf16), both shapes (rows_out with transB true and false; the weight-gradient shape), random
-// offsets with empty experts, `rows` larger than offsets[E] (the buffers hold that many rows; the
+// offsets with empty experts, `rows` equal to or larger than offsets[E] (the buffers hold that many rows; the
 // rows past offsets[E] of a rows_out C must keep their poison), poisoned outputs for beta 0 and a
 // fp32 C with beta != 0 in some combinations (C read), fp32 C with padded rows (padding untouched).
 
 struct ExCase {
   bool rows_out, transB;
   int E, M, N, K, max_rows;
+  int extra_rows;  // `rows` - offsets[E]: 0 (the model's calls) or more
 };
 
 std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
@@ -401,9 +402,10 @@ void grouped_ex_vs_cpu(Backend& gb, std::mt19937_64& rng, const std::string& tag
   auto cpu_be = make_cpu_backend(0);
   Backend& cb = *cpu_be;
   const ExCase cases[] = {
-      {true, true, 7, 0, 70, 36, 20},
-      {true, false, 7, 0, 36, 70, 20},
-      {false, false, 7, 40, 70, 0, 20},
+      {true, true, 7, 0, 70, 36, 20, 9},
+      {true, false, 7, 0, 36, 70, 20, 0},
+      {true, false, 5, 0, 40, 36, 20, 5},
+      {false, false, 7, 40, 70, 0, 20, 9},
   };
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   auto randv = [&](size_t n) {
@@ -419,7 +421,7 @@ void grouped_ex_vs_cpu(Backend& gb, std::mt19937_64& rng, const std::string& tag
   };
   for (const ExCase& c : cases) {
     const std::vector<int32_t> off = grouped_gemm_test::random_offsets(rng, c.E, c.max_rows);
-    const int total = off[c.E], rows = total + 9;  // the bound: 9 rows more than the offsets use
+    const int total = off[c.E], rows = total + c.extra_rows;  // the bound on offsets[E]
     const int lda = c.rows_out ? c.K + 3 : c.M + 1;
     const int ldb = c.rows_out ? (c.transB ? c.K : c.N) + 1 : c.N + 2;
     const size_t sB = c.rows_out ? size_t(c.transB ? c.N : c.K) * ldb + 3 : 0;
