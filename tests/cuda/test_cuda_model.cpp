@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../model_test_configs.h"
@@ -266,6 +267,19 @@ TEST_F(CudaModel, MlpBf16MatchesTheCpu) {
     c.model.mlp_bf16 = true;
     if (c.model.moe()) c.model.saved_activations = "bf16";
     compare_model(c, std::string("mlp-bf16 ") + tag, kGradTolBf16Saved, kFwdTolMlpBf16);
+  }
+}
+
+// model.moe_bf16: the MoE experts' bf16 hidden tensors (grouped_gemm_ex with bf16 outputs and
+// operands, widened and rounded in scratch on the fp32-GEMM CUDA backend) against the CPU reference
+// with the same option, on the MoE model and on the switches model with MoE layers and bf16 saved
+// activations; the same rounding-boundary bounds as model.mlp_bf16.
+TEST_F(CudaModel, MoeBf16MatchesTheCpu) {
+  for (auto [c, tag, saved_bf16] : {std::tuple{moe_config(), "moe", false},
+                                    std::tuple{moe_switches_config(), "moe-switches+saved-bf16", true}}) {
+    c.model.moe_bf16 = true;
+    if (saved_bf16) c.model.saved_activations = "bf16";
+    compare_model(c, std::string("moe-bf16 ") + tag, kGradTolBf16Saved, kFwdTolMlpBf16);
   }
 }
 

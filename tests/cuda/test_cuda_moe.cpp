@@ -15,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backend/backend.h"
@@ -372,6 +373,178 @@ TEST_F(CudaMoe, GroupedGemmAllExpertsEmpty) {
                       d_R.data(), N, 0);
     check(down(d_R, 7), std::vector<float>(C.begin(), C.begin() + 7), 0.0, "grouped_gemm rows_out no rows");
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// grouped_gemm_ex (model.moe_bf16): A, B and C each fp32 or bf16 bits, the CUDA backend against the
+// CPU backend's reference (widen, fp32 grouped GEMM, round to nearest even), every (a_bf16, b_bf16,
+// c_bf16), both shapes (rows_out with transB true and false; the weight-gradient shape), random
+// offsets with empty experts, `rows` equal to or larger than offsets[E] (the buffers hold that many rows; the
+// rows past offsets[E] of a rows_out C must keep their poison), poisoned outputs for beta 0 and a
+// fp32 C with beta != 0 in some combinations (C read), fp32 C with padded rows (padding untouched).
+
+struct ExCase {
+  bool rows_out, transB;
+  int E, M, N, K, max_rows;
+  int extra_rows;  // `rows` - offsets[E]: 0 (the model's calls) or more
+};
+
+std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = cpu::bf16_bits(v[i]);
+  return b;
+}
+
+// tol32 / tol16: bounds on ||gpu - cpu|| / ||cpu|| for a fp32 / a bf16 (widened) C; min_same: the
+// fraction of bf16 output elements that must be bitwise the CPU's (0: not checked).
+void grouped_ex_vs_cpu(Backend& gb, std::mt19937_64& rng, const std::string& tag, double tol32, double tol16,
+                       double min_same) {
+  auto cpu_be = make_cpu_backend(0);
+  Backend& cb = *cpu_be;
+  const ExCase cases[] = {
+      {true, true, 7, 0, 70, 36, 20, 9},
+      {true, false, 7, 0, 36, 70, 20, 0},
+      {true, false, 5, 0, 40, 36, 20, 5},
+      {false, false, 7, 40, 70, 0, 20, 9},
+  };
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  auto randv = [&](size_t n) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = u(rng);
+    return v;
+  };
+  auto dev = [](const auto& h) {
+    using T = typename std::decay_t<decltype(h)>::value_type;
+    DeviceBuffer<T> d(h.size() ? h.size() : 1);
+    if (!h.empty()) d.upload(h);
+    return d;
+  };
+  for (const ExCase& c : cases) {
+    const std::vector<int32_t> off = grouped_gemm_test::random_offsets(rng, c.E, c.max_rows);
+    const int total = off[c.E], rows = total + c.extra_rows;  // the bound on offsets[E]
+    const int lda = c.rows_out ? c.K + 3 : c.M + 1;
+    const int ldb = c.rows_out ? (c.transB ? c.K : c.N) + 1 : c.N + 2;
+    const size_t sB = c.rows_out ? size_t(c.transB ? c.N : c.K) * ldb + 3 : 0;
+    const std::vector<float> A = randv(size_t(rows) * lda), B = randv(c.rows_out ? sB * c.E : size_t(rows) * ldb);
+    const std::vector<uint16_t> A16 = bf16_of(A), B16 = bf16_of(B);
+    auto dA = dev(A), dB = dev(B);
+    auto dA16 = dev(A16), dB16 = dev(B16);
+    auto d_off = dev(off);
+    for (int combo = 0; combo < 8; ++combo) {
+      const bool a16 = combo & 1, b16 = combo & 2, c16 = combo & 4;
+      const std::string what = fmt::format("{} grouped_gemm_ex rows_out={} tB={} A{} B{} C{}", tag, c.rows_out,
+                                           c.transB, a16 ? 16 : 32, b16 ? 16 : 32, c16 ? 16 : 32);
+      SCOPED_TRACE(what);
+      // A bf16 C is packed; a fp32 C gets padded rows (and a padded expert stride).
+      const int ldc = c16 ? c.N : c.N + 2;
+      const size_t sC = c.rows_out ? 0 : size_t(c.M) * ldc + (c16 ? 0 : 5);
+      const size_t nC = c.rows_out ? size_t(rows) * ldc : size_t(c.E) * sC;
+      const float alpha = 0.7f, beta = !c16 && a16 != b16 ? 0.5f : 0.f;
+      std::vector<char> is_out(nC, 0);
+      const int blocks = c.rows_out ? 1 : c.E, out_rows = c.rows_out ? total : c.M;
+      for (int e = 0; e < blocks; ++e)
+        for (int r = 0; r < out_rows; ++r)
+          for (int j = 0; j < c.N; ++j) is_out[size_t(e) * sC + size_t(r) * ldc + j] = 1;
+      const void* hA = a16 ? static_cast<const void*>(A16.data()) : A.data();
+      const void* hB = b16 ? static_cast<const void*>(B16.data()) : B.data();
+      const void* gA = a16 ? static_cast<const void*>(dA16.data()) : dA.data();
+      const void* gB = b16 ? static_cast<const void*>(dB16.data()) : dB.data();
+      size_t same = 0, outs = 0, outside = 0;
+      std::vector<float> got, ref;
+      if (c16) {
+        std::vector<uint16_t> hc(nC, 0xFFFF);
+        auto dc = dev(hc);
+        cb.grouped_gemm_ex(c.rows_out, c.transB, c.E, off.data(), rows, c.M, c.N, c.K, alpha, hA, a16, lda, hB, b16,
+                           ldb, sB, 0.f, hc.data(), true, ldc, sC);
+        gb.grouped_gemm_ex(c.rows_out, c.transB, c.E, d_off.data(), rows, c.M, c.N, c.K, alpha, gA, a16, lda, gB,
+                           b16, ldb, sB, 0.f, dc.data(), true, ldc, sC);
+        gb.synchronize();
+        const std::vector<uint16_t> gc = dc.download();
+        for (size_t i = 0; i < nC; ++i) {
+          if (!is_out[i]) {
+            outside += gc[i] != 0xFFFF;  // rows_out: the rows past offsets[E]
+            continue;
+          }
+          ++outs;
+          same += gc[i] == hc[i];
+          got.push_back(cpu::bf16_value(gc[i]));
+          ref.push_back(cpu::bf16_value(hc[i]));
+        }
+      } else {
+        const std::vector<float> C0 = randv(nC);
+        std::vector<float> hc = C0;
+        auto dc = dev(C0);
+        if (beta == 0.f) {  // C not read: poisoned on both sides
+          std::memset(hc.data(), 0xFF, nC * sizeof(float));
+          dc.poison();
+        }
+        const std::vector<float> init = hc;
+        cb.grouped_gemm_ex(c.rows_out, c.transB, c.E, off.data(), rows, c.M, c.N, c.K, alpha, hA, a16, lda, hB, b16,
+                           ldb, sB, beta, hc.data(), false, ldc, sC);
+        gb.grouped_gemm_ex(c.rows_out, c.transB, c.E, d_off.data(), rows, c.M, c.N, c.K, alpha, gA, a16, lda, gB,
+                           b16, ldb, sB, beta, dc.data(), false, ldc, sC);
+        gb.synchronize();
+        const std::vector<float> gc = dc.download();
+        for (size_t i = 0; i < nC; ++i) {
+          if (!is_out[i]) {
+            outside += std::memcmp(&gc[i], &init[i], sizeof(float)) != 0;
+            continue;
+          }
+          ++outs;
+          got.push_back(gc[i]);
+          ref.push_back(hc[i]);
+        }
+      }
+      EXPECT_EQ(outside, 0u) << "elements outside the output were written";
+      ASSERT_GT(outs, 0u);
+      test::check_rel(got, ref, c16 ? tol16 : tol32, what);
+      if (c16 && min_same > 0) {
+        std::printf("[ same     ] %-60s %zu of %zu bitwise\n", what.c_str(), same, outs);
+        EXPECT_GE(double(same), min_same * double(outs)) << "bf16 outputs bitwise equal to the CPU's";
+      }
+    }
+  }
+}
+
+// The fp32 backend: bf16 operands widened in scratch, the fp32 kernel, a bf16 C rounded from it.
+// fp32 C: fp32-level agreement; bf16 C: the same fp32 values rounded, so bitwise equal but where
+// the two fp32 results straddle a rounding midpoint (then one bf16 ulp apart).
+TEST_F(CudaMoe, GroupedGemmExMatchesTheCpuBackend) {
+  grouped_ex_vs_cpu(be(), rng_, "fp32", kF32, 1e-2, 0.95);
+}
+
+// The bf16 backend: the tensor-core kernel reads bf16 operands as they are and writes a bf16 C
+// directly; fp32 operands are rounded to bf16 on the way in, so against the CPU's fp32 product the
+// bf16 bound of grouped_tc_cases.h.
+TEST_F(CudaMoe, GroupedGemmExBf16BackendMatchesTheCpuBackend) {
+  auto bf = make_cuda_backend("bf16");
+  grouped_ex_vs_cpu(*bf, rng_, "bf16", 1e-2, 1e-2, 0);
+}
+
+// A bf16 C takes no addend and must be packed: ladder::Error before anything runs, on both the fp32
+// and the bf16 backend, for both shapes.
+TEST_F(CudaMoe, GroupedGemmExBf16OutputRejectsBetaAndPadding) {
+  auto bf = make_cuda_backend("bf16");
+  const int E = 3, M = 8, N = 8, K = 8, rows = 12;
+  const std::vector<int32_t> off = {0, 4, 4, 10};
+  auto d_off = up(off);
+  DeviceBuffer<float> A(size_t(rows) * 16), B(size_t(E) * 64 + size_t(rows) * 16);
+  auto C = poisoned<uint16_t>(size_t(E) * M * (N + 1) + size_t(rows) * (N + 1));
+  for (Backend* g : {static_cast<Backend*>(&be()), bf.get()})
+    for (bool rows_out : {true, false}) {
+      SCOPED_TRACE(fmt::format("{} rows_out {}", g == bf.get() ? "bf16" : "fp32", rows_out));
+      const size_t sB = rows_out ? size_t(N) * K : 0, sC = rows_out ? 0 : size_t(M) * N;
+      EXPECT_THROW(g->grouped_gemm_ex(rows_out, true, E, d_off.data(), rows, M, N, K, 1.f, A.data(), false, 8,
+                                      B.data(), false, 8, sB, 0.5f, C.data(), true, N, sC),
+                   Error);
+      EXPECT_THROW(g->grouped_gemm_ex(rows_out, true, E, d_off.data(), rows, M, N, K, 1.f, A.data(), false, 8,
+                                      B.data(), false, 8, sB, 0.f, C.data(), true, N + 1, sC),
+                   Error);
+      g->synchronize();
+    }
+  const std::vector<uint16_t> after = C.download();
+  EXPECT_TRUE(std::all_of(after.begin(), after.end(), [](uint16_t v) { return v == 0xFFFF; }))
+      << "a refused call wrote its output";
 }
 
 // ---------------------------------------------------------------------------------------------

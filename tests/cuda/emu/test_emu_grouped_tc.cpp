@@ -107,6 +107,64 @@ TEST_F(CudaEmuGroupedTc, Bf16OperandsGiveTheFp32OperandsBits) {
   }
 }
 
+// grouped_gemm_tc_ex with a bf16 C (c_bf16): every output element is the round-to-nearest-even of
+// what the fp32-output run writes there, bitwise (the same tiles and accumulation, only the store
+// differs); C outside the output keeps its (poisoned) bits. Every case with beta 0, both shapes.
+// With beta != 0 a bf16 C is refused (cudaErrorInvalidValue), nothing launched.
+TEST_F(CudaEmuGroupedTc, Bf16OutputIsTheFp32OutputRounded) {
+  int i = 0, ran = 0;
+  for (const auto& c : gt::cases(quick())) {
+    if (c.beta != 0.f) continue;
+    SCOPED_TRACE(c.name());
+    const gt::Problem p = gt::make_problem(c, rng_);
+    const int s = p.shift, total = p.off[c.E];
+    const int sms = 1 + i++ % 3;
+    std::vector<float> ref(p.C.size());
+    std::memset(ref.data(), 0xFF, ref.size() * sizeof(float));  // beta 0: C not read
+    launch(c, p, ref, sms);
+    if (HasFatalFailure()) return;
+    std::vector<uint16_t> got(p.C.size(), 0xFFFF);
+    std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
+    ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, p.A.data() + s,
+                                    false, p.lda, p.B.data() + s, false, p.ldb, p.sB, 0.f, got.data() + s, true,
+                                    p.ldc, p.sC, scratch.data(), sms, nullptr),
+              cudaSuccess);
+    std::vector<char> is_out(got.size(), 0);
+    const int blocks = c.rows_out ? 1 : c.E, rows = c.rows_out ? total : c.M;
+    for (int e = 0; e < blocks; ++e)
+      for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < c.N; ++j) is_out[size_t(s) + size_t(e) * p.sC + size_t(r) * p.ldc + j] = 1;
+    size_t bad = 0, outside = 0, outs = 0;
+    for (size_t x = 0; x < got.size(); ++x) {
+      if (!is_out[x]) {
+        outside += got[x] != 0xFFFF;
+        continue;
+      }
+      ++outs;
+      const uint16_t want = cpu::bf16_bits(ref[x]);
+      if (got[x] != want && bad++ < 3)
+        ADD_FAILURE() << "element " << x << ": bf16 bits 0x" << std::hex << got[x] << ", the fp32 run's "
+                      << ref[x] << " rounds to 0x" << want << std::dec;
+    }
+    EXPECT_EQ(bad, 0u) << "bf16 output elements differ from the rounded fp32 output";
+    EXPECT_EQ(outside, 0u) << "elements outside the output were written";
+    ran += outs > 0;
+  }
+  EXPECT_GE(ran, 4);
+  // beta != 0 with a bf16 C: refused before any launch.
+  const gt::Case c{true, true, 3, 0, 5, 4, 0, 1.f, 0.5f, 10};
+  const gt::Problem p = gt::make_problem(c, rng_);
+  std::vector<uint16_t> C16(p.C.size(), 0xFFFF);
+  std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
+  for (bool rows_out : {true, false})
+    EXPECT_EQ(k::grouped_gemm_tc_ex(rows_out, c.transB, c.E, p.off.data(), 4, c.N, c.K, 1.f, p.A.data(), false,
+                                    p.lda, p.B.data(), false, p.ldb, p.sB, 0.5f, C16.data(), true, c.N,
+                                    size_t(4) * c.N, scratch.data(), 1, nullptr),
+              cudaErrorInvalidValue)
+        << "rows_out " << rows_out;
+  EXPECT_EQ(C16, std::vector<uint16_t>(p.C.size(), 0xFFFF));
+}
+
 TEST_F(CudaEmuGroupedTc, AllExpertsEmpty) {
   const int E = 5, M = 20, N = 30;
   const std::vector<int32_t> off(E + 1, 0);
