@@ -186,6 +186,51 @@ TEST_F(CudaMoe, GatherCombineAndBackward) {
       }
 }
 
+// model.moe_bf16's forms: the gather rounding its rows to bf16 (exact: the CPU's bits), the
+// combine and its backward reading bf16 expert outputs (against the CPU on the same bf16 bits).
+TEST_F(CudaMoe, GatherAndCombineWithBf16Rows) {
+  const int N = 131;
+  for (int K : kKs)
+    for (int d : {1, 37, 300}) {
+      const std::string what = fmt::format("K={} d={}", K, d);
+      SCOPED_TRACE(what);
+      const int NK = N * K, E = 8;
+      auto expert = skewed_experts(size_t(NK), E);
+      std::vector<int32_t> off(E + 1), row(NK), slot(NK);
+      cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+      auto h = randv(size_t(N) * d), comb = randv(size_t(NK), 0.f, 1.f), out0 = randv(size_t(N) * d);
+      auto dout = randv(size_t(N) * d);
+      auto cpu_be = make_cpu_backend(0);
+      const auto yf = randv(size_t(NK) * d);
+      std::vector<uint16_t> y16(yf.size());
+      cpu::f32_to_bf16(y16.data(), yf.data(), yf.size());
+      auto d_row = up(row), d_slot = up(slot);
+      auto d_h = up(h), d_comb = up(comb), d_dout = up(dout);
+      auto d_y = up(y16);
+
+      std::vector<uint16_t> xs(size_t(NK) * d);
+      cpu_be->moe_gather_bf16(xs.data(), h.data(), slot.data(), NK, K, d);
+      auto d_xs = poisoned<uint16_t>(xs.size());
+      be().moe_gather_bf16(d_xs.data(), d_h.data(), d_slot.data(), NK, K, d);
+      EXPECT_EQ(down(d_xs, xs.size()), xs) << "moe_gather_bf16 " << what;
+
+      std::vector<float> out = out0;
+      cpu_be->moe_combine_bf16(out.data(), y16.data(), comb.data(), row.data(), N, K, d);
+      auto d_out = up(out0);
+      be().moe_combine_bf16(d_out.data(), d_y.data(), d_comb.data(), d_row.data(), N, K, d);
+      check(down(d_out, out.size()), out, kF32, "moe_combine_bf16 " + what);
+
+      std::vector<float> dy(size_t(NK) * d), dcomb(NK);
+      cpu_be->moe_combine_backward_bf16(dy.data(), dcomb.data(), dout.data(), y16.data(), comb.data(), row.data(), N, K,
+                                      d);
+      auto d_dy = poisoned<float>(dy.size()), d_dcomb = poisoned<float>(NK);
+      be().moe_combine_backward_bf16(d_dy.data(), d_dcomb.data(), d_dout.data(), d_y.data(), d_comb.data(),
+                                     d_row.data(), N, K, d);
+      check(down(d_dy, dy.size()), dy, 0.0, "moe_combine_backward_bf16 dy " + what);
+      check(down(d_dcomb, NK), dcomb, kF32, "moe_combine_backward_bf16 dcomb " + what);
+    }
+}
+
 TEST_F(CudaMoe, RouterBackwardMatchesCpu) {
   const int N = 157;
   for (int E : kEs)
