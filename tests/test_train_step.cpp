@@ -191,6 +191,34 @@ TEST(TrainStep, EnqueuesEveryOpBeforeItsFirstWait) {
   }
 }
 
+// A micro-batch that throws (a token id outside the vocabulary) aborts the step; a caller that goes
+// on gets a clean next step: bitwise the step of a model that never saw the aborted one (the
+// aborted micro-batches changed no weight: gradients are zeroed per step, the optimizer never ran).
+TEST(TrainStep, AnAbortedStepLeavesNothingBehind) {
+  const Config c = step_config("adamw");
+  auto be = make_cpu_backend(0);
+  Transformer a(c.model, c.run.batch_size, *be), b(c.model, c.run.batch_size, *be);
+  a.init(11);
+  b.init(11);
+  auto oa = make_optimizer(c, a, *be), ob = make_optimizer(c, b, *be);
+  std::vector<int32_t> in(size_t(c.run.batch_size) * c.model.seq_len), tg(in.size());
+  uint64_t seed = 5;
+  int calls = 0;
+  const BatchFn bad = [&](int32_t* x, int32_t* y) {
+    batches(c, seed)(x, y);
+    if (++calls == 3) x[7] = c.model.vocab_size;  // the last micro-batch
+  };
+  EXPECT_THROW(train_step(c, 0, a, *oa, *be, bad, in.data(), tg.data()), Error);
+  uint64_t sa = 60, sb = 60;
+  const StepStats x = train_step(c, 0, a, *oa, *be, batches(c, sa), in.data(), tg.data());
+  const StepStats y = train_step(c, 0, b, *ob, *be, batches(c, sb), in.data(), tg.data());
+  EXPECT_EQ(x.tokens, y.tokens);
+  EXPECT_EQ(x.loss, y.loss);
+  EXPECT_EQ(x.grad_norm, y.grad_norm);
+  expect_bitwise_same(a.params(), b.params(), "weight");
+  expect_bitwise_same(a.buffers(), b.buffers(), "balancing bias");
+}
+
 TEST(TrainStep, SynchronousCallsRefuseWhileMicroBatchesArePending) {
   const Config c = step_config("adamw");
   auto be = make_cpu_backend(0);

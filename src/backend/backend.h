@@ -69,7 +69,9 @@ class Backend : public MemorySpace {
   // grouped_gemm with typed operands, for the bf16 MoE experts (model.moe_bf16): A, B and C each
   // fp32 or bf16 bits (uint16_t storage). `rows` bounds offsets[E], the row count of A (and of C
   // for rows_out) that the caller's buffers hold: a backend widening a bf16 operand into scratch
-  // sizes it from `rows`, never by reading the offsets. A bf16 C takes no addend (beta 0) and is
+  // sizes it from `rows`, never by reading the offsets (the CPU checks offsets[E] <= rows; on a
+  // device a smaller `rows` is undefined: the model passes tokens * top_k, which offsets[E] always
+  // equals, every token having top_k slots). A bf16 C takes no addend (beta 0) and is
   // packed (ldc == N; rows_out = false: strideC == M * N). The values are the CPU reference's steps:
   // widen, fp32 grouped GEMM, round to nearest even; grouped_gemm is its all-fp32 case.
   virtual void grouped_gemm_ex(bool rows_out, bool transB, int E, const int32_t* offsets, int rows, int M, int N,

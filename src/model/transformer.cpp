@@ -681,6 +681,11 @@ std::vector<LossSums> Transformer::take_loss_sums() {
   return out;
 }
 
+void Transformer::discard_step() {
+  pending_ = 0;
+  balance_tokens_ = 0;
+}
+
 LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale) {
   check_no_pending("forward_backward");
   forward_backward_async(inputs, targets, grad_scale);

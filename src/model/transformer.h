@@ -109,6 +109,10 @@ class Transformer {
   void forward_backward_async(const int32_t* inputs, const int32_t* targets, float grad_scale);
   void reserve_micro_batches(int n);
   std::vector<LossSums> take_loss_sums();
+  // Forgets an aborted step: its pending loss sums and the MoE router values it stored for
+  // balancing (train_step calls it when a micro-batch throws, e.g. on a bad token id, so the next
+  // step starts clean; the load statistics keep the aborted tokens).
+  void discard_step();
   // Forward only: loss sums (evaluation). Host inputs/targets.
   LossSums forward_loss(const int32_t* inputs, const int32_t* targets);
   // Forward only: writes all logits [batch*seq_len, vocab] to `logits`, HOST memory. On a host

@@ -61,12 +61,18 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
   model.reserve_micro_batches(accum);
   model.zero_grad();
   const float grad_scale = 1.0f / float(int64_t(N) * accum);
-  // Nothing below waits for the backend until every op of the step is enqueued: the micro-batches'
+  // Nothing below waits for the backend until every op of the step is enqueued (a CUDA backend's
+  // token uploads excepted, when the host is several micro-batches ahead): the micro-batches'
   // loss sums stay in backend memory, the MoE bias is updated there, the clip factor is computed
   // there; the host reads the norm, the sums and the load counts after the optimizer is queued.
-  for (int micro = 0; micro < accum; ++micro) {
-    next_batch(inputs, targets);
-    model.forward_backward_async(inputs, targets, grad_scale);
+  try {
+    for (int micro = 0; micro < accum; ++micro) {
+      next_batch(inputs, targets);
+      model.forward_backward_async(inputs, targets, grad_scale);
+    }
+  } catch (...) {
+    model.discard_step();  // a caller that goes on starts the next step clean
+    throw;
   }
   // (data parallel: the all-reduce of the contiguous gradient arena goes here)
   // MoE quantile balancing, once per step from the step's tokens (data parallel: beta is averaged

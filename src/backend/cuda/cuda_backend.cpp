@@ -72,10 +72,9 @@ class CudaBackendImpl final : public CudaBackend {
   ~CudaBackendImpl() override {
     if (st_) cudaStreamSynchronize(st_);  // queued work, staged uploads still reading their pinned slots
     gemm_.reset();
-    for (auto& s : stage_) {
-      if (s.host) cudaFreeHost(s.host);
+    if (stage_pinned_) cudaFreeHost(stage_pinned_);
+    for (auto& s : stage_)
       if (s.done) cudaEventDestroy(s.done);
-    }
     if (host_sums_) cudaFreeHost(host_sums_);
     if (st_) cudaStreamDestroy(st_);
   }
@@ -111,18 +110,22 @@ class CudaBackendImpl final : public CudaBackend {
     touch(dst);
     if (!bytes) return;
     if (bytes <= kStageBytes) {
-      // Small uploads (a micro-batch's token ids and targets, the MoE biases) go through one of two
-      // pinned slots: the host copies into the slot and returns, and the copy to the device runs in
-      // stream order, so the host does not wait for the queued work to finish before every
-      // micro-batch. A slot is refilled only after the copy that read it has run (its event).
-      Stage& s = stage_[stage_next_];
-      stage_next_ ^= 1;
-      if (!s.host) {
-        LADDER_CUDA_CHECK(cudaMallocHost(&s.host, kStageBytes));
-        LADDER_CUDA_CHECK(cudaEventCreate(&s.done));
-      } else {
-        LADDER_CUDA_CHECK(cudaEventSynchronize(s.done));
+      // Small uploads (a micro-batch's token ids and targets) go through a ring of pinned slots:
+      // the host copies into the slot and returns, and the copy to the device runs in stream order,
+      // so the host does not wait for the queued work. A slot is refilled only after the copy that
+      // read it has run (its event): with kStageSlots slots and two uploads per micro-batch the host
+      // waits only when it is kStageSlots / 2 micro-batches ahead of the device (the device is busy
+      // then; the host is merely not allowed further ahead). All slots at once, on the first call.
+      if (!stage_pinned_) {
+        LADDER_CUDA_CHECK(cudaMallocHost(&stage_pinned_, kStageSlots * kStageBytes));
+        for (int i = 0; i < kStageSlots; ++i) {
+          stage_[i].host = static_cast<char*>(stage_pinned_) + size_t(i) * kStageBytes;
+          LADDER_CUDA_CHECK(cudaEventCreate(&stage_[i].done));
+        }
       }
+      Stage& s = stage_[stage_next_];
+      stage_next_ = (stage_next_ + 1) % kStageSlots;
+      LADDER_CUDA_CHECK(cudaEventSynchronize(s.done));  // returns at once for a slot never used
       std::memcpy(s.host, src, bytes);
       LADDER_CUDA_CHECK(cudaMemcpyAsync(dst, s.host, bytes, cudaMemcpyHostToDevice, st_));
       LADDER_CUDA_CHECK(cudaEventRecord(s.done, st_));
@@ -960,13 +963,15 @@ class CudaBackendImpl final : public CudaBackend {
     }
   };
   CastCache cast_a_, cast_b_;
-  // upload()'s pinned staging slots (allocated on first use).
+  // upload()'s ring of pinned staging slots (one allocation, on first use).
   static constexpr size_t kStageBytes = size_t(1) << 20;
+  static constexpr int kStageSlots = 8;
   struct Stage {
     void* host = nullptr;
     cudaEvent_t done = nullptr;
   };
-  Stage stage_[2];
+  void* stage_pinned_ = nullptr;
+  Stage stage_[kStageSlots];
   int stage_next_ = 0;
   DeviceBuffer<float> a_wide_, b_wide_;  // bf16 A / B under fp32 / TF32 GEMMs: widened
   DeviceBuffer<float> d_wide_;  // a bf16 output under fp32 / TF32 GEMMs: the fp32 result it is rounded from

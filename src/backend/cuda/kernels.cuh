@@ -64,11 +64,11 @@ cudaError_t scale_matrix(float* C, int M, int N, int ldc, float beta, cudaStream
 cudaError_t f32_to_bf16(uint16_t* out, const float* in, size_t n, cudaStream_t st);
 // out[i] = float(in[i]) for bf16 bits in (exact).
 cudaError_t bf16_to_f32(float* out, const uint16_t* in, size_t n, cudaStream_t st);
-// The same for a strided [rows, cols] view (leading dimension ld >= cols) into a packed [rows, cols].
 // f32_to_bf16 over the first min(*rows, max_rows) rows of `cols` elements, *rows a device int
 // (a grouped GEMM's offsets[E]: no host round trip for the row count).
 cudaError_t f32_to_bf16_rows(uint16_t* out, const float* in, const int32_t* rows, size_t cols, size_t max_rows,
                              cudaStream_t st);
+// The same for a strided [rows, cols] view (leading dimension ld >= cols) into a packed [rows, cols].
 cudaError_t f32_to_bf16_2d(uint16_t* out, const float* in, int rows, int cols, int ld, cudaStream_t st);
 
 // x[i] = uniform in [lo, hi) from a counter-based hash of (seed, i): random data on the device

@@ -32,7 +32,7 @@ GRID_STRIDE = {
                "rmsnorm_bwd_dx_kernel", "rope_kernel", "swiglu_fwd_kernel", "swiglu_bwd_kernel",
                "swiglu_fwd_bf16_kernel", "swiglu_bwd_bf16_kernel", "xent_kernel",
                "add_kernel", "scale_kernel", "adamw_kernel", "scale_matrix_kernel", "f32_to_bf16_kernel",
-               "f32_to_bf16_2d_kernel", "fill_uniform_kernel"],
+               "f32_to_bf16_2d_kernel", "f32_to_bf16_rows_kernel", "fill_uniform_kernel"],
     "attention.cu": ["attn_bwd_dot_kernel"],
     "switch_ops.cu": ["pko_fwd_kernel", "pko_bwd_kernel", "qk_prep_fwd_kernel", "qk_prep_bwd_kernel",
                       "xsa_fwd_kernel", "xsa_bwd_kernel",
@@ -43,6 +43,7 @@ GRID_STRIDE = {
     # moe_ops.cu: not listed, on purpose: radix_select_kernel (one block per column),
     # row_tile_prefix_kernel (one block), grouped_wgrad_kernel (one block per tile, no stride).
     "moe_ops.cu": ["route_kernel", "balance_values_kernel", "router_backward_kernel", "gather_kernel",
+                   "gather_bf16_kernel",
                    "combine_kernel", "combine_backward_kernel", "gather_backward_kernel", "iota_kernel",
                    "invert_perm_kernel", "offsets_from_sorted_kernel", "transpose_keys_kernel",
                    "grouped_rows_kernel", "count_load_kernel", "pko_resets_kernel"],
