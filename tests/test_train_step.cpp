@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,25 @@ void expect_bitwise_same(const std::vector<Param>& a, const std::vector<Param>& 
     EXPECT_EQ(std::memcmp(a[i].w, b[i].w, a[i].numel * sizeof(float)), 0) << what << " " << a[i].name;
 }
 
+// Two models from the same init on one CPU backend, each with its optimizer, and host batch buffers.
+struct Twins {
+  std::unique_ptr<Backend> be;
+  Transformer a, b;
+  std::unique_ptr<Optimizer> oa, ob;
+  std::vector<int32_t> in, tg;
+  explicit Twins(const Config& c)
+      : be(make_cpu_backend(0)),
+        a(c.model, c.run.batch_size, *be),
+        b(c.model, c.run.batch_size, *be),
+        in(size_t(c.run.batch_size) * c.model.seq_len),
+        tg(in.size()) {
+    a.init(11);
+    b.init(11);
+    oa = make_optimizer(c, a, *be);
+    ob = make_optimizer(c, b, *be);
+  }
+};
+
 // The step as it was before: one synchronous forward_backward per micro-batch, beta through the
 // host and back, the statistics read before the optimizer.
 StepStats synchronous_step(const Config& cfg, int64_t step, Transformer& model, Optimizer& opt,
@@ -78,12 +98,8 @@ TEST(TrainStep, IsBitwiseTheSynchronousStepItReplaced) {
     SCOPED_TRACE(optim);
     const Config c = step_config(optim);
     validate(c);
-    auto be = make_cpu_backend(0);
-    Transformer a(c.model, c.run.batch_size, *be), b(c.model, c.run.batch_size, *be);
-    a.init(11);
-    b.init(11);
-    auto oa = make_optimizer(c, a, *be), ob = make_optimizer(c, b, *be);
-    std::vector<int32_t> in(size_t(c.run.batch_size) * c.model.seq_len), tg(in.size());
+    Twins t(c);
+    auto& [be, a, b, oa, ob, in, tg] = t;
     uint64_t sa = 40, sb = 40;
     for (int step = 0; step < 3; ++step) {
       const StepStats x = train_step(c, step, a, *oa, *be, batches(c, sa), in.data(), tg.data());
@@ -196,12 +212,8 @@ TEST(TrainStep, EnqueuesEveryOpBeforeItsFirstWait) {
 // aborted micro-batches changed no weight: gradients are zeroed per step, the optimizer never ran).
 TEST(TrainStep, AnAbortedStepLeavesNothingBehind) {
   const Config c = step_config("adamw");
-  auto be = make_cpu_backend(0);
-  Transformer a(c.model, c.run.batch_size, *be), b(c.model, c.run.batch_size, *be);
-  a.init(11);
-  b.init(11);
-  auto oa = make_optimizer(c, a, *be), ob = make_optimizer(c, b, *be);
-  std::vector<int32_t> in(size_t(c.run.batch_size) * c.model.seq_len), tg(in.size());
+  Twins t(c);
+  auto& [be, a, b, oa, ob, in, tg] = t;
   uint64_t seed = 5;
   int calls = 0;
   const BatchFn bad = [&](int32_t* x, int32_t* y) {

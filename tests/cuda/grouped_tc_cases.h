@@ -238,4 +238,32 @@ inline std::vector<Case> cases(bool quick) {
   return v;
 }
 
+// A bf16-output run (c_bf16) against the fp32-output run `ref` of the same case (beta 0): every
+// output element must be the round-to-nearest-even of ref's, every other element keep its 0xFFFF
+// poison. Adds gtest failures; returns whether the case had any output element.
+inline bool check_bf16_output(const Case& c, const Problem& p, const std::vector<uint16_t>& got,
+                              const std::vector<float>& ref) {
+  const int s = p.shift, total = p.off[c.E];
+  std::vector<char> is_out(got.size(), 0);
+  const int blocks = c.rows_out ? 1 : c.E, rows = c.rows_out ? total : c.M;
+  for (int e = 0; e < blocks; ++e)
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < c.N; ++j) is_out[size_t(s) + size_t(e) * p.sC + size_t(r) * p.ldc + j] = 1;
+  size_t bad = 0, outside = 0, outs = 0;
+  for (size_t x = 0; x < got.size(); ++x) {
+    if (!is_out[x]) {
+      outside += got[x] != 0xFFFF;
+      continue;
+    }
+    ++outs;
+    const uint16_t want = cpu::bf16_bits(ref[x]);
+    if (got[x] != want && bad++ < 3)
+      ADD_FAILURE() << "element " << x << ": bf16 bits 0x" << std::hex << got[x] << ", the fp32 run's " << ref[x]
+                    << " rounds to 0x" << want << std::dec;
+  }
+  EXPECT_EQ(bad, 0u) << "bf16 output elements differ from the rounded fp32 output";
+  EXPECT_EQ(outside, 0u) << "elements outside the output were written";
+  return outs > 0;
+}
+
 }  // namespace ladder::grouped_tc
