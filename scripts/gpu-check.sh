@@ -126,8 +126,8 @@ except Exception:
   MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rc" "$row" "$extra")"$'\n'
 done
 
-# ---- 5b. where the time goes: one profiled bench (every op timed to completion, a sync per op, so
-# the step is slower than above; the shares are what to read) of the bf16 MoE at d=1024.
+# ---- 5b. where the time goes: one profiled bench (each op's device time from CUDA events on the
+# backend's stream, Backend::make_op_timer; no host wait per op) of the bf16 MoE at d=1024.
 PROFILE_ROWS=""
 if [ "${GPU_CHECK_PROFILE:-1}" != 0 ] && [ $(($(date +%s) - T0)) -lt 400 ]; then
   log "profiled bench: moe-d1024 bf16 (log: profile.log)"
@@ -160,7 +160,7 @@ echo "model benchmarks (ladder bench --device cuda, median of 4 steps; MFU = mod
 echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@ds  act MiB  dev MiB  (settings)"
 printf '%s' "$MODEL_ROWS"
 if [ -n "$PROFILE_ROWS" ]; then
-  echo "where a step's time goes (moe-d1024 bf16, ladder bench --profile: each op synchronized, top 12):"
+  echo "where a step's time goes (moe-d1024 bf16, ladder bench --profile: device time per op from CUDA events, top 12):"
   printf '%s\n' "$PROFILE_ROWS"
 fi
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

@@ -6,6 +6,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -18,6 +19,17 @@ namespace ladder {
 
 using cpu::AttnShape;
 using cpu::XentSums;
+
+// Times ops on a backend's own clock (a device's stream: `ladder bench --profile` without a host
+// wait per op): begin() just before an op is enqueued, end(op) just after; take_totals() waits for
+// the queued work and returns the seconds per op name since its last call.
+class OpTimer {
+ public:
+  virtual ~OpTimer() = default;
+  virtual void begin() = 0;
+  virtual void end(const std::string& op) = 0;
+  virtual std::map<std::string, double> take_totals() = 0;
+};
 
 // One tensor of a multi-tensor optimizer op (adamw_multi, adamh_multi). Pointers are backend memory.
 struct OptimTensor {
@@ -229,6 +241,8 @@ class Backend : public MemorySpace {
   // Device memory in use on the backend's device, in bytes (the CUDA backend: total minus free, as
   // the driver reports it, so other processes and the context count too); -1 where not known.
   virtual double device_memory_used() const { return -1; }
+  // An OpTimer on this backend's clock; nullptr where the host clock is the op's (the CPU).
+  virtual std::unique_ptr<OpTimer> make_op_timer() { return nullptr; }
   virtual void unregister_weights(const void* base) { (void)base; }
 };
 

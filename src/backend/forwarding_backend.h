@@ -128,6 +128,7 @@ class ForwardingBackend : public Backend {
     return wrap("grad norm", 0, [&] { return b_->sum_squares(x, n); });
   }
   double device_memory_used() const override { return b_->device_memory_used(); }
+  std::unique_ptr<OpTimer> make_op_timer() override { return b_->make_op_timer(); }
   void to_bf16(uint16_t* out, const float* in, size_t n) override {
     wrap("bf16 storage", 0, [&] { b_->to_bf16(out, in, n); });
   }

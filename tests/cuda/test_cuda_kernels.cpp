@@ -16,6 +16,7 @@
 
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/profiling_backend.h"
 #include "cuda_fixture.h"
 #include "backend/cuda/device_memory.h"
 #include "core/error.h"
@@ -688,6 +689,30 @@ TEST_F(CudaKernels, SmallUploadsAreStagedInStreamOrder) {
   DeviceBuffer<float> d_big(big.size());
   be().upload(d_big.data(), big.data(), big.size() * sizeof(float));
   EXPECT_EQ(down(d_big, big.size()), big);
+}
+
+// `ladder bench --profile` on the device: the profiler times each op with events on the backend's
+// stream (Backend::make_op_timer), so every op is counted and timed without a host wait per op;
+// reset() forgets what came before.
+TEST_F(CudaKernels, ProfilerTimesOpsOnTheDeviceClock) {
+  auto prof = make_profiling_backend(make_cuda_backend("fp32"));
+  const int n = 256;
+  DeviceBuffer<float> A(size_t(n) * n), B(size_t(n) * n), C(size_t(n) * n);
+  A.upload(randv(A.size()));
+  B.upload(randv(B.size()));
+  prof->gemm(false, false, n, n, n, 1.f, A.data(), n, B.data(), n, 0.f, C.data(), n);
+  prof->reset();
+  for (int i = 0; i < 3; ++i) prof->gemm(false, false, n, n, n, 1.f, A.data(), n, B.data(), n, 0.f, C.data(), n);
+  prof->add_inplace(C.data(), A.data(), A.size());
+  const auto& t = prof->times();
+  ASSERT_EQ(t.count("gemm NN"), 1u);
+  EXPECT_EQ(t.at("gemm NN").calls, 3);
+  EXPECT_GT(t.at("gemm NN").seconds, 0.0);
+  EXPECT_DOUBLE_EQ(t.at("gemm NN").flops, 3 * 2.0 * n * n * n);
+  ASSERT_EQ(t.size(), 2u) << "the op before reset() is forgotten; one more op kind (add)";
+  // Read once more without new ops: nothing is added twice.
+  const double s = t.at("gemm NN").seconds;
+  EXPECT_EQ(prof->times().at("gemm NN").seconds, s);
 }
 
 TEST_F(CudaKernels, OutOfMemoryIsOneLine) {

@@ -85,6 +85,49 @@ class CudaBackendImpl final : public CudaBackend {
   bool tf32() const override { return opt_.tf32; }
   bool bf16() const override { return opt_.bf16; }
   uint64_t bf16_cast_reuses() const override { return cast_reuses_; }
+  // Events on the backend's stream around each op: the device's time per op without a host wait
+  // per op (the events are recycled at each take_totals).
+  class StreamOpTimer final : public OpTimer {
+   public:
+    explicit StreamOpTimer(cudaStream_t st) : st_(st) {}
+    ~StreamOpTimer() override {
+      for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    }
+    void begin() override { begin_ = record(); }
+    void end(const std::string& op) override { spans_.push_back({begin_, record(), op}); }
+    std::map<std::string, double> take_totals() override {
+      std::map<std::string, double> out;
+      LADDER_CUDA_CHECK(cudaStreamSynchronize(st_));
+      for (const Span& s : spans_) {
+        float ms = 0;
+        LADDER_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[s.a], events_[s.b]));
+        out[s.op] += 1e-3 * double(ms);
+      }
+      spans_.clear();
+      used_ = 0;
+      return out;
+    }
+
+   private:
+    struct Span {
+      size_t a, b;
+      std::string op;
+    };
+    size_t record() {
+      if (used_ == events_.size()) {
+        events_.push_back(nullptr);
+        LADDER_CUDA_CHECK(cudaEventCreate(&events_.back()));
+      }
+      LADDER_CUDA_CHECK(cudaEventRecord(events_[used_], st_));
+      return used_++;
+    }
+    cudaStream_t st_;
+    std::vector<cudaEvent_t> events_;
+    size_t used_ = 0, begin_ = 0;
+    std::vector<Span> spans_;
+  };
+  std::unique_ptr<OpTimer> make_op_timer() override { return std::make_unique<StreamOpTimer>(st_); }
+
   double device_memory_used() const override {
     size_t free_b = 0, total_b = 0;
     if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return -1;
