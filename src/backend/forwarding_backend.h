@@ -71,7 +71,9 @@ class ForwardingBackend : public Backend {
   void grouped_gemm_ex(bool rows_out, bool transB, int E, const int32_t* offsets, int rows, int M, int N, int K,
                        float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
                        size_t strideB, float beta, void* C, bool c_bf16, int ldc, size_t strideC) override {
-    wrap("grouped gemm", 0, [&] {
+    // FLOPs from the row bound: exact where rows is offsets[E], as in the model (dropless MoE).
+    const double flops = 2.0 * double(rows) * N * (rows_out ? K : M);
+    wrap("grouped gemm", flops, [&] {
       b_->grouped_gemm_ex(rows_out, transB, E, offsets, rows, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, strideB,
                           beta, C, c_bf16, ldc, strideC);
     });

@@ -158,9 +158,12 @@ struct KernelOps {
   }
 };
 
-// The same through a Backend (float): what the model uses.
+// The same through a Backend (float): what the model uses. `rows`: the N*K rows every grouped GEMM
+// of the block covers (offsets[E], dropless); given, the grouped GEMMs go through grouped_gemm_ex
+// with that bound (the same computation; a profiler can then count their FLOPs).
 struct BackendOps {
   Backend* be;
+  int rows = 0;
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) {
     be->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -168,7 +171,11 @@ struct BackendOps {
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* off, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t sB, float beta, float* C, int ldc,
                     size_t sC) {
-    be->grouped_gemm(rows_out, tb, E, off, M, N, K, alpha, A, lda, B, ldb, sB, beta, C, ldc, sC);
+    if (rows > 0)
+      be->grouped_gemm_ex(rows_out, tb, E, off, rows, M, N, K, alpha, A, false, lda, B, false, ldb, sB, beta, C, false,
+                          ldc, sC);
+    else
+      be->grouped_gemm(rows_out, tb, E, off, M, N, K, alpha, A, lda, B, ldb, sB, beta, C, ldc, sC);
   }
   void swiglu_forward(float* h, const float* g, const float* u, size_t n) { be->swiglu_forward(h, g, u, n); }
   void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) {

@@ -44,7 +44,7 @@ Param& Transformer::param(const std::string& name) {
 }
 
 Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
-    : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(batch * cfg.seq_len), be_(be), ops_{&be} {
+    : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(batch * cfg.seq_len), be_(be), ops_{&be, batch * cfg.seq_len * cfg.moe_top_k} {
   LADDER_ASSERT(cfg.vocab_size > 0);
   if (cfg.pko && cfg.eod_id < 0)
     fail("model.pko zeroes the shifted key half at document starts, but no end-of-document token is known: "
