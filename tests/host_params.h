@@ -17,13 +17,7 @@ struct HostParams {
   std::vector<float> w, g;
 
   void add(const std::string& name, Role role, std::vector<int64_t> shape) {
-    Param p;
-    p.name = name;
-    p.role = role;
-    p.shape = std::move(shape);
-    p.numel = 1;
-    for (auto s : p.shape) p.numel *= size_t(s);
-    params.push_back(std::move(p));
+    params.push_back(Param::unplaced(name, role, std::move(shape)));
   }
   // After the last add(): weights and gradients, seeded by (seed, stream).
   void carve(uint64_t seed, const std::string& stream) {

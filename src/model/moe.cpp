@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 
 #include "core/error.h"
 
@@ -27,10 +26,6 @@ std::vector<std::pair<void**, size_t>> moe_act_requests(const MoeDims& D, MoeAct
              {{(void**)&a.sgate, N * D.Is * th}, {(void**)&a.sup, N * D.Is * th}, {(void**)&a.sact, N * D.Is * th}});
   return r;
 }
-
-namespace {
-uint16_t* b16(float* p) { return reinterpret_cast<uint16_t*>(p); }
-}  // namespace
 
 template <class T>
 std::vector<std::pair<void**, size_t>> moe_scratch_requests(const MoeDims& D, MoeScratch<T>& s) {
@@ -56,54 +51,30 @@ void moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>&
   ops.moe_route(A.lse, A.expert, A.comb, A.logits, W.bias, N, E, K, D.normalized, D.route_scale);
   // 3. Counting sort of the slots by expert; stable, so each expert's rows are in token order.
   ops.moe_sort(A.offsets, A.row, A.slot, A.expert, int(NK), E);
-  // 4. Gather the input rows into expert order (D.bf16: rounded to bf16 on the way).
-  // 5. The experts: one GEMM per matrix per expert over its contiguous rows. D.bf16: gate and up
-  //    from the bf16 rows, written as bf16 by the GEMM, SwiGLU in fp32 from them into bf16, read
-  //    as it is by down.
-  bool bf16 = false;
-  if constexpr (std::is_same_v<Ops, BackendOps>) {
-    bf16 = D.bf16;
-    if (bf16) {
-      Backend& be = *ops.be;
-      const int rows = int(NK);
-      be.moe_gather_bf16(b16(A.xs), h, A.slot, int(NK), K, d);
-      be.grouped_gemm_ex(true, true, E, A.offsets, rows, 0, I, d, 1.f, b16(A.xs), true, d, W.wg, false, d,
-                         size_t(I) * d, 0.f, b16(A.g), true, I, 0);
-      be.grouped_gemm_ex(true, true, E, A.offsets, rows, 0, I, d, 1.f, b16(A.xs), true, d, W.wu, false, d,
-                         size_t(I) * d, 0.f, b16(A.u), true, I, 0);
-      be.swiglu_forward_bf16(b16(A.a), b16(A.g), b16(A.u), NK * I);
-      be.grouped_gemm_ex(true, true, E, A.offsets, rows, 0, d, I, 1.f, b16(A.a), true, I, W.wd, false, I,
-                         size_t(d) * I, 0.f, b16(A.y), true, d, 0);
-      be.moe_combine_bf16(out, b16(A.y), A.comb, A.row, N, K, d);
-    }
-  }
-  LADDER_ASSERT(bf16 == D.bf16);  // bf16 only through a Backend
-  if (!bf16) {
-    ops.moe_gather(A.xs, h, A.slot, int(NK), K, d);
-    ops.grouped_gemm(true, true, E, A.offsets, 0, I, d, T(1), A.xs, d, W.wg, d, size_t(I) * d, T(0), A.g, I, 0);
-    ops.grouped_gemm(true, true, E, A.offsets, 0, I, d, T(1), A.xs, d, W.wu, d, size_t(I) * d, T(0), A.u, I, 0);
-    ops.swiglu_forward(A.a, A.g, A.u, NK * I);
-    ops.grouped_gemm(true, true, E, A.offsets, 0, d, I, T(1), A.a, I, W.wd, I, size_t(d) * I, T(0), A.y, d, 0);
-    // 6. Scatter back, weighted. Each token sums its own K rows in slot order: deterministic.
-    //    (D.bf16: the same from the bf16 expert outputs, above.)
-    ops.moe_combine(out, A.y, A.comb, A.row, N, K, d);
-  }
+  // 4. Gather the input rows into expert order.
+  // 5. The experts: one GEMM per matrix per expert over its contiguous rows (rows = N*K, dropless).
+  // 6. Scatter back, weighted. Each token sums its own K rows in slot order: deterministic.
+  // D.bf16 (h16): xs, g, u, a and y are bf16 bits: the gather rounds the rows, gate and up are
+  // written as bf16 by the GEMM, SwiGLU computes in fp32 from them into bf16, down reads that and
+  // writes y in bf16, which the combine reads.
+  const bool h16 = D.bf16;
+  const int rows = int(NK);
+  ops.moe_gather(A.xs, h, A.slot, rows, K, d, h16);
+  ops.grouped_gemm(true, true, E, A.offsets, 0, I, d, T(1), A.xs, d, W.wg, d, size_t(I) * d, T(0), A.g, I, 0, rows,
+                   h16, false, h16);
+  ops.grouped_gemm(true, true, E, A.offsets, 0, I, d, T(1), A.xs, d, W.wu, d, size_t(I) * d, T(0), A.u, I, 0, rows,
+                   h16, false, h16);
+  ops.swiglu_forward(A.a, A.g, A.u, NK * I, h16);
+  ops.grouped_gemm(true, true, E, A.offsets, 0, d, I, T(1), A.a, I, W.wd, I, size_t(d) * I, T(0), A.y, d, 0, rows,
+                   h16, false, h16);
+  ops.moe_combine(out, A.y, A.comb, A.row, N, K, d, h16);
 
-  // 7. The shared expert, on every token (D.bf16: as the routed experts, through gemm_ex).
-  if constexpr (std::is_same_v<Ops, BackendOps>) {
-    if (Is > 0 && bf16) {
-      Backend& be = *ops.be;
-      be.gemm_ex(false, true, N, Is, d, 1.f, h, false, d, W.sg, false, d, 0.f, nullptr, b16(A.sgate), true, Is);
-      be.gemm_ex(false, true, N, Is, d, 1.f, h, false, d, W.su, false, d, 0.f, nullptr, b16(A.sup), true, Is);
-      be.swiglu_forward_bf16(b16(A.sact), b16(A.sgate), b16(A.sup), size_t(N) * Is);
-      be.gemm_ex(false, true, N, d, Is, 1.f, b16(A.sact), true, Is, W.sd, false, Is, 1.f, out, out, false, d);
-    }
-  }
-  if (Is > 0 && !bf16) {
-    ops.gemm(false, true, N, Is, d, T(1), h, d, W.sg, d, T(0), A.sgate, Is);
-    ops.gemm(false, true, N, Is, d, T(1), h, d, W.su, d, T(0), A.sup, Is);
-    ops.swiglu_forward(A.sact, A.sgate, A.sup, size_t(N) * Is);
-    ops.gemm(false, true, N, d, Is, T(1), A.sact, Is, W.sd, Is, T(1), out, d);
+  // 7. The shared expert, on every token (D.bf16: its three hidden tensors in bf16 likewise).
+  if (Is > 0) {
+    ops.gemm(false, true, N, Is, d, T(1), h, d, W.sg, d, T(0), A.sgate, Is, false, false, h16);
+    ops.gemm(false, true, N, Is, d, T(1), h, d, W.su, d, T(0), A.sup, Is, false, false, h16);
+    ops.swiglu_forward(A.sact, A.sgate, A.sup, size_t(N) * Is, h16);
+    ops.gemm(false, true, N, d, Is, T(1), A.sact, Is, W.sd, Is, T(1), out, d, h16);
   }
 }
 
@@ -115,40 +86,20 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
 
   // 1. Through the weighted scatter: dy_row = w_slot * dout_token; dL/dw_slot = dout_token . y_row.
   // 2. The experts, per block: down, SwiGLU, gate/up; weight gradients summed over each block.
-  //    D.bf16: y, a, g, u and xs are read as the bf16 they are; every gradient is fp32.
-  bool bf16 = false;
-  if constexpr (std::is_same_v<Ops, BackendOps>) bf16 = D.bf16;
-  if (!bf16) ops.moe_combine_backward(S.dy, S.dcomb, dout, A.y, A.comb, A.row, N, K, d);
-  if constexpr (std::is_same_v<Ops, BackendOps>) {
-    if (bf16) ops.be->moe_combine_backward_bf16(S.dy, S.dcomb, dout, b16(A.y), A.comb, A.row, N, K, d);
-  }
-  ops.grouped_gemm(true, false, E, A.offsets, 0, I, d, T(1), S.dy, d, W.wd, I, size_t(d) * I, T(0), S.da, I, 0);
-  if constexpr (std::is_same_v<Ops, BackendOps>) {
-    if (bf16) {
-      ops.be->grouped_gemm_ex(false, false, E, A.offsets, int(NK), d, I, 0, 1.f, S.dy, false, d, b16(A.a), true, I, 0,
-                              1.f, G.wd, false, I, size_t(d) * I);
-      ops.be->swiglu_backward_bf16(S.dg, S.du, S.da, b16(A.g), b16(A.u), NK * I);
-    }
-  }
-  LADDER_ASSERT(bf16 == D.bf16);  // bf16 only through a Backend
-  if (!bf16) {
-    ops.grouped_gemm(false, false, E, A.offsets, d, I, 0, T(1), S.dy, d, A.a, I, 0, T(1), G.wd, I, size_t(d) * I);
-    ops.swiglu_backward(S.dg, S.du, S.da, A.g, A.u, NK * I);
-  }
-  ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.dg, I, W.wg, d, size_t(I) * d, T(0), S.dx, d, 0);
-  ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.du, I, W.wu, d, size_t(I) * d, T(1), S.dx, d, 0);
-  if constexpr (std::is_same_v<Ops, BackendOps>) {
-    if (bf16) {  // the gathered rows are bf16
-      ops.be->grouped_gemm_ex(false, false, E, A.offsets, int(NK), I, d, 0, 1.f, S.dg, false, I, b16(A.xs), true, d, 0,
-                              1.f, G.wg, false, d, size_t(I) * d);
-      ops.be->grouped_gemm_ex(false, false, E, A.offsets, int(NK), I, d, 0, 1.f, S.du, false, I, b16(A.xs), true, d, 0,
-                              1.f, G.wu, false, d, size_t(I) * d);
-    }
-  }
-  if (!bf16) {
-    ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.dg, I, A.xs, d, 0, T(1), G.wg, d, size_t(I) * d);
-    ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.du, I, A.xs, d, 0, T(1), G.wu, d, size_t(I) * d);
-  }
+  //    D.bf16 (h16): y, a, g, u and xs are read as the bf16 they are; every gradient is fp32.
+  const bool h16 = D.bf16;
+  const int rows = int(NK);
+  ops.moe_combine_backward(S.dy, S.dcomb, dout, A.y, A.comb, A.row, N, K, d, h16);
+  ops.grouped_gemm(true, false, E, A.offsets, 0, I, d, T(1), S.dy, d, W.wd, I, size_t(d) * I, T(0), S.da, I, 0, rows);
+  ops.grouped_gemm(false, false, E, A.offsets, d, I, 0, T(1), S.dy, d, A.a, I, 0, T(1), G.wd, I, size_t(d) * I, rows,
+                   false, h16);
+  ops.swiglu_backward(S.dg, S.du, S.da, A.g, A.u, NK * I, h16);
+  ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.dg, I, W.wg, d, size_t(I) * d, T(0), S.dx, d, 0, rows);
+  ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.du, I, W.wu, d, size_t(I) * d, T(1), S.dx, d, 0, rows);
+  ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.dg, I, A.xs, d, 0, T(1), G.wg, d, size_t(I) * d, rows,
+                   false, h16);
+  ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.du, I, A.xs, d, 0, T(1), G.wu, d, size_t(I) * d, rows,
+                   false, h16);
 
   // 3. Gather the row gradients back to their tokens (the adjoint of the forward gather).
   ops.moe_gather_backward(dh, S.dx, A.row, N, K, d);
@@ -156,16 +107,8 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
   // 4. The shared expert.
   if (Is > 0) {
     ops.gemm(false, false, N, Is, d, T(1), dout, d, W.sd, Is, T(0), S.dsa, Is);
-    if constexpr (std::is_same_v<Ops, BackendOps>) {
-      if (bf16) {
-        ops.be->gemm_b16(true, false, d, Is, N, 1.f, dout, d, b16(A.sact), Is, 1.f, G.sd, Is);
-        ops.be->swiglu_backward_bf16(S.dsg, S.dsu, S.dsa, b16(A.sgate), b16(A.sup), size_t(N) * Is);
-      }
-    }
-    if (!bf16) {
-      ops.gemm(true, false, d, Is, N, T(1), dout, d, A.sact, Is, T(1), G.sd, Is);
-      ops.swiglu_backward(S.dsg, S.dsu, S.dsa, A.sgate, A.sup, size_t(N) * Is);
-    }
+    ops.gemm(true, false, d, Is, N, T(1), dout, d, A.sact, Is, T(1), G.sd, Is, false, h16);
+    ops.swiglu_backward(S.dsg, S.dsu, S.dsa, A.sgate, A.sup, size_t(N) * Is, h16);
     ops.gemm(false, false, N, d, Is, T(1), S.dsg, Is, W.sg, d, T(1), dh, d);
     ops.gemm(false, false, N, d, Is, T(1), S.dsu, Is, W.su, d, T(1), dh, d);
     ops.gemm(true, false, Is, d, N, T(1), S.dsg, Is, h, d, T(1), G.sg, d);

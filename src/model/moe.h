@@ -33,6 +33,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/moe_kernels.h"
+#include "core/error.h"
 
 namespace ladder {
 
@@ -48,8 +49,7 @@ struct MoeDims {
   // the gather rounds xs, the GEMMs read it and write gate and up rounded to bf16, SwiGLU reads
   // them and writes a in bf16, the down projection reads a and writes y in bf16, which the combine
   // and its backward read; the weight gradients read xs and a as they are; every gradient stays
-  // fp32. Only through a Backend (BackendOps): the double-precision kernels
-  // have no bf16 form.
+  // fp32. Only through a Backend (BackendOps): the double-precision kernels have no bf16 form.
   bool bf16 = false;
 };
 
@@ -118,19 +118,31 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
 // in between: Backend::moe_balance_values per forward, Backend::moe_quantile_beta per step, then
 // Backend::moe_balance_bias, bias = -(beta - mean(beta)) (contracts in backend/cpu/moe_kernels.h).
 
-// gemm / grouped_gemm / swiglu through the templated CPU kernels (any T).
+// The ops the block runs, through the templated CPU kernels (any T). The trailing flags say which
+// tensors are bf16 bits (model.moe_bf16, MoeDims::bf16: a16 / b16 / c16 for a GEMM's A, B and
+// output, h16 for SwiGLU's tensors, x16 for the gathered rows, y16 for the expert outputs); these
+// kernels have no bf16 form, so here every flag must be false. `rows` bounds a grouped GEMM's
+// offsets[E] (unused here).
 template <class T>
 struct KernelOps {
   void gemm(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
-            int ldc) {
+            int ldc, bool a16 = false, bool b16 = false, bool c16 = false) {
+    LADDER_ASSERT(!a16 && !b16 && !c16);
     cpu::gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* off, int M, int N, int K, T alpha, const T* A,
-                    int lda, const T* B, int ldb, size_t sB, T beta, T* C, int ldc, size_t sC) {
+                    int lda, const T* B, int ldb, size_t sB, T beta, T* C, int ldc, size_t sC, int rows = 0,
+                    bool a16 = false, bool b16 = false, bool c16 = false) {
+    (void)rows;
+    LADDER_ASSERT(!a16 && !b16 && !c16);
     cpu::grouped_gemm<T>(rows_out, tb, E, off, M, N, K, alpha, A, lda, B, ldb, sB, beta, C, ldc, sC);
   }
-  void swiglu_forward(T* h, const T* g, const T* u, size_t n) { cpu::swiglu_forward<T>(h, g, u, n); }
-  void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) {
+  void swiglu_forward(T* h, const T* g, const T* u, size_t n, bool h16 = false) {
+    LADDER_ASSERT(!h16);
+    cpu::swiglu_forward<T>(h, g, u, n);
+  }
+  void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n, bool h16 = false) {
+    LADDER_ASSERT(!h16);
     cpu::swiglu_backward<T>(dg, du, dh, g, u, n);
   }
   void moe_route(T* lse, int32_t* ex, T* comb, const T* s, const T* bias, int N, int E, int K, bool nz, double rs) {
@@ -139,14 +151,17 @@ struct KernelOps {
   void moe_sort(int32_t* off, int32_t* row, int32_t* slot, const int32_t* ex, int NK, int E) {
     cpu::moe_sort(off, row, slot, ex, NK, E);
   }
-  void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d) {
+  void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d, bool x16 = false) {
+    LADDER_ASSERT(!x16);
     cpu::moe_gather<T>(xs, h, slot, NK, K, d);
   }
-  void moe_combine(T* out, const T* y, const T* comb, const int32_t* row, int N, int K, int d) {
+  void moe_combine(T* out, const T* y, const T* comb, const int32_t* row, int N, int K, int d, bool y16 = false) {
+    LADDER_ASSERT(!y16);
     cpu::moe_combine<T>(out, y, comb, row, N, K, d);
   }
   void moe_combine_backward(T* dy, T* dcomb, const T* dout, const T* y, const T* comb, const int32_t* row, int N,
-                            int K, int d) {
+                            int K, int d, bool y16 = false) {
+    LADDER_ASSERT(!y16);
     cpu::moe_combine_backward<T>(dy, dcomb, dout, y, comb, row, N, K, d);
   }
   void moe_gather_backward(T* dh, const T* dx, const int32_t* row, int N, int K, int d) {
@@ -158,28 +173,40 @@ struct KernelOps {
   }
 };
 
-// The same through a Backend (float): what the model uses. `rows`: the N*K rows every grouped GEMM
-// of the block covers (offsets[E], dropless); given, the grouped GEMMs go through grouped_gemm_ex
-// with that bound (the same computation; a profiler can then count their FLOPs).
+// The same through a Backend (float): what the model uses. A flagged tensor's float* holds bf16 bits
+// and goes to the backend's bf16 form of the op; unflagged calls are the plain fp32 ops. A grouped
+// GEMM given `rows` (the block's N*K rows, offsets[E]: dropless) goes through grouped_gemm_ex, the
+// same computation with a row bound (a profiler can then count its FLOPs).
 struct BackendOps {
   Backend* be;
-  int rows = 0;
+  static uint16_t* bits(float* p) { return reinterpret_cast<uint16_t*>(p); }
+  static const uint16_t* bits(const float* p) { return reinterpret_cast<const uint16_t*>(p); }
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
-            float beta, float* C, int ldc) {
-    be->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+            float beta, float* C, int ldc, bool a16 = false, bool b16 = false, bool c16 = false) {
+    if (a16 || c16)
+      be->gemm_ex(ta, tb, M, N, K, alpha, A, a16, lda, B, b16, ldb, beta, nullptr, C, c16, ldc);
+    else if (b16)
+      be->gemm_b16(ta, tb, M, N, K, alpha, A, lda, bits(B), ldb, beta, C, ldc);
+    else
+      be->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* off, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t sB, float beta, float* C, int ldc,
-                    size_t sC) {
-    if (rows > 0)
-      be->grouped_gemm_ex(rows_out, tb, E, off, rows, M, N, K, alpha, A, false, lda, B, false, ldb, sB, beta, C, false,
-                          ldc, sC);
+                    size_t sC, int rows = 0, bool a16 = false, bool b16 = false, bool c16 = false) {
+    if (rows > 0 || a16 || b16 || c16)
+      be->grouped_gemm_ex(rows_out, tb, E, off, rows, M, N, K, alpha, A, a16, lda, B, b16, ldb, sB, beta, C, c16, ldc,
+                          sC);
     else
       be->grouped_gemm(rows_out, tb, E, off, M, N, K, alpha, A, lda, B, ldb, sB, beta, C, ldc, sC);
   }
-  void swiglu_forward(float* h, const float* g, const float* u, size_t n) { be->swiglu_forward(h, g, u, n); }
-  void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) {
-    be->swiglu_backward(dg, du, dh, g, u, n);
+  void swiglu_forward(float* h, const float* g, const float* u, size_t n, bool h16 = false) {
+    if (h16) be->swiglu_forward_bf16(bits(h), bits(g), bits(u), n);
+    else be->swiglu_forward(h, g, u, n);
+  }
+  void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n,
+                       bool h16 = false) {
+    if (h16) be->swiglu_backward_bf16(dg, du, dh, bits(g), bits(u), n);
+    else be->swiglu_backward(dg, du, dh, g, u, n);
   }
   void moe_route(float* lse, int32_t* ex, float* comb, const float* s, const float* bias, int N, int E, int K,
                  bool nz, double rs) {
@@ -188,15 +215,19 @@ struct BackendOps {
   void moe_sort(int32_t* off, int32_t* row, int32_t* slot, const int32_t* ex, int NK, int E) {
     be->moe_sort(off, row, slot, ex, NK, E);
   }
-  void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
-    be->moe_gather(xs, h, slot, NK, K, d);
+  void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d, bool x16 = false) {
+    if (x16) be->moe_gather_bf16(bits(xs), h, slot, NK, K, d);
+    else be->moe_gather(xs, h, slot, NK, K, d);
   }
-  void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d) {
-    be->moe_combine(out, y, comb, row, N, K, d);
+  void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d,
+                   bool y16 = false) {
+    if (y16) be->moe_combine_bf16(out, bits(y), comb, row, N, K, d);
+    else be->moe_combine(out, y, comb, row, N, K, d);
   }
   void moe_combine_backward(float* dy, float* dcomb, const float* dout, const float* y, const float* comb,
-                            const int32_t* row, int N, int K, int d) {
-    be->moe_combine_backward(dy, dcomb, dout, y, comb, row, N, K, d);
+                            const int32_t* row, int N, int K, int d, bool y16 = false) {
+    if (y16) be->moe_combine_backward_bf16(dy, dcomb, dout, bits(y), comb, row, N, K, d);
+    else be->moe_combine_backward(dy, dcomb, dout, y, comb, row, N, K, d);
   }
   void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) {
     be->moe_gather_backward(dh, dx, row, N, K, d);

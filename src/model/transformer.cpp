@@ -28,13 +28,7 @@ const char* role_name(Role r) {
 }
 
 void Transformer::add_param(const std::string& name, Role role, std::vector<int64_t> shape) {
-  Param p;
-  p.name = name;
-  p.role = role;
-  p.shape = std::move(shape);
-  p.numel = 1;
-  for (auto s : p.shape) p.numel *= size_t(s);
-  params_.push_back(std::move(p));
+  params_.push_back(Param::unplaced(name, role, std::move(shape)));
 }
 
 Param& Transformer::param(const std::string& name) {
@@ -44,7 +38,7 @@ Param& Transformer::param(const std::string& name) {
 }
 
 Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
-    : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(batch * cfg.seq_len), be_(be), ops_{&be, batch * cfg.seq_len * cfg.moe_top_k} {
+    : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(batch * cfg.seq_len), be_(be), ops_{&be} {
   LADDER_ASSERT(cfg.vocab_size > 0);
   if (cfg.pko && cfg.eod_id < 0)
     fail("model.pko zeroes the shifted key half at document starts, but no end-of-document token is known: "
@@ -85,12 +79,7 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
         add_param(pre + "mlp.shared_expert.up_proj.weight", Role::SharedExpert, {Is, d});
         add_param(pre + "mlp.shared_expert.down_proj.weight", Role::SharedExpert, {d, Is});
       }
-      Param b;
-      b.name = pre + "mlp.gate.e_score_correction_bias";
-      b.role = Role::Router;
-      b.shape = {E};
-      b.numel = size_t(E);
-      buffers_.push_back(std::move(b));
+      buffers_.push_back(Param::unplaced(pre + "mlp.gate.e_score_correction_bias", Role::Router, {E}));
     } else {
       add_param(pre + "mlp.gate_proj.weight", Role::MlpMatrix, {I, d});
       add_param(pre + "mlp.up_proj.weight", Role::MlpMatrix, {I, d});
@@ -408,6 +397,11 @@ float* Transformer::balance_vals(int moe_index) {
 // Called before a step (train_step) or, when a caller trains more tokens than reserved between two
 // updates, from forward() (growth keeps the values already stored; it allocates, so a planned step
 // reserves up front and never gets here).
+void Transformer::reserve_step(int micro_batches) {
+  reserve_micro_batches(micro_batches);
+  reserve_balance_tokens(int64_t(N_) * micro_batches);
+}
+
 void Transformer::reserve_balance_tokens(int64_t tokens) {
   const int E = cfg_.moe_experts;
   if (!cfg_.moe_quantile_balance() || n_moe_ == 0 || cfg_.moe_top_k >= E || tokens <= balance_cap_) return;

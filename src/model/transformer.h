@@ -17,6 +17,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -48,6 +49,17 @@ struct Param {
   size_t numel = 0;
   float* w = nullptr;          // weights (params arena; backend memory)
   float* g = nullptr;          // gradient (grads arena; backend memory)
+
+  // A tensor not yet placed in an arena: numel from the shape, w and g null.
+  static Param unplaced(std::string name, Role role, std::vector<int64_t> shape) {
+    Param p;
+    p.name = std::move(name);
+    p.role = role;
+    p.shape = std::move(shape);
+    p.numel = 1;
+    for (auto s : p.shape) p.numel *= size_t(s);
+    return p;
+  }
 };
 
 struct LossSums {
@@ -104,11 +116,13 @@ class Transformer {
   LossSums forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale);
   // The same without a host wait: the micro-batch's loss sums stay in backend memory, one slot per
   // micro-batch, until take_loss_sums() downloads all of them at once (and returns them in call
-  // order). reserve_micro_batches(n) sizes the slots for n micro-batches (train_step: grad_accum;
-  // a no-op when already that large); without it they grow, allocating, when more are pending.
+  // order). reserve_step() sizes the slots; without it they grow, allocating, when more are pending.
   void forward_backward_async(const int32_t* inputs, const int32_t* targets, float grad_scale);
-  void reserve_micro_batches(int n);
   std::vector<LossSums> take_loss_sums();
+  // What an optimizer step of `micro_batches` training micro-batches keeps in backend memory, sized
+  // once (a no-op when already that large): the loss-sum slots and the MoE balancing store of its
+  // router values. train_step calls it (train() and the benchmark too, before the first step).
+  void reserve_step(int micro_batches);
   // Forgets an aborted step: its pending loss sums and the MoE router values it stored for
   // balancing (train_step calls it when a micro-batch throws, e.g. on a bad token id, so the next
   // step starts clean; the load statistics keep the aborted tokens).
@@ -149,11 +163,9 @@ class Transformer {
   // average it, then apply_balance() sets bias = -(beta - mean(beta)) and forgets the tokens.
   // update_balance() is both without the host: beta and the bias computed in backend memory (the
   // training step's path; a data-parallel all-reduce of beta would run there, on the device).
-  // The router values of those tokens stay in backend memory until then: reserve_balance_tokens()
-  // sizes that store for a whole optimizer step (train_step calls it with grad_accum * batch *
-  // seq_len; a no-op when already large enough). Without it the store holds one micro-batch and
-  // grows, outside any planned step, when a caller runs more training forwards between updates.
-  void reserve_balance_tokens(int64_t tokens);
+  // The router values of those tokens stay in backend memory until then, in a store reserve_step()
+  // sizes for a whole optimizer step. Without it the store holds one micro-batch and grows,
+  // outside any planned step, when a caller runs more training forwards between updates.
   std::vector<double> balance_beta();
   void apply_balance(const std::vector<double>& beta);
   void update_balance();
@@ -218,6 +230,9 @@ class Transformer {
   LossSums parse_sums(const double* host, bool training);
   // forward_loss / forward_logits / forward_backward: no forward_backward_async may be pending.
   void check_no_pending(const char* call) const;
+  // The two stores reserve_step() sizes (growth keeps the values already stored).
+  void reserve_micro_batches(int n);
+  void reserve_balance_tokens(int64_t tokens);
   // Quantile balancing halves: beta_ from the step's router values (false: nothing to balance),
   // and every MoE layer's bias from beta_, both on the backend.
   bool compute_beta();

@@ -80,8 +80,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
   const double peak = be->is_host() ? sgemm_gflops(/*use_cache=*/false) : backend_gemm_gflops(*be);
   Transformer model(cfg.model, cfg.run.batch_size, *be);
   model.init(cfg.run.seed);
-  model.reserve_balance_tokens(int64_t(cfg.run.grad_accum) * cfg.run.batch_size * cfg.model.seq_len);
-  model.reserve_micro_batches(cfg.run.grad_accum);
+  model.reserve_step(cfg.run.grad_accum);
   auto optimizer = make_optimizer(cfg, model, *be);
   const int N = cfg.run.batch_size * cfg.model.seq_len;
   std::vector<int32_t> in, tgt;

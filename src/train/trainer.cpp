@@ -55,10 +55,7 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
                      const BatchFn& next_batch, int32_t* inputs, int32_t* targets) {
   const int N = model.batch() * cfg.model.seq_len;
   const int accum = cfg.run.grad_accum;
-  // The step's MoE balancing store and loss-sum slots, sized once (no-ops from the second call on;
-  // train() and the benchmark call this before the first step, so no step allocates).
-  model.reserve_balance_tokens(int64_t(N) * accum);
-  model.reserve_micro_batches(accum);
+  model.reserve_step(accum);  // a no-op from the second call on
   model.zero_grad();
   const float grad_scale = 1.0f / float(int64_t(N) * accum);
   // Nothing below waits for the backend until every op of the step is enqueued (a CUDA backend's
@@ -75,9 +72,10 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
     throw;
   }
   // (data parallel: the all-reduce of the contiguous gradient arena goes here)
-  // MoE quantile balancing, once per step from the step's tokens (data parallel: beta is averaged
-  // over the ranks inside, on the device, before the bias). The bias has no gradient, so its place relative to the
-  // optimizer update does not matter; the next step's selection uses the new bias.
+  // MoE quantile balancing, once per step from the step's tokens (data parallel: beta would be
+  // averaged over the ranks inside, on the device, before the bias). The bias has no gradient, so
+  // its place relative to the optimizer update does not matter; the next step's selection uses the
+  // new bias.
   model.update_balance();
   // Clip on the device and enqueue the optimizer step before reading anything back.
   // (Bitwise the host-side clip it replaced: the same per-tensor sums, order and float factor.)
@@ -140,8 +138,7 @@ TrainSummary train(const TrainOptions& opt) {
   auto be = make_backend(rc.device, rc.threads, rc.precision);  // one line if run.device cannot run here
   const int threads = cpu_threads();
   Transformer model(cfg.model, rc.batch_size, *be);
-  model.reserve_balance_tokens(int64_t(rc.grad_accum) * rc.batch_size * cfg.model.seq_len);
-  model.reserve_micro_batches(rc.grad_accum);
+  model.reserve_step(rc.grad_accum);
   auto optimizer = make_optimizer(cfg, model, *be);  // the whole config: `auto` lrs need the run size
   // Data-parallel slot: rank/world come from the launcher when MPI arrives; one rank for now.
   const int rank = 0, world = 1;
