@@ -1,8 +1,11 @@
 // Two configurations trained side by side (tests of options that change numerics).
 #pragma once
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "backend/backend.h"
@@ -49,6 +52,22 @@ inline LossCurves train_side_by_side(const Config& ca, const Config& cb, int ste
     out.b.push_back(run(cb, b, *ob).loss);
   }
   return out;
+}
+
+// The options' training test: twenty AdamW steps at lr 1e-2 of `c` (a) against `c` with `option`
+// applied (b), both validated; fails the test when the reference run did not learn (the
+// comparison would be empty).
+inline LossCurves twenty_adamw_steps(Config c, const std::function<void(Config&)>& option) {
+  c.optim.name = "adamw";
+  c.optim.lr = 1e-2;
+  c.run.steps = 20;
+  Config h = c;
+  option(h);
+  validate(c);
+  validate(h);
+  LossCurves lc = train_side_by_side(c, h, c.run.steps);
+  EXPECT_LT(lc.a.back(), lc.a.front() - 0.5) << "the reference run did not learn: the comparison would be empty";
+  return lc;
 }
 
 }  // namespace ladder::test
