@@ -146,6 +146,31 @@ class Backend : public MemorySpace {
                                  int hd) = 0;
   virtual void head_gate_backward(float* dx, float* dlogit, const float* dout, const float* x, const float* factor,
                                   int N_tok, int H, int hd) = 0;
+  // The attention block in bf16 (model.attn_bf16): the ops above with their [tokens, heads * hd]
+  // activations as bf16 bits (uint16_t). Each computes its fp32 form on the exactly widened bf16
+  // inputs and rounds its bf16 outputs to nearest even; row statistics (rstd, lse, gate factors)
+  // and every gradient stay fp32. The CPU computes exactly that (widen, fp32 kernel, round): the
+  // reference. Attention's backward reads the bf16 output o (D = rowsum(dO * o)), the rounded
+  // value the next op saw.
+  virtual void qk_prep_forward_bf16(uint16_t* out, float* rstd, const uint16_t* x, const float* gain,
+                                    const uint8_t* reset, int N_tok, int S, int nheads, int hd, int rot_dims,
+                                    float theta, bool norm, float eps) = 0;
+  virtual void qk_prep_backward_bf16(float* dx, float* dgain, const float* dout, const uint16_t* x, const float* gain,
+                                     const float* rstd, const uint8_t* reset, int N_tok, int S, int nheads, int hd,
+                                     int rot_dims, float theta, bool norm) = 0;
+  virtual void attention_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                      const AttnShape& s) = 0;
+  virtual void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                                       const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
+                                       const AttnShape& s) = 0;
+  virtual void xsa_forward_bf16(uint16_t* z, const uint16_t* y, const uint16_t* v, int N_tok, int H, int KV,
+                                int hd) = 0;
+  virtual void xsa_backward_bf16(float* dy, float* dv, const float* dz, const uint16_t* y, const uint16_t* v,
+                                 int N_tok, int H, int KV, int hd) = 0;
+  virtual void head_gate_forward_bf16(uint16_t* out, float* factor, const uint16_t* x, const float* logit, int N_tok,
+                                      int H, int hd) = 0;
+  virtual void head_gate_backward_bf16(float* dx, float* dlogit, const float* dout, const uint16_t* x,
+                                       const float* factor, int N_tok, int H, int hd) = 0;
   virtual void silu_forward(float* a, const float* u, size_t n) = 0;
   virtual void silu_backward(float* du, const float* da, const float* u, size_t n) = 0;
   virtual void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) = 0;

@@ -169,6 +169,37 @@ class ForwardingBackend : public Backend {
                           int hd) override {
     wrap("attn switches", 0, [&] { b_->head_gate_backward(dx, dl, d, x, f, N, H, hd); });
   }
+  void qk_prep_forward_bf16(uint16_t* out, float* rs, const uint16_t* x, const float* g, const uint8_t* r, int N,
+                            int S, int nh, int hd, int rot, float th, bool norm, float eps) override {
+    wrap("qk prep", 0, [&] { b_->qk_prep_forward_bf16(out, rs, x, g, r, N, S, nh, hd, rot, th, norm, eps); });
+  }
+  void qk_prep_backward_bf16(float* dx, float* dg, const float* d, const uint16_t* x, const float* g, const float* rs,
+                             const uint8_t* r, int N, int S, int nh, int hd, int rot, float th, bool norm) override {
+    wrap("qk prep", 0, [&] { b_->qk_prep_backward_bf16(dx, dg, d, x, g, rs, r, N, S, nh, hd, rot, th, norm); });
+  }
+  void attention_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                              const AttnShape& s) override {
+    wrap("attention fwd", 0, [&] { b_->attention_forward_bf16(o, lse, q, k, v, s); });
+  }
+  void attention_backward_bf16(float* dq, float* dk, float* dv, const float* d, const uint16_t* q, const uint16_t* k,
+                               const uint16_t* v, const uint16_t* o, const float* lse, const AttnShape& s) override {
+    wrap("attention bwd", 0, [&] { b_->attention_backward_bf16(dq, dk, dv, d, q, k, v, o, lse, s); });
+  }
+  void xsa_forward_bf16(uint16_t* z, const uint16_t* y, const uint16_t* v, int N, int H, int KV, int hd) override {
+    wrap("attn switches", 0, [&] { b_->xsa_forward_bf16(z, y, v, N, H, KV, hd); });
+  }
+  void xsa_backward_bf16(float* dy, float* dv, const float* dz, const uint16_t* y, const uint16_t* v, int N, int H,
+                         int KV, int hd) override {
+    wrap("attn switches", 0, [&] { b_->xsa_backward_bf16(dy, dv, dz, y, v, N, H, KV, hd); });
+  }
+  void head_gate_forward_bf16(uint16_t* out, float* f, const uint16_t* x, const float* l, int N, int H,
+                              int hd) override {
+    wrap("attn switches", 0, [&] { b_->head_gate_forward_bf16(out, f, x, l, N, H, hd); });
+  }
+  void head_gate_backward_bf16(float* dx, float* dl, const float* d, const uint16_t* x, const float* f, int N, int H,
+                               int hd) override {
+    wrap("attn switches", 0, [&] { b_->head_gate_backward_bf16(dx, dl, d, x, f, N, H, hd); });
+  }
   void silu_forward(float* a, const float* u, size_t n) override {
     wrap("gated norm", 0, [&] { b_->silu_forward(a, u, n); });
   }

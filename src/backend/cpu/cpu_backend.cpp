@@ -252,6 +252,56 @@ class CpuBackend final : public Backend {
                           int hd) override {
     cpu::head_gate_backward<float>(dx, dlogit, dout, x, f, n, H, hd);
   }
+  // model.attn_bf16's reference: the bf16 inputs widened into scratch, the fp32 kernel, the bf16
+  // outputs rounded from an fp32 result in scratch.
+  void qk_prep_forward_bf16(uint16_t* out, float* rstd, const uint16_t* x, const float* gain, const uint8_t* reset,
+                            int n, int S, int nh, int hd, int rot, float theta, bool norm, float eps) override {
+    const size_t len = size_t(n) * nh * hd;
+    float* o = wide_out(len);
+    cpu::qk_prep_forward<float>(o, rstd, widen(0, x, len), gain, reset, n, S, nh, hd, rot, theta, norm, eps);
+    cpu::f32_to_bf16(out, o, len);
+  }
+  void qk_prep_backward_bf16(float* dx, float* dgain, const float* dout, const uint16_t* x, const float* gain,
+                             const float* rstd, const uint8_t* reset, int n, int S, int nh, int hd, int rot,
+                             float theta, bool norm) override {
+    cpu::qk_prep_backward<float>(dx, dgain, dout, widen(0, x, size_t(n) * nh * hd), gain, rstd, reset, n, S, nh, hd,
+                                 rot, theta, norm);
+  }
+  void attention_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                              const AttnShape& s) override {
+    const size_t nq = size_t(s.B) * s.S * s.H * s.hd, nk = size_t(s.B) * s.S * s.KV * s.hd;
+    float* of = wide_out(nq);
+    cpu::attention_forward<float>(of, lse, widen(0, q, nq), widen(1, k, nk), widen(2, v, nk), s);
+    cpu::f32_to_bf16(o, of, nq);
+  }
+  void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q, const uint16_t* k,
+                               const uint16_t* v, const uint16_t* o, const float* lse, const AttnShape& s) override {
+    const size_t nq = size_t(s.B) * s.S * s.H * s.hd, nk = size_t(s.B) * s.S * s.KV * s.hd;
+    cpu::attention_backward<float>(dq, dk, dv, dout, widen(0, q, nq), widen(1, k, nk), widen(2, v, nk),
+                                   widen(3, o, nq), lse, s);
+  }
+  void xsa_forward_bf16(uint16_t* z, const uint16_t* y, const uint16_t* v, int n, int H, int KV, int hd) override {
+    const size_t ny = size_t(n) * H * hd, nv = size_t(n) * KV * hd;
+    float* zf = wide_out(ny);
+    cpu::xsa_forward<float>(zf, widen(0, y, ny), widen(1, v, nv), n, H, KV, hd);
+    cpu::f32_to_bf16(z, zf, ny);
+  }
+  void xsa_backward_bf16(float* dy, float* dv, const float* dz, const uint16_t* y, const uint16_t* v, int n, int H,
+                         int KV, int hd) override {
+    cpu::xsa_backward<float>(dy, dv, dz, widen(0, y, size_t(n) * H * hd), widen(1, v, size_t(n) * KV * hd), n, H, KV,
+                             hd);
+  }
+  void head_gate_forward_bf16(uint16_t* out, float* f, const uint16_t* x, const float* logit, int n, int H,
+                              int hd) override {
+    const size_t nx = size_t(n) * H * hd;
+    float* of = wide_out(nx);
+    cpu::head_gate_forward<float>(of, f, widen(0, x, nx), logit, n, H, hd);
+    cpu::f32_to_bf16(out, of, nx);
+  }
+  void head_gate_backward_bf16(float* dx, float* dlogit, const float* dout, const uint16_t* x, const float* f, int n,
+                               int H, int hd) override {
+    cpu::head_gate_backward<float>(dx, dlogit, dout, widen(0, x, size_t(n) * H * hd), f, n, H, hd);
+  }
   void silu_forward(float* a, const float* u, size_t n) override { cpu::silu_forward<float>(a, u, n); }
   void silu_backward(float* du, const float* da, const float* u, size_t n) override {
     cpu::silu_backward<float>(du, da, u, n);
@@ -342,6 +392,18 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // attn_bf16 scratch (grown to the largest call, then reused): widened inputs, one fp32 output.
+  const float* widen(int slot, const uint16_t* x, size_t n) {
+    std::vector<float>& b = attn_wide_[slot];
+    if (b.size() < n) b.resize(n);
+    cpu::bf16_to_f32(b.data(), x, n);
+    return b.data();
+  }
+  float* wide_out(size_t n) {
+    if (attn_out_.size() < n) attn_out_.resize(n);
+    return attn_out_.data();
+  }
+  std::vector<float> attn_wide_[4], attn_out_;
   std::vector<float> ns_work_;
   std::vector<float> b_wide_;  // gemm_b16's widened B (grows to the largest, then reused)
   std::vector<float> a_wide_, d_wide_;  // gemm_ex: a widened bf16 A; the fp32 result a bf16 D is rounded from
