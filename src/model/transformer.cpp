@@ -149,11 +149,15 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     L.ln2 = &params_[pi++];
     plan_gated_norm(L.gn2, lreqs);
     L.window = cfg.layer_window(l);
-    if (cfg.xsa) lreqs.push_back({&L.z, N * H * hd, true});
-    if (cfg.attn_gate) lreqs.insert(lreqs.end(), {{&L.ga, N * H}, {&L.gf, N * H}, {&L.og, N * H * hd, true}});
+    // The attention block's [N, heads * hd] tensors: fp32 (packable), or with model.attn_bf16
+    // already bf16 (half the floats, kept as they are, never packed again).
+    const bool ab = cfg.attn_bf16;
+    auto attn_req = [&](float** p, size_t n) { return Req{p, ab ? (n + 1) / 2 : n, !ab}; };
+    if (cfg.xsa) lreqs.push_back(attn_req(&L.z, N * H * hd));
+    if (cfg.attn_gate) lreqs.insert(lreqs.end(), {{&L.ga, N * H}, {&L.gf, N * H}, attn_req(&L.og, N * H * hd)});
     reqs.push_back({&L.x, N * d});
-    lreqs.insert(lreqs.end(), {{&L.h1, N * d, true}, {&L.r1, N}, {&L.q, N * H * hd, true},
-                               {&L.k, N * KV * hd, true}, {&L.v, N * KV * hd, true}, {&L.o, N * H * hd, true},
+    lreqs.insert(lreqs.end(), {{&L.h1, N * d, true}, {&L.r1, N}, attn_req(&L.q, N * H * hd),
+                               attn_req(&L.k, N * KV * hd), attn_req(&L.v, N * KV * hd), attn_req(&L.o, N * H * hd),
                                {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d, true}, {&L.r2, N}});
     if (cfg.is_moe_layer(int(l))) {
       L.moe = true;
@@ -192,12 +196,11 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
         lreqs.insert(lreqs.end(), {{&L.gate, N * I, true}, {&L.up, N * I, true}, {&L.act, N * I, true}});
       }
     }
+    lreqs.insert(lreqs.end(), {attn_req(&L.qr, N * H * hd), attn_req(&L.kr, N * KV * hd)});
     if (cfg.qk_norm) {
-      lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd, true}, {&L.kr, N * KV * hd, true}, {&L.qrs, N * H},
-                                 {&L.krs, N * KV}});
+      lreqs.insert(lreqs.end(), {{&L.qrs, N * H}, {&L.krs, N * KV}});
     } else {
       L.qrs = L.krs = nullptr;
-      lreqs.insert(lreqs.end(), {{&L.qr, N * H * hd, true}, {&L.kr, N * KV * hd, true}});
     }
     // Same kind => same request list in the same order.
     const int kind = L.moe ? 1 : 0;
@@ -494,6 +497,7 @@ const uint8_t* Transformer::key_resets(const Layer& L) const {
 // layers) -> [XSA] -> [per-head gate 2*sigmoid(h1 W_g)] -> o_proj. The gate reads h1, the block's
 // normed attention input (after GatedNorm when on), as in the recipe's x W_g.
 void Transformer::attn_forward(Layer& L) {
+  if (cfg_.attn_bf16) return attn_forward_bf16(L);
   const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd();
   const int Hd = H * hd, KVd = KV * hd, rot = cfg_.rope_dims();
   const float eps = float(cfg_.norm_eps), theta = float(cfg_.rope_theta);
@@ -528,6 +532,7 @@ void Transformer::wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int
 }
 
 void Transformer::attn_backward(Layer& L) {
+  if (cfg_.attn_bf16) return attn_backward_bf16(L);
   const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd();
   const int Hd = H * hd, KVd = KV * hd, rot = cfg_.rope_dims();
   const float theta = float(cfg_.rope_theta);
@@ -553,6 +558,63 @@ void Transformer::attn_backward(Layer& L) {
   if (L.wgate) be_.gemm(false, false, N, d, H, 1.f, d_ga_, H, L.wgate->w, d, 1.f, d_h_, d);
   wgrad_gemm(L, true, false, Hd, d, N, dq, Hd, L.h1, d, L.wq->g, d);
   wgrad_gemm(L, true, false, KVd, d, N, dk, KVd, L.h1, d, L.wk->g, d);
+  wgrad_gemm(L, true, false, KVd, d, N, d_v_, KVd, L.h1, d, L.wv->g, d);
+}
+
+// model.attn_bf16: the same sublayer and op order as attn_forward, with the block's [N, heads * hd]
+// tensors in bf16. The projections' GEMMs write bf16 q, k, v (rounded fp32 accumulation); each op
+// after them reads bf16, computes in fp32 and writes bf16; o_proj reads the bf16 input and adds the
+// residual in fp32. The gate logits (read from h1, fp32) and every statistic stay fp32.
+void Transformer::attn_forward_bf16(Layer& L) {
+  const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd();
+  const int Hd = H * hd, KVd = KV * hd, rot = cfg_.rope_dims();
+  const float eps = float(cfg_.norm_eps), theta = float(cfg_.rope_theta);
+  be_.gemm_ex(false, true, N, Hd, d, 1.f, L.h1, false, d, L.wq->w, false, d, 0.f, nullptr, b16(L.q), true, Hd);
+  be_.gemm_ex(false, true, N, KVd, d, 1.f, L.h1, false, d, L.wk->w, false, d, 0.f, nullptr, b16(L.k), true, KVd);
+  be_.gemm_ex(false, true, N, KVd, d, 1.f, L.h1, false, d, L.wv->w, false, d, 0.f, nullptr, b16(L.v), true, KVd);
+  be_.qk_prep_forward_bf16(b16(L.qr), L.qrs, b16(L.q), L.qn ? L.qn->w : nullptr, nullptr, N, S_, H, hd, rot, theta,
+                           cfg_.qk_norm, eps);
+  be_.qk_prep_forward_bf16(b16(L.kr), L.krs, b16(L.k), L.kn ? L.kn->w : nullptr, key_resets(L), N, S_, KV, hd, rot,
+                           theta, cfg_.qk_norm, eps);
+  be_.attention_forward_bf16(b16(L.o), L.lse, b16(L.qr), b16(L.kr), b16(L.v), attn_shape(L.window));
+  L.oin = L.o;
+  if (cfg_.xsa) {
+    be_.xsa_forward_bf16(b16(L.z), b16(L.o), b16(L.v), N, H, KV, hd);
+    L.oin = L.z;
+  }
+  if (L.wgate) {
+    be_.gemm(false, true, N, H, d, 1.f, L.h1, d, L.wgate->w, d, 0.f, L.ga, H);
+    be_.head_gate_forward_bf16(b16(L.og), L.gf, b16(L.oin), L.ga, N, H, hd);
+    L.oin = L.og;
+  }
+  // mid = x + o_proj(..): the residual is gemm_ex's fp32 C_in, the bf16 input read as it is.
+  be_.gemm_ex(false, true, N, d, Hd, 1.f, b16(L.oin), true, Hd, L.wo->w, false, Hd, 1.f, L.x, L.mid, false, d);
+}
+
+void Transformer::attn_backward_bf16(Layer& L) {
+  const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd();
+  const int Hd = H * hd, KVd = KV * hd, rot = cfg_.rope_dims();
+  const float theta = float(cfg_.rope_theta);
+  be_.gemm(false, false, N, Hd, d, 1.f, d_res_, d, L.wo->w, Hd, 0.f, d_o_, Hd);
+  be_.gemm_b16(true, false, d, Hd, N, 1.f, d_res_, d, b16(L.oin), Hd, 1.f, L.wo->g, Hd);
+  if (L.wgate) {
+    be_.head_gate_backward_bf16(d_o_, d_ga_, d_o_, b16(cfg_.xsa ? L.z : L.o), L.gf, N, H, hd);
+    wgrad_gemm(L, true, false, H, d, N, d_ga_, H, L.h1, d, L.wgate->g, d);
+  }
+  if (cfg_.xsa) be_.xsa_backward_bf16(d_o_, d_vx_, d_o_, b16(L.o), b16(L.v), N, H, KV, hd);
+  be_.attention_backward_bf16(d_qn_, d_kn_, d_v_, d_o_, b16(L.qr), b16(L.kr), b16(L.v), b16(L.o), L.lse,
+                              attn_shape(L.window));
+  if (cfg_.xsa) be_.add_inplace(d_v_, d_vx_, size_t(N) * KVd);
+  be_.qk_prep_backward_bf16(d_q_, L.qn ? L.qn->g : nullptr, d_qn_, b16(L.q), L.qn ? L.qn->w : nullptr, L.qrs, nullptr,
+                            N, S_, H, hd, rot, theta, cfg_.qk_norm);
+  be_.qk_prep_backward_bf16(d_k_, L.kn ? L.kn->g : nullptr, d_kn_, b16(L.k), L.kn ? L.kn->w : nullptr, L.krs,
+                            key_resets(L), N, S_, KV, hd, rot, theta, cfg_.qk_norm);
+  be_.gemm(false, false, N, d, Hd, 1.f, d_q_, Hd, L.wq->w, d, 0.f, d_h_, d);
+  be_.gemm(false, false, N, d, KVd, 1.f, d_k_, KVd, L.wk->w, d, 1.f, d_h_, d);
+  be_.gemm(false, false, N, d, KVd, 1.f, d_v_, KVd, L.wv->w, d, 1.f, d_h_, d);
+  if (L.wgate) be_.gemm(false, false, N, d, H, 1.f, d_ga_, H, L.wgate->w, d, 1.f, d_h_, d);
+  wgrad_gemm(L, true, false, Hd, d, N, d_q_, Hd, L.h1, d, L.wq->g, d);
+  wgrad_gemm(L, true, false, KVd, d, N, d_k_, KVd, L.h1, d, L.wk->g, d);
   wgrad_gemm(L, true, false, KVd, d, N, d_v_, KVd, L.h1, d, L.wv->g, d);
 }
 

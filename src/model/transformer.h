@@ -149,6 +149,7 @@ class Transformer {
   // The keys layer l's attention read in the last forward pass (after PKO, QK-norm and RoPE),
   // [batch*seq_len, KV*hd], backend memory; for tests and inspection. With model.recompute or
   // saved_activations bf16 the fp32 buffer is shared by the layers of one kind (the last one's).
+  // bf16 bits (uint16_t) with model.attn_bf16.
   const float* attention_keys(int l) const { return layers_.at(l).kr; }
 
   // Non-trained state saved with the weights (the MoE selection biases
@@ -188,7 +189,7 @@ class Transformer {
     int window = 0;          // 0: full causal (long layers)
     float* z = nullptr;      // XSA output [N,H*hd]
     float *ga = nullptr, *gf = nullptr, *og = nullptr;  // gate logits and factors [N,H], gated output
-    const float* oin = nullptr;  // what o_proj reads: o, z or og
+    const float* oin = nullptr;  // what o_proj reads: o, z or og (bf16 bits with model.attn_bf16)
     // saved activations
     float *x;            // block input (residual stream) [N,d]
     float *h1, *r1;      // ln1 out [N,d], rstd [N]
@@ -215,8 +216,10 @@ class Transformer {
     std::vector<Packed> packed;
   };
 
-  // A saved tensor planned as bf16 (model.mlp_bf16's gate / up / act): its storage as bf16 bits.
+  // A saved tensor planned as bf16 (model.mlp_bf16's gate / up / act, model.attn_bf16's q, k, v,
+  // qr, kr, o, z, og): its storage as bf16 bits.
   static uint16_t* b16(float* p) { return reinterpret_cast<uint16_t*>(p); }
+  static const uint16_t* b16(const float* p) { return reinterpret_cast<const uint16_t*>(p); }
   void add_param(const std::string& name, Role role, std::vector<int64_t> shape);
   // Checks the host token ids and uploads them into ids_ (and, when given, targets into targets_).
   void upload_batch(const int32_t* inputs, const int32_t* targets);
@@ -243,6 +246,9 @@ class Transformer {
   // Attention sublayer: L.mid = L.x + o_proj(attention(L.h1)); backward reads d(mid) from d_res_
   // and leaves d(h1) in d_h_ (overwritten), parameter gradients accumulated.
   void attn_forward(Layer& L);
+  // model.attn_bf16's forward and backward of the same sublayer (the block's activations bf16).
+  void attn_forward_bf16(Layer& L);
+  void attn_backward_bf16(Layer& L);
   // A weight gradient C += op(A) op(B) whose B is one of L's saved activations: from its bf16 copy
   // when it is kept gemm_only (Backend::gemm_b16), else the fp32 tensor.
   void wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,

@@ -119,7 +119,8 @@ nlohmann::json run_bench(const BenchOptions& opt) {
                       {"device_mem_used_mib", be->device_memory_used() < 0 ? -1.0 : be->device_memory_used() / 1048576.0},
                       {"saved_activations", cfg.model.saved_activations},
                       {"mlp_bf16", cfg.model.mlp_bf16},
-                      {"moe_bf16", cfg.model.moe_bf16}};
+                      {"moe_bf16", cfg.model.moe_bf16},
+                      {"attn_bf16", cfg.model.attn_bf16}};
   if (prof) {
     double total = 0;
     for (auto& t : times) total += t;
