@@ -137,6 +137,8 @@ if [ "${GPU_CHECK_PROFILE:-1}" != 0 ] && [ $(($(date +%s) - T0)) -lt 400 ]; then
 try:
     j = json.loads(sys.stdin.read())
     p, steps = j["profile"], max(1, j["steps_timed"])
+    print("  device busy %.1f%% of the steps (sum of the ops\x27 event times / wall time; the rest: gaps between kernels)"
+          % (100 * j["profile_busy"]))
     for op, t in sorted(p.items(), key=lambda kv: -kv[1]["share"])[:12]:
         g = t["gflops"]
         print("  %-18s %5.1f%% %9.2f ms/step %7d calls %s" % (op, 100 * t["share"], t["ms_per_step"], t["calls"] // steps,

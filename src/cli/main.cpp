@@ -151,6 +151,8 @@ int main(int argc, char** argv) {
             fmt::print("  {:<16} {:5.1f}%  {:8.1f} ms  {}\n", op, 100 * t["share"].get<double>(),
                        t["ms_per_step"].get<double>(),
                        t["gflops"].get<double>() > 0 ? fmt::format("{:.1f} GFLOP/s", t["gflops"].get<double>()) : "");
+          fmt::print("  ops busy {:.1f}% of the steps' wall time (on a device: the rest is idle time between kernels)\n",
+                     100 * j["profile_busy"].get<double>());
         }
         if (j.contains("torch_tokens_per_s"))
           fmt::print("PyTorch     {:.0f} tokens/s on the same model -> Ladder is {:.2f}x\n",

@@ -125,10 +125,18 @@ nlohmann::json run_bench(const BenchOptions& opt) {
     double total = 0;
     for (auto& t : times) total += t;
     nlohmann::json p = nlohmann::json::object();
-    for (auto& [op, t] : prof->times())
+    double busy = 0;
+    for (auto& [op, t] : prof->times()) {
       p[op] = {{"share", t.seconds / total}, {"ms_per_step", 1e3 * t.seconds / opt.steps}, {"calls", t.calls},
                {"gflops", t.flops > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
+      busy += t.seconds;
+    }
     j["profile"] = p;
+    // The ops' time over the steps' wall time. On a device the op times come from events on the
+    // stream, so the rest is the device idling inside a step: gaps between kernels (the host not
+    // keeping ahead, or waiting) plus the timer's own events. On the CPU: the rest is host-side
+    // model code between ops.
+    j["profile_busy"] = busy / total;
   }
   if (opt.torch) {
     auto tmp = std::filesystem::temp_directory_path() / fmt::format("ladder-bench-{}.json", ::getpid());
