@@ -95,6 +95,10 @@ class Backend : public MemorySpace {
   virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps) = 0;
   virtual void rmsnorm_backward(float* dx, float* dgain, const float* dy, const float* x, const float* gain,
                                 const float* rstd, int N, int D, bool accumulate_dx) = 0;
+  // rmsnorm_forward with y written as bf16 bits (model.norm_bf16): the fp32 result rounded to
+  // nearest even; rstd fp32.
+  virtual void rmsnorm_forward_bf16(uint16_t* y, float* rstd, const float* x, const float* gain, int N, int D,
+                                    float eps) = 0;
   virtual void rope_forward(float* x, int N_tok, int S, int nheads, int hd, int rot_dims, float theta) = 0;
   virtual void rope_backward(float* dx, int N_tok, int S, int nheads, int hd, int rot_dims, float theta) = 0;
   virtual void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
@@ -174,6 +178,9 @@ class Backend : public MemorySpace {
   virtual void silu_forward(float* a, const float* u, size_t n) = 0;
   virtual void silu_backward(float* du, const float* da, const float* u, size_t n) = 0;
   virtual void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) = 0;
+  // sigmoid_gate_forward with y written as bf16 bits (GatedNorm's output under model.norm_bf16);
+  // the sigmoid g stays fp32.
+  virtual void sigmoid_gate_forward_bf16(uint16_t* y, float* g, const float* x, size_t n) = 0;
   virtual void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
                                      bool accumulate_dx) = 0;
   // MoE dispatch (contracts in backend/cpu/moe_kernels.h). Offsets stay in backend memory:

@@ -91,6 +91,10 @@ class ForwardingBackend : public Backend {
                         int D, bool acc) override {
     wrap("rmsnorm", 0, [&] { b_->rmsnorm_backward(dx, dg, dy, x, g, r, N, D, acc); });
   }
+  void rmsnorm_forward_bf16(uint16_t* y, float* rstd, const float* x, const float* gain, int N, int D,
+                            float eps) override {
+    wrap("rmsnorm", 0, [&] { b_->rmsnorm_forward_bf16(y, rstd, x, gain, N, D, eps); });
+  }
   void rope_forward(float* x, int N, int S, int nh, int hd, int rot, float th) override {
     wrap("rope", 0, [&] { b_->rope_forward(x, N, S, nh, hd, rot, th); });
   }
@@ -208,6 +212,9 @@ class ForwardingBackend : public Backend {
   }
   void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) override {
     wrap("gated norm", 0, [&] { b_->sigmoid_gate_forward(y, g, x, n); });
+  }
+  void sigmoid_gate_forward_bf16(uint16_t* y, float* g, const float* x, size_t n) override {
+    wrap("gated norm", 0, [&] { b_->sigmoid_gate_forward_bf16(y, g, x, n); });
   }
   void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
                              bool acc) override {

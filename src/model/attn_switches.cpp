@@ -6,10 +6,12 @@
 namespace ladder {
 
 // GatedNorm (RECIPE.md, V1): out = n * sigmoid(W_up silu(W_down n)), n = RMSNorm(x) with its gain.
-void Transformer::norm_forward(float* out, float* rstd, const float* x, const Param* gain, GatedNormActs& gn) {
+void Transformer::norm_forward(float* out, float* rstd, const float* x, const Param* gain, GatedNormActs& gn,
+                               bool out_bf16) {
   const int N = N_, d = cfg_.d_model;
   const float eps = float(cfg_.norm_eps);
   if (!gn.down) {
+    if (out_bf16) return be_.rmsnorm_forward_bf16(b16(out), rstd, x, gain->w, N, d, eps);
     be_.rmsnorm_forward(out, rstd, x, gain->w, N, d, eps);
     return;
   }
@@ -18,6 +20,7 @@ void Transformer::norm_forward(float* out, float* rstd, const float* x, const Pa
   be_.gemm(false, true, N, R, d, 1.f, gn.n, d, gn.down->w, d, 0.f, gn.u, R);
   be_.silu_forward(gn.a, gn.u, size_t(N) * R);
   be_.gemm(false, true, N, d, R, 1.f, gn.a, R, gn.up->w, R, 0.f, gn.s, d);
+  if (out_bf16) return be_.sigmoid_gate_forward_bf16(b16(out), gn.s, gn.n, size_t(N) * d);  // gn.s: the sigmoid
   be_.sigmoid_gate_forward(out, gn.s, gn.n, size_t(N) * d);  // gn.s becomes the sigmoid
 }
 

@@ -53,6 +53,7 @@ struct ModelConfig {
   bool moe_bf16 = false;       // MoE layers: the experts' gate/up/SwiGLU output likewise (routed and shared)
   bool attn_bf16 = false;      // attention block: q/k/v, their normed and rotated forms, the attention output
                                // and the XSA / gated outputs computed into and stored in bf16
+  bool norm_bf16 = false;      // block norms' outputs (the attention input; the dense MLP input) written in bf16
 
   int kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int hd() const { return head_dim > 0 ? head_dim : d_model / n_heads; }

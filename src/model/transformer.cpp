@@ -153,13 +153,17 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
     // already bf16 (half the floats, kept as they are, never packed again).
     const bool ab = cfg.attn_bf16;
     auto attn_req = [&](float** p, size_t n) { return Req{p, ab ? (n + 1) / 2 : n, !ab}; };
+    // The block norms' outputs: bf16 (model.norm_bf16) for h1, and for h2 in dense layers.
+    auto norm_req = [&](float** p, bool b) { return Req{p, b ? (N * d + 1) / 2 : N * d, !b}; };
+    const bool moe_layer = cfg.is_moe_layer(int(l));
     if (cfg.xsa) lreqs.push_back(attn_req(&L.z, N * H * hd));
     if (cfg.attn_gate) lreqs.insert(lreqs.end(), {{&L.ga, N * H}, {&L.gf, N * H}, attn_req(&L.og, N * H * hd)});
     reqs.push_back({&L.x, N * d});
-    lreqs.insert(lreqs.end(), {{&L.h1, N * d, true}, {&L.r1, N}, attn_req(&L.q, N * H * hd),
+    lreqs.insert(lreqs.end(), {norm_req(&L.h1, cfg.norm_bf16), {&L.r1, N}, attn_req(&L.q, N * H * hd),
                                attn_req(&L.k, N * KV * hd), attn_req(&L.v, N * KV * hd), attn_req(&L.o, N * H * hd),
-                               {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d}, {&L.h2, N * d, true}, {&L.r2, N}});
-    if (cfg.is_moe_layer(int(l))) {
+                               {&L.lse, size_t(B_) * H * S_}, {&L.mid, N * d},
+                               norm_req(&L.h2, cfg.norm_bf16 && !moe_layer), {&L.r2, N}});
+    if (moe_layer) {
       L.moe = true;
       L.moe_index = moe_index++;
       L.router = &params_[pi++];
@@ -501,9 +505,9 @@ void Transformer::attn_forward(Layer& L) {
   const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd();
   const int Hd = H * hd, KVd = KV * hd, rot = cfg_.rope_dims();
   const float eps = float(cfg_.norm_eps), theta = float(cfg_.rope_theta);
-  be_.gemm(false, true, N, Hd, d, 1.f, L.h1, d, L.wq->w, d, 0.f, L.q, Hd);
-  be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wk->w, d, 0.f, L.k, KVd);
-  be_.gemm(false, true, N, KVd, d, 1.f, L.h1, d, L.wv->w, d, 0.f, L.v, KVd);
+  input_gemm(L, L.h1, Hd, L.wq->w, L.q, false);
+  input_gemm(L, L.h1, KVd, L.wk->w, L.k, false);
+  input_gemm(L, L.h1, KVd, L.wv->w, L.v, false);
   // One op per tensor: [PKO shift] -> QK-norm -> RoPE. Only the raw projections and the norms' rstd
   // are kept; the backward recomputes the shifted keys from L.k and the resets.
   be_.qk_prep_forward(L.qr, L.qrs, L.q, L.qn ? L.qn->w : nullptr, nullptr, N, S_, H, hd, rot, theta, cfg_.qk_norm,
@@ -517,15 +521,25 @@ void Transformer::attn_forward(Layer& L) {
     L.oin = L.z;
   }
   if (L.wgate) {
-    be_.gemm(false, true, N, H, d, 1.f, L.h1, d, L.wgate->w, d, 0.f, L.ga, H);
+    input_gemm(L, L.h1, H, L.wgate->w, L.ga, false);
     be_.head_gate_forward(L.og, L.gf, L.oin, L.ga, N, H, hd);
     L.oin = L.og;
   }
   be_.gemm_add(false, true, N, d, Hd, 1.f, L.oin, Hd, L.wo->w, Hd, L.x, L.mid, d);  // mid = x + o_proj(..)
 }
 
+bool Transformer::norm_b16(const Layer& L, const float* X) const {
+  return cfg_.norm_bf16 && (X == L.h1 || (X == L.h2 && !L.moe));
+}
+
+void Transformer::input_gemm(const Layer& L, const float* X, int n, const float* W, float* out, bool out_bf16) {
+  const int d = cfg_.d_model;
+  be_.gemm_ex(false, true, N_, n, d, 1.f, X, norm_b16(L, X), d, W, false, d, 0.f, nullptr, out, out_bf16, n);
+}
+
 void Transformer::wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int K, const float* A, int lda,
                              const float* B, int ldb, float* C, int ldc) {
+  if (norm_b16(L, B)) return be_.gemm_b16(ta, tb, M, N, K, 1.f, A, lda, b16(B), ldb, 1.f, C, ldc);
   for (const auto& pk : L.packed)
     if (pk.gemm_only && *pk.fp32 == B) return be_.gemm_b16(ta, tb, M, N, K, 1.f, A, lda, pk.bf16, ldb, 1.f, C, ldc);
   be_.gemm(ta, tb, M, N, K, 1.f, A, lda, B, ldb, 1.f, C, ldc);
@@ -569,9 +583,9 @@ void Transformer::attn_forward_bf16(Layer& L) {
   const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.hd();
   const int Hd = H * hd, KVd = KV * hd, rot = cfg_.rope_dims();
   const float eps = float(cfg_.norm_eps), theta = float(cfg_.rope_theta);
-  be_.gemm_ex(false, true, N, Hd, d, 1.f, L.h1, false, d, L.wq->w, false, d, 0.f, nullptr, b16(L.q), true, Hd);
-  be_.gemm_ex(false, true, N, KVd, d, 1.f, L.h1, false, d, L.wk->w, false, d, 0.f, nullptr, b16(L.k), true, KVd);
-  be_.gemm_ex(false, true, N, KVd, d, 1.f, L.h1, false, d, L.wv->w, false, d, 0.f, nullptr, b16(L.v), true, KVd);
+  input_gemm(L, L.h1, Hd, L.wq->w, L.q, true);
+  input_gemm(L, L.h1, KVd, L.wk->w, L.k, true);
+  input_gemm(L, L.h1, KVd, L.wv->w, L.v, true);
   be_.qk_prep_forward_bf16(b16(L.qr), L.qrs, b16(L.q), L.qn ? L.qn->w : nullptr, nullptr, N, S_, H, hd, rot, theta,
                            cfg_.qk_norm, eps);
   be_.qk_prep_forward_bf16(b16(L.kr), L.krs, b16(L.k), L.kn ? L.kn->w : nullptr, key_resets(L), N, S_, KV, hd, rot,
@@ -583,7 +597,7 @@ void Transformer::attn_forward_bf16(Layer& L) {
     L.oin = L.z;
   }
   if (L.wgate) {
-    be_.gemm(false, true, N, H, d, 1.f, L.h1, d, L.wgate->w, d, 0.f, L.ga, H);
+    input_gemm(L, L.h1, H, L.wgate->w, L.ga, false);
     be_.head_gate_forward_bf16(b16(L.og), L.gf, b16(L.oin), L.ga, N, H, hd);
     L.oin = L.og;
   }
@@ -633,9 +647,9 @@ void Transformer::upload_batch(const int32_t* inputs, const int32_t* targets) {
 void Transformer::layer_forward(size_t l, bool record, bool balance) {
   const int N = N_, d = cfg_.d_model, I = cfg_.ff();
   Layer& L = layers_[l];
-  norm_forward(L.h1, L.r1, L.x, L.ln1, L.gn1);
+  norm_forward(L.h1, L.r1, L.x, L.ln1, L.gn1, norm_b16(L, L.h1));
   attn_forward(L);
-  norm_forward(L.h2, L.r2, L.mid, L.ln2, L.gn2);
+  norm_forward(L.h2, L.r2, L.mid, L.ln2, L.gn2, norm_b16(L, L.h2));
   float* next = l + 1 < layers_.size() ? layers_[l + 1].x : x_final_;
   if (L.moe) {
     be_.copy(next, L.mid, sizeof(float) * size_t(N) * d);  // the MoE block adds its output onto it
@@ -655,14 +669,14 @@ void Transformer::layer_forward(size_t l, bool record, bool balance) {
   if (cfg_.mlp_bf16) {
     // The GEMMs write gate and up in bf16 (rounded fp32 accumulation), SwiGLU computes in fp32 from
     // them and writes act in bf16, which the down projection reads as it is.
-    be_.gemm_ex(false, true, N, I, d, 1.f, L.h2, false, d, L.wg->w, false, d, 0.f, nullptr, b16(L.gate), true, I);
-    be_.gemm_ex(false, true, N, I, d, 1.f, L.h2, false, d, L.wu->w, false, d, 0.f, nullptr, b16(L.up), true, I);
+    input_gemm(L, L.h2, I, L.wg->w, L.gate, true);
+    input_gemm(L, L.h2, I, L.wu->w, L.up, true);
     be_.swiglu_forward_bf16(b16(L.act), b16(L.gate), b16(L.up), size_t(N) * I);
     be_.gemm_ex(false, true, N, d, I, 1.f, b16(L.act), true, I, L.wd->w, false, I, 1.f, L.mid, next, false, d);
     return;
   }
-  be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wg->w, d, 0.f, L.gate, I);
-  be_.gemm(false, true, N, I, d, 1.f, L.h2, d, L.wu->w, d, 0.f, L.up, I);
+  input_gemm(L, L.h2, I, L.wg->w, L.gate, false);
+  input_gemm(L, L.h2, I, L.wu->w, L.up, false);
   be_.swiglu_forward(L.act, L.gate, L.up, size_t(N) * I);
   be_.gemm_add(false, true, N, d, I, 1.f, L.act, I, L.wd->w, I, L.mid, next, d);  // next = mid + down(..)
 }
@@ -684,7 +698,7 @@ void Transformer::forward(bool training) {
     stats_tokens_ += N;
     if (balance) balance_tokens_ += N;
   }
-  norm_forward(hf_, rf_, x_final_, norm_f_, gnf_);
+  norm_forward(hf_, rf_, x_final_, norm_f_, gnf_, false);
 }
 
 // One micro-batch's sums, downloaded: (xent, lse^2) of each head chunk and each MoE layer's router

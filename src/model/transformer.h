@@ -192,13 +192,13 @@ class Transformer {
     const float* oin = nullptr;  // what o_proj reads: o, z or og (bf16 bits with model.attn_bf16)
     // saved activations
     float *x;            // block input (residual stream) [N,d]
-    float *h1, *r1;      // ln1 out [N,d], rstd [N]
+    float *h1, *r1;      // ln1 out [N,d] (bf16 bits with model.norm_bf16), rstd [N]
     float *q, *k, *v;    // raw projections [N,H*hd], [N,KV*hd], [N,KV*hd]
     float *qr, *kr;      // after qk-norm and RoPE (attention inputs)
     float *qrs, *krs;    // qk-norm rstd [N*H], [N*KV]
     float *o, *lse;      // attention output [N,H*hd], lse [B,H,S]
     float *mid;          // x + attn [N,d]
-    float *h2, *r2;      // ln2 out, rstd
+    float *h2, *r2;      // ln2 out (bf16 bits with model.norm_bf16 in a dense layer), rstd
     // [N,I]; with model.mlp_bf16 they hold bf16 bits (uint16_t, in half the bytes: read via b16())
     float *gate, *up, *act;
     // MoE block (moe == true: wg/wu/wd are nullptr)
@@ -217,7 +217,7 @@ class Transformer {
   };
 
   // A saved tensor planned as bf16 (model.mlp_bf16's gate / up / act, model.attn_bf16's q, k, v,
-  // qr, kr, o, z, og): its storage as bf16 bits.
+  // qr, kr, o, z, og, model.norm_bf16's h1 and dense h2): its storage as bf16 bits.
   static uint16_t* b16(float* p) { return reinterpret_cast<uint16_t*>(p); }
   static const uint16_t* b16(const float* p) { return reinterpret_cast<const uint16_t*>(p); }
   void add_param(const std::string& name, Role role, std::vector<int64_t> shape);
@@ -253,10 +253,17 @@ class Transformer {
   // when it is kept gemm_only (Backend::gemm_b16), else the fp32 tensor.
   void wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
                   int ldb, float* C, int ldc);
+  // Whether X is one of L's block norm outputs kept in bf16 (model.norm_bf16: h1, and h2 of a
+  // dense layer); such a tensor holds bf16 bits.
+  bool norm_b16(const Layer& L, const float* X) const;
+  // out[N, n] = X[N, d] W^T for X = L.h1 or L.h2 (read as bf16 where norm_b16), W [n, d]; out fp32
+  // or, out_bf16, bf16 bits (the projections of model.attn_bf16 and model.mlp_bf16).
+  void input_gemm(const Layer& L, const float* X, int n, const float* W, float* out, bool out_bf16);
   void attn_backward(Layer& L);
   // RMSNorm followed by GatedNorm when gn.down is set (model/attn_switches.cpp). Backward writes
   // (or adds, when accumulate_dx) d(x) into dx from dout.
-  void norm_forward(float* out, float* rstd, const float* x, const Param* gain, GatedNormActs& gn);
+  // out_bf16 (model.norm_bf16): out holds bf16 bits, the fp32 result rounded.
+  void norm_forward(float* out, float* rstd, const float* x, const Param* gain, GatedNormActs& gn, bool out_bf16);
   void norm_backward(float* dx, const float* dout, const float* x, Param* gain, const float* rstd,
                      GatedNormActs& gn, bool accumulate_dx);
   // PKO reset flags from the token ids: position 0 of each sequence and every token after eod_id.

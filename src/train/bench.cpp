@@ -120,7 +120,8 @@ nlohmann::json run_bench(const BenchOptions& opt) {
                       {"saved_activations", cfg.model.saved_activations},
                       {"mlp_bf16", cfg.model.mlp_bf16},
                       {"moe_bf16", cfg.model.moe_bf16},
-                      {"attn_bf16", cfg.model.attn_bf16}};
+                      {"attn_bf16", cfg.model.attn_bf16},
+                      {"norm_bf16", cfg.model.norm_bf16}};
   if (prof) {
     double total = 0;
     for (auto& t : times) total += t;

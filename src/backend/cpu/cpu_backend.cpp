@@ -126,6 +126,14 @@ class CpuBackend final : public Backend {
                         const float* rstd, int N, int D, bool acc) override {
     cpu::rmsnorm_backward<float>(dx, dgain, dy, x, gain, rstd, N, D, acc);
   }
+  // model.norm_bf16's reference: the fp32 kernel into scratch, then rounded.
+  void rmsnorm_forward_bf16(uint16_t* y, float* rstd, const float* x, const float* gain, int N, int D,
+                            float eps) override {
+    const size_t n = size_t(N) * size_t(D);
+    float* yf = wide_out(n);
+    cpu::rmsnorm_forward<float>(yf, rstd, x, gain, N, D, eps);
+    cpu::f32_to_bf16(y, yf, n);
+  }
   void rope_forward(float* x, int N_tok, int S, int nh, int hd, int rot, float theta) override {
     cpu::rope_forward<float>(x, N_tok, S, nh, hd, rot, theta);
   }
@@ -309,6 +317,11 @@ class CpuBackend final : public Backend {
   void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) override {
     cpu::sigmoid_gate_forward<float>(y, g, x, n);
   }
+  void sigmoid_gate_forward_bf16(uint16_t* y, float* g, const float* x, size_t n) override {
+    float* yf = wide_out(n);
+    cpu::sigmoid_gate_forward<float>(yf, g, x, n);
+    cpu::f32_to_bf16(y, yf, n);
+  }
   void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
                              bool acc) override {
     cpu::sigmoid_gate_backward<float>(dx, dg, dy, x, s, n, acc);
@@ -392,7 +405,8 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  // attn_bf16 scratch (grown to the largest call, then reused): widened inputs, one fp32 output.
+  // attn_bf16 / norm_bf16 scratch (grown to the largest call, then reused): widened inputs, one
+  // fp32 output.
   const float* widen(int slot, const uint16_t* x, size_t n) {
     std::vector<float>& b = attn_wide_[slot];
     if (b.size() < n) b.resize(n);
