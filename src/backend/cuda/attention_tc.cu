@@ -100,7 +100,9 @@ struct alignas(8) Bf16x4 {
 // rounded to nearest even (vec: p is 16-byte aligned, one float4 load); bf16 is copied as it is
 // (vec: p is 8-byte aligned, one 8-byte load).
 __device__ __forceinline__ void stage4(bf16* d, const float* p, bool vec) {
-  const float4 f = vec ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
+  float4 f;
+  if (vec) f = *reinterpret_cast<const float4*>(p);
+  else f = make_float4(p[0], p[1], p[2], p[3]);
   *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(f.x, f.y);
   *reinterpret_cast<__nv_bfloat162*>(d + 2) = __floats2bfloat162_rn(f.z, f.w);
 }
