@@ -12,8 +12,17 @@
 // Backward without atomics (deterministic): D_i = dO_i . O_i first, then one kernel that owns key
 // rows and sums over all query rows of all heads of the KV group (dK, dV), then one that owns query
 // rows (dQ). The probabilities are recomputed in both from q, k and lse.
+//
+// bf16 activations (model.attn_bf16): every kernel is templated on the storage type E of q, k, v and
+// o (float or __nv_bfloat16); dout, lse, D and the gradients are fp32 either way. Rows and tiles are
+// widened as they are loaded into registers / shared memory (exact: the tiles stay fp32), and the
+// forward rounds o to nearest even as it stores it. The bf16 instantiation is therefore the fp32
+// kernel's arithmetic on the widened inputs, with no widening pass and no scratch copy; the fp32
+// instantiation is the kernel as it was. The backward reads the bf16 o (D = dO . o), as the contract
+// asks: the rounded value the next op saw.
 #include <cmath>
 
+#include "backend/cuda/device_common.cuh"
 #include "backend/cuda/kernels.cuh"
 
 namespace ladder::cuda::k {
@@ -37,36 +46,36 @@ __device__ __forceinline__ bool visible(int i, int j, int window) {
   return j <= i && (window <= 0 || i - j < window);
 }
 
-// Rows [r0, r0 + kTile) of a [B*S, nh*hd] tensor (head `head`, batch b) into smem [kTile][HDMAX],
-// zero beyond hd and beyond S.
-template <int HDMAX>
-__device__ void load_tile(float (*dst)[HDMAX], const float* src, int b, int S, int nh, int head, int hd, int r0) {
+// Rows [r0, r0 + kTile) of a [B*S, nh*hd] tensor (head `head`, batch b; fp32, or bf16 widened) into
+// smem [kTile][HDMAX], zero beyond hd and beyond S.
+template <int HDMAX, class E>
+__device__ void load_tile(float (*dst)[HDMAX], const E* src, int b, int S, int nh, int head, int hd, int r0) {
   for (int idx = threadIdx.x; idx < kTile * HDMAX; idx += blockDim.x) {
     const int r = idx / HDMAX, d = idx % HDMAX, row = r0 + r;
-    dst[r][d] = (row < S && d < hd) ? src[((size_t(b) * S + row) * nh + head) * hd + d] : 0.f;
+    dst[r][d] = (row < S && d < hd) ? widen(src[((size_t(b) * S + row) * nh + head) * hd + d]) : 0.f;
   }
 }
 
-template <int HDMAX>
-__device__ void load_row(float (&reg)[32], const float* src, int b, int S, int nh, int head, int hd, int row,
-                         int t) {
+template <int HDMAX, class E>
+__device__ void load_row(float (&reg)[32], const E* src, int b, int S, int nh, int head, int hd, int row, int t) {
   constexpr int T = HDMAX / 32;
 #pragma unroll
   for (int k = 0; k < 32; ++k) {
     const int d = t + T * k;
-    reg[k] = (row < S && d < hd && d < HDMAX) ? src[((size_t(b) * S + row) * nh + head) * hd + d] : 0.f;
+    reg[k] = (row < S && d < hd && d < HDMAX) ? widen(src[((size_t(b) * S + row) * nh + head) * hd + d]) : 0.f;
   }
 }
 
-template <int HDMAX>
-__device__ void store_row(float* dst, const float (&reg)[32], float mul, int b, int S, int nh, int head, int hd,
-                          int row, int t) {
+// reg * mul, rounded to E (fp32: as is; bf16: nearest even).
+template <int HDMAX, class E>
+__device__ void store_row(E* dst, const float (&reg)[32], float mul, int b, int S, int nh, int head, int hd, int row,
+                          int t) {
   constexpr int T = HDMAX / 32;
   if (row >= S) return;
 #pragma unroll
   for (int k = 0; k < 32; ++k) {
     const int d = t + T * k;
-    if (d < hd && d < HDMAX) dst[((size_t(b) * S + row) * nh + head) * hd + d] = reg[k] * mul;
+    if (d < hd && d < HDMAX) store_rn(dst[((size_t(b) * S + row) * nh + head) * hd + d], reg[k] * mul);
   }
 }
 
@@ -82,9 +91,9 @@ __device__ __forceinline__ float dot_row(const float (&reg)[32], const float* sr
 // ---------------------------------------------------------------------------------------------
 // Forward: grid (query tiles, H, B); each group of T lanes owns one query row.
 
-template <int HDMAX>
-__global__ void __launch_bounds__(kThreads) attn_fwd_kernel(float* o, float* lse, const float* q, const float* k,
-                                                            const float* v, AttnShape sh) {
+template <int HDMAX, class E>
+__global__ void __launch_bounds__(kThreads) attn_fwd_kernel(E* o, float* lse, const E* q, const E* k, const E* v,
+                                                            AttnShape sh) {
   constexpr int T = HDMAX / 32, ROWS = kThreads / T;
   __shared__ float Ks[kTile][HDMAX];
   __shared__ float Vs[kTile][HDMAX];
@@ -141,7 +150,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(float* o, float* lse
 // ---------------------------------------------------------------------------------------------
 // Backward 1: Dv[b, h, i] = dO_i . O_i (one warp per row).
 
-__global__ void attn_bwd_dot_kernel(float* Dv, const float* dout, const float* o, AttnShape sh) {
+template <class E>
+__global__ void attn_bwd_dot_kernel(float* Dv, const float* dout, const E* o, AttnShape sh) {
   const int warps = blockDim.x / 32;
   const size_t rows = size_t(sh.B) * sh.S * sh.H;
   for (size_t r = size_t(blockIdx.x) * warps + threadIdx.x / 32; r < rows; r += size_t(gridDim.x) * warps) {
@@ -150,9 +160,9 @@ __global__ void attn_bwd_dot_kernel(float* Dv, const float* dout, const float* o
     const size_t bs = r / sh.H;
     const int i = int(bs % sh.S), b = int(bs / sh.S);
     const float* a = dout + r * sh.hd;
-    const float* c = o + r * sh.hd;
+    const E* c = o + r * sh.hd;
     float acc = 0.f;
-    for (int d = threadIdx.x % 32; d < sh.hd; d += 32) acc += a[d] * c[d];
+    for (int d = threadIdx.x % 32; d < sh.hd; d += 32) acc += a[d] * widen(c[d]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (threadIdx.x % 32 == 0) Dv[(size_t(b) * sh.H + h) * sh.S + i] = acc;
@@ -161,10 +171,10 @@ __global__ void attn_bwd_dot_kernel(float* Dv, const float* dout, const float* o
 
 // Backward 2: dK, dV. Grid (key tiles, KV, B); each group of T lanes owns one key row j and walks the
 // query rows that see it (i in [j, j + window)) of every head of its KV group, in head order.
-template <int HDMAX>
-__global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(float* dk, float* dv, const float* dout,
-                                                                 const float* q, const float* k, const float* v,
-                                                                 const float* lse, const float* Dv, AttnShape sh) {
+template <int HDMAX, class E>
+__global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(float* dk, float* dv, const float* dout, const E* q,
+                                                                 const E* k, const E* v, const float* lse,
+                                                                 const float* Dv, AttnShape sh) {
   constexpr int T = HDMAX / 32, ROWS = kThreads / T;
   __shared__ float Qs[kTile][HDMAX];
   __shared__ float dOs[kTile][HDMAX];
@@ -218,10 +228,10 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(float* dk, floa
 }
 
 // Backward 3: dQ. Grid (query tiles, H, B); each group of T lanes owns one query row.
-template <int HDMAX>
-__global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(float* dq, const float* dout, const float* q,
-                                                               const float* k, const float* v, const float* lse,
-                                                               const float* Dv, AttnShape sh) {
+template <int HDMAX, class E>
+__global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(float* dq, const float* dout, const E* q, const E* k,
+                                                               const E* v, const float* lse, const float* Dv,
+                                                               AttnShape sh) {
   constexpr int T = HDMAX / 32, ROWS = kThreads / T;
   __shared__ float Ks[kTile][HDMAX];
   __shared__ float Vs[kTile][HDMAX];
@@ -259,32 +269,27 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(float* dq, const 
   store_row<HDMAX>(dq, dqr, 1.f, b, S, H, h, hd, i, t);
 }
 
-template <int HDMAX>
-cudaError_t fwd(float* o, float* lse, const float* q, const float* k, const float* v, const AttnShape& s,
-                cudaStream_t st) {
+template <int HDMAX, class E>
+cudaError_t fwd(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   constexpr int ROWS = kThreads / (HDMAX / 32);
   dim3 grid(unsigned((s.S + ROWS - 1) / ROWS), unsigned(s.H), unsigned(s.B));
-  attn_fwd_kernel<HDMAX><<<grid, kThreads, 0, st>>>(o, lse, q, k, v, s);
+  attn_fwd_kernel<HDMAX, E><<<grid, kThreads, 0, st>>>(o, lse, q, k, v, s);
   return cudaGetLastError();
 }
 
-template <int HDMAX>
-cudaError_t bwd(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v,
+template <int HDMAX, class E>
+cudaError_t bwd(float* dq, float* dk, float* dv, const float* dout, const E* q, const E* k, const E* v,
                 const float* lse, const float* Dv, const AttnShape& s, cudaStream_t st) {
   constexpr int ROWS = kThreads / (HDMAX / 32);
   dim3 gkv(unsigned((s.S + ROWS - 1) / ROWS), unsigned(s.KV), unsigned(s.B));
-  attn_bwd_dkdv_kernel<HDMAX><<<gkv, kThreads, 0, st>>>(dk, dv, dout, q, k, v, lse, Dv, s);
+  attn_bwd_dkdv_kernel<HDMAX, E><<<gkv, kThreads, 0, st>>>(dk, dv, dout, q, k, v, lse, Dv, s);
   dim3 gq(unsigned((s.S + ROWS - 1) / ROWS), unsigned(s.H), unsigned(s.B));
-  attn_bwd_dq_kernel<HDMAX><<<gq, kThreads, 0, st>>>(dq, dout, q, k, v, lse, Dv, s);
+  attn_bwd_dq_kernel<HDMAX, E><<<gq, kThreads, 0, st>>>(dq, dout, q, k, v, lse, Dv, s);
   return cudaGetLastError();
 }
 
-}  // namespace
-
-bool attention_supported(int hd) { return hd >= 1 && hd <= 128; }
-
-cudaError_t attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
-                              const AttnShape& s, cudaStream_t st) {
+template <class E>
+cudaError_t forward(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
   if (!attention_supported(s.hd) || s.KV <= 0 || s.H % s.KV != 0) return cudaErrorInvalidValue;
   if (s.hd <= 32) return fwd<32>(o, lse, q, k, v, s, st);
@@ -292,19 +297,48 @@ cudaError_t attention_forward(float* o, float* lse, const float* q, const float*
   return fwd<128>(o, lse, q, k, v, s, st);
 }
 
+template <class E>
+cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E* q, const E* k, const E* v,
+                     const E* o, const float* lse, const AttnShape& s, float* scratch, cudaStream_t st) {
+  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
+  if (!attention_supported(s.hd) || s.KV <= 0 || s.H % s.KV != 0) return cudaErrorInvalidValue;
+  const size_t rows = size_t(s.B) * s.S * s.H;
+  const size_t blocks = (rows + 7) / 8;  // 8 warps of 32 per block, one row per warp
+  attn_bwd_dot_kernel<E><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
+  if (s.hd <= 32) return bwd<32>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
+  if (s.hd <= 64) return bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
+  return bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
+}
+
+using bf16 = __nv_bfloat16;
+const bf16* as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
+
+}  // namespace
+
+bool attention_supported(int hd) { return hd >= 1 && hd <= 128; }
+
+cudaError_t attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                              const AttnShape& s, cudaStream_t st) {
+  return forward(o, lse, q, k, v, s, st);
+}
+
+cudaError_t attention_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                   const AttnShape& s, cudaStream_t st) {
+  return forward(reinterpret_cast<bf16*>(o), lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
+}
+
 size_t attention_backward_scratch_floats(const AttnShape& s) { return size_t(s.B) * s.H * s.S; }
 
 cudaError_t attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
                                const float* v, const float* o, const float* lse, const AttnShape& s,
                                float* scratch, cudaStream_t st) {
-  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
-  if (!attention_supported(s.hd) || s.KV <= 0 || s.H % s.KV != 0) return cudaErrorInvalidValue;
-  const size_t rows = size_t(s.B) * s.S * s.H;
-  const size_t blocks = (rows + 7) / 8;  // 8 warps of 32 per block, one row per warp
-  attn_bwd_dot_kernel<<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
-  if (s.hd <= 32) return bwd<32>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
-  if (s.hd <= 64) return bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
-  return bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
+  return backward(dq, dk, dv, dout, q, k, v, o, lse, s, scratch, st);
+}
+
+cudaError_t attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                                    const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
+                                    const AttnShape& s, float* scratch, cudaStream_t st) {
+  return backward(dq, dk, dv, dout, as_bf16(q), as_bf16(k), as_bf16(v), as_bf16(o), lse, s, scratch, st);
 }
 
 }  // namespace ladder::cuda::k

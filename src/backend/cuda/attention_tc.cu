@@ -26,6 +26,15 @@
 // owns 64 key rows and loops over the query tiles of every head of its KV group in head order (dK,
 // dV) and one that owns 64 query rows and loops over key tiles (dQ). Both recompute P from q, k and
 // the forward's lse, with the same bf16 rounding and the same MMA order as the forward.
+//
+// bf16 activations (model.attn_bf16): the kernels are templated on the storage type E of q, k, v
+// and o (float or __nv_bfloat16). The tiles are bf16 in shared memory either way: fp32 rows are
+// rounded to nearest even as they are staged, bf16 rows copied as they are, which are the bits the
+// rounding of their widened values would give. The forward's epilogue rounds o to bf16 (store_rn),
+// and the backward's D reads the bf16 o widened. So on bf16 inputs the kernels give bitwise what
+// the fp32-input kernels give on the widened inputs (o then rounded): the same tiles, the same MMAs,
+// the same fp32 softmax; there is no widening pass and no scratch copy. dO, lse, D and the
+// gradients stay fp32.
 #include <cuda_bf16.h>
 #include <mma.h>
 
@@ -33,6 +42,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_tc.cuh"
+#include "backend/cuda/device_common.cuh"
 
 namespace ladder::cuda::k {
 
@@ -81,23 +91,47 @@ __device__ __forceinline__ bool visible(int i, int j, int window) {
   return j <= i && (window <= 0 || i - j < window);
 }
 
-// Rows [r0, r0 + 64) of head `head` of a [B*S, nh*HD] fp32 tensor (batch b) into a bf16 [64][kLdH]
-// shared tile, rounded to nearest even; rows at or past S are zeros. `vec`: the tensor's base is
-// 16-byte aligned, so (HD and nh*HD being multiples of 4) every 4-float group is too.
-template <int HD>
-__device__ void load_tile(bf16* dst, const float* src, int b, int S, int nh, int head, int r0, bool vec) {
+// Four bf16, one 8-byte load or store.
+struct alignas(8) Bf16x4 {
+  __nv_bfloat162 lo, hi;
+};
+
+// Four consecutive elements p[0..3] of a row into the bf16 tile at d (8-byte aligned). fp32 is
+// rounded to nearest even (vec: p is 16-byte aligned, one float4 load); bf16 is copied as it is
+// (vec: p is 8-byte aligned, one 8-byte load).
+__device__ __forceinline__ void stage4(bf16* d, const float* p, bool vec) {
+  float4 f;
+  if (vec) f = *reinterpret_cast<const float4*>(p);
+  else f = make_float4(p[0], p[1], p[2], p[3]);
+  *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(f.x, f.y);
+  *reinterpret_cast<__nv_bfloat162*>(d + 2) = __floats2bfloat162_rn(f.z, f.w);
+}
+__device__ __forceinline__ void stage4(bf16* d, const bf16* p, bool vec) {
+  Bf16x4 u;
+  if (vec) {
+    u = *reinterpret_cast<const Bf16x4*>(p);
+  } else {
+    u.lo.x = p[0], u.lo.y = p[1];
+    u.hi.x = p[2], u.hi.y = p[3];
+  }
+  *reinterpret_cast<Bf16x4*>(d) = u;
+}
+
+// Rows [r0, r0 + 64) of head `head` of a [B*S, nh*HD] tensor (batch b; fp32 or bf16) into a bf16
+// [64][kLdH] shared tile (stage4); rows at or past S are zeros. `vec`: the tensor's base is aligned
+// for 4-element loads (vec_ok), so (HD and nh*HD being multiples of 4) every 4-element group is too.
+template <int HD, class E>
+__device__ void load_tile(bf16* dst, const E* src, int b, int S, int nh, int head, int r0, bool vec) {
   constexpr int kLd = Tiles<HD>::kLdH, C4 = HD / 4;
   for (int idx = threadIdx.x; idx < kRows * C4; idx += kThreads) {
     const int r = idx / C4, c = (idx % C4) * 4, row = r0 + r;
-    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (row < S) {
-      const float* p = src + ((size_t(b) * S + row) * nh + head) * HD + c;
-      if (vec) f = *reinterpret_cast<const float4*>(p);
-      else f = make_float4(p[0], p[1], p[2], p[3]);
-    }
     bf16* d = dst + r * kLd + c;  // 8-byte aligned: c % 4 == 0 and kLd * 2 % 16 == 0
-    *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(f.x, f.y);
-    *reinterpret_cast<__nv_bfloat162*>(d + 2) = __floats2bfloat162_rn(f.z, f.w);
+    if (row < S) {
+      stage4(d, src + ((size_t(b) * S + row) * nh + head) * HD + c, vec);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(0.f, 0.f);
+      *reinterpret_cast<__nv_bfloat162*>(d + 2) = __floats2bfloat162_rn(0.f, 0.f);
+    }
   }
 }
 
@@ -169,9 +203,9 @@ __device__ void store_result(float* dst, float* stage, FragC (&acc)[HD / 16], fl
 // ---------------------------------------------------------------------------------------------
 // Forward. Grid (query tiles, H, B); the block owns query rows [i0, i0 + 64) of head h.
 
-template <int HD>
-__global__ void __launch_bounds__(kThreads) tc_fwd_kernel(float* o, float* lse, const float* q, const float* k,
-                                                          const float* v, AttnShape sh, bool vec) {
+template <int HD, class E>
+__global__ void __launch_bounds__(kThreads) tc_fwd_kernel(E* o, float* lse, const E* q, const E* k, const E* v,
+                                                          AttnShape sh, bool vec) {
   using T = Tiles<HD>;
   constexpr int kLdH = T::kLdH, kLdO = T::kLdO;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -287,7 +321,7 @@ __global__ void __launch_bounds__(kThreads) tc_fwd_kernel(float* o, float* lse, 
   __syncthreads();
   for (int idx = threadIdx.x; idx < kRows * HD; idx += kThreads) {
     const int rr = idx / HD, c = idx % HD, ii = i0 + rr;
-    if (ii < S) o[((size_t(b) * S + ii) * H + h) * HD + c] = Oa[rr * kLdO + c] * (1.f / Ls[rr]);
+    if (ii < S) store_rn(o[((size_t(b) * S + ii) * H + h) * HD + c], Oa[rr * kLdO + c] * (1.f / Ls[rr]));
   }
   if (threadIdx.x < kRows) {
     const int ii = i0 + threadIdx.x;
@@ -301,9 +335,11 @@ __global__ void __launch_bounds__(kThreads) tc_fwd_kernel(float* o, float* lse, 
 // kernels compute (bf16(dO) . bf16(v)) and sum_j P_ij dS_ij stays ~0 for every row. With fp32 dO
 // here, each row's dS would be off by (dO - bf16(dO)) . O, a ~1e-3 relative error that does not
 // cancel (the gradient is then not the gradient of any rounding of the inputs); at S = 1, where
-// the exact dq and dk are zero, it would give dq, dk of ~1e-3 instead of rounding noise.
+// the exact dq and dk are zero, it would give dq, dk of ~1e-3 instead of rounding noise. A bf16 o
+// is widened (the forward's rounded output, as the contract asks).
 
-__global__ void tc_bwd_dot_kernel(float* Dv, const float* dout, const float* o, AttnShape sh) {
+template <class E>
+__global__ void tc_bwd_dot_kernel(float* Dv, const float* dout, const E* o, AttnShape sh) {
   const int warps = blockDim.x / 32;
   const size_t rows = size_t(sh.B) * sh.S * sh.H;
   for (size_t rw = size_t(blockIdx.x) * warps + threadIdx.x / 32; rw < rows; rw += size_t(gridDim.x) * warps) {
@@ -311,9 +347,10 @@ __global__ void tc_bwd_dot_kernel(float* Dv, const float* dout, const float* o, 
     const size_t bs = rw / sh.H;
     const int i = int(bs % sh.S), b = int(bs / sh.S);
     const float* a = dout + rw * sh.hd;
-    const float* c = o + rw * sh.hd;
+    const E* c = o + rw * sh.hd;
     float acc = 0.f;
-    for (int d = threadIdx.x % 32; d < sh.hd; d += 32) acc += __bfloat162float(__float2bfloat16_rn(a[d])) * c[d];
+    for (int d = threadIdx.x % 32; d < sh.hd; d += 32)
+      acc += __bfloat162float(__float2bfloat16_rn(a[d])) * widen(c[d]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (threadIdx.x % 32 == 0) Dv[(size_t(b) * sh.H + h) * sh.S + i] = acc;
@@ -324,11 +361,10 @@ __global__ void tc_bwd_dot_kernel(float* Dv, const float* dout, const float* o, 
 // and walks, head by head of the group, the query tiles that can see them: [j0, j_last + window).
 // Warp w computes the transposed blocks S^T = K_w Q^T and dP^T = V_w dO^T of its 16 keys.
 
-template <int HD>
-__global__ void __launch_bounds__(kThreads) tc_bwd_dkdv_kernel(float* dk, float* dv, const float* dout,
-                                                               const float* q, const float* k, const float* v,
-                                                               const float* lse, const float* Dv, AttnShape sh,
-                                                               bool vec) {
+template <int HD, class E>
+__global__ void __launch_bounds__(kThreads) tc_bwd_dkdv_kernel(float* dk, float* dv, const float* dout, const E* q,
+                                                               const E* k, const E* v, const float* lse,
+                                                               const float* Dv, AttnShape sh, bool vec) {
   using T = Tiles<HD>;
   constexpr int kLdH = T::kLdH;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -409,10 +445,10 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dkdv_kernel(float* dk, float*
 // Backward 3: dQ. Grid (query tiles, H, B); the block owns query rows [i0, i0 + 64) of head h and
 // walks the key tiles they can see.
 
-template <int HD>
-__global__ void __launch_bounds__(kThreads) tc_bwd_dq_kernel(float* dq, const float* dout, const float* q,
-                                                             const float* k, const float* v, const float* lse,
-                                                             const float* Dv, AttnShape sh, bool vec) {
+template <int HD, class E>
+__global__ void __launch_bounds__(kThreads) tc_bwd_dq_kernel(float* dq, const float* dout, const E* q, const E* k,
+                                                             const E* v, const float* lse, const float* Dv,
+                                                             AttnShape sh, bool vec) {
   using T = Tiles<HD>;
   constexpr int kLdH = T::kLdH;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -479,41 +515,63 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dq_kernel(float* dq, const fl
 
 bool shape_ok(const AttnShape& s) { return (s.hd == 64 || s.hd == 128) && s.KV > 0 && s.H % s.KV == 0; }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// Whether a tensor's base allows stage4's 4-element vector loads: 16 bytes for fp32, 8 for bf16.
+bool vec_ok(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool vec_ok(const bf16* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
 template <class Kernel>
 cudaError_t allow_smem(Kernel kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
 }
 
-template <int HD>
-cudaError_t fwd(float* o, float* lse, const float* q, const float* k, const float* v, const AttnShape& s,
-                cudaStream_t st) {
+template <int HD, class E>
+cudaError_t fwd(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   using T = Tiles<HD>;
-  const bool vec = aligned16(q) && aligned16(k) && aligned16(v);
-  cudaError_t e = allow_smem(tc_fwd_kernel<HD>, T::kFwd);
+  const bool vec = vec_ok(q) && vec_ok(k) && vec_ok(v);
+  cudaError_t e = allow_smem(tc_fwd_kernel<HD, E>, T::kFwd);
   if (e != cudaSuccess) return e;
   const dim3 grid(unsigned((s.S + kRows - 1) / kRows), unsigned(s.H), unsigned(s.B));
-  tc_fwd_kernel<HD><<<grid, kThreads, T::kFwd, st>>>(o, lse, q, k, v, s, vec);
+  tc_fwd_kernel<HD, E><<<grid, kThreads, T::kFwd, st>>>(o, lse, q, k, v, s, vec);
   return cudaGetLastError();
 }
 
-template <int HD>
-cudaError_t bwd(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v,
+template <int HD, class E>
+cudaError_t bwd(float* dq, float* dk, float* dv, const float* dout, const E* q, const E* k, const E* v,
                 const float* lse, const float* Dv, const AttnShape& s, cudaStream_t st) {
   using T = Tiles<HD>;
-  const bool vec = aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
-  cudaError_t e = allow_smem(tc_bwd_dkdv_kernel<HD>, T::kDkdv);
+  const bool vec = vec_ok(q) && vec_ok(k) && vec_ok(v) && vec_ok(dout);
+  cudaError_t e = allow_smem(tc_bwd_dkdv_kernel<HD, E>, T::kDkdv);
   if (e != cudaSuccess) return e;
-  e = allow_smem(tc_bwd_dq_kernel<HD>, T::kDq);
+  e = allow_smem(tc_bwd_dq_kernel<HD, E>, T::kDq);
   if (e != cudaSuccess) return e;
   const unsigned tiles = unsigned((s.S + kRows - 1) / kRows);
-  tc_bwd_dkdv_kernel<HD><<<dim3(tiles, unsigned(s.KV), unsigned(s.B)), kThreads, T::kDkdv, st>>>(
+  tc_bwd_dkdv_kernel<HD, E><<<dim3(tiles, unsigned(s.KV), unsigned(s.B)), kThreads, T::kDkdv, st>>>(
       dk, dv, dout, q, k, v, lse, Dv, s, vec);
-  tc_bwd_dq_kernel<HD><<<dim3(tiles, unsigned(s.H), unsigned(s.B)), kThreads, T::kDq, st>>>(dq, dout, q, k, v, lse,
-                                                                                             Dv, s, vec);
+  tc_bwd_dq_kernel<HD, E><<<dim3(tiles, unsigned(s.H), unsigned(s.B)), kThreads, T::kDq, st>>>(dq, dout, q, k, v,
+                                                                                                lse, Dv, s, vec);
   return cudaGetLastError();
 }
+
+template <class E>
+cudaError_t forward(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
+  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
+  if (!shape_ok(s)) return cudaErrorInvalidValue;
+  return s.hd == 64 ? fwd<64>(o, lse, q, k, v, s, st) : fwd<128>(o, lse, q, k, v, s, st);
+}
+
+template <class E>
+cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E* q, const E* k, const E* v,
+                     const E* o, const float* lse, const AttnShape& s, float* scratch, cudaStream_t st) {
+  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
+  if (!shape_ok(s)) return cudaErrorInvalidValue;
+  const size_t rows = size_t(s.B) * s.S * s.H;
+  const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
+  tc_bwd_dot_kernel<E><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
+  return s.hd == 64 ? bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st)
+                    : bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
+}
+
+const bf16* as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
 
 }  // namespace
 
@@ -531,9 +589,12 @@ bool attention_tc_supported(const AttnShape& s) {
 
 cudaError_t attention_tc_forward(float* o, float* lse, const float* q, const float* k, const float* v,
                                  const AttnShape& s, cudaStream_t st) {
-  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
-  if (!shape_ok(s)) return cudaErrorInvalidValue;
-  return s.hd == 64 ? fwd<64>(o, lse, q, k, v, s, st) : fwd<128>(o, lse, q, k, v, s, st);
+  return forward(o, lse, q, k, v, s, st);
+}
+
+cudaError_t attention_tc_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
+                                      const uint16_t* v, const AttnShape& s, cudaStream_t st) {
+  return forward(reinterpret_cast<bf16*>(o), lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
 }
 
 size_t attention_tc_backward_scratch_floats(const AttnShape& s) { return size_t(s.B) * s.H * s.S; }
@@ -541,13 +602,13 @@ size_t attention_tc_backward_scratch_floats(const AttnShape& s) { return size_t(
 cudaError_t attention_tc_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                                   const float* k, const float* v, const float* o, const float* lse,
                                   const AttnShape& s, float* scratch, cudaStream_t st) {
-  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
-  if (!shape_ok(s)) return cudaErrorInvalidValue;
-  const size_t rows = size_t(s.B) * s.S * s.H;
-  const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
-  tc_bwd_dot_kernel<<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
-  return s.hd == 64 ? bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st)
-                    : bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
+  return backward(dq, dk, dv, dout, q, k, v, o, lse, s, scratch, st);
+}
+
+cudaError_t attention_tc_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                                       const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
+                                       const AttnShape& s, float* scratch, cudaStream_t st) {
+  return backward(dq, dk, dv, dout, as_bf16(q), as_bf16(k), as_bf16(v), as_bf16(o), lse, s, scratch, st);
 }
 
 }  // namespace ladder::cuda::k

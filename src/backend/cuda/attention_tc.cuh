@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "backend/cpu/kernels.h"
 
@@ -34,5 +35,15 @@ size_t attention_tc_backward_scratch_floats(const cpu::AttnShape& s);
 cudaError_t attention_tc_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                                   const float* k, const float* v, const float* o, const float* lse,
                                   const cpu::AttnShape& s, float* scratch, cudaStream_t st);
+
+// model.attn_bf16: q, k, v and o as bf16 bits (uint16_t); lse, dout and the gradients fp32. The
+// tiles are staged from the bf16 values as they are (no rounding: they already are bf16) and o is
+// rounded to nearest even in the forward's epilogue, so these give bitwise the results of the fp32
+// launchers above on the widened inputs (o then rounded). The backward reads the bf16 o for D.
+cudaError_t attention_tc_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
+                                      const uint16_t* v, const cpu::AttnShape& s, cudaStream_t st);
+cudaError_t attention_tc_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                                       const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
+                                       const cpu::AttnShape& s, float* scratch, cudaStream_t st);
 
 }  // namespace ladder::cuda::k

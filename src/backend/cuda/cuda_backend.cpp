@@ -546,6 +546,72 @@ class CudaBackendImpl final : public CudaBackend {
                           int N_tok, int H, int hd) override {
     check(k::head_gate_backward(dx, dlogit, dout, x, factor, N_tok, H, hd, st_), "head_gate_backward");
   }
+  // model.attn_bf16 (Backend's contract): the kernels above and the attention kernels instantiated
+  // on bf16 storage (switch_ops.cu, attention.cu, attention_tc.cu): bf16 inputs widened as they are
+  // read, bf16 outputs rounded as they are written, nothing staged in fp32 scratch. The same checks,
+  // scratch and kernel choice as the fp32 ops.
+  void qk_prep_forward_bf16(uint16_t* out, float* rstd, const uint16_t* x, const float* gain, const uint8_t* reset,
+                            int N_tok, int S, int nh, int hd, int rot, float theta, bool norm, float eps) override {
+    check_qk_prep("qk_prep_forward_bf16", S, hd, rot);
+    check(k::qk_prep_forward_bf16(out, rstd, x, gain, reset, rope_table(S, rot, theta), N_tok, S, nh, hd, rot, norm,
+                                  eps, st_),
+          "qk_prep_forward_bf16");
+  }
+  void qk_prep_backward_bf16(float* dx, float* dgain, const float* dout, const uint16_t* x, const float* gain,
+                             const float* rstd, const uint8_t* reset, int N_tok, int S, int nh, int hd, int rot,
+                             float theta, bool norm) override {
+    check_qk_prep("qk_prep_backward_bf16", S, hd, rot);
+    const bool with_gain = norm && gain && dgain;
+    if (with_gain && !k::qk_prep_backward_supported(hd))
+      fail("qk_prep_backward_bf16 on CUDA supports head_dim up to 1536 with a learned QK-norm gain (got {})", hd);
+    float* scratch = nullptr;
+    if (with_gain) {
+      float_scratch_.reserve(k::qk_prep_backward_scratch_floats(N_tok, nh, hd), "qk prep backward scratch");
+      scratch = float_scratch_.data();
+    }
+    check(k::qk_prep_backward_bf16(dx, dgain, dout, x, gain, rstd, reset, rope_table(S, rot, theta), N_tok, S, nh, hd,
+                                   rot, norm, scratch, st_),
+          "qk_prep_backward_bf16");
+  }
+  void attention_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                              const AttnShape& s) override {
+    check_attn(s);
+    if (tc_attention(s))
+      return check(k::attention_tc_forward_bf16(o, lse, q, k, v, s, st_), "attention_tc_forward_bf16");
+    check(k::attention_forward_bf16(o, lse, q, k, v, s, st_), "attention_forward_bf16");
+  }
+  void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                               const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
+                               const AttnShape& s) override {
+    check_attn(s);
+    if (tc_attention(s)) {  // the forward's condition: both passes use one kernel family
+      float_scratch_.reserve(k::attention_tc_backward_scratch_floats(s), "attention backward scratch");
+      return check(
+          k::attention_tc_backward_bf16(dq, dk, dv, dout, q, k, v, o, lse, s, float_scratch_.data(), st_),
+          "attention_tc_backward_bf16");
+    }
+    float_scratch_.reserve(k::attention_backward_scratch_floats(s), "attention backward scratch");
+    check(k::attention_backward_bf16(dq, dk, dv, dout, q, k, v, o, lse, s, float_scratch_.data(), st_),
+          "attention_backward_bf16");
+  }
+  void xsa_forward_bf16(uint16_t* z, const uint16_t* y, const uint16_t* v, int N_tok, int H, int KV,
+                        int hd) override {
+    check_heads("xsa", H, KV);
+    check(k::xsa_forward_bf16(z, y, v, N_tok, H, KV, hd, st_), "xsa_forward_bf16");
+  }
+  void xsa_backward_bf16(float* dy, float* dv, const float* dz, const uint16_t* y, const uint16_t* v, int N_tok,
+                         int H, int KV, int hd) override {
+    check_heads("xsa", H, KV);
+    check(k::xsa_backward_bf16(dy, dv, dz, y, v, N_tok, H, KV, hd, st_), "xsa_backward_bf16");
+  }
+  void head_gate_forward_bf16(uint16_t* out, float* factor, const uint16_t* x, const float* logit, int N_tok, int H,
+                              int hd) override {
+    check(k::head_gate_forward_bf16(out, factor, x, logit, N_tok, H, hd, st_), "head_gate_forward_bf16");
+  }
+  void head_gate_backward_bf16(float* dx, float* dlogit, const float* dout, const uint16_t* x, const float* factor,
+                               int N_tok, int H, int hd) override {
+    check(k::head_gate_backward_bf16(dx, dlogit, dout, x, factor, N_tok, H, hd, st_), "head_gate_backward_bf16");
+  }
   void silu_forward(float* a, const float* u, size_t n) override {
     check(k::silu_forward(a, u, n, st_), "silu_forward");
   }

@@ -1,6 +1,8 @@
 // Launch and warp helpers shared by the kernel files (one definition each; every file keeps its own
 // block size).
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -26,6 +28,16 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+
+// Element access for kernels templated on the storage type of their activations (float, or
+// __nv_bfloat16 for the bf16 options such as model.attn_bf16): a load widens to fp32 (exact for
+// bf16), a store rounds an fp32 value to the storage type (bf16: nearest even). The bf16
+// instantiation of a kernel thus runs the fp32 instantiation's arithmetic on the widened inputs,
+// and the fp32 one is unchanged (both helpers are the identity on float).
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ void store_rn(float& dst, float v) { dst = v; }
+__device__ __forceinline__ void store_rn(__nv_bfloat16& dst, float v) { dst = __float2bfloat16_rn(v); }
 
 // The expert owning row tile g of a grouped GEMM over expert row blocks (tile_start[e] = the first
 // row tile of expert e, k::row_tile_prefix): the last e in [0, E) with tile_start[e] <= g. An empty

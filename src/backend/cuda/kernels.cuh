@@ -87,5 +87,13 @@ size_t attention_backward_scratch_floats(const cpu::AttnShape& s);
 cudaError_t attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
                                const float* v, const float* o, const float* lse, const cpu::AttnShape& s,
                                float* scratch, cudaStream_t st);
+// model.attn_bf16: q, k, v and o as bf16 bits (uint16_t), lse, dout and the gradients fp32. The same
+// kernels instantiated on bf16 storage: inputs widened exactly as they are loaded, the fp32
+// arithmetic, o rounded to nearest even; the backward reads the bf16 o for D.
+cudaError_t attention_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                   const cpu::AttnShape& s, cudaStream_t st);
+cudaError_t attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                                    const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
+                                    const cpu::AttnShape& s, float* scratch, cudaStream_t st);
 
 }  // namespace ladder::cuda::k

@@ -9,6 +9,14 @@
 // tree sums the dot product (fixed order: deterministic, no atomics), and each lane then writes only
 // the elements it read itself, which is what makes the allowed in-place calls (z == y, dy == dz,
 // dx == dout, out == x) safe without shared memory or block barriers.
+//
+// bf16 activations (model.attn_bf16): the QK prep, XSA and head-gate kernels are templated on the
+// storage type T of their [tokens, heads * hd] activations (float or __nv_bfloat16). Inputs of type
+// T are read through widen() (exact), outputs of type T written through store_rn() (round to nearest
+// even); rstd, gate factors and every gradient stay fp32. So the bf16 instantiation is the fp32
+// kernel's arithmetic, in the same order, on the widened inputs, with its outputs rounded once: the
+// CPU reference's widen / fp32 kernel / round, in one pass and without scratch copies. The fp32
+// instantiations are the kernels as they were (widen and store_rn are the identity on float).
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/switch_optim_ops.cuh"
 #include "backend/cuda/device_common.cuh"
@@ -81,9 +89,10 @@ __global__ void pko_bwd_kernel(float* dk, const float* dout, const uint8_t* rese
 
 // Dim c of the shifted row: the row's own value below `from`, else token t-1's (zero at a reset,
 // where prev is false). `stride` = nheads * hd, one token back.
-__device__ __forceinline__ float qk_shifted(const float* xr, size_t stride, bool prev, int c, int from) {
-  if (c < from) return xr[c];
-  return prev ? *(xr - stride + c) : 0.f;
+template <class T>
+__device__ __forceinline__ float qk_shifted(const T* xr, size_t stride, bool prev, int c, int from) {
+  if (c < from) return widen(xr[c]);
+  return prev ? widen(*(xr - stride + c)) : 0.f;
 }
 
 // The normed value (x * rstd) * gain, the CPU's order; v itself without the norm.
@@ -92,7 +101,8 @@ __device__ __forceinline__ float qk_normed(float v, float rs, const float* gain,
   return gain ? v * rs * gain[c] : v * rs;
 }
 
-__global__ void qk_prep_fwd_kernel(float* out, float* rstd, const float* x, const float* gain, const uint8_t* reset,
+template <class T>
+__global__ void qk_prep_fwd_kernel(T* out, float* rstd, const T* x, const float* gain, const uint8_t* reset,
                                    const float* cos_sin, int N_tok, int S, int nheads, int hd, int half, int from,
                                    bool norm, float eps) {
   const int lane = threadIdx.x & 31;
@@ -102,8 +112,8 @@ __global__ void qk_prep_fwd_kernel(float* out, float* rstd, const float* x, cons
   LADDER_FOR_EACH_WARP_ROW(r, rows) {
     const size_t t = r / nheads;
     const bool prev = reset && t > 0 && !reset[t];
-    const float* xr = x + r * hd;
-    float* o = out + r * hd;
+    const T* xr = x + r * hd;
+    T* o = out + r * hd;
     float rs = 1.f;
     if (norm) {
       float ss = 0.f;
@@ -121,11 +131,11 @@ __global__ void qk_prep_fwd_kernel(float* out, float* rstd, const float* x, cons
       const float a = qk_normed(qk_shifted(xr, stride, prev, i, from), rs, gain, i, norm);
       const float b = qk_normed(qk_shifted(xr, stride, prev, i + half, from), rs, gain, i + half, norm);
       const float c = ct[pos * half + i], s = st[pos * half + i];
-      o[i] = a * c - b * s;
-      o[i + half] = b * c + a * s;
+      store_rn(o[i], a * c - b * s);
+      store_rn(o[i + half], b * c + a * s);
     }
     for (int c = 2 * half + lane; c < hd; c += 32)
-      o[c] = qk_normed(qk_shifted(xr, stride, prev, c, from), rs, gain, c, norm);
+      store_rn(o[c], qk_normed(qk_shifted(xr, stride, prev, c, from), rs, gain, c, norm));
   }
 }
 
@@ -138,7 +148,8 @@ constexpr int kQkChunkRows = 256;  // rows per dgain partial: 8 warps x 32 rows
 // does not read it (t + 1 a reset or past the end) are zeroed by the row itself, so every element of
 // dx is written exactly once, by one warp, and dx needs no pre-zeroing. With `part` (per-warp dgain
 // partials in shared memory), adds dn * xs * rs to the lane's own columns.
-__global__ void qk_prep_bwd_kernel(float* dx, float* partial, const float* dout, const float* x, const float* gain,
+template <class T>
+__global__ void qk_prep_bwd_kernel(float* dx, float* partial, const float* dout, const T* x, const float* gain,
                                    const float* rstd, const uint8_t* reset, const float* cos_sin, int N_tok, int S,
                                    int nheads, int hd, int half, int from, bool norm) {
   extern __shared__ float part[];  // [warps, hd] when partial != nullptr
@@ -158,7 +169,7 @@ __global__ void qk_prep_bwd_kernel(float* dx, float* partial, const float* dout,
       const size_t t = r / nheads;
       const bool prev = reset && t > 0 && !reset[t];
       const bool next_reads = reset && t + 1 < size_t(N_tok) && !reset[t + 1];
-      const float* xr = x + r * hd;
+      const T* xr = x + r * hd;
       const float* g = dout + r * hd;
       float* d = dx + r * hd;
       const size_t pos = t % size_t(S);
@@ -229,53 +240,55 @@ __global__ void qk_dgain_final_kernel(float* dgain, const float* partial, size_t
 // ---------------------------------------------------------------------------------------------
 // Exclusive self attention: z = y - (y.v / (v.v + eps)) v per query head (see kernels.h).
 
-__global__ void xsa_fwd_kernel(float* z, const float* y, const float* v, int N_tok, int H, int KV, int hd,
-                               float eps) {
+template <class T>
+__global__ void xsa_fwd_kernel(T* z, const T* y, const T* v, int N_tok, int H, int KV, int hd, float eps) {
   const int lane = threadIdx.x & 31;
   const int G = H / KV;
   const size_t rows = size_t(N_tok) * H;
   LADDER_FOR_EACH_WARP_ROW(r, rows) {
     const size_t t = r / H;
     const int h = int(r - t * H);
-    const float* yr = y + r * hd;
-    const float* vr = v + (t * KV + h / G) * hd;
-    float* zr = z + r * hd;
+    const T* yr = y + r * hd;
+    const T* vr = v + (t * KV + h / G) * hd;
+    T* zr = z + r * hd;
     float yv = 0.f, vv = 0.f;
     for (int c = lane; c < hd; c += 32) {
-      yv += yr[c] * vr[c];
-      vv += vr[c] * vr[c];
+      const float yc = widen(yr[c]), vc = widen(vr[c]);
+      yv += yc * vc;
+      vv += vc * vc;
     }
     yv = warp_sum(yv);
     vv = warp_sum(vv);
     const float coef = yv / (vv + eps);
-    for (int c = lane; c < hd; c += 32) zr[c] = yr[c] - coef * vr[c];
+    for (int c = lane; c < hd; c += 32) store_rn(zr[c], widen(yr[c]) - coef * widen(vr[c]));
   }
 }
 
 // One warp per (token, KV group): dv of the group is owned by this warp, which adds the G heads'
 // contributions in head order (the CPU's order), so no atomics and no cross-warp reduction.
-__global__ void xsa_bwd_kernel(float* dy, float* dv, const float* dz, const float* y, const float* v, int N_tok,
-                               int H, int KV, int hd, float eps) {
+template <class T>
+__global__ void xsa_bwd_kernel(float* dy, float* dv, const float* dz, const T* y, const T* v, int N_tok, int H,
+                               int KV, int hd, float eps) {
   const int lane = threadIdx.x & 31;
   const int G = H / KV;
   const size_t groups = size_t(N_tok) * KV;
   LADDER_FOR_EACH_WARP_ROW(r, groups) {
     const size_t t = r / KV;
     const int g = int(r - t * KV);
-    const float* vr = v + r * hd;
+    const T* vr = v + r * hd;
     float* dvr = dv + r * hd;
     float vv = 0.f;
-    for (int c = lane; c < hd; c += 32) vv += vr[c] * vr[c];
+    for (int c = lane; c < hd; c += 32) vv += widen(vr[c]) * widen(vr[c]);
     const float n = warp_sum(vv) + eps;
     for (int j = 0; j < G; ++j) {
       const size_t hr = t * H + size_t(g) * G + j;  // the query head's row
-      const float* yr = y + hr * hd;
+      const T* yr = y + hr * hd;
       const float* dzr = dz + hr * hd;
       float* dyr = dy + hr * hd;
       float yv = 0.f, a = 0.f;
       for (int c = lane; c < hd; c += 32) {
-        yv += yr[c] * vr[c];
-        a += dzr[c] * vr[c];
+        yv += widen(yr[c]) * widen(vr[c]);
+        a += dzr[c] * widen(vr[c]);
       }
       yv = warp_sum(yv);
       a = warp_sum(a);
@@ -283,8 +296,9 @@ __global__ void xsa_bwd_kernel(float* dy, float* dv, const float* dz, const floa
       for (int c = lane; c < hd; c += 32) {
         const float dzc = dzr[c];  // read before dy[c] is written: dy may alias dz
         const float prev = j == 0 ? 0.f : dvr[c];
-        dvr[c] = prev + (-coef * dzc - an * yr[c] + vcoef * vr[c]);
-        dyr[c] = dzc - an * vr[c];
+        const float yc = widen(yr[c]), vc = widen(vr[c]);
+        dvr[c] = prev + (-coef * dzc - an * yc + vcoef * vc);
+        dyr[c] = dzc - an * vc;
       }
     }
   }
@@ -294,30 +308,32 @@ __global__ void xsa_bwd_kernel(float* dy, float* dv, const float* dz, const floa
 // Per-head output gate, one warp per (token, head) row. Forward needs no reduction, but a row per
 // warp also writes factor when hd == 0, as the CPU does.
 
-__global__ void head_gate_fwd_kernel(float* out, float* factor, const float* x, const float* logit, int N_tok,
-                                     int H, int hd) {
+template <class T>
+__global__ void head_gate_fwd_kernel(T* out, float* factor, const T* x, const float* logit, int N_tok, int H,
+                                     int hd) {
   const int lane = threadIdx.x & 31;
   const size_t rows = size_t(N_tok) * H;
   LADDER_FOR_EACH_WARP_ROW(r, rows) {
     const float f = 2.f * sigmoid_f(logit[r]);
     if (lane == 0) factor[r] = f;
-    const float* xr = x + r * hd;
-    float* orow = out + r * hd;
-    for (int c = lane; c < hd; c += 32) orow[c] = xr[c] * f;
+    const T* xr = x + r * hd;
+    T* orow = out + r * hd;
+    for (int c = lane; c < hd; c += 32) store_rn(orow[c], widen(xr[c]) * f);
   }
 }
 
-__global__ void head_gate_bwd_kernel(float* dx, float* dlogit, const float* dout, const float* x,
-                                     const float* factor, int N_tok, int H, int hd) {
+template <class T>
+__global__ void head_gate_bwd_kernel(float* dx, float* dlogit, const float* dout, const T* x, const float* factor,
+                                     int N_tok, int H, int hd) {
   const int lane = threadIdx.x & 31;
   const size_t rows = size_t(N_tok) * H;
   LADDER_FOR_EACH_WARP_ROW(r, rows) {
     const float f = factor[r];
     const float* dor = dout + r * hd;
-    const float* xr = x + r * hd;
+    const T* xr = x + r * hd;
     float* dxr = dx + r * hd;
     float s = 0.f;
-    for (int c = lane; c < hd; c += 32) s += dor[c] * xr[c];
+    for (int c = lane; c < hd; c += 32) s += dor[c] * widen(xr[c]);
     s = warp_sum(s);
     // d(2 sigmoid(a))/da = 2 sigmoid (1 - sigmoid) = f (1 - f/2).
     if (lane == 0) dlogit[r] = s * f * (1.f - 0.5f * f);
@@ -388,14 +404,95 @@ cudaError_t pko_shift_backward(float* dk, const float* dout, const uint8_t* rese
   return cudaGetLastError();
 }
 
+// The launchers of the templated kernels: one body per op for both storage types (launch_*), the
+// public fp32 and bf16 entry points below it.
+namespace {
+
+using bf16 = __nv_bfloat16;
+const bf16* as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
+bf16* as_bf16(uint16_t* p) { return reinterpret_cast<bf16*>(p); }
+
+template <class T>
+cudaError_t launch_qk_prep_forward(T* out, float* rstd, const T* x, const float* gain, const uint8_t* reset,
+                                   const float* cos_sin, int N_tok, int S, int nheads, int hd, int rot_dims, bool norm,
+                                   float eps, cudaStream_t st) {
+  if (N_tok <= 0 || nheads <= 0 || hd <= 0) return cudaSuccess;
+  if (S < 1 || rot_dims < 0 || rot_dims > hd) return cudaErrorInvalidValue;
+  qk_prep_fwd_kernel<T><<<grid_for_rows(size_t(N_tok) * nheads), kThreads, 0, st>>>(
+      out, rstd, x, gain, reset, cos_sin, N_tok, S, nheads, hd, rot_dims / 2, reset ? hd / 2 : hd, norm, eps);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_qk_prep_backward(float* dx, float* dgain, const float* dout, const T* x, const float* gain,
+                                    const float* rstd, const uint8_t* reset, const float* cos_sin, int N_tok, int S,
+                                    int nheads, int hd, int rot_dims, bool norm, float* scratch, cudaStream_t st) {
+  if (N_tok <= 0 || nheads <= 0 || hd <= 0) return cudaSuccess;
+  if (S < 1 || rot_dims < 0 || rot_dims > hd) return cudaErrorInvalidValue;
+  const bool with_gain = norm && gain && dgain;
+  if (with_gain && !qk_prep_backward_supported(hd)) return cudaErrorInvalidValue;
+  const size_t rows = size_t(N_tok) * nheads;
+  const size_t nchunks = (rows + kQkChunkRows - 1) / kQkChunkRows;
+  const unsigned grid = unsigned(nchunks < kMaxBlocks ? nchunks : kMaxBlocks);
+  const size_t smem = with_gain ? size_t(hd) * kWarpsPerBlock * sizeof(float) : 0;
+  qk_prep_bwd_kernel<T><<<grid, kThreads, smem, st>>>(dx, with_gain ? scratch : nullptr, dout, x, gain, rstd, reset,
+                                                      cos_sin, N_tok, S, nheads, hd, rot_dims / 2,
+                                                      reset ? hd / 2 : hd, norm);
+  if (with_gain)
+    qk_dgain_final_kernel<<<unsigned((hd + kThreads - 1) / kThreads), kThreads, 0, st>>>(dgain, scratch, nchunks, hd);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_xsa_forward(T* z, const T* y, const T* v, int N_tok, int H, int KV, int hd, cudaStream_t st) {
+  if (N_tok <= 0 || H <= 0 || KV <= 0 || hd <= 0) return cudaSuccess;
+  if (H % KV != 0) return cudaErrorInvalidValue;
+  xsa_fwd_kernel<T><<<grid_for_rows(size_t(N_tok) * H), kThreads, 0, st>>>(z, y, v, N_tok, H, KV, hd,
+                                                                          float(cpu::kXsaEps));
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_xsa_backward(float* dy, float* dv, const float* dz, const T* y, const T* v, int N_tok, int H,
+                                int KV, int hd, cudaStream_t st) {
+  if (N_tok <= 0 || H <= 0 || KV <= 0 || hd <= 0) return cudaSuccess;
+  if (H % KV != 0) return cudaErrorInvalidValue;
+  xsa_bwd_kernel<T><<<grid_for_rows(size_t(N_tok) * KV), kThreads, 0, st>>>(dy, dv, dz, y, v, N_tok, H, KV, hd,
+                                                                           float(cpu::kXsaEps));
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_head_gate_forward(T* out, float* factor, const T* x, const float* logit, int N_tok, int H, int hd,
+                                     cudaStream_t st) {
+  if (N_tok <= 0 || H <= 0 || hd < 0) return cudaSuccess;
+  head_gate_fwd_kernel<T><<<grid_for_rows(size_t(N_tok) * H), kThreads, 0, st>>>(out, factor, x, logit, N_tok, H,
+                                                                                hd);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_head_gate_backward(float* dx, float* dlogit, const float* dout, const T* x, const float* factor,
+                                      int N_tok, int H, int hd, cudaStream_t st) {
+  if (N_tok <= 0 || H <= 0 || hd < 0) return cudaSuccess;
+  head_gate_bwd_kernel<T><<<grid_for_rows(size_t(N_tok) * H), kThreads, 0, st>>>(dx, dlogit, dout, x, factor,
+                                                                                N_tok, H, hd);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
 cudaError_t qk_prep_forward(float* out, float* rstd, const float* x, const float* gain, const uint8_t* reset,
                             const float* cos_sin, int N_tok, int S, int nheads, int hd, int rot_dims, bool norm,
                             float eps, cudaStream_t st) {
-  if (N_tok <= 0 || nheads <= 0 || hd <= 0) return cudaSuccess;
-  if (S < 1 || rot_dims < 0 || rot_dims > hd) return cudaErrorInvalidValue;
-  qk_prep_fwd_kernel<<<grid_for_rows(size_t(N_tok) * nheads), kThreads, 0, st>>>(
-      out, rstd, x, gain, reset, cos_sin, N_tok, S, nheads, hd, rot_dims / 2, reset ? hd / 2 : hd, norm, eps);
-  return cudaGetLastError();
+  return launch_qk_prep_forward(out, rstd, x, gain, reset, cos_sin, N_tok, S, nheads, hd, rot_dims, norm, eps, st);
+}
+
+cudaError_t qk_prep_forward_bf16(uint16_t* out, float* rstd, const uint16_t* x, const float* gain,
+                                 const uint8_t* reset, const float* cos_sin, int N_tok, int S, int nheads, int hd,
+                                 int rot_dims, bool norm, float eps, cudaStream_t st) {
+  return launch_qk_prep_forward(as_bf16(out), rstd, as_bf16(x), gain, reset, cos_sin, N_tok, S, nheads, hd, rot_dims,
+                                norm, eps, st);
 }
 
 size_t qk_prep_backward_scratch_floats(int N_tok, int nheads, int hd) {
@@ -408,53 +505,55 @@ bool qk_prep_backward_supported(int hd) { return hd >= 1 && size_t(hd) * kWarpsP
 cudaError_t qk_prep_backward(float* dx, float* dgain, const float* dout, const float* x, const float* gain,
                              const float* rstd, const uint8_t* reset, const float* cos_sin, int N_tok, int S,
                              int nheads, int hd, int rot_dims, bool norm, float* scratch, cudaStream_t st) {
-  if (N_tok <= 0 || nheads <= 0 || hd <= 0) return cudaSuccess;
-  if (S < 1 || rot_dims < 0 || rot_dims > hd) return cudaErrorInvalidValue;
-  const bool with_gain = norm && gain && dgain;
-  if (with_gain && !qk_prep_backward_supported(hd)) return cudaErrorInvalidValue;
-  const size_t rows = size_t(N_tok) * nheads;
-  const size_t nchunks = (rows + kQkChunkRows - 1) / kQkChunkRows;
-  const unsigned grid = unsigned(nchunks < kMaxBlocks ? nchunks : kMaxBlocks);
-  const size_t smem = with_gain ? size_t(hd) * kWarpsPerBlock * sizeof(float) : 0;
-  qk_prep_bwd_kernel<<<grid, kThreads, smem, st>>>(dx, with_gain ? scratch : nullptr, dout, x, gain, rstd, reset,
-                                                   cos_sin, N_tok, S, nheads, hd, rot_dims / 2, reset ? hd / 2 : hd,
-                                                   norm);
-  if (with_gain)
-    qk_dgain_final_kernel<<<unsigned((hd + kThreads - 1) / kThreads), kThreads, 0, st>>>(dgain, scratch, nchunks, hd);
-  return cudaGetLastError();
+  return launch_qk_prep_backward(dx, dgain, dout, x, gain, rstd, reset, cos_sin, N_tok, S, nheads, hd, rot_dims, norm,
+                                 scratch, st);
+}
+
+cudaError_t qk_prep_backward_bf16(float* dx, float* dgain, const float* dout, const uint16_t* x, const float* gain,
+                                  const float* rstd, const uint8_t* reset, const float* cos_sin, int N_tok, int S,
+                                  int nheads, int hd, int rot_dims, bool norm, float* scratch, cudaStream_t st) {
+  return launch_qk_prep_backward(dx, dgain, dout, as_bf16(x), gain, rstd, reset, cos_sin, N_tok, S, nheads, hd,
+                                 rot_dims, norm, scratch, st);
 }
 
 cudaError_t xsa_forward(float* z, const float* y, const float* v, int N_tok, int H, int KV, int hd,
                         cudaStream_t st) {
-  if (N_tok <= 0 || H <= 0 || KV <= 0 || hd <= 0) return cudaSuccess;
-  if (H % KV != 0) return cudaErrorInvalidValue;
-  xsa_fwd_kernel<<<grid_for_rows(size_t(N_tok) * H), kThreads, 0, st>>>(z, y, v, N_tok, H, KV, hd,
-                                                                       float(cpu::kXsaEps));
-  return cudaGetLastError();
+  return launch_xsa_forward(z, y, v, N_tok, H, KV, hd, st);
+}
+
+cudaError_t xsa_forward_bf16(uint16_t* z, const uint16_t* y, const uint16_t* v, int N_tok, int H, int KV, int hd,
+                             cudaStream_t st) {
+  return launch_xsa_forward(as_bf16(z), as_bf16(y), as_bf16(v), N_tok, H, KV, hd, st);
 }
 
 cudaError_t xsa_backward(float* dy, float* dv, const float* dz, const float* y, const float* v, int N_tok, int H,
                          int KV, int hd, cudaStream_t st) {
-  if (N_tok <= 0 || H <= 0 || KV <= 0 || hd <= 0) return cudaSuccess;
-  if (H % KV != 0) return cudaErrorInvalidValue;
-  xsa_bwd_kernel<<<grid_for_rows(size_t(N_tok) * KV), kThreads, 0, st>>>(dy, dv, dz, y, v, N_tok, H, KV, hd,
-                                                                        float(cpu::kXsaEps));
-  return cudaGetLastError();
+  return launch_xsa_backward(dy, dv, dz, y, v, N_tok, H, KV, hd, st);
+}
+
+cudaError_t xsa_backward_bf16(float* dy, float* dv, const float* dz, const uint16_t* y, const uint16_t* v, int N_tok,
+                              int H, int KV, int hd, cudaStream_t st) {
+  return launch_xsa_backward(dy, dv, dz, as_bf16(y), as_bf16(v), N_tok, H, KV, hd, st);
 }
 
 cudaError_t head_gate_forward(float* out, float* factor, const float* x, const float* logit, int N_tok, int H,
                               int hd, cudaStream_t st) {
-  if (N_tok <= 0 || H <= 0 || hd < 0) return cudaSuccess;
-  head_gate_fwd_kernel<<<grid_for_rows(size_t(N_tok) * H), kThreads, 0, st>>>(out, factor, x, logit, N_tok, H, hd);
-  return cudaGetLastError();
+  return launch_head_gate_forward(out, factor, x, logit, N_tok, H, hd, st);
+}
+
+cudaError_t head_gate_forward_bf16(uint16_t* out, float* factor, const uint16_t* x, const float* logit, int N_tok,
+                                   int H, int hd, cudaStream_t st) {
+  return launch_head_gate_forward(as_bf16(out), factor, as_bf16(x), logit, N_tok, H, hd, st);
 }
 
 cudaError_t head_gate_backward(float* dx, float* dlogit, const float* dout, const float* x, const float* factor,
                                int N_tok, int H, int hd, cudaStream_t st) {
-  if (N_tok <= 0 || H <= 0 || hd < 0) return cudaSuccess;
-  head_gate_bwd_kernel<<<grid_for_rows(size_t(N_tok) * H), kThreads, 0, st>>>(dx, dlogit, dout, x, factor, N_tok,
-                                                                             H, hd);
-  return cudaGetLastError();
+  return launch_head_gate_backward(dx, dlogit, dout, x, factor, N_tok, H, hd, st);
+}
+
+cudaError_t head_gate_backward_bf16(float* dx, float* dlogit, const float* dout, const uint16_t* x,
+                                    const float* factor, int N_tok, int H, int hd, cudaStream_t st) {
+  return launch_head_gate_backward(dx, dlogit, dout, as_bf16(x), factor, N_tok, H, hd, st);
 }
 
 cudaError_t silu_forward(float* a, const float* u, size_t n, cudaStream_t st) {

@@ -55,6 +55,26 @@ cudaError_t head_gate_forward(float* out, float* factor, const float* x, const f
 cudaError_t head_gate_backward(float* dx, float* dlogit, const float* dout, const float* x, const float* factor,
                                int N_tok, int H, int hd, cudaStream_t st);
 
+// model.attn_bf16: the six ops above with their [tokens, heads * hd] activations as bf16 bits
+// (uint16_t): x, out (qk prep), y, v, z (XSA), x, out (head gate). The same kernels, instantiated on
+// bf16 storage: every bf16 input widened exactly, the fp32 arithmetic, bf16 outputs rounded to
+// nearest even; rstd, factor and all gradients fp32. Same aliasing rules (z may alias y, out x,
+// dy dz, dx dout).
+cudaError_t qk_prep_forward_bf16(uint16_t* out, float* rstd, const uint16_t* x, const float* gain,
+                                 const uint8_t* reset, const float* cos_sin, int N_tok, int S, int nheads, int hd,
+                                 int rot_dims, bool norm, float eps, cudaStream_t st);
+cudaError_t qk_prep_backward_bf16(float* dx, float* dgain, const float* dout, const uint16_t* x, const float* gain,
+                                  const float* rstd, const uint8_t* reset, const float* cos_sin, int N_tok, int S,
+                                  int nheads, int hd, int rot_dims, bool norm, float* scratch, cudaStream_t st);
+cudaError_t xsa_forward_bf16(uint16_t* z, const uint16_t* y, const uint16_t* v, int N_tok, int H, int KV, int hd,
+                             cudaStream_t st);
+cudaError_t xsa_backward_bf16(float* dy, float* dv, const float* dz, const uint16_t* y, const uint16_t* v, int N_tok,
+                              int H, int KV, int hd, cudaStream_t st);
+cudaError_t head_gate_forward_bf16(uint16_t* out, float* factor, const uint16_t* x, const float* logit, int N_tok,
+                                   int H, int hd, cudaStream_t st);
+cudaError_t head_gate_backward_bf16(float* dx, float* dlogit, const float* dout, const uint16_t* x,
+                                    const float* factor, int N_tok, int H, int hd, cudaStream_t st);
+
 // GatedNorm's elementwise parts.
 cudaError_t silu_forward(float* a, const float* u, size_t n, cudaStream_t st);
 cudaError_t silu_backward(float* du, const float* da, const float* u, size_t n, cudaStream_t st);
