@@ -1,4 +1,5 @@
-// The attention block in bf16 (model.attn_bf16): CudaBackend's eight *_bf16 ops against the CPU
+// The attention block in bf16 (model.attn_bf16), and the block norms' bf16 outputs (model.norm_bf16,
+// NormOutputsMatchTheCpu): CudaBackend's *_bf16 ops against the CPU
 // backend's (make_cpu_backend(0): widen the bf16 inputs, run the fp32 kernel, round the bf16
 // outputs), on the same bf16 inputs, fresh random each test (seed printed). Outputs are poisoned
 // first (every byte 0xFF: NaN in fp32 and in bf16) so an element the kernels never write fails.
@@ -289,6 +290,49 @@ TEST_F(CudaAttnBf16, HeadGateMatchesTheCpu) {
     be().head_gate_backward_bf16(d_dd.data(), d_dlogit2.data(), d_dd.data(), d_x.data(), d_cfactor.data(), c.N, c.H,
                                  c.hd);
     EXPECT_EQ(down(d_dd, nx), gdx) << "head_gate_backward_bf16 in place (dx == dout) differs";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// model.norm_bf16: the block norms' bf16 outputs (RMSNorm, and GatedNorm's final product), against
+// the CPU and bitwise the fp32 ops' outputs rounded. Odd widths, with and without a gain.
+
+TEST_F(CudaAttnBf16, NormOutputsMatchTheCpu) {
+  for (const auto [N, D] : {std::pair{37, 64}, std::pair{5, 1000}, std::pair{64, 17}}) {
+    const std::string what = fmt::format("norm_bf16 N={} D={}", N, D);
+    SCOPED_TRACE(what);
+    const size_t n = size_t(N) * D;
+    const auto x = randv(n, -3.f, 3.f), gain = randv(size_t(D), 0.5f, 1.5f), logit = randv(n, -4.f, 4.f);
+    auto d_x = up(x), d_gain = up(gain);
+    for (bool with_gain : {true, false}) {
+      const float* g = with_gain ? d_gain.data() : nullptr;
+      auto d_y = poisoned<uint16_t>(n);
+      auto d_rstd = poisoned(size_t(N));
+      be().rmsnorm_forward_bf16(d_y.data(), d_rstd.data(), d_x.data(), g, N, D, 1e-6f);
+      std::vector<uint16_t> y(n);
+      std::vector<float> rstd(N);
+      cpu_->rmsnorm_forward_bf16(y.data(), rstd.data(), x.data(), with_gain ? gain.data() : nullptr, N, D, 1e-6f);
+      const auto gy = down(d_y, n);
+      check_b16(gy, y, what + " rmsnorm y");
+      check(down(d_rstd, size_t(N)), rstd, kF32, what + " rmsnorm rstd");
+      auto f_y = poisoned(n), f_rstd = poisoned(size_t(N));
+      be().rmsnorm_forward(f_y.data(), f_rstd.data(), d_x.data(), g, N, D, 1e-6f);
+      expect_rounded(gy, down(f_y, n), what + " rmsnorm y");
+      EXPECT_EQ(down(d_rstd, size_t(N)), down(f_rstd, size_t(N))) << "rstd differs from the fp32 op's";
+    }
+    // GatedNorm's product y = x * sigmoid(g), g := sigmoid(g) in place.
+    auto d_g = up(logit), f_g = up(logit);
+    auto d_y = poisoned<uint16_t>(n);
+    auto f_y = poisoned(n);
+    be().sigmoid_gate_forward_bf16(d_y.data(), d_g.data(), d_x.data(), n);
+    std::vector<uint16_t> y(n);
+    std::vector<float> gs = logit;
+    cpu_->sigmoid_gate_forward_bf16(y.data(), gs.data(), x.data(), n);
+    const auto gy = down(d_y, n);
+    check_b16(gy, y, what + " sigmoid gate y");
+    check(down(d_g, n), gs, kF32, what + " sigmoid gate g");
+    be().sigmoid_gate_forward(f_y.data(), f_g.data(), d_x.data(), n);
+    expect_rounded(gy, down(f_y, n), what + " sigmoid gate y");
   }
 }
 

@@ -283,6 +283,29 @@ TEST_F(CudaModel, MoeBf16MatchesTheCpu) {
   }
 }
 
+// model.attn_bf16 and model.norm_bf16: the attention block's bf16 ops (qk prep, attention, XSA,
+// head gate) and the norms' bf16 outputs read by typed GEMMs, on the fp32-GEMM CUDA backend against
+// the CPU reference with the same options: every attention switch, then every bf16 option at once
+// on the MoE switches model with bf16 saved activations. The same rounding-boundary bounds as
+// model.mlp_bf16, except the gradients of the all-bf16 MoE model: there every tensor a GEMM reads
+// is rounded on each backend from its own fp32 values, and the second MoE layer (its router after
+// two layers of such flips) amplifies them: 2.2e-3 on the emulated backend (layer 2's expert and
+// router weights), against 3.9e-4 for the dense switches model. Held to 1e-2: a misread buffer is
+// O(1).
+constexpr double kGradTolAllBf16Moe = 1e-2;
+TEST_F(CudaModel, AttnAndNormBf16MatchTheCpu) {
+  for (auto [c, tag, all] : {std::tuple{switches_config(), "switches", false},
+                             std::tuple{moe_switches_config(), "moe-switches+all-bf16+saved-bf16", true}}) {
+    c.model.attn_bf16 = c.model.norm_bf16 = true;
+    if (all) {
+      c.model.mlp_bf16 = c.model.moe_bf16 = true;
+      c.model.saved_activations = "bf16";
+    }
+    compare_model(c, std::string("attn+norm-bf16 ") + tag, all ? kGradTolAllBf16Moe : kGradTolBf16Saved,
+                  kFwdTolMlpBf16);
+  }
+}
+
 TEST_F(CudaModel, MoeLossGradientsBalancingAndStatsMatchTheCpu) {
   const Config c = moe_config();
   validate(c);
@@ -335,7 +358,9 @@ TEST_F(CudaModel, FiftyMuonHStepsFollowTheCpu) {
 TEST_F(CudaModel, Bf16StepsFollowTheCpuAndTheWeightMirrorTracksUpdates) {
   Config moe16 = moe_config();  // and with the experts' tensors in bf16 (bf16 grouped-GEMM operands and outputs)
   moe16.model.moe_bf16 = true;
-  for (Config c : {dense_config(), moe_config(), moe16}) {
+  Config all16 = switches_config();  // every bf16 activation option: bf16 q/k/v into the tensor-core attention
+  all16.model.attn_bf16 = all16.model.norm_bf16 = all16.model.mlp_bf16 = true;
+  for (Config c : {dense_config(), moe_config(), moe16, all16}) {
     c.optim.name = "adamw";
     c.run.steps = 30;
     c.model.head_dim = 64;  // the tensor-core attention's head sizes are 64 and 128
@@ -363,7 +388,10 @@ TEST_F(CudaModel, Bf16StepsFollowTheCpuAndTheWeightMirrorTracksUpdates) {
       worst = std::max(worst, std::fabs(lg - lc) / lc);
       ASSERT_TRUE(std::isfinite(lg)) << "step " << t;
     }
-    const std::string tag = c.model.moe_bf16 ? "moe+moe_bf16" : c.model.moe() ? "moe" : "dense";
+    const std::string tag = c.model.attn_bf16 ? "switches+all-bf16"
+                            : c.model.moe_bf16 ? "moe+moe_bf16"
+                            : c.model.moe()    ? "moe"
+                                               : "dense";
     std::printf("[ step     ] bf16 %s loss %.4f -> %.4f (cpu %.4f -> %.4f)\n", tag.c_str(), first_g, last_g, first_c,
                 last_c);
     print_err("bf16 " + tag + " 30-step loss (worst step)", worst);

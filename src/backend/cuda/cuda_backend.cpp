@@ -332,6 +332,10 @@ class CudaBackendImpl final : public CudaBackend {
   void rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps) override {
     check(k::rmsnorm_forward(y, rstd, x, gain, N, D, eps, st_), "rmsnorm_forward");
   }
+  void rmsnorm_forward_bf16(uint16_t* y, float* rstd, const float* x, const float* gain, int N, int D,
+                            float eps) override {
+    check(k::rmsnorm_forward_bf16(y, rstd, x, gain, N, D, eps, st_), "rmsnorm_forward_bf16");
+  }
   void rmsnorm_backward(float* dx, float* dgain, const float* dy, const float* x, const float* gain,
                         const float* rstd, int N, int D, bool acc) override {
     float_scratch_.reserve(k::rmsnorm_backward_scratch_floats(N, D), "rmsnorm backward scratch");
@@ -620,6 +624,9 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void sigmoid_gate_forward(float* y, float* g, const float* x, size_t n) override {
     check(k::sigmoid_gate_forward(y, g, x, n, st_), "sigmoid_gate_forward");
+  }
+  void sigmoid_gate_forward_bf16(uint16_t* y, float* g, const float* x, size_t n) override {
+    check(k::sigmoid_gate_forward_bf16(y, g, x, n, st_), "sigmoid_gate_forward_bf16");
   }
   void sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
                              bool accumulate_dx) override {

@@ -23,6 +23,9 @@ cudaError_t embedding_backward(float* dtable, const float* dout, const int32_t* 
 
 cudaError_t rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps,
                             cudaStream_t st);
+// model.norm_bf16: y as bf16 bits, the fp32 kernel's result rounded to nearest even.
+cudaError_t rmsnorm_forward_bf16(uint16_t* y, float* rstd, const float* x, const float* gain, int N, int D, float eps,
+                                 cudaStream_t st);
 // dgain is a sum over rows: partial sums over fixed chunks of rows, then summed in chunk order
 // (deterministic). `scratch` must hold rmsnorm_backward_scratch_floats(N, D) floats.
 size_t rmsnorm_backward_scratch_floats(int N, int D);

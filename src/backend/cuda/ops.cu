@@ -107,12 +107,14 @@ EmbScratch carve_emb(void* scratch, int N) {
 // ---------------------------------------------------------------------------------------------
 // RMSNorm
 
-__global__ void rmsnorm_fwd_kernel(float* y, float* rstd, const float* x, const float* gain, int N, int D,
-                                   float eps) {
+// TY: the output's storage, float or __nv_bfloat16 (model.norm_bf16: the fp32 result rounded to
+// nearest even as it is stored; store_rn, device_common.cuh).
+template <class TY>
+__global__ void rmsnorm_fwd_kernel(TY* y, float* rstd, const float* x, const float* gain, int N, int D, float eps) {
   __shared__ float red[32];
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
     const float* xi = x + size_t(i) * D;
-    float* yi = y + size_t(i) * D;
+    TY* yi = y + size_t(i) * D;
     float ss = 0.f;
     for (int j = threadIdx.x; j < D; j += blockDim.x) ss += xi[j] * xi[j];
     ss = block_sum(ss, red);
@@ -120,9 +122,9 @@ __global__ void rmsnorm_fwd_kernel(float* y, float* rstd, const float* x, const 
     const float r = float(1.0 / sqrt(double(ss) / D + double(eps)));
     if (threadIdx.x == 0) rstd[i] = r;
     if (gain) {
-      for (int j = threadIdx.x; j < D; j += blockDim.x) yi[j] = xi[j] * r * gain[j];
+      for (int j = threadIdx.x; j < D; j += blockDim.x) store_rn(yi[j], xi[j] * r * gain[j]);
     } else {
-      for (int j = threadIdx.x; j < D; j += blockDim.x) yi[j] = xi[j] * r;
+      for (int j = threadIdx.x; j < D; j += blockDim.x) store_rn(yi[j], xi[j] * r);
     }
   }
 }
@@ -411,7 +413,15 @@ cudaError_t embedding_backward(float* dtable, const float* dout, const int32_t* 
 cudaError_t rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps,
                             cudaStream_t st) {
   if (N <= 0) return cudaSuccess;
-  rmsnorm_fwd_kernel<<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(y, rstd, x, gain, N, D, eps);
+  rmsnorm_fwd_kernel<float><<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(y, rstd, x, gain, N, D, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t rmsnorm_forward_bf16(uint16_t* y, float* rstd, const float* x, const float* gain, int N, int D, float eps,
+                                 cudaStream_t st) {
+  if (N <= 0) return cudaSuccess;
+  rmsnorm_fwd_kernel<__nv_bfloat16><<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(
+      reinterpret_cast<__nv_bfloat16*>(y), rstd, x, gain, N, D, eps);
   return cudaGetLastError();
 }
 

@@ -360,11 +360,13 @@ __global__ void silu_bwd_kernel(float* du, const float* da, const float* u, size
   }
 }
 
-__global__ void sigmoid_gate_fwd_kernel(float* y, float* g, const float* x, size_t n) {
+// TY: float, or __nv_bfloat16 for GatedNorm's output under model.norm_bf16 (rounded as stored).
+template <class TY>
+__global__ void sigmoid_gate_fwd_kernel(TY* y, float* g, const float* x, size_t n) {
   LADDER_GRID_STRIDE(i, n) {
     const float s = sigmoid_f(g[i]);
     g[i] = s;
-    y[i] = x[i] * s;
+    store_rn(y[i], x[i] * s);
   }
 }
 
@@ -570,7 +572,14 @@ cudaError_t silu_backward(float* du, const float* da, const float* u, size_t n, 
 
 cudaError_t sigmoid_gate_forward(float* y, float* g, const float* x, size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
-  sigmoid_gate_fwd_kernel<<<grid_for(n), kThreads, 0, st>>>(y, g, x, n);
+  sigmoid_gate_fwd_kernel<float><<<grid_for(n), kThreads, 0, st>>>(y, g, x, n);
+  return cudaGetLastError();
+}
+
+cudaError_t sigmoid_gate_forward_bf16(uint16_t* y, float* g, const float* x, size_t n, cudaStream_t st) {
+  if (!n) return cudaSuccess;
+  sigmoid_gate_fwd_kernel<__nv_bfloat16><<<grid_for(n), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(y), g, x,
+                                                                           n);
   return cudaGetLastError();
 }
 

@@ -79,6 +79,8 @@ cudaError_t head_gate_backward_bf16(float* dx, float* dlogit, const float* dout,
 cudaError_t silu_forward(float* a, const float* u, size_t n, cudaStream_t st);
 cudaError_t silu_backward(float* du, const float* da, const float* u, size_t n, cudaStream_t st);
 cudaError_t sigmoid_gate_forward(float* y, float* g, const float* x, size_t n, cudaStream_t st);
+// y as bf16 bits (GatedNorm's output under model.norm_bf16); the sigmoid g stays fp32.
+cudaError_t sigmoid_gate_forward_bf16(uint16_t* y, float* g, const float* x, size_t n, cudaStream_t st);
 cudaError_t sigmoid_gate_backward(float* dx, float* dg, const float* dy, const float* x, const float* s, size_t n,
                                   bool accumulate_dx, cudaStream_t st);
 
