@@ -298,7 +298,7 @@ TEST_F(CudaAttnBf16, HeadGateMatchesTheCpu) {
 // the CPU and bitwise the fp32 ops' outputs rounded. Odd widths, with and without a gain.
 
 TEST_F(CudaAttnBf16, NormOutputsMatchTheCpu) {
-  for (const auto [N, D] : {std::pair{37, 64}, std::pair{5, 1000}, std::pair{64, 17}}) {
+  for (const auto& [N, D] : {std::pair{37, 64}, std::pair{5, 1000}, std::pair{64, 17}}) {
     const std::string what = fmt::format("norm_bf16 N={} D={}", N, D);
     SCOPED_TRACE(what);
     const size_t n = size_t(N) * D;
