@@ -142,11 +142,12 @@ TEST(DeviceEmulation, MlpBf16MoeSwitchesIsBitIdenticalWithoutHostAccess) {
   c.model.saved_activations = "bf16";
   train_and_compare(c, "adamw");
 }
-// The attention block in bf16 (model.attn_bf16) with every switch and the other bf16 options,
-// through backend ops only: typed GEMMs, the bf16 qk-prep, attention, XSA and gate ops.
+// The attention block and the norms' outputs in bf16 (model.attn_bf16, norm_bf16) with every switch
+// and the other bf16 options, through backend ops only: typed GEMMs, the bf16 norm, qk-prep,
+// attention, XSA and gate ops.
 TEST(DeviceEmulation, AttnBf16MoeSwitchesIsBitIdenticalWithoutHostAccess) {
   Config c = moe_switches_config();
-  c.model.attn_bf16 = c.model.mlp_bf16 = c.model.moe_bf16 = true;
+  c.model.attn_bf16 = c.model.norm_bf16 = c.model.mlp_bf16 = c.model.moe_bf16 = true;
   c.model.saved_activations = "bf16";
   train_and_compare(c, "muonh");
 }

@@ -22,6 +22,7 @@
 
 #include "backend/backend.h"
 #include "core/arena.h"
+#include "core/error.h"
 #include "model/config.h"
 #include "model/moe.h"
 
@@ -149,8 +150,11 @@ class Transformer {
   // The keys layer l's attention read in the last forward pass (after PKO, QK-norm and RoPE),
   // [batch*seq_len, KV*hd], backend memory; for tests and inspection. With model.recompute or
   // saved_activations bf16 the fp32 buffer is shared by the layers of one kind (the last one's).
-  // bf16 bits (uint16_t) with model.attn_bf16.
-  const float* attention_keys(int l) const { return layers_.at(l).kr; }
+  // Not with model.attn_bf16 (the keys are bf16 bits there; no caller needs them).
+  const float* attention_keys(int l) const {
+    LADDER_ASSERT(!cfg_.attn_bf16);
+    return layers_.at(l).kr;
+  }
 
   // Non-trained state saved with the weights (the MoE selection biases
   // model.layers.N.mlp.gate.e_score_correction_bias [E]): not in params(), no gradient, no

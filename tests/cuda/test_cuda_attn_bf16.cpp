@@ -341,9 +341,9 @@ TEST_F(CudaAttnBf16, NormOutputsMatchTheCpu) {
 
 struct AttnCase {
   int B, S, H, KV, hd, window;
-  size_t offset = 0;  // bf16 elements: q, k, v, o at an address that is not 8-byte aligned
+  size_t offset = 0;  // bf16 elements: q, k, v, o that many elements past an aligned address
   std::string name() const {
-    return fmt::format("B={} S={} H={} KV={} hd={} W={}{}", B, S, H, KV, hd, window, offset ? " unaligned" : "");
+    return fmt::format("B={} S={} H={} KV={} hd={} W={}{}", B, S, H, KV, hd, window, offset ? fmt::format(" offset {}", offset) : "");
   }
   AttnShape shape() const { return AttnShape{B, S, H, KV, hd, window, 1.0 / std::sqrt(double(hd))}; }
 };
@@ -407,14 +407,18 @@ TEST_F(CudaAttnBf16, AttentionCudaCoresMatchesTheCpu) {
 
 // bf16 precision (CudaOptions::bf16): the tensor-core kernel (attention_tc.cu) reading bf16 q, k, v
 // straight into its tiles and writing a bf16 o. Head dims 64 and 128, GQA, a ragged last tile,
-// causal and windowed, and inputs at addresses that are not 8-byte aligned (its scalar load path).
+// causal and windowed, inputs at addresses that are not 8-byte aligned (its scalar load path), and
+// at 8-byte but not 16-byte aligned ones (the 8-byte vector loads' weakest alignment: a misaligned
+// load faults on a GPU, which the host emulation would not show).
 TEST_F(CudaAttnBf16, AttentionTensorCoresMatchesTheCpu) {
   cuda::CudaOptions opt;
   opt.bf16 = true;
   auto bf = cuda::make_backend(opt);
   AttnCase unaligned{1, 70, 4, 1, 64, 17};
   unaligned.offset = 1;
-  for (const AttnCase c : {AttnCase{2, 77, 8, 2, 64, 0}, AttnCase{1, 100, 4, 4, 128, 33}, unaligned}) {
+  AttnCase aligned8{1, 66, 2, 1, 128, 0};
+  aligned8.offset = 4;
+  for (const AttnCase c : {AttnCase{2, 77, 8, 2, 64, 0}, AttnCase{1, 100, 4, 4, 128, 33}, unaligned, aligned8}) {
     const std::string what = "attn_tc_bf16 " + c.name();
     SCOPED_TRACE(what);
     const AttnShape s = c.shape();
