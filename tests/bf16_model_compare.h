@@ -93,6 +93,23 @@ inline size_t activation_bytes(const Config& c) {
   return m.activation_bytes();
 }
 
+// A bf16 activation option against fp32: `h` (c with the option on) is close to c (loss within
+// 1e-2 relative, every gradient under grad_tol), is not c (the forward changed and some gradient
+// differs: the option is in effect), and plans exactly `saving` activation bytes less. One line
+// printed under `label`.
+inline Compared expect_close_not_equal(const Config& c, const Config& h, double grad_tol, size_t saving,
+                                       const std::string& label, const std::string& tag) {
+  const Compared r = compare(c, h, grad_tol);
+  EXPECT_LT(r.loss_rel, 1e-2) << tag;
+  EXPECT_FALSE(r.loss_equal) << tag << ": the forward did not change: is the option in effect?";
+  EXPECT_GT(r.grads_differ, size_t(0)) << tag;
+  const size_t fa = activation_bytes(c), fb = activation_bytes(h);
+  EXPECT_EQ(fa - fb, saving) << tag;
+  std::printf("[ %s ] %s: loss rel %.2e, worst gradient rel err %.2e, activations %.1f%% of fp32\n", label.c_str(),
+              tag.c_str(), r.loss_rel, r.worst_grad, 100.0 * double(fb) / double(fa));
+  return r;
+}
+
 // validate(c) must refuse c with an error that names `field` (the config key the user must change).
 inline void expect_refused_naming(const Config& c, const std::string& field) {
   try {

@@ -57,14 +57,7 @@ TEST(AttnBf16, CloseToTheFp32ModelButNotIt) {
   for (Config c : {dense_config(), switches_config(), moe_switches_config()}) {
     Config h = c;
     h.model.attn_bf16 = true;
-    const Compared r = compare(c, h, tol_of(c));
-    EXPECT_LT(r.loss_rel, 1e-2) << name_of(c);
-    EXPECT_FALSE(r.loss_equal) << name_of(c) << ": the forward did not change: is the option in effect?";
-    EXPECT_GT(r.grads_differ, size_t(0)) << name_of(c);
-    const size_t fa = activation_bytes(c), fb = activation_bytes(h);
-    EXPECT_EQ(fa - fb, attn_bf16_saving(c)) << name_of(c);
-    std::printf("[ attn bf16 ] %s: loss rel %.2e, worst gradient rel err %.2e, activations %.1f%% of fp32\n",
-                name_of(c), r.loss_rel, r.worst_grad, 100.0 * double(fb) / double(fa));
+    expect_close_not_equal(c, h, tol_of(c), attn_bf16_saving(c), "attn bf16", name_of(c));
   }
 }
 
@@ -137,14 +130,7 @@ TEST(NormBf16, CloseToTheFp32ModelButNotIt) {
   for (Config c : {dense_config(), switches_config(), moe_switches_config()}) {
     Config h = c;
     h.model.norm_bf16 = true;
-    const Compared r = compare(c, h, tol_of(c));
-    EXPECT_LT(r.loss_rel, 1e-2) << name_of(c);
-    EXPECT_FALSE(r.loss_equal) << name_of(c) << ": the forward did not change: is the option in effect?";
-    EXPECT_GT(r.grads_differ, size_t(0)) << name_of(c);
-    const size_t fa = activation_bytes(c), fb = activation_bytes(h);
-    EXPECT_EQ(fa - fb, norm_bf16_saving(c)) << name_of(c);
-    std::printf("[ norm bf16 ] %s: loss rel %.2e, worst gradient rel err %.2e, activations %.1f%% of fp32\n",
-                name_of(c), r.loss_rel, r.worst_grad, 100.0 * double(fb) / double(fa));
+    expect_close_not_equal(c, h, tol_of(c), norm_bf16_saving(c), "norm bf16", name_of(c));
   }
 }
 

@@ -565,14 +565,7 @@ void Transformer::attn_backward(Layer& L) {
                        hd, rot, theta, cfg_.qk_norm);
   be_.qk_prep_backward(d_k_, L.kn ? L.kn->g : nullptr, d_kn_, L.k, L.kn ? L.kn->w : nullptr, L.krs, key_resets(L), N,
                        S_, KV, hd, rot, theta, cfg_.qk_norm);
-  const float *dq = d_q_, *dk = d_k_;
-  be_.gemm(false, false, N, d, Hd, 1.f, dq, Hd, L.wq->w, d, 0.f, d_h_, d);
-  be_.gemm(false, false, N, d, KVd, 1.f, dk, KVd, L.wk->w, d, 1.f, d_h_, d);
-  be_.gemm(false, false, N, d, KVd, 1.f, d_v_, KVd, L.wv->w, d, 1.f, d_h_, d);
-  if (L.wgate) be_.gemm(false, false, N, d, H, 1.f, d_ga_, H, L.wgate->w, d, 1.f, d_h_, d);
-  wgrad_gemm(L, true, false, Hd, d, N, dq, Hd, L.h1, d, L.wq->g, d);
-  wgrad_gemm(L, true, false, KVd, d, N, dk, KVd, L.h1, d, L.wk->g, d);
-  wgrad_gemm(L, true, false, KVd, d, N, d_v_, KVd, L.h1, d, L.wv->g, d);
+  input_projections_backward(L);
 }
 
 // model.attn_bf16: the same sublayer and op order as attn_forward, with the block's [N, heads * hd]
@@ -623,6 +616,14 @@ void Transformer::attn_backward_bf16(Layer& L) {
                             N, S_, H, hd, rot, theta, cfg_.qk_norm);
   be_.qk_prep_backward_bf16(d_k_, L.kn ? L.kn->g : nullptr, d_kn_, b16(L.k), L.kn ? L.kn->w : nullptr, L.krs,
                             key_resets(L), N, S_, KV, hd, rot, theta, cfg_.qk_norm);
+  input_projections_backward(L);
+}
+
+// d(h1) into d_h_ (overwritten) from d(q), d(k), d(v) (d_q_, d_k_, d_v_) and the gate logits'
+// d_ga_, and the four projections' weight gradients (h1 read as bf16 under model.norm_bf16).
+void Transformer::input_projections_backward(Layer& L) {
+  const int N = N_, d = cfg_.d_model, H = cfg_.n_heads, hd = cfg_.hd();
+  const int Hd = H * hd, KVd = cfg_.kv_heads() * hd;
   be_.gemm(false, false, N, d, Hd, 1.f, d_q_, Hd, L.wq->w, d, 0.f, d_h_, d);
   be_.gemm(false, false, N, d, KVd, 1.f, d_k_, KVd, L.wk->w, d, 1.f, d_h_, d);
   be_.gemm(false, false, N, d, KVd, 1.f, d_v_, KVd, L.wv->w, d, 1.f, d_h_, d);

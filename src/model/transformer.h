@@ -253,6 +253,8 @@ class Transformer {
   // model.attn_bf16's forward and backward of the same sublayer (the block's activations bf16).
   void attn_forward_bf16(Layer& L);
   void attn_backward_bf16(Layer& L);
+  // The end of both backwards: d(h1) and the q/k/v/gate weight gradients.
+  void input_projections_backward(Layer& L);
   // A weight gradient C += op(A) op(B) whose B is one of L's saved activations: from its bf16 copy
   // when it is kept gemm_only (Backend::gemm_b16), else the fp32 tensor.
   void wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
