@@ -128,6 +128,26 @@ namespace emu {
 }
 inline cudaError_t g_last_error = cudaSuccess;  // launches happen on one host thread
 }  // namespace emu
+namespace emu {
+// reinterpret_cast to a pointer type, as emulate.py rewrites it in the kernel sources: the pointer
+// must be aligned for its pointee type (alignof: 16 for float4, 8 for an 8-byte vector, 4 for
+// __nv_bfloat162), or the device would fault on the access it is made for.
+template <class P, class Q>
+inline P aligned_cast(Q q) {
+  P p = reinterpret_cast<P>(q);
+  using T = std::remove_cv_t<std::remove_pointer_t<P>>;
+  if constexpr (!std::is_void_v<T>)
+    if (reinterpret_cast<uintptr_t>(p) % alignof(T) != 0)
+      die("misaligned pointer cast (reinterpret_cast in a kernel source): the device would fault on its access");
+  return p;
+}
+}  // namespace emu
+// The emulator's own checks of what the device requires (alignment, bounds): always on, also in
+// the Release build the CTest suites run (-DNDEBUG would compile a plain assert out).
+#define EMU_ASSERT(cond, what) \
+  do {                          \
+    if (!(cond)) ::emu::die(what); \
+  } while (0)
 
 inline cudaError_t cudaGetLastError() { return std::exchange(emu::g_last_error, cudaSuccess); }
 inline const char* cudaGetErrorName(cudaError_t e) {
@@ -351,13 +371,15 @@ inline T atomicAdd(T* p, T v) {
 struct __nv_bfloat16 {
   uint16_t bits;
 };
-struct __nv_bfloat162 {
+struct alignas(4) __nv_bfloat162 {  // 4-byte aligned, as on the device
   __nv_bfloat16 x, y;
 };
+// Round to nearest even; a NaN gives the device's canonical NaN (0x7FFF), so a poisoned (all-ones)
+// input stays NaN instead of wrapping around to zero in the rounding add.
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  assert(std::isfinite(f));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return {uint16_t(0x7FFF)};
   u += 0x7FFFu + ((u >> 16) & 1u);
   return {uint16_t(u >> 16)};
 }
@@ -821,12 +843,12 @@ struct fragment {
 inline bool lane0() { return emu::t_tid % 32 == 0; }
 // Shared-memory pointers must lie in the block's dynamic buffer with the whole 16-row span inside.
 inline void check_ptr(const void* p, unsigned ldm, size_t elem) {
-  assert(reinterpret_cast<uintptr_t>(p) % 32 == 0 && "WMMA pointers must be 256-bit aligned");
-  assert((ldm * elem) % 16 == 0 && "ldm: multiple of 8 for 16-bit types, of 4 for float");
+  EMU_ASSERT(reinterpret_cast<uintptr_t>(p) % 32 == 0, "WMMA pointers must be 256-bit aligned");
+  EMU_ASSERT((ldm * elem) % 16 == 0, "WMMA ldm: a multiple of 8 for 16-bit types, of 4 for float");
   const unsigned char* c = static_cast<const unsigned char*>(p);
   if (c >= emu::g_smem && c < emu::g_smem + emu::g_smem_bytes) {
     [[maybe_unused]] const size_t last = (size_t(15) * ldm + 15) * elem + elem;
-    assert(c + last <= emu::g_smem + emu::g_smem_bytes && "WMMA tile overruns shared memory");
+    EMU_ASSERT(c + last <= emu::g_smem + emu::g_smem_bytes, "WMMA tile overruns shared memory");
   }
 }
 

@@ -13,6 +13,7 @@ kept (a #line directive names the .cu file), so compiler and sanitizer reports p
   __shared__ [__align__(n)] T name;        ->  EMU_SHARED_SCALAR(T, name, n);       (n: 1 if absent)
   extern __shared__ T name[];           ->  T* name = reinterpret_cast<T*>(::emu::g_smem);
   #pragma unroll                        ->  (empty line: g++ would warn about an unknown pragma)
+  reinterpret_cast<T*>(p)               ->  ::emu::aligned_cast<T*>(p)   (dies where p is misaligned for T)
 
 Anything else that mentions __shared__ or <<< is an error, so a new construct fails loudly here
 instead of compiling into something that is not what the device runs.
@@ -84,6 +85,11 @@ def rewrite(src, name):
             fail(f"{name}: GRID_STRIDE names {k}, which the file does not define as a kernel")
 
     src = re.sub(r"^[ \t]*#pragma\s+unroll.*$", "", src, flags=re.M)
+
+    # Every cast to a pointer checks the pointer's alignment for the pointee type (emu_cuda.h,
+    # emu::aligned_cast): the device faults on a misaligned vector access (a float4 load at an
+    # 8-byte boundary), which the host would run without a word.
+    src = re.sub(r"\breinterpret_cast<([^<>;]*\*)\s*>\s*\(", r"::emu::aligned_cast<\1>(", src)
 
     def dyn(m):
         return f"{m.group(1)}* {m.group(2)} = reinterpret_cast<{m.group(1)}*>(::emu::g_smem);"

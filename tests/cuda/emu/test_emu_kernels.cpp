@@ -23,6 +23,24 @@ using emu_test::quick;
 namespace k = cuda::k;
 
 // ---------------------------------------------------------------------------------------------
+// The emulator's device checks are on in this Release (-DNDEBUG) build: a cast of a kernel source
+// to a misaligned vector pointer (emulate.py turns every reinterpret_cast<T*> into
+// emu::aligned_cast) and a misaligned or overrunning WMMA pointer end the process, as the access
+// would fault on the device. Without them the host runs such code silently.
+
+TEST(CudaEmuChecks, MisalignedAccessesDie) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  alignas(32) static float buf[64] = {};
+  alignas(32) static __nv_bfloat16 half[512] = {};
+  EXPECT_EQ(::emu::aligned_cast<const float4*>(buf + 4), reinterpret_cast<const float4*>(buf + 4));
+  EXPECT_DEATH(::emu::aligned_cast<const float4*>(buf + 2), "misaligned pointer cast");
+  EXPECT_DEATH(::emu::aligned_cast<__nv_bfloat162*>(half + 1), "misaligned pointer cast");
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major> fa;
+  EXPECT_DEATH(nvcuda::wmma::load_matrix_sync(fa, half + 8, 16), "256-bit aligned");
+  EXPECT_DEATH(nvcuda::wmma::load_matrix_sync(fa, half, 12), "ldm");
+}
+
+// ---------------------------------------------------------------------------------------------
 // ops.cu
 
 TEST_F(CudaEmu, EmbeddingForwardBackward) {
