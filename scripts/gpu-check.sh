@@ -11,9 +11,10 @@
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
 #   GPU_CHECK_PROFILE=0    skip the profiled MoE bench (per-op shares of a step)
 #   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark
-#                          (default: the four presets in bf16, the d=1024 pair in tf32, then the d=2048
-#                          MoE with bf16 saved activations, the d=1024 dense with model.mlp_bf16 and the
-#                          d=1024 MoE with model.moe_bf16, then both again with model.attn_bf16 too, while
+#                          (default: the four presets in bf16, the d=1024 pair with every bf16 activation
+#                          option (mlp_bf16 or moe_bf16, attn_bf16, norm_bf16), the d=1024 pair in tf32,
+#                          then the d=2048 MoE with bf16 saved activations, the d=1024 dense with
+#                          model.mlp_bf16 alone and the d=1024 MoE with model.moe_bf16 alone, while
 #                          under 7 minutes); key=value pairs go
 #                          to `ladder bench --set`
 set -uo pipefail
@@ -100,7 +101,7 @@ BENCH_RC=$?
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
 # precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
 log "model benchmarks (log: models.log)"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true}
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
