@@ -93,6 +93,17 @@ inline size_t activation_bytes(const Config& c) {
   return m.activation_bytes();
 }
 
+// Recomputation (model.recompute) re-runs each layer's forward, bf16 options included: bit for bit
+// the same losses and gradients as `c` without it, and fewer activation bytes.
+inline void expect_recompute_bit_exact(const Config& c, const std::string& tag) {
+  Config r = c;
+  r.model.recompute = true;
+  const Compared cr = compare(c, r, 1e-30);
+  EXPECT_TRUE(cr.loss_equal) << tag;
+  EXPECT_EQ(cr.grads_differ, size_t(0)) << tag;
+  EXPECT_LT(activation_bytes(r), activation_bytes(c)) << tag;
+}
+
 // A bf16 activation option against fp32: `h` (c with the option on) is close to c (loss within
 // 1e-2 relative, every gradient under grad_tol), is not c (the forward changed and some gradient
 // differs: the option is in effect), and plans exactly `saving` activation bytes less. One line

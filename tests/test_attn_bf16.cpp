@@ -95,12 +95,7 @@ TEST(AttnBf16, WithRecomputeBitForBit) {
   Config c = switches_config();
   c.model.n_layers = 4;
   c.model.attn_bf16 = true;
-  Config r = c;
-  r.model.recompute = true;
-  const Compared cr = compare(c, r, 1e-30);
-  EXPECT_TRUE(cr.loss_equal);
-  EXPECT_EQ(cr.grads_differ, size_t(0));
-  EXPECT_LT(activation_bytes(r), activation_bytes(c));
+  expect_recompute_bit_exact(c, "switches");
 }
 
 // A learnable task, twenty AdamW steps (lr 1e-2), every attention switch: the loss curve follows
@@ -152,11 +147,7 @@ TEST(NormBf16, WithEveryBf16OptionStorageAndRecompute) {
     Config s = h;
     s.model.saved_activations = "bf16";
     EXPECT_TRUE(compare(h, s, kDenseTol).loss_equal) << name_of(c) << ": bf16 storage must not change the forward";
-    Config rc = h;
-    rc.model.recompute = true;
-    const Compared cr = compare(h, rc, 1e-30);
-    EXPECT_TRUE(cr.loss_equal) << name_of(c);
-    EXPECT_EQ(cr.grads_differ, size_t(0)) << name_of(c);
+    expect_recompute_bit_exact(h, name_of(c));
     std::printf("[ all bf16 ] %s: loss rel %.2e, worst gradient rel err %.2e, activations %.1f%% of fp32\n",
                 name_of(c), r.loss_rel, r.worst_grad, 100.0 * double(activation_bytes(h)) / double(activation_bytes(c)));
   }

@@ -146,12 +146,7 @@ TEST(MlpBf16, WithRecomputeBitForBit) {
   for (Config c : {dense_config(), moe_config()}) {
     c.model.n_layers = 4;
     c.model.mlp_bf16 = true;
-    Config r = c;
-    r.model.recompute = true;
-    const Compared cr = compare(c, r, 1e-30);
-    EXPECT_TRUE(cr.loss_equal) << tag_of(c);
-    EXPECT_EQ(cr.grads_differ, size_t(0)) << tag_of(c);
-    EXPECT_LT(activation_bytes(r), activation_bytes(c)) << tag_of(c);
+    expect_recompute_bit_exact(c, tag_of(c));
   }
 }
 

@@ -202,12 +202,7 @@ TEST(MoeBf16, WithRecomputeBitForBit) {
   Config c = moe_config();
   c.model.n_layers = 4;
   c.model.moe_bf16 = true;
-  Config r = c;
-  r.model.recompute = true;
-  const Compared cr = compare(c, r, 1e-30);
-  EXPECT_TRUE(cr.loss_equal);
-  EXPECT_EQ(cr.grads_differ, size_t(0));
-  EXPECT_LT(activation_bytes(r), activation_bytes(c));
+  expect_recompute_bit_exact(c, "moe");
 }
 
 // A learnable task, twenty AdamW steps (lr 1e-2): the loss curve follows the fp32 run. Routing
