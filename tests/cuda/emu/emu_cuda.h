@@ -221,9 +221,10 @@ inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 // ---- the rest of the runtime a whole backend uses (tests/cuda/emu/CMakeLists.txt's
 // ladder_emu_backend_tests: cuda_backend.cpp and device_memory.cpp on this header) --------------
 // One device, an H200 as far as the backend can ask: sm_90, 132 SMs, 141 GiB. Device memory is
-// 256-byte aligned host memory (cudaMalloc's alignment), counted so that cudaMemGetInfo reports what
-// is in use and an allocation above the free amount fails with cudaErrorMemoryAllocation (no host
-// memory is touched for it). Streams are tokens: every launch and copy completes before returning,
+// 256-byte aligned host memory (cudaMalloc's alignment), filled with all-ones bytes (never-written
+// device memory reads as NaN), counted so that cudaMemGetInfo reports what is in use and an
+// allocation above the free amount fails with cudaErrorMemoryAllocation (no host memory is touched
+// for it). Streams are tokens: every launch and copy completes before returning,
 // so any stream order is trivially respected (what it cannot see: a missing synchronization).
 struct cudaDeviceProp {
   char name[256] = "NVIDIA H200 (host emulation)";
@@ -267,6 +268,10 @@ inline cudaError_t cudaMalloc(void** p, size_t bytes) {
   if (bytes > cudaDeviceProp{}.totalGlobalMem - h.used) return cudaErrorMemoryAllocation;
   void* q = ::operator new(bytes ? bytes : 1, std::align_val_t{256}, std::nothrow);
   if (!q) return cudaErrorMemoryAllocation;
+  // cudaMalloc'd memory holds whatever was there; fresh host pages would be zeros, which would let
+  // a kernel that reads scratch it never wrote pass here. So: all-ones bytes (NaN as floats and
+  // bf16, -1 as integers), as the tests poison their outputs.
+  std::memset(q, 0xFF, bytes);
   h.live.emplace_back(q, bytes);
   h.used += bytes;
   *p = q;
