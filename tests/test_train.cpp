@@ -256,6 +256,17 @@ TEST(Config, ErrorsNameTheFileAndField) {
   EXPECT_EQ(to_json(load_config(again)), to_json(c));
 }
 
+// docs/config.md is generated from the schema (`ladder config-doc > docs/config.md`), the one
+// source of truth for the config keys: a key added without regenerating it fails here.
+TEST(Config, DocsConfigMdIsTheSchemasMarkdown) {
+  std::ifstream f(std::string(LADDER_SOURCE_DIR) + "/docs/config.md");
+  ASSERT_TRUE(f) << "docs/config.md not found";
+  std::stringstream doc;
+  doc << f.rdbuf();
+  EXPECT_EQ(doc.str(), schema_markdown())
+      << "docs/config.md is stale: run ./build/ladder config-doc > docs/config.md";
+}
+
 TEST(Flops, MatchRecipeSection4ByHand) {
   ModelConfig m;
   m.vocab_size = 1000;
