@@ -358,15 +358,11 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
                           const float* v, const float* o, const float* lse, const AttnShape& s) override {
-    check_attn(s);
-    if (tc_attention(s)) {  // the same condition as the forward: both passes use one kernel family
-      float_scratch_.reserve(k::attention_tc_backward_scratch_floats(s), "attention backward scratch");
-      return check(k::attention_tc_backward(dq, dk, dv, dout, q, k, v, o, lse, s, float_scratch_.data(), st_),
+    float* scratch = attention_backward_scratch(s);
+    if (tc_attention(s))
+      return check(k::attention_tc_backward(dq, dk, dv, dout, q, k, v, o, lse, s, scratch, st_),
                    "attention_tc_backward");
-    }
-    float_scratch_.reserve(k::attention_backward_scratch_floats(s), "attention backward scratch");
-    check(k::attention_backward(dq, dk, dv, dout, q, k, v, o, lse, s, float_scratch_.data(), st_),
-          "attention_backward");
+    check(k::attention_backward(dq, dk, dv, dout, q, k, v, o, lse, s, scratch, st_), "attention_backward");
   }
 
   void swiglu_forward(float* h, const float* g, const float* u, size_t n) override {
@@ -520,15 +516,7 @@ class CudaBackendImpl final : public CudaBackend {
   void qk_prep_backward(float* dx, float* dgain, const float* dout, const float* x, const float* gain,
                         const float* rstd, const uint8_t* reset, int N_tok, int S, int nh, int hd, int rot,
                         float theta, bool norm) override {
-    check_qk_prep("qk_prep_backward", S, hd, rot);
-    const bool with_gain = norm && gain && dgain;
-    if (with_gain && !k::qk_prep_backward_supported(hd))
-      fail("qk_prep_backward on CUDA supports head_dim up to 1536 with a learned QK-norm gain (got {})", hd);
-    float* scratch = nullptr;
-    if (with_gain) {
-      float_scratch_.reserve(k::qk_prep_backward_scratch_floats(N_tok, nh, hd), "qk prep backward scratch");
-      scratch = float_scratch_.data();
-    }
+    float* scratch = qk_prep_backward_scratch("qk_prep_backward", N_tok, S, nh, hd, rot, norm && gain && dgain);
     check(k::qk_prep_backward(dx, dgain, dout, x, gain, rstd, reset, rope_table(S, rot, theta), N_tok, S, nh, hd, rot,
                               norm, scratch, st_),
           "qk_prep_backward");
@@ -564,15 +552,7 @@ class CudaBackendImpl final : public CudaBackend {
   void qk_prep_backward_bf16(float* dx, float* dgain, const float* dout, const uint16_t* x, const float* gain,
                              const float* rstd, const uint8_t* reset, int N_tok, int S, int nh, int hd, int rot,
                              float theta, bool norm) override {
-    check_qk_prep("qk_prep_backward_bf16", S, hd, rot);
-    const bool with_gain = norm && gain && dgain;
-    if (with_gain && !k::qk_prep_backward_supported(hd))
-      fail("qk_prep_backward_bf16 on CUDA supports head_dim up to 1536 with a learned QK-norm gain (got {})", hd);
-    float* scratch = nullptr;
-    if (with_gain) {
-      float_scratch_.reserve(k::qk_prep_backward_scratch_floats(N_tok, nh, hd), "qk prep backward scratch");
-      scratch = float_scratch_.data();
-    }
+    float* scratch = qk_prep_backward_scratch("qk_prep_backward_bf16", N_tok, S, nh, hd, rot, norm && gain && dgain);
     check(k::qk_prep_backward_bf16(dx, dgain, dout, x, gain, rstd, reset, rope_table(S, rot, theta), N_tok, S, nh, hd,
                                    rot, norm, scratch, st_),
           "qk_prep_backward_bf16");
@@ -587,16 +567,11 @@ class CudaBackendImpl final : public CudaBackend {
   void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                                const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
                                const AttnShape& s) override {
-    check_attn(s);
-    if (tc_attention(s)) {  // the forward's condition: both passes use one kernel family
-      float_scratch_.reserve(k::attention_tc_backward_scratch_floats(s), "attention backward scratch");
-      return check(
-          k::attention_tc_backward_bf16(dq, dk, dv, dout, q, k, v, o, lse, s, float_scratch_.data(), st_),
-          "attention_tc_backward_bf16");
-    }
-    float_scratch_.reserve(k::attention_backward_scratch_floats(s), "attention backward scratch");
-    check(k::attention_backward_bf16(dq, dk, dv, dout, q, k, v, o, lse, s, float_scratch_.data(), st_),
-          "attention_backward_bf16");
+    float* scratch = attention_backward_scratch(s);
+    if (tc_attention(s))
+      return check(k::attention_tc_backward_bf16(dq, dk, dv, dout, q, k, v, o, lse, s, scratch, st_),
+                   "attention_tc_backward_bf16");
+    check(k::attention_backward_bf16(dq, dk, dv, dout, q, k, v, o, lse, s, scratch, st_), "attention_backward_bf16");
   }
   void xsa_forward_bf16(uint16_t* z, const uint16_t* y, const uint16_t* v, int N_tok, int H, int KV,
                         int hd) override {
@@ -938,6 +913,25 @@ class CudaBackendImpl final : public CudaBackend {
   void check_qk_prep(const char* op, int S, int hd, int rot) {
     if (S < 1) fail("{}: sequence length must be >= 1 (got {})", op, S);
     if (rot < 0 || rot > hd) fail("{}: rope dims {} outside [0, head_dim {}]", op, rot, hd);
+  }
+  // The argument checks of both qk_prep backwards (fp32 and bf16 x) and their scratch: the per-row
+  // gain partials when a learned gain's gradient is asked for (with_gain), else none (nullptr).
+  float* qk_prep_backward_scratch(const char* op, int N_tok, int S, int nh, int hd, int rot, bool with_gain) {
+    check_qk_prep(op, S, hd, rot);
+    if (!with_gain) return nullptr;
+    if (!k::qk_prep_backward_supported(hd))
+      fail("{} on CUDA supports head_dim up to 1536 with a learned QK-norm gain (got {})", op, hd);
+    float_scratch_.reserve(k::qk_prep_backward_scratch_floats(N_tok, nh, hd), "qk prep backward scratch");
+    return float_scratch_.data();
+  }
+  // Both attention backwards (fp32 and bf16 inputs): the shape checks and the scratch of the kernel
+  // family tc_attention(s) picks, the forward's condition, so both passes use one family.
+  float* attention_backward_scratch(const AttnShape& s) {
+    check_attn(s);
+    float_scratch_.reserve(tc_attention(s) ? k::attention_tc_backward_scratch_floats(s)
+                                           : k::attention_backward_scratch_floats(s),
+                           "attention backward scratch");
+    return float_scratch_.data();
   }
   void check_heads(const char* op, int H, int KV) {
     if (KV <= 0 || H % KV != 0) fail("{}: n_heads {} is not a multiple of n_kv_heads {}", op, H, KV);
