@@ -310,9 +310,6 @@ cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E
   return bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
 }
 
-using bf16 = __nv_bfloat16;
-const bf16* as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
-
 }  // namespace
 
 bool attention_supported(int hd) { return hd >= 1 && hd <= 128; }
@@ -324,7 +321,7 @@ cudaError_t attention_forward(float* o, float* lse, const float* q, const float*
 
 cudaError_t attention_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                    const AttnShape& s, cudaStream_t st) {
-  return forward(reinterpret_cast<bf16*>(o), lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
+  return forward(as_bf16(o), lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
 }
 
 size_t attention_backward_scratch_floats(const AttnShape& s) { return size_t(s.B) * s.H * s.S; }

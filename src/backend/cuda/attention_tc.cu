@@ -91,11 +91,6 @@ __device__ __forceinline__ bool visible(int i, int j, int window) {
   return j <= i && (window <= 0 || i - j < window);
 }
 
-// Four bf16, one 8-byte load or store.
-struct alignas(8) Bf16x4 {
-  __nv_bfloat162 lo, hi;
-};
-
 // Four consecutive elements p[0..3] of a row into the bf16 tile at d (8-byte aligned). fp32 is
 // rounded to nearest even (vec: p is 16-byte aligned, one float4 load); bf16 is copied as it is
 // (vec: p is 8-byte aligned, one 8-byte load).
@@ -571,8 +566,6 @@ cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E
                     : bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
 }
 
-const bf16* as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
-
 }  // namespace
 
 bool attention_tc_supported(const AttnShape& s) {
@@ -594,7 +587,7 @@ cudaError_t attention_tc_forward(float* o, float* lse, const float* q, const flo
 
 cudaError_t attention_tc_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
                                       const uint16_t* v, const AttnShape& s, cudaStream_t st) {
-  return forward(reinterpret_cast<bf16*>(o), lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
+  return forward(as_bf16(o), lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
 }
 
 size_t attention_tc_backward_scratch_floats(const AttnShape& s) { return size_t(s.B) * s.H * s.S; }

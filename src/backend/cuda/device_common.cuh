@@ -39,6 +39,15 @@ __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162floa
 __device__ __forceinline__ void store_rn(float& dst, float v) { dst = v; }
 __device__ __forceinline__ void store_rn(__nv_bfloat16& dst, float v) { dst = __float2bfloat16_rn(v); }
 
+// The Backend interface's bf16 storage (uint16_t bits) as __nv_bfloat16, for the launchers.
+inline const __nv_bfloat16* as_bf16(const uint16_t* p) { return reinterpret_cast<const __nv_bfloat16*>(p); }
+inline __nv_bfloat16* as_bf16(uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); }
+
+// Four bf16, one 8-byte load or store (the tensor-core kernels' operand staging).
+struct alignas(8) Bf16x4 {
+  __nv_bfloat162 lo, hi;
+};
+
 // The expert owning row tile g of a grouped GEMM over expert row blocks (tile_start[e] = the first
 // row tile of expert e, k::row_tile_prefix): the last e in [0, E) with tile_start[e] <= g. An empty
 // expert shares its start with the next one and is skipped by taking the last.

@@ -106,11 +106,6 @@ __device__ __forceinline__ const void* advance(const void* p, bool b16, size_t n
   return static_cast<const char*>(p) + n * (b16 ? sizeof(bf16) : sizeof(float));
 }
 
-// Four bf16, one 8-byte load or shared-memory store.
-struct alignas(8) Bf16x4 {
-  __nv_bfloat162 lo, hi;
-};
-
 // The first `nv` (0..4) of 4 consecutive elements from element `off` of op into v (the rest stay 0);
 // one vector load when all 4 are valid and op.vec.
 __device__ __forceinline__ void load4(float (&v)[4], const Operand& op, size_t off, int nv) {

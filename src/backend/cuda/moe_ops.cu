@@ -692,8 +692,7 @@ cudaError_t moe_combine_backward(float* dy, float* dcomb, const float* dout, con
 cudaError_t moe_combine_bf16(float* out, const uint16_t* y, const float* comb, const int32_t* row, int N, int K, int d,
                              cudaStream_t st) {
   if (N <= 0 || d <= 0 || K <= 0) return cudaSuccess;
-  combine_kernel<__nv_bfloat16><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, reinterpret_cast<const __nv_bfloat16*>(y), comb, row,
-                                                              N, K, d);
+  combine_kernel<__nv_bfloat16><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, as_bf16(y), comb, row, N, K, d);
   return cudaGetLastError();
 }
 
@@ -702,15 +701,14 @@ cudaError_t moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout
   const int64_t NK = int64_t(N) * K;
   if (NK <= 0) return cudaSuccess;
   combine_backward_kernel<__nv_bfloat16><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(
-      dy, dcomb, dout, reinterpret_cast<const __nv_bfloat16*>(y), comb, row, NK, K, d);
+      dy, dcomb, dout, as_bf16(y), comb, row, NK, K, d);
   return cudaGetLastError();
 }
 
 cudaError_t moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d, cudaStream_t st) {
   if (NK <= 0 || d <= 0) return cudaSuccess;
   if (K < 1) return cudaErrorInvalidValue;
-  gather_bf16_kernel<<<grid_for(size_t(NK), 1), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(xs), h, slot, NK,
-                                                                    K, d);
+  gather_bf16_kernel<<<grid_for(size_t(NK), 1), kThreads, 0, st>>>(as_bf16(xs), h, slot, NK, K, d);
   return cudaGetLastError();
 }
 

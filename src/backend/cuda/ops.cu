@@ -195,42 +195,24 @@ __global__ void rope_kernel(float* x, const float* cos_sin, int N_tok, int S, in
 // ---------------------------------------------------------------------------------------------
 // SwiGLU
 
-__global__ void swiglu_fwd_kernel(float* h, const float* g, const float* u, size_t n) {
+// T: the storage of g, u and h, float or __nv_bfloat16 (model.mlp_bf16: the fp32 arithmetic on the
+// widened values, h rounded to nearest even as it is stored; the backward's gradients fp32).
+template <class T>
+__global__ void swiglu_fwd_kernel(T* h, const T* g, const T* u, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float gi = g[i];
+    const float gi = widen(g[i]);
     const float sig = 1.f / (1.f + expf(-gi));
-    h[i] = gi * sig * u[i];
+    store_rn(h[i], gi * sig * widen(u[i]));
   }
 }
 
-__global__ void swiglu_bwd_kernel(float* dg, float* du, const float* dh, const float* g, const float* u,
-                                  size_t n) {
+template <class T>
+__global__ void swiglu_bwd_kernel(float* dg, float* du, const float* dh, const T* g, const T* u, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float gi = g[i], dhi = dh[i];
+    const float gi = widen(g[i]), ui = widen(u[i]), dhi = dh[i];
     const float sig = 1.f / (1.f + expf(-gi));
     // d silu / dg = sig * (1 + g * (1 - sig)); read g, u, dh before writing (dg/du may alias nothing,
     // but the order keeps an in-place dg == dh call correct too).
-    const float dgi = dhi * u[i] * sig * (1.f + gi * (1.f - sig));
-    du[i] = dhi * gi * sig;
-    dg[i] = dgi;
-  }
-}
-
-// bf16 gate / up (model.mlp_bf16): the fp32 kernels' arithmetic on the widened values; the
-// forward's output rounded to bf16 (nearest even), the backward's gradients fp32.
-__global__ void swiglu_fwd_bf16_kernel(__nv_bfloat16* h, const __nv_bfloat16* g, const __nv_bfloat16* u, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float gi = __bfloat162float(g[i]);
-    const float sig = 1.f / (1.f + expf(-gi));
-    h[i] = __float2bfloat16_rn(gi * sig * __bfloat162float(u[i]));
-  }
-}
-
-__global__ void swiglu_bwd_bf16_kernel(float* dg, float* du, const float* dh, const __nv_bfloat16* g,
-                                       const __nv_bfloat16* u, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float gi = __bfloat162float(g[i]), ui = __bfloat162float(u[i]), dhi = dh[i];
-    const float sig = 1.f / (1.f + expf(-gi));
     const float dgi = dhi * ui * sig * (1.f + gi * (1.f - sig));
     du[i] = dhi * gi * sig;
     dg[i] = dgi;
@@ -421,7 +403,7 @@ cudaError_t rmsnorm_forward_bf16(uint16_t* y, float* rstd, const float* x, const
                                  cudaStream_t st) {
   if (N <= 0) return cudaSuccess;
   rmsnorm_fwd_kernel<__nv_bfloat16><<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(
-      reinterpret_cast<__nv_bfloat16*>(y), rstd, x, gain, N, D, eps);
+      as_bf16(y), rstd, x, gain, N, D, eps);
   return cudaGetLastError();
 }
 
@@ -454,30 +436,27 @@ cudaError_t rope_apply(float* x, const float* cos_sin, int N_tok, int S, int nhe
 
 cudaError_t swiglu_forward(float* h, const float* g, const float* u, size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
-  swiglu_fwd_kernel<<<grid_for(n), kThreads, 0, st>>>(h, g, u, n);
+  swiglu_fwd_kernel<float><<<grid_for(n), kThreads, 0, st>>>(h, g, u, n);
   return cudaGetLastError();
 }
 
 cudaError_t swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n,
                             cudaStream_t st) {
   if (!n) return cudaSuccess;
-  swiglu_bwd_kernel<<<grid_for(n), kThreads, 0, st>>>(dg, du, dh, g, u, n);
+  swiglu_bwd_kernel<float><<<grid_for(n), kThreads, 0, st>>>(dg, du, dh, g, u, n);
   return cudaGetLastError();
 }
 
 cudaError_t swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
-  swiglu_fwd_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(h),
-                                                           reinterpret_cast<const __nv_bfloat16*>(g),
-                                                           reinterpret_cast<const __nv_bfloat16*>(u), n);
+  swiglu_fwd_kernel<__nv_bfloat16><<<grid_for(n), kThreads, 0, st>>>(as_bf16(h), as_bf16(g), as_bf16(u), n);
   return cudaGetLastError();
 }
 
 cudaError_t swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
                                  size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
-  swiglu_bwd_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(dg, du, dh, reinterpret_cast<const __nv_bfloat16*>(g),
-                                                           reinterpret_cast<const __nv_bfloat16*>(u), n);
+  swiglu_bwd_kernel<__nv_bfloat16><<<grid_for(n), kThreads, 0, st>>>(dg, du, dh, as_bf16(g), as_bf16(u), n);
   return cudaGetLastError();
 }
 
@@ -546,28 +525,26 @@ cudaError_t probe_kernel_attributes(cudaFuncAttributes* attr) { return cudaFuncG
 
 cudaError_t f32_to_bf16(uint16_t* out, const float* in, size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
-  f32_to_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(out), in, n);
+  f32_to_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(as_bf16(out), in, n);
   return cudaGetLastError();
 }
 
 cudaError_t bf16_to_f32(float* out, const uint16_t* in, size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
-  bf16_to_f32_kernel<<<grid_for(n), kThreads, 0, st>>>(out, reinterpret_cast<const __nv_bfloat16*>(in), n);
+  bf16_to_f32_kernel<<<grid_for(n), kThreads, 0, st>>>(out, as_bf16(in), n);
   return cudaGetLastError();
 }
 
 cudaError_t f32_to_bf16_rows(uint16_t* out, const float* in, const int32_t* rows, size_t cols, size_t max_rows,
                              cudaStream_t st) {
   if (!cols || !max_rows) return cudaSuccess;
-  f32_to_bf16_rows_kernel<<<grid_for(cols * max_rows), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(out), in,
-                                                                          rows, cols, max_rows);
+  f32_to_bf16_rows_kernel<<<grid_for(cols * max_rows), kThreads, 0, st>>>(as_bf16(out), in, rows, cols, max_rows);
   return cudaGetLastError();
 }
 
 cudaError_t f32_to_bf16_2d(uint16_t* out, const float* in, int rows, int cols, int ld, cudaStream_t st) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
-  f32_to_bf16_2d_kernel<<<unsigned(rows < 65535 ? rows : 65535), kThreads, 0, st>>>(
-      reinterpret_cast<__nv_bfloat16*>(out), in, rows, cols, ld);
+  f32_to_bf16_2d_kernel<<<unsigned(rows < 65535 ? rows : 65535), kThreads, 0, st>>>(as_bf16(out), in, rows, cols, ld);
   return cudaGetLastError();
 }
 

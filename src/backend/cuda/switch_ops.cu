@@ -411,8 +411,6 @@ cudaError_t pko_shift_backward(float* dk, const float* dout, const uint8_t* rese
 namespace {
 
 using bf16 = __nv_bfloat16;
-const bf16* as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
-bf16* as_bf16(uint16_t* p) { return reinterpret_cast<bf16*>(p); }
 
 template <class T>
 cudaError_t launch_qk_prep_forward(T* out, float* rstd, const T* x, const float* gain, const uint8_t* reset,
@@ -578,8 +576,7 @@ cudaError_t sigmoid_gate_forward(float* y, float* g, const float* x, size_t n, c
 
 cudaError_t sigmoid_gate_forward_bf16(uint16_t* y, float* g, const float* x, size_t n, cudaStream_t st) {
   if (!n) return cudaSuccess;
-  sigmoid_gate_fwd_kernel<__nv_bfloat16><<<grid_for(n), kThreads, 0, st>>>(reinterpret_cast<__nv_bfloat16*>(y), g, x,
-                                                                           n);
+  sigmoid_gate_fwd_kernel<bf16><<<grid_for(n), kThreads, 0, st>>>(as_bf16(y), g, x, n);
   return cudaGetLastError();
 }
 
