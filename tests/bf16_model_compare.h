@@ -1,6 +1,7 @@
-// What the bf16 activation options' tests share (tests/test_mlp_bf16.cpp, tests/test_moe_bf16.cpp):
-// random inputs and bf16 round trips, and one config compared against another on the CPU: losses
-// of two micro-batches, every gradient's relative error, and the activation bytes each plans.
+// What the bf16 activation options' tests share (tests/test_mlp_bf16.cpp, test_moe_bf16.cpp,
+// test_attn_bf16.cpp): random inputs and bf16 round trips (bf16_vectors.h), and one config compared
+// against another on the CPU: losses of two micro-batches, every gradient's relative error, and the
+// activation bytes each plans.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/kernels.h"
+#include "bf16_vectors.h"
 #include "model/transformer.h"
 #include "model_test_configs.h"
 
@@ -25,16 +27,6 @@ inline std::vector<float> random_floats(size_t n, uint32_t seed, float scale = 1
   std::normal_distribution<float> d(0.f, scale);
   std::vector<float> x(n);
   for (auto& v : x) v = d(rng);
-  return x;
-}
-inline std::vector<uint16_t> to_b16(const std::vector<float>& x) {
-  std::vector<uint16_t> b(x.size());
-  cpu::f32_to_bf16(b.data(), x.data(), x.size());
-  return b;
-}
-inline std::vector<float> widen(const std::vector<uint16_t>& b) {
-  std::vector<float> x(b.size());
-  cpu::bf16_to_f32(x.data(), b.data(), b.size());
   return x;
 }
 

@@ -41,6 +41,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_memory.h"
 #include "core/error.h"
+#include "../bf16_vectors.h"
 #include "cuda_fixture.h"
 
 namespace ladder {
@@ -52,16 +53,8 @@ constexpr double kF32 = 5e-6;
 constexpr double kB16 = 1e-2;
 constexpr double kTc = 1e-2;
 
-std::vector<uint16_t> to_b16(const std::vector<float>& x) {
-  std::vector<uint16_t> b(x.size());
-  cpu::f32_to_bf16(b.data(), x.data(), x.size());
-  return b;
-}
-std::vector<float> widen(const std::vector<uint16_t>& b) {
-  std::vector<float> x(b.size());
-  cpu::bf16_to_f32(x.data(), b.data(), b.size());
-  return x;
-}
+using test::to_b16;
+using test::widen;
 
 // Distance in bf16 ulps between two finite bf16 values (through zero when the signs differ).
 int ulps(uint16_t a, uint16_t b) {
