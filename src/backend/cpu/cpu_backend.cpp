@@ -49,36 +49,27 @@ class CpuBackend final : public Backend {
   // Widened into scratch with B's own leading dimension: the same sgemm call as on an fp32 B.
   void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B,
                 int ldb, float beta, float* C, int ldc) override {
-    const int rows = tb ? N : K, cols = tb ? K : N;
-    const size_t span = rows > 0 && cols > 0 ? size_t(rows - 1) * size_t(ldb) + size_t(cols) : 0;
-    if (b_wide_.size() < span) b_wide_.resize(span);
-    cpu::bf16_to_f32(b_wide_.data(), B, span);
-    cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, b_wide_.data(), ldb, beta, C, ldc);
+    const float* b = widen(1, B, span(tb ? N : K, ldb, tb ? K : N));
+    cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, b, ldb, beta, C, ldc);
   }
   // The reference for typed GEMMs: bf16 operands widened into scratch (same leading dimension),
   // the sgemm of gemm() / gemm_add(), and a bf16 D rounded from an fp32 result (packed scratch).
   void gemm_ex(bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16, int lda, const void* B,
                bool b_bf16, int ldb, float beta, const float* C_in, void* D, bool d_bf16, int ldc) override {
     if (d_bf16 && (beta != 0.f || C_in)) fail("gemm_ex: a bf16 output takes no addend (beta 0, no C_in)");
-    auto widen = [](std::vector<float>& buf, const void* X, int rows, int cols, int ld) -> const float* {
-      const size_t span = rows > 0 && cols > 0 ? size_t(rows - 1) * size_t(ld) + size_t(cols) : 0;
-      if (buf.size() < span) buf.resize(span);
-      cpu::bf16_to_f32(buf.data(), static_cast<const uint16_t*>(X), span);
-      return buf.data();
-    };
-    const float* a = a_bf16 ? widen(a_wide_, A, ta ? K : M, ta ? M : K, lda) : static_cast<const float*>(A);
-    const float* b = b_bf16 ? widen(b_wide_, B, tb ? N : K, tb ? K : N, ldb) : static_cast<const float*>(B);
+    const float* a = a_bf16 ? widen(0, A, span(ta ? K : M, lda, ta ? M : K)) : static_cast<const float*>(A);
+    const float* b = b_bf16 ? widen(1, B, span(tb ? N : K, ldb, tb ? K : N)) : static_cast<const float*>(B);
     if (!d_bf16) {
       float* d = static_cast<float*>(D);
       if (C_in && C_in != d) return gemm_add_scaled(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, C_in, d, ldc);
       return cpu::gemm<float>(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, d, ldc);
     }
     if (M <= 0 || N <= 0) return;
-    if (d_wide_.size() < size_t(M) * size_t(N)) d_wide_.resize(size_t(M) * size_t(N));
-    cpu::gemm<float>(ta, tb, M, N, K, alpha, a, lda, b, ldb, 0.f, d_wide_.data(), N);
+    float* df = wide_out(size_t(M) * size_t(N));
+    cpu::gemm<float>(ta, tb, M, N, K, alpha, a, lda, b, ldb, 0.f, df, N);
     uint16_t* d = static_cast<uint16_t*>(D);
-    if (ldc == N) return cpu::f32_to_bf16(d, d_wide_.data(), size_t(M) * size_t(N));
-    for (int i = 0; i < M; ++i) cpu::f32_to_bf16(d + size_t(i) * ldc, d_wide_.data() + size_t(i) * N, size_t(N));
+    if (ldc == N) return cpu::f32_to_bf16(d, df, size_t(M) * size_t(N));
+    for (int i = 0; i < M; ++i) cpu::f32_to_bf16(d + size_t(i) * ldc, df + size_t(i) * N, size_t(N));
   }
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C,
@@ -94,24 +85,17 @@ class CpuBackend final : public Backend {
     if (E <= 0) return;
     const int total = offsets[E];
     if (total > rows) fail("grouped_gemm_ex: the offsets hold {} rows, more than the {} the call bounds", total, rows);
-    auto span = [](int r, int ld, int cols) { return r > 0 && cols > 0 ? size_t(r - 1) * size_t(ld) + size_t(cols) : 0; };
-    auto widen = [](std::vector<float>& buf, const void* X, size_t n) -> const float* {
-      if (buf.size() < n) buf.resize(n);
-      cpu::bf16_to_f32(buf.data(), static_cast<const uint16_t*>(X), n);
-      return buf.data();
-    };
     const size_t a_n = rows_out ? span(total, lda, K) : span(total, lda, M);
     const size_t b_n = rows_out ? size_t(E - 1) * strideB + (tb ? span(N, ldb, K) : span(K, ldb, N)) : span(total, ldb, N);
-    const float* a = a_bf16 ? widen(a_wide_, A, a_n) : static_cast<const float*>(A);
-    const float* b = b_bf16 ? widen(b_wide_, B, b_n) : static_cast<const float*>(B);
+    const float* a = a_bf16 ? widen(0, A, a_n) : static_cast<const float*>(A);
+    const float* b = b_bf16 ? widen(1, B, b_n) : static_cast<const float*>(B);
     if (!c_bf16)
       return cpu::grouped_gemm<float>(rows_out, tb, E, offsets, M, N, K, alpha, a, lda, b, ldb, strideB, beta,
                                       static_cast<float*>(C), ldc, strideC);
     const size_t c_n = rows_out ? size_t(total) * size_t(N) : size_t(E) * strideC;
-    if (d_wide_.size() < c_n) d_wide_.resize(c_n);
-    cpu::grouped_gemm<float>(rows_out, tb, E, offsets, M, N, K, alpha, a, lda, b, ldb, strideB, 0.f, d_wide_.data(), ldc,
-                             strideC);
-    cpu::f32_to_bf16(static_cast<uint16_t*>(C), d_wide_.data(), c_n);
+    float* cf = wide_out(c_n);
+    cpu::grouped_gemm<float>(rows_out, tb, E, offsets, M, N, K, alpha, a, lda, b, ldb, strideB, 0.f, cf, ldc, strideC);
+    cpu::f32_to_bf16(static_cast<uint16_t*>(C), cf, c_n);
   }
   void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) override {
     cpu::embedding_forward<float>(out, table, ids, N, D);
@@ -405,22 +389,25 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  // attn_bf16 / norm_bf16 scratch (grown to the largest call, then reused): widened inputs, one
-  // fp32 output.
-  const float* widen(int slot, const uint16_t* x, size_t n) {
-    std::vector<float>& b = attn_wide_[slot];
+  // The bf16 ops' reference steps (typed GEMMs, the bf16 activation options): a bf16 input widened
+  // into scratch slot `slot` (distinct slots for the inputs of one call), and the fp32 result a bf16
+  // output is rounded from. Scratch grows to the largest call, then is reused.
+  const float* widen(int slot, const void* x, size_t n) {
+    std::vector<float>& b = wide_[slot];
     if (b.size() < n) b.resize(n);
-    cpu::bf16_to_f32(b.data(), x, n);
+    cpu::bf16_to_f32(b.data(), static_cast<const uint16_t*>(x), n);
     return b.data();
   }
   float* wide_out(size_t n) {
-    if (attn_out_.size() < n) attn_out_.resize(n);
-    return attn_out_.data();
+    if (wide_out_.size() < n) wide_out_.resize(n);
+    return wide_out_.data();
   }
-  std::vector<float> attn_wide_[4], attn_out_;
+  // Elements of a rows x cols view with leading dimension ld (its last row ends at cols).
+  static size_t span(int rows, int ld, int cols) {
+    return rows > 0 && cols > 0 ? size_t(rows - 1) * size_t(ld) + size_t(cols) : 0;
+  }
+  std::vector<float> wide_[4], wide_out_;
   std::vector<float> ns_work_;
-  std::vector<float> b_wide_;  // gemm_b16's widened B (grows to the largest, then reused)
-  std::vector<float> a_wide_, d_wide_;  // gemm_ex: a widened bf16 A; the fp32 result a bf16 D is rounded from
 };
 
 }  // namespace
