@@ -88,7 +88,7 @@ if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/nu
     >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
   timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
-    --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*:CudaAttentionTc.UnalignedInputs' >>"$OUT/sanitizer.log" 2>&1
+    --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*:CudaAttentionTc.UnalignedInputs:CudaGroupedTc.BothShapes' >>"$OUT/sanitizer.log" 2>&1
   SAN_RC="$SAN_RC/$?"
   tail -n 3 "$OUT/sanitizer.log"
 fi

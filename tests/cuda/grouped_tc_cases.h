@@ -109,7 +109,9 @@ inline Problem make_problem(const Case& c, std::mt19937_64& rng) {
     p.lda = std::max(1, c.K + c.pad);
     p.ldb = std::max(1, (c.transB ? c.K : c.N) + c.pad);
     p.ldc = c.N + c.pad;
-    p.sB = size_t(c.transB ? c.N : c.K) * p.ldb + (c.pad ? 3 : 0);
+    // Padded: an expert stride off by 3 elements (no vector loads of B), except where ld keeps 8
+    // elements' alignment: then off by 8, so that a bf16 B is staged by cp.async.
+    p.sB = size_t(c.transB ? c.N : c.K) * p.ldb + (c.pad ? (p.ldb % 8 == 0 ? 8 : 3) : 0);
     p.A = randv(size_t(total) * p.lda);
     p.B = randv(p.sB * c.E);
     p.C = randv(size_t(total) * p.ldc + guard(p.ldc));
@@ -217,6 +219,8 @@ inline std::vector<Case> cases(bool quick) {
       {true, false, 5, 0, 33, 129, 0, 1.f, 1.f, 45},
       {true, true, 4, 0, 128, 64, 0, 1.f, 0.f, 64},
       {true, false, 4, 0, 130, 96, 6, 0.25f, -0.75f, 20, 0, true},  // B: float4, partial group at N
+      {true, false, 5, 0, 77, 45, 3, 0.5f, 0.5f, 60},  // ld 48, 80: bf16 A and B by cp.async, edge chunks
+      {true, true, 4, 0, 70, 39, 1, 1.f, 0.f, 50},     // ld 40: both by cp.async, 7 of 8 valid at K
       {true, true, 3, 0, 5, 1, 0, 1.f, 0.5f, 10},
       {true, true, 8, 0, 5, 0, 0, 1.f, 0.5f, 10},  // K = 0: C = beta C
       {true, false, 8, 0, 7, 0, 0, 2.f, 0.f, 10},  // K = 0, beta 0: zeros
@@ -229,6 +233,7 @@ inline std::vector<Case> cases(bool quick) {
       {false, false, 3, 66, 70, 0, 2, 1.f, 0.f, 70},  // ld 68, 72: float4, partial groups at M, N
       {false, false, 4, 129, 17, 0, 0, 0.5f, 0.f, 30, 0, true},
       {false, false, 3, 1, 3, 0, 3, 1.f, -2.f, 9},
+      {false, false, 3, 70, 78, 0, 2, 1.f, 0.f, 70},  // ld 72, 80: bf16 A and B by cp.async, edge chunks
   };
   if (!quick) {
     v.push_back({true, false, 4, 0, 260, 300, 0, 1.f, 0.f, 60});

@@ -215,6 +215,10 @@ TEST_F(CudaGroupedTc, Throughput) {
   W16.upload(w16);
   init.resize(size_t(total) * d);
   X.upload(init);
+  std::vector<uint16_t> x16(init.size());  // the activations in bf16, as model.moe_bf16 keeps them
+  for (size_t i = 0; i < init.size(); ++i) x16[i] = cpu::bf16_bits(init[i]);
+  DeviceBuffer<uint16_t> X16(x16.size());
+  X16.upload(x16);
   init.resize(size_t(total) * f);
   Y.upload(init);
   DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(E));
@@ -238,11 +242,22 @@ TEST_F(CudaGroupedTc, Throughput) {
       {"wgrad            ", false, false, f, d, 0, f, d, d, Y.data(), X.data(), 0, size_t(f) * d, G.data()},
   };
   // tc 0: the fp32 kernel; 1: tensor cores, fp32 operands; 2: tensor cores, the weights (B of the
-  // rows_out shapes) in bf16, as the bf16 backend passes them.
+  // rows_out shapes) in bf16, as the bf16 backend passes them (staged by cp.async); 3: also the
+  // activations x in bf16 (model.moe_bf16): the forward reads both operands by cp.async, the weight
+  // gradient its x.
   for (const Op& o : ops)
-    for (int tc = 0; tc < 3; ++tc) {
+    for (int tc = 0; tc < 4; ++tc) {
       if (tc == 2 && !o.rows_out) continue;
+      if (tc == 3 && o.name[0] == 'd') continue;  // the data gradient reads no x
       auto launch = [&] {
+        if (tc == 3 && o.rows_out)
+          return k::grouped_gemm_tc_ex(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, X16.data(), true,
+                                       o.lda, W16.data(), true, o.ldb, o.sB, 0.f, o.C, false, o.ldc, o.sC,
+                                       scratch.data(), sms_, nullptr);
+        if (tc == 3)
+          return k::grouped_gemm_tc_ex(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, false, o.lda,
+                                       X16.data(), true, o.ldb, o.sB, 0.f, o.C, false, o.ldc, o.sC, scratch.data(),
+                                       sms_, nullptr);
         if (tc == 2)
           return k::grouped_gemm_tc_ex(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, false, o.lda,
                                        W16.data(), true, o.ldb, o.sB, 0.f, o.C, false, o.ldc, o.sC, scratch.data(), sms_,
@@ -260,8 +275,8 @@ TEST_F(CudaGroupedTc, Throughput) {
       cuda::device_synchronize();
       float ms = 0;
       cudaEventElapsedTime(&ms, t0, t1);
-      const char* kind = tc == 2 ? "bf16 (W bf16)" : tc ? "bf16" : "fp32";
-      std::printf("[ thruput  ] %s %-13s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, kind,
+      const char* kind = tc == 3 ? "bf16 (x+W bf16)" : tc == 2 ? "bf16 (W bf16)" : tc ? "bf16" : "fp32";
+      std::printf("[ thruput  ] %s %-15s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, kind,
                   E, total, d, f, ms / reps, flops * reps / (ms * 1e-3) / 1e12);
     }
   cudaEventDestroy(t0);

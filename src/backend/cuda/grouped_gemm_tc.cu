@@ -22,8 +22,13 @@
 // row_major matrix_a / col_major matrix_b; x-contiguous ones as [32 t][128 x] (ld 136), read as
 // col_major matrix_a / row_major matrix_b. Elements outside the operand (x >= its extent, t >= the
 // reduction length) are stored as zeros, so partial tiles add exact zeros and need no other path.
-// Pipeline: two shared stages; the global loads of step s+1 go to registers before the MMAs of
-// step s and are converted and stored into the other stage after them; one barrier per step.
+// Pipeline: three shared stages, one barrier per step; while step s multiplies, steps s+1 and s+2
+// are on their way. A bf16 operand aligned to 8 elements (16 bytes, ld % 8 == 0: the weights' bf16
+// mirror, and with model.moe_bf16 the activations too) goes straight from global to shared memory
+// with cp.async (16-byte copies, no registers, no conversion; edge chunks are plain stores of the
+// valid elements and zeros); any other operand through registers: step s+2's loads are issued
+// before step s's MMAs and converted and stored after them. Either way a stage holds the same bf16
+// values, so the path taken never changes a bit of the result.
 // Warps are 2 (rows) x 4 (columns), each owning a 64 x 32 block: 4 x 2 accumulator fragments.
 // Epilogue: each warp stores a 16 x 32 strip of accumulators at a time to its own staging area
 // (which aliases the operand stages, after the last step's barrier) and writes it out, lane = column,
@@ -43,6 +48,7 @@
 //     over the linear tile ids [0, row_tiles * tilesN), consecutive ids sharing a row tile; each id
 //     finds its expert by binary search in the prefix. Every tile costs the same (a full K loop).
 #include <cuda_bf16.h>
+#include <cuda_pipeline_primitives.h>
 #include <mma.h>
 
 #include <climits>
@@ -70,7 +76,8 @@ constexpr int kLdX = kBX + 8;  // x-contiguous tile [kBK][kLdX] bf16 (272-byte r
 constexpr size_t kTileT = size_t(kBX) * kLdT * sizeof(bf16);
 constexpr size_t kTileX = size_t(kBK) * kLdX * sizeof(bf16);
 constexpr size_t kOperand = kTileT > kTileX ? kTileT : kTileX;  // one slot size for either layout
-constexpr size_t kSmem = 2 * 2 * kOperand;                        // 2 stages x (A, B): 40 KiB
+constexpr int kStages = 3;
+constexpr size_t kSmem = kStages * 2 * kOperand;                  // 3 stages x (A, B): 60 KiB
 constexpr int kLdE = kWN + 4;                                     // epilogue strip [16][kLdE] fp32
 constexpr size_t kEpiWarp = size_t(16) * kLdE * sizeof(float);
 constexpr int kBlocksPerSm = 2;
@@ -79,8 +86,9 @@ constexpr int kDefaultSms = 132;
 static_assert(kTileT % 128 == 0 && kTileX % 128 == 0 && kOperand % 128 == 0, "operand slot alignment");
 static_assert((16 * kLdT * sizeof(bf16)) % 32 == 0 && (16 * kLdX * sizeof(bf16)) % 32 == 0, "fragment alignment");
 static_assert(kEpiWarp % 32 == 0 && kWarps * kEpiWarp <= kSmem, "epilogue staging fits the stages");
-static_assert(kSmem <= 48 * 1024, "no cudaFuncSetAttribute needed");
+static_assert(kBlocksPerSm * kSmem <= 160 * 1024, "two blocks per SM on sm_80 (164 KiB) and sm_90 (228 KiB)");
 static_assert(kBX * kBK == 4 * 4 * kThreads, "each thread stages 4 groups of 4 elements per operand");
+static_assert(kBX * kBK == 2 * 8 * kThreads, "or, with cp.async, 2 chunks of 8 bf16 per operand");
 
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
@@ -178,13 +186,51 @@ __device__ __forceinline__ void store_regs(bf16* s, const float (&r)[4][4]) {
   }
 }
 
+// cp.async staging of a bf16 operand aligned to 8 elements: thread tid's q-th chunk of 8 (q = 0, 1),
+// t fastest in t-contiguous tiles (4 chunks of a row of 32 t), x in x-contiguous ones (16 chunks of
+// a row of 128 x). Every chunk starts 16-byte aligned in global memory (the operand's alignment)
+// and in the stage (row pitches of 80 and 272 bytes).
+template <bool TC>
+__device__ __forceinline__ void chunk_coords(int g, int& x, int& t) {
+  if (TC) {
+    x = g >> 2;
+    t = (g & 3) * 8;
+  } else {
+    t = g >> 4;
+    x = (g & 15) * 8;
+  }
+}
+
+// Step t0's tile of op into stage slot s: full chunks by cp.async (landing by the wait for their
+// commit group); chunks crossing the operand's edge as the valid elements and zeros, and chunks
+// outside it as zeros, by plain stores.
+template <bool TC>
+__device__ __forceinline__ void copy_async(bf16* s, const Operand& op, int t0, int tlim) {
+  const bf16* p = static_cast<const bf16*>(op.p);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    int x, t;
+    chunk_coords<TC>(threadIdx.x + q * kThreads, x, t);
+    const int tt = t0 + t;
+    bf16* d = TC ? s + x * kLdT + t : s + t * kLdX + x;
+    const bf16* src = TC ? p + size_t(x) * op.ld + tt : p + size_t(tt) * op.ld + x;
+    const int nv = TC ? (x < op.xlim ? tlim - tt : 0) : (tt < tlim ? op.xlim - x : 0);
+    if (nv >= 8) {
+      __pipeline_memcpy_async(d, src, 16);
+    } else {  // the rare chunk at or past the edge: its valid elements (nv may be <= 0), zeros after
+      for (int i = 0; i < 8; ++i) d[i] = i < nv ? src[i] : __float2bfloat16_rn(0.f);
+    }
+  }
+}
+
 __device__ __forceinline__ bf16* slot(unsigned char* smem, int stage, int operand) {
   return reinterpret_cast<bf16*>(smem + (size_t(stage) * 2 + operand) * kOperand);
 }
 
 // One 128 x 128 output tile; C points at its (0, 0), mlim/nlim bound its valid part, tlim is the
 // reduction length. Called by the whole block with block-uniform arguments (it synchronizes).
-template <bool A_TC, bool B_TC>
+// A_ASYNC / B_ASYNC: that operand is bf16 aligned to 8 elements and staged by cp.async.
+template <bool A_TC, bool B_TC, bool A_ASYNC, bool B_ASYNC>
 __device__ void tile_product(unsigned char* smem, const Operand& a, const Operand& b, int tlim, float alpha,
                              float beta, Out C, size_t ldc, int mlim, int nlim) {
   using LA = std::conditional_t<A_TC, wmma::row_major, wmma::col_major>;
@@ -201,23 +247,41 @@ __device__ void tile_product(unsigned char* smem, const Operand& a, const Operan
     for (int j = 0; j < kFN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
 
   const int steps = (tlim + kBK - 1) / kBK;
-  float ra[4][4], rb[4][4];
+  float ra[4][4], rb[4][4];  // the register path's step in flight (unused by a cp.async operand)
+  // Step `st` into its stage: issued (cp.async, or the registers' global loads) ...
+  auto issue = [&](int st) {  // the copies first: they hold no registers once issued
+    if constexpr (A_ASYNC) copy_async<A_TC>(slot(smem, st % kStages, 0), a, st * kBK, tlim);
+    if constexpr (B_ASYNC) copy_async<B_TC>(slot(smem, st % kStages, 1), b, st * kBK, tlim);
+    if constexpr (!A_ASYNC) load_regs<A_TC>(ra, a, st * kBK, tlim);
+    if constexpr (!B_ASYNC) load_regs<B_TC>(rb, b, st * kBK, tlim);
+  };
+  // ... and the registers' part stored (after the MMAs it overlapped).
+  auto finish = [&](int st) {
+    if constexpr (!A_ASYNC) store_regs<A_TC>(slot(smem, st % kStages, 0), ra);
+    if constexpr (!B_ASYNC) store_regs<B_TC>(slot(smem, st % kStages, 1), rb);
+  };
   __syncthreads();  // the previous tile's epilogue (staging aliases stage 0) is done everywhere
-  if (steps > 0) {
-    load_regs<A_TC>(ra, a, 0, tlim);
-    load_regs<B_TC>(rb, b, 0, tlim);
-    store_regs<A_TC>(slot(smem, 0, 0), ra);
-    store_regs<B_TC>(slot(smem, 0, 1), rb);
-  }
-  __syncthreads();
-  for (int s = 0; s < steps; ++s) {
-    const bf16* As = slot(smem, s & 1, 0);
-    const bf16* Bs = slot(smem, s & 1, 1);
-    const bool more = s + 1 < steps;
-    if (more) {  // the next step's global loads in flight during the MMAs
-      load_regs<A_TC>(ra, a, (s + 1) * kBK, tlim);
-      load_regs<B_TC>(rb, b, (s + 1) * kBK, tlim);
+  // Prologue: steps 0 .. kStages-2, one commit group each (empty past the last step, so that every
+  // thread always has committed step s's group and exactly kStages - 2 younger ones when it waits).
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < steps) {
+      issue(st);
+      finish(st);
     }
+    __pipeline_commit();
+  }
+  for (int s = 0; s < steps; ++s) {
+    __pipeline_wait_prior(kStages - 2);  // this thread's copies of step s have landed
+    // Everyone's copies and stores of step s are visible, and every warp is done with step s-1,
+    // whose stage step s + kStages - 1 now fills.
+    __syncthreads();
+    const int next = s + kStages - 1;
+    const bool more = next < steps;
+    if (more) issue(next);
+    __pipeline_commit();
+    const bf16* As = slot(smem, s % kStages, 0);
+    const bf16* Bs = slot(smem, s % kStages, 1);
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       FragB fb[kFN];
@@ -237,14 +301,12 @@ __device__ void tile_product(unsigned char* smem, const Operand& a, const Operan
         for (int j = 0; j < kFN; ++j) wmma::mma_sync(acc[i][j], fa, fb[j], acc[i][j]);
       }
     }
-    if (more) {  // the other stage was last read in step s-1, which every warp finished
-      store_regs<A_TC>(slot(smem, (s + 1) & 1, 0), ra);
-      store_regs<B_TC>(slot(smem, (s + 1) & 1, 1), rb);
-    }
-    __syncthreads();
+    if (more) finish(next);  // step s-1's stage: no warp reads it before step `next`'s barrier
   }
+  __pipeline_wait_prior(0);  // only empty groups are left; nothing lands in the stages from here on
+  __syncthreads();           // every warp is done with the last step's stage
 
-  // Epilogue: the stages are free (last barrier above); each warp uses its own strip.
+  // Epilogue: the stages are free (barrier above); each warp uses its own strip.
   float* stg = reinterpret_cast<float*>(smem + size_t(warp) * kEpiWarp);
   const int n = wn0 + lane;
 #pragma unroll
@@ -269,7 +331,7 @@ __device__ void tile_product(unsigned char* smem, const Operand& a, const Operan
   }
 }
 
-template <bool TRANSB>
+template <bool TRANSB, bool A_ASYNC, bool B_ASYNC>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     tc_rows_kernel(const int32_t* offsets, const int32_t* tile_start, int E, int N, int K, float alpha,
                    const void* A, bool a16, int lda, bool vecA, const void* B, bool b16, int ldb, size_t strideB,
@@ -287,10 +349,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const Operand a{advance(A, a16, size_t(row0) * lda), size_t(lda), rows, vecA, a16};
     const Operand b{advance(B, b16, b0), size_t(ldb), N - n0, vecB, b16};
     const Out out{const_cast<void*>(advance(C, c16, size_t(row0) * ldc + n0)), c16};
-    tile_product<true, TRANSB>(smem, a, b, K, alpha, beta, out, size_t(ldc), rows, N - n0);
+    tile_product<true, TRANSB, A_ASYNC, B_ASYNC>(smem, a, b, K, alpha, beta, out, size_t(ldc), rows, N - n0);
   }
 }
 
+template <bool A_ASYNC, bool B_ASYNC>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     tc_wgrad_kernel(const int32_t* offsets, int M, int N, float alpha, const void* A, bool a16, int lda, bool vecA,
                     const void* B, bool b16, int ldb, bool vecB, float beta, void* C, bool c16, int ldc,
@@ -307,12 +370,32 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const Operand a{advance(A, a16, size_t(r0) * lda + m0), size_t(lda), M - m0, vecA, a16};
   const Operand b{advance(B, b16, size_t(r0) * ldb + n0), size_t(ldb), N - n0, vecB, b16};
   const Out out{const_cast<void*>(advance(C, c16, size_t(e) * strideC + size_t(m0) * ldc + n0)), c16};
-  tile_product<false, false>(smem, a, b, rows, alpha, beta, out,
-                             size_t(ldc), M - m0, N - n0);
+  tile_product<false, false, A_ASYNC, B_ASYNC>(smem, a, b, rows, alpha, beta, out, size_t(ldc), M - m0, N - n0);
 }
 
 // Four elements' worth of alignment: 16 bytes for fp32, 8 for bf16.
 bool aligned4(const void* p, bool b16) { return (reinterpret_cast<uintptr_t>(p) & (b16 ? 7u : 15u)) == 0; }
+// cp.async staging: bf16, 16-byte aligned, and every row (and expert, `stride`) start too.
+bool async_ok(const void* p, bool b16, size_t ld, size_t stride) {
+  return b16 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0 && ld % 8 == 0 && stride % 8 == 0;
+}
+
+// The instantiation for the operands' staging paths, chosen at launch (block-uniform for the kernel).
+template <bool TRANSB>
+auto rows_kernel(bool a_async, bool b_async) {
+  return a_async ? (b_async ? tc_rows_kernel<TRANSB, true, true> : tc_rows_kernel<TRANSB, true, false>)
+                 : (b_async ? tc_rows_kernel<TRANSB, false, true> : tc_rows_kernel<TRANSB, false, false>);
+}
+auto wgrad_kernel(bool a_async, bool b_async) {
+  return a_async ? (b_async ? tc_wgrad_kernel<true, true> : tc_wgrad_kernel<true, false>)
+                 : (b_async ? tc_wgrad_kernel<false, true> : tc_wgrad_kernel<false, false>);
+}
+
+// The stages take more than the default 48 KiB of dynamic shared memory.
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
+}
 
 }  // namespace
 
@@ -338,19 +421,19 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
     if (K < 0) return cudaErrorInvalidValue;
     if (const cudaError_t e = row_tile_prefix(tile_scratch, offsets, E, kBX, st); e != cudaSuccess) return e;
     const unsigned grid = unsigned(sm_count > 0 ? sm_count : kDefaultSms) * kBlocksPerSm;
-    if (transB) {
-      tc_rows_kernel<true><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, a_bf16, lda, vecA,
-                                                          B, b_bf16, ldb, strideB, vecB, beta, C, c_bf16, ldc);
-    } else {
-      tc_rows_kernel<false><<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, a_bf16, lda,
-                                                           vecA, B, b_bf16, ldb, strideB, vecB, beta, C, c_bf16, ldc);
-    }
+    const bool a_async = async_ok(A, a_bf16, size_t(lda), 0), b_async = async_ok(B, b_bf16, size_t(ldb), strideB);
+    const auto kernel = transB ? rows_kernel<true>(a_async, b_async) : rows_kernel<false>(a_async, b_async);
+    if (const cudaError_t e = allow_smem(kernel); e != cudaSuccess) return e;
+    kernel<<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb,
+                                          strideB, vecB, beta, C, c_bf16, ldc);
   } else {
     if (M <= 0) return cudaSuccess;
     const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
     if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-    tc_wgrad_kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16,
-                                                               ldb, vecB, beta, C, c_bf16, ldc, strideC);
+    const auto kernel = wgrad_kernel(async_ok(A, a_bf16, size_t(lda), 0), async_ok(B, b_bf16, size_t(ldb), 0));
+    if (const cudaError_t e = allow_smem(kernel); e != cudaSuccess) return e;
+    kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb, vecB,
+                                                      beta, C, c_bf16, ldc, strideC);
   }
   return cudaGetLastError();
 }

@@ -512,13 +512,29 @@ class Barrier {
 
 #endif  // EMU_THREADS
 
+// cp.async (__pipeline_memcpy_async, cuda_pipeline_primitives.h): a thread's copies are recorded
+// and done only when the thread waits for their group (__pipeline_wait_prior), the latest moment the
+// device may complete them. So a kernel that reads a stage before waiting for it, or before the
+// __syncthreads that makes the other threads' copies visible, reads the stage's old bytes (or the
+// 0xFF poison) and its results show it.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+struct AsyncCopies {
+  std::vector<std::vector<AsyncCopy>> committed;  // oldest group first
+  std::vector<AsyncCopy> open;                    // issued since the last __pipeline_commit
+};
+
 struct Block {
-  explicit Block(unsigned threads) : all(int(threads)), xchg(2 * size_t(threads)) {
+  explicit Block(unsigned threads) : all(int(threads)), xchg(2 * size_t(threads)), async(threads) {
     for (unsigned w = 0; w < threads / 32; ++w) warp.push_back(std::make_unique<Barrier>(32));
   }
   Barrier all;
   std::vector<std::unique_ptr<Barrier>> warp;
   std::vector<uint64_t> xchg;  // [2 buffers][threads]: shuffle slots (8 bytes each)
+  std::vector<AsyncCopies> async;  // per thread: its cp.async copies not yet waited for
   // Static __shared__ arrays, one heap block each, keyed by their declaration's address.
   std::mutex shared_m;
   std::vector<std::pair<const void*, void*>> shared;
@@ -581,6 +597,52 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 }
 inline void __threadfence_block() {}
 inline void __threadfence() {}
+
+// ---- cp.async (see AsyncCopies) ----------------------------------------------------------------
+namespace emu {
+inline std::atomic<uint64_t> g_async_copies{0};  // copies issued since the process started (tests)
+inline void async_complete(std::vector<AsyncCopy>& group) {
+  for (const AsyncCopy& c : group) std::memcpy(c.dst, c.src, c.bytes);
+  group.clear();
+}
+// A thread that returns with copies it never waited for: on the device they may land after the
+// block's shared memory has passed to another block.
+inline void async_check_drained() {
+  AsyncCopies& a = g_block->async[t_tid];
+  size_t n = a.open.size();
+  for (const auto& g : a.committed) n += g.size();
+  if (n) {
+    std::fprintf(stderr, "emu_cuda: thread %u returned with %zu cp.async copies never waited for\n", t_tid, n);
+    die("cp.async copies outstanding at kernel exit (missing __pipeline_wait_prior)");
+  }
+}
+}  // namespace emu
+inline void __pipeline_memcpy_async(void* dst, const void* src, size_t size_and_align, size_t zfill = 0) {
+  EMU_ASSERT(size_and_align == 4 || size_and_align == 8 || size_and_align == 16, "cp.async of 4, 8 or 16 bytes");
+  EMU_ASSERT(zfill == 0, "cp.async with zero fill is not emulated");
+  EMU_ASSERT(reinterpret_cast<uintptr_t>(dst) % size_and_align == 0 &&
+                 reinterpret_cast<uintptr_t>(src) % size_and_align == 0,
+             "cp.async source and destination aligned to the copy size");
+  const auto* d = static_cast<unsigned char*>(dst);
+  EMU_ASSERT(emu::g_smem && d >= emu::g_smem && d + size_and_align <= emu::g_smem + emu::g_smem_bytes,
+             "cp.async into the block's dynamic shared memory");
+  emu::g_block->async[emu::t_tid].open.push_back({dst, src, size_and_align});
+  emu::g_async_copies.fetch_add(1, std::memory_order_relaxed);
+}
+inline void __pipeline_commit() {
+  emu::AsyncCopies& a = emu::g_block->async[emu::t_tid];
+  a.committed.push_back(std::move(a.open));
+  a.open.clear();
+}
+// Completes every committed group but the newest `prior` (copies issued after the last commit are
+// in no group and stay pending, as on the device).
+inline void __pipeline_wait_prior(size_t prior) {
+  emu::AsyncCopies& a = emu::g_block->async[emu::t_tid];
+  while (a.committed.size() > prior) {
+    emu::async_complete(a.committed.front());
+    a.committed.erase(a.committed.begin());
+  }
+}
 
 namespace emu {
 // Every lane of the warp publishes its value, waits at the warp barrier, then reads lane src(lane).
@@ -701,6 +763,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
         blockIdx = cur_idx;
         t_shfl_parity = 0;
         kernel(args...);  // each thread its own copies of the parameters
+        async_check_drained();
         cur->all.drop();
         cur->warp[t / 32]->drop();
         if (finished.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
@@ -759,6 +822,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
   }
   auto run_thread = [&](unsigned t) {
     kernel(args...);  // each thread its own copies of the parameters
+    async_check_drained();
     g_block->all.drop();
     g_block->warp[t / 32]->drop();
   };

@@ -43,10 +43,12 @@ class CudaEmuGroupedTc : public ::testing::Test {
   static void launch(const gt::Case& c, const gt::Problem& p, std::vector<float>& C, int sms) {
     std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
     const int s = p.shift;
+    const uint64_t copies = ::emu::g_async_copies.load();
     ASSERT_EQ(k::grouped_gemm_tc(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, p.A.data() + s,
                                  p.lda, p.B.data() + s, p.ldb, p.sB, c.beta, C.data() + s, p.ldc, p.sC,
                                  scratch.data(), sms, nullptr),
               cudaSuccess);
+    EXPECT_EQ(::emu::g_async_copies.load(), copies) << "fp32 operands go through registers, never cp.async";
   }
   std::mt19937_64 rng_;
 };
@@ -76,7 +78,8 @@ TEST_F(CudaEmuGroupedTc, GridIndependent) {
 
 // grouped_gemm_tc_ex: an operand given as its bf16 rounding (the backend passes the expert
 // weights' bf16 mirror) gives bitwise what the fp32 operand gives, which the kernel rounds the
-// same way; every case (aligned and misaligned, both shapes), A, B or both in bf16.
+// same way; every case (aligned and misaligned, both shapes), A, B or both in bf16. A bf16 operand
+// aligned to 8 elements is staged by cp.async instead of through registers: the same bits.
 TEST_F(CudaEmuGroupedTc, Bf16OperandsGiveTheFp32OperandsBits) {
   auto bits = [](const std::vector<float>& v) {
     std::vector<uint16_t> b(v.size());
@@ -84,6 +87,7 @@ TEST_F(CudaEmuGroupedTc, Bf16OperandsGiveTheFp32OperandsBits) {
     return b;
   };
   int i = 0;
+  const uint64_t copies = ::emu::g_async_copies.load();
   for (const auto& c : gt::cases(quick())) {
     SCOPED_TRACE(c.name());
     const gt::Problem p = gt::make_problem(c, rng_);
@@ -105,6 +109,8 @@ TEST_F(CudaEmuGroupedTc, Bf16OperandsGiveTheFp32OperandsBits) {
     }
     ++i;
   }
+  // The aligned cases (ld and stride multiples of 8 elements) took the cp.async path.
+  EXPECT_GT(::emu::g_async_copies.load() - copies, 0u) << "no bf16 operand was staged by cp.async";
 }
 
 // grouped_gemm_tc_ex with a bf16 C (c_bf16): every output element is the round-to-nearest-even of

@@ -40,6 +40,73 @@ TEST(CudaEmuChecks, MisalignedAccessesDie) {
   EXPECT_DEATH(nvcuda::wmma::load_matrix_sync(fa, half, 12), "ldm");
 }
 
+// cp.async (__pipeline_memcpy_async): a copy lands when its thread waits for its commit group,
+// never earlier, so reading a stage too early reads its old bytes (here the 0xFF poison: NaN); and a
+// thread returning with copies it never waited for ends the process. Block of 64 threads, thread t
+// copies src[4t, 4t + 4) to shared [4t, 4t + 4), in two commit groups (even and odd threads' halves).
+enum class AsyncMode { Correct, ReadBeforeWait, WaitOneGroup, NoBarrier, NeverWait };
+void async_probe(const float* src, float* out, AsyncMode mode) {
+  float* sm = reinterpret_cast<float*>(::emu::g_smem);
+  const int t = int(threadIdx.x), n = int(blockDim.x), other = (t + 1) % n;
+  __pipeline_memcpy_async(sm + 4 * t, src + 4 * t, 8);  // group 1: the first half
+  __pipeline_commit();
+  __pipeline_memcpy_async(sm + 4 * t + 2, src + 4 * t + 2, 8);  // group 2: the second half
+  __pipeline_commit();
+  switch (mode) {
+    case AsyncMode::Correct:
+      __pipeline_wait_prior(0);
+      __syncthreads();
+      for (int i = 0; i < 4; ++i) out[4 * t + i] = sm[4 * other + i];  // another thread's copies
+      break;
+    case AsyncMode::ReadBeforeWait:
+      for (int i = 0; i < 4; ++i) out[4 * t + i] = sm[4 * t + i];
+      __pipeline_wait_prior(0);
+      break;
+    case AsyncMode::WaitOneGroup:  // the older group has landed, the newer not yet
+      __pipeline_wait_prior(1);
+      for (int i = 0; i < 4; ++i) out[4 * t + i] = sm[4 * t + i];
+      __pipeline_wait_prior(0);
+      break;
+    case AsyncMode::NoBarrier:  // the next thread's copies are not visible without __syncthreads
+      __pipeline_wait_prior(0);
+      for (int i = 0; i < 4; ++i) out[4 * t + i] = sm[4 * other + i];
+      break;
+    case AsyncMode::NeverWait:
+      break;
+  }
+}
+
+TEST(CudaEmuChecks, AsyncCopiesLandWhenWaitedFor) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const int n = 64;
+  std::vector<float> src(4 * n);
+  for (int i = 0; i < 4 * n; ++i) src[i] = float(i + 1);
+  auto run = [&](AsyncMode mode) {
+    std::vector<float> out(4 * n, 0.f);
+    EMU_LAUNCH(dim3(1), dim3(n), 4 * n * sizeof(float), nullptr, async_probe, src.data(), out.data(), mode);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    return out;
+  };
+  const uint64_t before = ::emu::g_async_copies.load();
+  const std::vector<float> ok = run(AsyncMode::Correct);
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < 4; ++i) ASSERT_EQ(ok[4 * t + i], src[4 * ((t + 1) % n) + i]) << t << " " << i;
+  EXPECT_EQ(::emu::g_async_copies.load() - before, uint64_t(2 * n));
+  for (float v : run(AsyncMode::ReadBeforeWait)) EXPECT_TRUE(std::isnan(v));
+  const std::vector<float> one = run(AsyncMode::WaitOneGroup);
+  for (int t = 0; t < n; ++t) {
+    EXPECT_EQ(one[4 * t], src[4 * t]);
+    EXPECT_EQ(one[4 * t + 1], src[4 * t + 1]);
+    EXPECT_TRUE(std::isnan(one[4 * t + 2]));
+    EXPECT_TRUE(std::isnan(one[4 * t + 3]));
+  }
+#ifndef EMU_THREADS  // fibers run in thread order: thread t reads before thread t+1 has waited
+  const std::vector<float> nb = run(AsyncMode::NoBarrier);
+  for (int t = 0; t + 1 < n; ++t) EXPECT_TRUE(std::isnan(nb[4 * t])) << t;
+#endif
+  EXPECT_DEATH(run(AsyncMode::NeverWait), "cp.async copies outstanding");
+}
+
 // ---------------------------------------------------------------------------------------------
 // ops.cu
 
