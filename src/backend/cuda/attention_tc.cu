@@ -5,7 +5,8 @@
 // cores, and no fragment's element-to-thread mapping is ever assumed: every accumulator tile that
 // needs per-row work (masking, online softmax, exp, dS) is stored to shared memory with
 // store_matrix_sync, worked on there by ordinary threads, converted to bf16 in shared memory and
-// loaded back as a matrix_a fragment. The forward's O accumulator, which needs a per-row rescale at
+// loaded back as a matrix_a fragment (in the backward, over the warp's own rows of the fp32 tile it
+// was computed from: see Tiles). The forward's O accumulator, which needs a per-row rescale at
 // every key tile, lives in shared memory too (load as accumulator, mma, store back); the backward's
 // dK, dV, dQ accumulators are never rescaled and stay in fragments.
 //
@@ -55,7 +56,15 @@ namespace wmma = nvcuda::wmma;
 constexpr int kThreads = 128;  // 4 warps per block, every kernel here
 constexpr int kRows = 64;      // rows per tile: query tiles and key tiles alike
 constexpr int kLdS = kRows + 4;  // fp32 [64][64] score tiles (ldm multiple of 4 floats)
-constexpr int kLdP = kRows + 8;  // bf16 [64][64] P / dS tiles (ldm multiple of 8 halves)
+constexpr int kLdP = kRows + 8;  // the forward's bf16 [64][64] P tile (ldm multiple of 8 halves)
+// The backward's bf16 P^T, dS^T (dK/dV) and dS (dQ) rows, each over the fp32 row of the score tile it
+// is computed from (Tiles): ld kLdB halves (= kLdS floats, 272 bytes), columns [0, 32) at halves
+// [0, 32) of the row and columns [32, 64) at halves [64, 96), i.e. 16-column block kk at half
+// kk * 16 + (kk / 2) * kGapB. So the lane doing a half row (columns [32 half, +32): fp32 bytes
+// [128 half, +128) of the row) writes its bf16 values to bytes [128 half, +64): over fp32 values it
+// has itself read, no other lane's.
+constexpr int kLdB = 2 * kLdS;
+constexpr int kGapB = 32;
 
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
 using FragBRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
@@ -66,6 +75,15 @@ using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 // the other from the (128-byte aligned) dynamic buffer keeps each tile 128-byte aligned, and every
 // 16x16 sub-tile a WMMA call addresses starts on a 32-byte boundary (rows are multiples of 16 apart,
 // columns multiples of 16 elements), as load/store_matrix_sync require.
+//
+// The backward kernels have no bf16 P / dS tiles of their own: each bf16 row of P^T, dS^T (dK/dV)
+// or dS (dQ) lies inside the fp32 row of S^T, dP^T or dP it is computed from (kLdB), and a lane
+// writes the bf16 values of its half row over fp32 values of that half row, after reading them
+// (a __syncwarp orders each 8-column group's loads before its stores). The rows are warp w's own
+// (rows [16w, 16w + 16): only warp w touches them between two block barriers), and each 16x16
+// block starts on a 32-byte boundary (kSlab, kGapB). That saves 2 * kP (dK/dV) and kP (dQ) bytes per
+// block, so that two dK/dV blocks fit on an sm_90 SM at head_dim 128 and three of every kernel at
+// head_dim 64 (blocks_per_sm below), with the same tiles, MMAs and results as separate bf16 tiles.
 template <int HD>
 struct Tiles {
   static constexpr int kLdH = HD + 8;  // bf16 [64][HD] tiles (q, k, v, dO)
@@ -77,14 +95,36 @@ struct Tiles {
   static constexpr size_t kStats = 2 * kRows * sizeof(float);
   // forward: Q K V | S | P | O | m l
   static constexpr size_t kFwd = 3 * kH + kS + kP + kO + kStats;
-  // dK/dV: K V Q dO | S^T dP^T | P^T dS^T | lse D ; output staging [64][kLdO] fp32 reuses S^T dP^T
-  static constexpr size_t kDkdv = 4 * kH + 2 * kS + 2 * kP + kStats;
-  // dQ: Q dO K V | S dP | dS | lse D ; output staging reuses S dP
-  static constexpr size_t kDq = 4 * kH + 2 * kS + kP + kStats;
+  // dK/dV: K V Q dO | S^T (P^T in each warp's slab) dP^T (dS^T in each warp's slab) | lse D ;
+  // output staging [64][kLdO] fp32 reuses S^T dP^T
+  static constexpr size_t kDkdv = 4 * kH + 2 * kS + kStats;
+  // dQ: Q dO K V | S dP (dS in each warp's slab) | lse D ; output staging reuses S dP
+  static constexpr size_t kDq = 4 * kH + 2 * kS + kStats;
+  static constexpr size_t kSlab = size_t(16) * kLdS * sizeof(float);  // a warp's 16 rows of a score tile
   static_assert(kH % 128 == 0 && kS % 128 == 0 && kP % 128 == 0 && kO % 128 == 0, "tile alignment");
+  static_assert(kSlab % 32 == 0 && kLdB % 8 == 0 && kGapB % 16 == 0 && 4 * 16 + kGapB <= kLdB &&
+                    kLdB * sizeof(bf16) == kLdS * sizeof(float) && (kRows / 2 + kGapB) * sizeof(bf16) == kRows / 2 * sizeof(float),
+                "bf16 rows over fp32 rows: 32-byte aligned blocks, each lane's bf16 half row over its own fp32 half row");
   static_assert(2 * kS >= kO, "the output staging tile must fit in the two score tiles it reuses");
   static constexpr size_t kMax = kDkdv > kFwd ? (kDkdv > kDq ? kDkdv : kDq) : (kFwd > kDq ? kFwd : kDq);
 };
+
+// Occupancy by shared memory (the kernels have 128 threads; registers allow 2 blocks per SM up to 255
+// and 3 up to 168 per thread): the blocks of `bytes` of dynamic shared memory an SM of `sm_kib` KiB
+// holds, with the 1 KiB per block the runtime reserves. sm_90 (H100/H200): 228 KiB per SM, 227 per
+// block; sm_80 (A100): 164 and 163.
+constexpr int blocks_per_sm(size_t bytes, size_t sm_kib) { return int(sm_kib * 1024 / (bytes + 1024)); }
+// sm_90: hd 128 forward, dK/dV, dQ 2 blocks (8 warps) per SM; hd 64 3 blocks (12 warps).
+static_assert(blocks_per_sm(Tiles<128>::kDkdv, 228) >= 2 && blocks_per_sm(Tiles<128>::kDq, 228) >= 2 &&
+                  blocks_per_sm(Tiles<128>::kFwd, 228) >= 2,
+              "hd 128: two blocks of every kernel per sm_90 SM");
+static_assert(blocks_per_sm(Tiles<64>::kDkdv, 228) >= 3 && blocks_per_sm(Tiles<64>::kDq, 228) >= 3 &&
+                  blocks_per_sm(Tiles<64>::kFwd, 228) >= 3,
+              "hd 64: three blocks of every kernel per sm_90 SM");
+// sm_80: hd 64 2 blocks per SM of every kernel; hd 128 one (fits the 163 KiB opt-in).
+static_assert(blocks_per_sm(Tiles<64>::kDkdv, 164) >= 2 && blocks_per_sm(Tiles<64>::kDq, 164) >= 2 &&
+                  blocks_per_sm(Tiles<64>::kFwd, 164) >= 2 && Tiles<128>::kMax <= 163 * 1024,
+              "sm_80 occupancy");
 
 __device__ __forceinline__ int key_lo(int i, int window) { return window > 0 ? max(0, i - window + 1) : 0; }
 __device__ __forceinline__ bool visible(int i, int j, int window) {
@@ -118,7 +158,8 @@ __device__ __forceinline__ void stage4(bf16* d, const bf16* p, bool vec) {
 // 4-element group is too. Thread t loads column group t % (HD / 4) of rows t / (HD / 4) + k * kStep,
 // the mapping of the former flat idx loop, walking one pointer down the rows: with unroll 4, ptxas
 // issues four row loads at a time and the HD = 128 dK/dV kernel, which holds 16 accumulator
-// fragments across its loop, fits in 168 registers on sm_90 instead of 255 plus a 40-byte spill.
+// fragments across its loop, fits in 168 (fp32 E) / 178 (bf16 E) registers on sm_90 instead of 255
+// plus a 40-byte spill.
 template <int HD, class E>
 __device__ void load_rows(bf16* dst, const E* src, size_t ld, int n, bool vec) {
   constexpr int kLd = Tiles<HD>::kLdH, C4 = HD / 4, kStep = kThreads / C4;
@@ -174,15 +215,15 @@ __device__ __forceinline__ void mma_abt(float* c, const bf16* a, const bf16* bt)
   }
 }
 
-// acc[n] += A[16 x 64] * B[64 x HD] (column block n), A = `a` (bf16 row-major, ld kLdP), B = `bm`
-// (bf16 row-major [64][kLdH]).
+// acc[n] += A[16 x 64] * B[64 x HD] (column block n), A = `a` (bf16 rows over fp32 score rows: ld
+// kLdB, column block kk at kk * 16 + (kk / 2) * kGapB), B = `bm` (bf16 row-major [64][kLdH]).
 template <int HD>
 __device__ __forceinline__ void mma_ab_acc(FragC (&acc)[HD / 16], const bf16* a, const bf16* bm) {
   constexpr int kLd = Tiles<HD>::kLdH;
 #pragma unroll
   for (int kk = 0; kk < kRows / 16; ++kk) {
     FragA fa;
-    wmma::load_matrix_sync(fa, a + kk * 16, kLdP);
+    wmma::load_matrix_sync(fa, a + kk * 16 + (kk / 2) * kGapB, kLdB);
 #pragma unroll
     for (int n = 0; n < HD / 16; ++n) {
       FragBRow fb;
@@ -190,6 +231,12 @@ __device__ __forceinline__ void mma_ab_acc(FragC (&acc)[HD / 16], const bf16* a,
       wmma::mma_sync(acc[n], fa, fb, acc[n]);
     }
   }
+}
+
+// Stores 8 bf16 values (v[0..3]) at `d` (16-byte aligned).
+__device__ __forceinline__ void store8(bf16* d, const __nv_bfloat162 (&v)[4]) {
+  reinterpret_cast<Bf16x4*>(d)[0] = Bf16x4{v[0], v[1]};
+  reinterpret_cast<Bf16x4*>(d)[1] = Bf16x4{v[2], v[3]};
 }
 
 // The block's 64 x HD fp32 result (fragments of each warp's 16 rows) to rows [r0, r0 + 64) of head
@@ -384,9 +431,7 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dkdv_kernel(float* dk, float*
   bf16* dOs = reinterpret_cast<bf16*>(smem + 3 * T::kH);
   float* STs = reinterpret_cast<float*>(smem + 4 * T::kH);
   float* dPTs = reinterpret_cast<float*>(smem + 4 * T::kH + T::kS);
-  bf16* PTs = reinterpret_cast<bf16*>(smem + 4 * T::kH + 2 * T::kS);
-  bf16* dSTs = reinterpret_cast<bf16*>(smem + 4 * T::kH + 2 * T::kS + T::kP);
-  float* Lq = reinterpret_cast<float*>(smem + 4 * T::kH + 2 * T::kS + 2 * T::kP);
+  float* Lq = reinterpret_cast<float*>(smem + 4 * T::kH + 2 * T::kS);
   float* Dq = Lq + kRows;
 
   const int S = sh.S, H = sh.H, KV = sh.KV, W = sh.window, G = H / KV;
@@ -397,6 +442,12 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dkdv_kernel(float* dk, float*
   const int r = lane >> 1, half = lane & 1;
   const int j = j0 + wr0 + r;  // this lane's key row
   const float scale = float(sh.scale);
+  // The warp's 16 rows of S^T and dP^T (fp32, ld kLdS), and over them its bf16 rows of P^T and dS^T
+  // (ld kLdB; Tiles).
+  float* STw = STs + wr0 * kLdS;
+  float* dPTw = dPTs + wr0 * kLdS;
+  bf16* PTw = reinterpret_cast<bf16*>(STw);
+  bf16* dSTw = reinterpret_cast<bf16*>(dPTw);
 
   load_tile<HD>(Ks, k, b, S, KV, g, j0, vec);
   load_tile<HD>(Vs, v, b, S, KV, g, j0, vec);
@@ -423,28 +474,40 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dkdv_kernel(float* dk, float*
       // first key, and (window) the earliest query is less than `window` after the last key.
       if (!(w_first < S && q0 + kRows - 1 >= w_first && (W <= 0 || q0 <= w_last + W - 1))) continue;
 
-      mma_abt<HD>(STs + wr0 * kLdS, Ks + wr0 * kLdH, Qs);
-      mma_abt<HD>(dPTs + wr0 * kLdS, Vs + wr0 * kLdH, dOs);
+      mma_abt<HD>(STw, Ks + wr0 * kLdH, Qs);
+      mma_abt<HD>(dPTw, Vs + wr0 * kLdH, dOs);
       __syncwarp();
       {
-        const float* srow = STs + (wr0 + r) * kLdS + half * 32;
-        const float* dprow = dPTs + (wr0 + r) * kLdS + half * 32;
-        bf16* prow = PTs + (wr0 + r) * kLdP + half * 32;
-        bf16* dsrow = dSTs + (wr0 + r) * kLdP + half * 32;
+        const float* srow = STw + r * kLdS + half * 32;
+        const float* dprow = dPTw + r * kLdS + half * 32;
+        bf16* prow = PTw + r * kLdB + half * (32 + kGapB);  // over srow[0, 16) (kLdB)
+        bf16* dsrow = dSTw + r * kLdB + half * (32 + kGapB);
         const int cbase = half * 32;
-#pragma unroll 8
-        for (int c = 0; c < 32; ++c) {
-          const int ii = q0 + cbase + c;
-          const bool vis = j < S && ii < S && visible(ii, j, W);
-          const float p = vis ? expf(scale * srow[c] - Lq[cbase + c]) : 0.f;
-          const float ds = p * (dprow[c] - Dq[cbase + c]);
-          prow[c] = __float2bfloat16_rn(p);
-          dsrow[c] = __float2bfloat16_rn(ds);
+        // Unroll 2: with 1 or 4, ptxas (CUDA 13, sm_90) takes 255 registers and spills at HD = 128.
+#pragma unroll 2
+        for (int c0 = 0; c0 < 32; c0 += 8) {
+          __nv_bfloat162 pv[4], dsv[4];
+#pragma unroll
+          for (int c = c0; c < c0 + 8; c += 2) {
+            float p[2], ds[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int ii = q0 + cbase + c + e;
+              const bool vis = j < S && ii < S && visible(ii, j, W);
+              p[e] = vis ? expf(scale * srow[c + e] - Lq[cbase + c + e]) : 0.f;
+              ds[e] = p[e] * (dprow[c + e] - Dq[cbase + c + e]);
+            }
+            pv[(c - c0) / 2] = __floats2bfloat162_rn(p[0], p[1]);
+            dsv[(c - c0) / 2] = __floats2bfloat162_rn(ds[0], ds[1]);
+          }
+          __syncwarp();  // the stores below land on srow, dprow [c0 / 2, c0 / 2 + 4): loaded by now
+          store8(prow + c0, pv);
+          store8(dsrow + c0, dsv);
         }
       }
       __syncwarp();
-      mma_ab_acc<HD>(dvf, PTs + wr0 * kLdP, dOs);  // dV += P^T dO
-      mma_ab_acc<HD>(dkf, dSTs + wr0 * kLdP, Qs);  // dK += dS^T Q   (scale applied at the store)
+      mma_ab_acc<HD>(dvf, PTw, dOs);   // dV += P^T dO
+      mma_ab_acc<HD>(dkf, dSTw, Qs);  // dK += dS^T Q   (scale applied at the store)
     }
   }
   float* stage = STs;  // [64][kLdO] fp32 over S^T and dP^T
@@ -468,8 +531,7 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dq_kernel(float* dq, const fl
   bf16* Vs = reinterpret_cast<bf16*>(smem + 3 * T::kH);
   float* Ss = reinterpret_cast<float*>(smem + 4 * T::kH);
   float* dPs = reinterpret_cast<float*>(smem + 4 * T::kH + T::kS);
-  bf16* dSs = reinterpret_cast<bf16*>(smem + 4 * T::kH + 2 * T::kS);
-  float* Li = reinterpret_cast<float*>(smem + 4 * T::kH + 2 * T::kS + T::kP);
+  float* Li = reinterpret_cast<float*>(smem + 4 * T::kH + 2 * T::kS);
   float* Di = Li + kRows;
 
   const int S = sh.S, H = sh.H, KV = sh.KV, W = sh.window;
@@ -480,6 +542,11 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dq_kernel(float* dq, const fl
   const int r = lane >> 1, half = lane & 1;
   const int i = i0 + wr0 + r;  // this lane's query row
   const float scale = float(sh.scale);
+  // The warp's 16 rows of S and dP (fp32, ld kLdS), and over its dP rows its bf16 rows of dS (ld
+  // kLdB; Tiles).
+  float* Sw = Ss + wr0 * kLdS;
+  float* dPw = dPs + wr0 * kLdS;
+  bf16* dSw = reinterpret_cast<bf16*>(dPw);
 
   load_tile<HD>(Qs, q, b, S, H, h, i0, vec);
   load_tile<HD>(dOs, dout, b, S, H, h, i0, vec);
@@ -498,25 +565,36 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dq_kernel(float* dq, const fl
     __syncthreads();
     if (!(w_first < S && k0 <= w_last && k0 + kRows - 1 >= key_lo(w_first, W))) continue;
 
-    mma_abt<HD>(Ss + wr0 * kLdS, Qs + wr0 * kLdH, Ks);
-    mma_abt<HD>(dPs + wr0 * kLdS, dOs + wr0 * kLdH, Vs);
+    mma_abt<HD>(Sw, Qs + wr0 * kLdH, Ks);
+    mma_abt<HD>(dPw, dOs + wr0 * kLdH, Vs);
     __syncwarp();
     {
-      const float* srow = Ss + (wr0 + r) * kLdS + half * 32;
-      const float* dprow = dPs + (wr0 + r) * kLdS + half * 32;
-      bf16* dsrow = dSs + (wr0 + r) * kLdP + half * 32;
+      const float* srow = Sw + r * kLdS + half * 32;
+      const float* dprow = dPw + r * kLdS + half * 32;
+      bf16* dsrow = dSw + r * kLdB + half * (32 + kGapB);  // over dprow[0, 16) (kLdB)
       const float li = Li[wr0 + r], di = Di[wr0 + r];
       const int jbase = k0 + half * 32;
-#pragma unroll 8
-      for (int c = 0; c < 32; ++c) {
-        const int jj = jbase + c;
-        const bool vis = i < S && jj < S && visible(i, jj, W);
-        const float p = vis ? expf(scale * srow[c] - li) : 0.f;
-        dsrow[c] = __float2bfloat16_rn(p * (dprow[c] - di));
+#pragma unroll 2
+      for (int c0 = 0; c0 < 32; c0 += 8) {
+        __nv_bfloat162 dsv[4];
+#pragma unroll
+        for (int c = c0; c < c0 + 8; c += 2) {
+          float ds[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int jj = jbase + c + e;
+            const bool vis = i < S && jj < S && visible(i, jj, W);
+            const float p = vis ? expf(scale * srow[c + e] - li) : 0.f;
+            ds[e] = p * (dprow[c + e] - di);
+          }
+          dsv[(c - c0) / 2] = __floats2bfloat162_rn(ds[0], ds[1]);
+        }
+        __syncwarp();  // the stores below land on dprow[c0 / 2, c0 / 2 + 4): loaded by now
+        store8(dsrow + c0, dsv);
       }
     }
     __syncwarp();
-    mma_ab_acc<HD>(dqf, dSs + wr0 * kLdP, Ks);  // dQ += dS K   (scale applied at the store)
+    mma_ab_acc<HD>(dqf, dSw, Ks);  // dQ += dS K   (scale applied at the store)
   }
   store_result<HD>(dq, Ss, dqf, scale, b, S, H, h, i0);
 }
