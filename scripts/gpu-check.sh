@@ -156,6 +156,8 @@ echo "largest relative error per op (vs the CPU kernels):"
 grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
   op = $5; for (i = 6; i <= NF && $i !~ /^[0-9.]+e[-+][0-9]+$/; ++i) if ($i !~ /=|[0-9]x[0-9]/) op = op " " $i;
   v = $i + 0; if (!(op in mx) || v > mx[op]) mx[op] = v } END { for (o in mx) printf "  %-26s %.2e\n", o, mx[o] }' | sort
+echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging):"
+grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
 echo "benchmark: exit $BENCH_RC"
 sed -n '/^| what/,$p' "$OUT/bench.log"
 [ "$BENCH_RC" = 0 ] || tail -n 5 "$OUT/bench.log"
