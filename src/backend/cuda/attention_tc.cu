@@ -5,10 +5,11 @@
 // cores, and no fragment's element-to-thread mapping is ever assumed: every accumulator tile that
 // needs per-row work (masking, online softmax, exp, dS) is stored to shared memory with
 // store_matrix_sync, worked on there by ordinary threads, converted to bf16 in shared memory and
-// loaded back as a matrix_a fragment (in the backward, over the warp's own rows of the fp32 tile it
-// was computed from: see Tiles). The forward's O accumulator, which needs a per-row rescale at
-// every key tile, lives in shared memory too (load as accumulator, mma, store back); the backward's
-// dK, dV, dQ accumulators are never rescaled and stay in fragments.
+// loaded back as a matrix_a fragment (over the warp's own rows of the fp32 tile it was computed
+// from: see Tiles). The accumulators (the forward's O, the backward's dK, dV, dQ) stay in
+// fragments across the key / query loop; the forward's O goes through the warp's slab of the score
+// tile only when one of the warp's rows needs its online-softmax rescale (store, scale each row,
+// load back: exact) and for the epilogue.
 //
 // Work layout: blocks of 128 threads (4 warps) own a tile of 64 rows (query rows in the forward
 // and the dQ kernel, key rows in the dK/dV kernel); warp w owns rows [16w, 16w + 16) of the tile and
@@ -56,8 +57,7 @@ namespace wmma = nvcuda::wmma;
 constexpr int kThreads = 128;  // 4 warps per block, every kernel here
 constexpr int kRows = 64;      // rows per tile: query tiles and key tiles alike
 constexpr int kLdS = kRows + 4;  // fp32 [64][64] score tiles (ldm multiple of 4 floats)
-constexpr int kLdP = kRows + 8;  // the forward's bf16 [64][64] P tile (ldm multiple of 8 halves)
-// The backward's bf16 P^T, dS^T (dK/dV) and dS (dQ) rows, each over the fp32 row of the score tile it
+// The bf16 P (forward), P^T, dS^T (dK/dV) and dS (dQ) rows, each over the fp32 row of the score tile it
 // is computed from (Tiles): ld kLdB halves (= kLdS floats, 272 bytes), columns [0, 32) at halves
 // [0, 32) of the row and columns [32, 64) at halves [64, 96), i.e. 16-column block kk at half
 // kk * 16 + (kk / 2) * kGapB. So the lane doing a half row (columns [32 half, +32): fp32 bytes
@@ -76,32 +76,33 @@ using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 // 16x16 sub-tile a WMMA call addresses starts on a 32-byte boundary (rows are multiples of 16 apart,
 // columns multiples of 16 elements), as load/store_matrix_sync require.
 //
-// The backward kernels have no bf16 P / dS tiles of their own: each bf16 row of P^T, dS^T (dK/dV)
-// or dS (dQ) lies inside the fp32 row of S^T, dP^T or dP it is computed from (kLdB), and a lane
-// writes the bf16 values of its half row over fp32 values of that half row, after reading them
-// (a __syncwarp orders each 8-column group's loads before its stores). The rows are warp w's own
-// (rows [16w, 16w + 16): only warp w touches them between two block barriers), and each 16x16
-// block starts on a 32-byte boundary (kSlab, kGapB). That saves 2 * kP (dK/dV) and kP (dQ) bytes per
-// block, so that two dK/dV blocks fit on an sm_90 SM at head_dim 128 and three of every kernel at
-// head_dim 64 (blocks_per_sm below), with the same tiles, MMAs and results as separate bf16 tiles.
+// No kernel has bf16 P / dS tiles of its own: each bf16 row of P (forward), P^T, dS^T (dK/dV) or dS
+// (dQ) lies inside the fp32 row of S, S^T, dP^T or dP it is computed from (kLdB), and a lane writes
+// the bf16 values of its half row over fp32 values of that half row, after reading them (a
+// __syncwarp orders the loads before the stores). The rows are warp w's own (rows [16w, 16w + 16):
+// only warp w touches them between two block barriers), and each 16x16 block starts on a 32-byte
+// boundary (kSlab, kGapB). The forward has no fp32 O tile either: O stays in fragments, staged
+// through the warp's slab (16 x kLdS floats: 64 columns at a time) for a rescale and the epilogue,
+// when the slab's S has been read into registers and before P is written over it. So the forward
+// needs Q K V and S only, the dK/dV kernel no P^T, dS^T tiles and the dQ kernel no dS tile, with
+// the same MMAs and results as separate tiles: blocks_per_sm below.
 template <int HD>
 struct Tiles {
   static constexpr int kLdH = HD + 8;  // bf16 [64][HD] tiles (q, k, v, dO)
-  static constexpr int kLdO = HD + 4;  // fp32 [64][HD] tiles (O accumulator, output staging)
+  static constexpr int kLdO = HD + 4;  // fp32 [64][HD] output staging of the backward
   static constexpr size_t kH = size_t(kRows) * kLdH * sizeof(bf16);
   static constexpr size_t kS = size_t(kRows) * kLdS * sizeof(float);
-  static constexpr size_t kP = size_t(kRows) * kLdP * sizeof(bf16);
   static constexpr size_t kO = size_t(kRows) * kLdO * sizeof(float);
   static constexpr size_t kStats = 2 * kRows * sizeof(float);
-  // forward: Q K V | S | P | O | m l
-  static constexpr size_t kFwd = 3 * kH + kS + kP + kO + kStats;
+  // forward: Q K V | S (P in each warp's slab; O staged in it)
+  static constexpr size_t kFwd = 3 * kH + kS;
   // dK/dV: K V Q dO | S^T (P^T in each warp's slab) dP^T (dS^T in each warp's slab) | lse D ;
   // output staging [64][kLdO] fp32 reuses S^T dP^T
   static constexpr size_t kDkdv = 4 * kH + 2 * kS + kStats;
   // dQ: Q dO K V | S dP (dS in each warp's slab) | lse D ; output staging reuses S dP
   static constexpr size_t kDq = 4 * kH + 2 * kS + kStats;
   static constexpr size_t kSlab = size_t(16) * kLdS * sizeof(float);  // a warp's 16 rows of a score tile
-  static_assert(kH % 128 == 0 && kS % 128 == 0 && kP % 128 == 0 && kO % 128 == 0, "tile alignment");
+  static_assert(kH % 128 == 0 && kS % 128 == 0, "tile alignment");
   static_assert(kSlab % 32 == 0 && kLdB % 8 == 0 && kGapB % 16 == 0 && 4 * 16 + kGapB <= kLdB &&
                     kLdB * sizeof(bf16) == kLdS * sizeof(float) && (kRows / 2 + kGapB) * sizeof(bf16) == kRows / 2 * sizeof(float),
                 "bf16 rows over fp32 rows: 32-byte aligned blocks, each lane's bf16 half row over its own fp32 half row");
@@ -110,20 +111,23 @@ struct Tiles {
 };
 
 // Occupancy by shared memory (the kernels have 128 threads; registers allow 2 blocks per SM up to 255
-// and 3 up to 168 per thread): the blocks of `bytes` of dynamic shared memory an SM of `sm_kib` KiB
-// holds, with the 1 KiB per block the runtime reserves. sm_90 (H100/H200): 228 KiB per SM, 227 per
-// block; sm_80 (A100): 164 and 163.
+// per thread, 3 up to 168, 4 up to 128, 5 up to 96): the blocks of `bytes` of dynamic shared memory
+// an SM of `sm_kib` KiB holds, with the 1 KiB per block the runtime reserves. sm_90 (H100/H200):
+// 228 KiB per SM, 227 per block; sm_80 (A100): 164 and 163.
 constexpr int blocks_per_sm(size_t bytes, size_t sm_kib) { return int(sm_kib * 1024 / (bytes + 1024)); }
-// sm_90: hd 128 forward, dK/dV, dQ 2 blocks (8 warps) per SM; hd 64 3 blocks (12 warps).
+// sm_90: hd 128 dK/dV, dQ 2 blocks (8 warps) per SM, forward 3 (12 warps); hd 64 dK/dV, dQ 3 blocks,
+// forward 5 (20 warps).
 static_assert(blocks_per_sm(Tiles<128>::kDkdv, 228) >= 2 && blocks_per_sm(Tiles<128>::kDq, 228) >= 2 &&
-                  blocks_per_sm(Tiles<128>::kFwd, 228) >= 2,
-              "hd 128: two blocks of every kernel per sm_90 SM");
+                  blocks_per_sm(Tiles<128>::kFwd, 228) >= 3,
+              "hd 128: two backward blocks and three forward blocks per sm_90 SM");
 static_assert(blocks_per_sm(Tiles<64>::kDkdv, 228) >= 3 && blocks_per_sm(Tiles<64>::kDq, 228) >= 3 &&
-                  blocks_per_sm(Tiles<64>::kFwd, 228) >= 3,
-              "hd 64: three blocks of every kernel per sm_90 SM");
-// sm_80: hd 64 2 blocks per SM of every kernel; hd 128 one (fits the 163 KiB opt-in).
+                  blocks_per_sm(Tiles<64>::kFwd, 228) >= 5,
+              "hd 64: three backward blocks and five forward blocks per sm_90 SM");
+// sm_80: hd 64 2 blocks per SM of dK/dV and dQ, 3 of the forward; hd 128 one of dK/dV and dQ, 2 of the
+// forward (all fit the 163 KiB opt-in).
 static_assert(blocks_per_sm(Tiles<64>::kDkdv, 164) >= 2 && blocks_per_sm(Tiles<64>::kDq, 164) >= 2 &&
-                  blocks_per_sm(Tiles<64>::kFwd, 164) >= 2 && Tiles<128>::kMax <= 163 * 1024,
+                  blocks_per_sm(Tiles<64>::kFwd, 164) >= 3 && blocks_per_sm(Tiles<128>::kFwd, 164) >= 2 &&
+                  Tiles<128>::kMax <= 163 * 1024,
               "sm_80 occupancy");
 
 __device__ __forceinline__ int key_lo(int i, int window) { return window > 0 ? max(0, i - window + 1) : 0; }
@@ -260,20 +264,53 @@ __device__ void store_result(float* dst, float* stage, FragC (&acc)[HD / 16], fl
 // ---------------------------------------------------------------------------------------------
 // Forward. Grid (query tiles, H, B); the block owns query rows [i0, i0 + 64) of head h.
 
+// The warp's O accumulator fragments times its rows' `corr` (each lane's corr is its row's; both
+// lanes of a row hold the same bits), through the warp's 16-row slab of the fp32 score tile (ld kLdS)
+// in blocks of 64 columns: store, each lane scales its half row as the former shared accumulator
+// was scaled (`*= corr` where corr != 1), load back. The store and load of fp32 accumulators are
+// exact, so the fragments end up with the bits of the shared round trip. Warp-collective; the
+// caller has made the slab free (a __syncwarp after its last read of it); ends with a __syncwarp.
+template <int HD>
+__device__ __forceinline__ void rescale_acc(FragC (&acc)[HD / 16], float* slab, int r, int half, float corr) {
+#pragma unroll
+  for (int c0 = 0; c0 < HD; c0 += kRows) {
+#pragma unroll
+    for (int n = 0; n < kRows / 16; ++n)
+      wmma::store_matrix_sync(slab + n * 16, acc[c0 / 16 + n], kLdS, wmma::mem_row_major);
+    __syncwarp();
+    if (corr != 1.f) {
+      float4* row = reinterpret_cast<float4*>(slab + r * kLdS + half * 32);  // 16-byte aligned: kLdS % 4 == 0
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        float4 x = row[c];
+        x.x *= corr, x.y *= corr, x.z *= corr, x.w *= corr;
+        row[c] = x;
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < kRows / 16; ++n)
+      wmma::load_matrix_sync(acc[c0 / 16 + n], slab + n * 16, kLdS, wmma::mem_row_major);
+    __syncwarp();  // every lane has loaded: the slab may be written again
+  }
+}
+
+// The forward's blocks per SM (sm_90: shared memory allows 5 at hd 64, 3 at hd 128: blocks_per_sm),
+// as __launch_bounds__ gives it to ptxas: registers capped at 96 (hd 64) and 168 (hd 128) per thread,
+// met without spills on sm_90 and sm_80 (scripts/ptxas-regs.sh).
+template <int HD>
+constexpr int kFwdBlocks = HD == 64 ? 5 : 3;
+
 template <int HD, class E>
-__global__ void __launch_bounds__(kThreads) tc_fwd_kernel(E* o, float* lse, const E* q, const E* k, const E* v,
-                                                          AttnShape sh, bool vec) {
+__global__ void __launch_bounds__(kThreads, kFwdBlocks<HD>)
+    tc_fwd_kernel(E* o, float* lse, const E* q, const E* k, const E* v, AttnShape sh, bool vec) {
   using T = Tiles<HD>;
-  constexpr int kLdH = T::kLdH, kLdO = T::kLdO;
+  constexpr int kLdH = T::kLdH;
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* Qs = reinterpret_cast<bf16*>(smem);
   bf16* Ks = reinterpret_cast<bf16*>(smem + T::kH);
   bf16* Vs = reinterpret_cast<bf16*>(smem + 2 * T::kH);
   float* Ss = reinterpret_cast<float*>(smem + 3 * T::kH);
-  bf16* Ps = reinterpret_cast<bf16*>(smem + 3 * T::kH + T::kS);
-  float* Oa = reinterpret_cast<float*>(smem + 3 * T::kH + T::kS + T::kP);
-  float* Ms = reinterpret_cast<float*>(smem + 3 * T::kH + T::kS + T::kP + T::kO);
-  float* Ls = Ms + kRows;
 
   const int S = sh.S, H = sh.H, KV = sh.KV, W = sh.window;
   const int b = blockIdx.z, h = blockIdx.y, g = h / (H / KV);
@@ -283,13 +320,16 @@ __global__ void __launch_bounds__(kThreads) tc_fwd_kernel(E* o, float* lse, cons
   const int r = lane >> 1, half = lane & 1;  // elementwise work: row wr0 + r, columns [32 half, +32)
   const int i = i0 + wr0 + r;                // this lane's query row
   const float scale = float(sh.scale);
+  // The warp's 16 rows of S (fp32, ld kLdS), over them its bf16 rows of P (ld kLdB; Tiles), and
+  // the staging of its O rows for a rescale and for the epilogue.
+  float* Sw = Ss + wr0 * kLdS;
+  bf16* Pw = reinterpret_cast<bf16*>(Sw);
 
   load_tile<HD>(Qs, q, b, S, H, h, i0, vec);
-  for (int idx = threadIdx.x; idx < kRows * kLdO; idx += kThreads) Oa[idx] = 0.f;
   __syncthreads();
-  FragA qf[HD / 16];
+  FragC of[HD / 16];  // the warp's 16 x HD O accumulator
 #pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk) wmma::load_matrix_sync(qf[kk], Qs + wr0 * kLdH + kk * 16, kLdH);
+  for (int n = 0; n < HD / 16; ++n) wmma::fill_fragment(of[n], 0.f);
 
   float m = -INFINITY, l = 0.f;  // this row's running max and denominator (same bits in both lanes)
   const int w_first = i0 + wr0, w_last = min(S - 1, w_first + 15);
@@ -302,24 +342,13 @@ __global__ void __launch_bounds__(kThreads) tc_fwd_kernel(E* o, float* lse, cons
     // Does any of the warp's rows see any key of this tile? (Warp-uniform; no block barrier below.)
     if (!(w_first < S && k0 <= w_last && k0 + kRows - 1 >= key_lo(w_first, W))) continue;
 
-    // S = Q K^T for the warp's 16 rows (unscaled, fp32).
-#pragma unroll
-    for (int n = 0; n < kRows / 16; ++n) {
-      FragC acc;
-      wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk) {
-        FragBCol fb;
-        wmma::load_matrix_sync(fb, Ks + n * 16 * kLdH + kk * 16, kLdH);
-        wmma::mma_sync(acc, qf[kk], fb, acc);
-      }
-      wmma::store_matrix_sync(Ss + wr0 * kLdS + n * 16, acc, kLdS, wmma::mem_row_major);
-    }
+    // S = Q K^T for the warp's 16 rows (unscaled, fp32). Q's fragments are loaded from Qs at every
+    // tile: held across the loop next to O's, they would take ptxas past the register cap.
+    mma_abt<HD>(Sw, Qs + wr0 * kLdH, Ks);
     __syncwarp();
 
-    // Online softmax on the lane's half row.
-    const float* srow = Ss + (wr0 + r) * kLdS + half * 32;
-    bf16* prow = Ps + (wr0 + r) * kLdP + half * 32;
+    // Online softmax on the lane's half row: S into registers, then (slab free) the O rescale, then P.
+    const float* srow = Sw + r * kLdS + half * 32;
     const int jbase = k0 + half * 32;
     float sv[32];
     float mt = -INFINITY;
@@ -331,59 +360,75 @@ __global__ void __launch_bounds__(kThreads) tc_fwd_kernel(E* o, float* lse, cons
     }
     mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
     const float mnew = fmaxf(m, mt);
-    float corr = 1.f, sum = 0.f;
-    if (mnew == -INFINITY) {  // nothing visible to this row yet: P row = 0, state unchanged
+    // corr = 1: nothing visible to this row yet (P row = 0, state unchanged). corr = 0 while m is
+    // -inf: the O row is still all zeros then (every earlier P row was exactly 0), and so is l.
+    const float corr = mnew == -INFINITY ? 1.f : m == -INFINITY ? 0.f : expf(m - mnew);
+    // P (bf16, packed) and its row sum, in registers: sv is dead before the O fragments are staged.
+    __nv_bfloat162 pv[16];
+    float sum = 0.f;
+    if (mnew == -INFINITY) {
 #pragma unroll
-      for (int c = 0; c < 32; ++c) prow[c] = __float2bfloat16_rn(0.f);
+      for (int c = 0; c < 16; ++c) pv[c] = __floats2bfloat162_rn(0.f, 0.f);
     } else {
-      corr = m == -INFINITY ? 0.f : expf(m - mnew);  // acc and l are 0 while m is -inf
 #pragma unroll
-      for (int c = 0; c < 32; ++c) {
-        const float p = expf(sv[c] - mnew);  // masked: exp(-inf - finite) = 0
-        sum += p;
-        prow[c] = __float2bfloat16_rn(p);
+      for (int c = 0; c < 32; c += 2) {
+        const float p0 = expf(sv[c] - mnew);  // masked: exp(-inf - finite) = 0
+        sum += p0;
+        const float p1 = expf(sv[c + 1] - mnew);
+        sum += p1;
+        pv[c / 2] = __floats2bfloat162_rn(p0, p1);
       }
+    }
+    // The O row needs its rescale iff corr != 1 and m is finite: with m = -inf it is all zeros (+0
+    // or -0 products of P = 0 and the finite V) and 0 * corr leaves those bits as they are.
+    const int need = corr != 1.f && m != -INFINITY;
+    __syncwarp();  // every lane has read its S half row: the slab is free
+    if (warp_sum(need)) rescale_acc<HD>(of, Sw, r, half, corr);
+    // P over the lane's own S half row (ld kLdB; Tiles).
+    bf16* prow = Pw + r * kLdB + half * (32 + kGapB);
+#pragma unroll
+    for (int c0 = 0; c0 < 16; c0 += 4) {  // 16-byte stores (prow + 2 c0 is 16-byte aligned)
+      reinterpret_cast<Bf16x4*>(prow + 2 * c0)[0] = Bf16x4{pv[c0], pv[c0 + 1]};
+      reinterpret_cast<Bf16x4*>(prow + 2 * c0)[1] = Bf16x4{pv[c0 + 2], pv[c0 + 3]};
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // a + b in one lane, b + a in the other: same bits
     l = l * corr + sum;
     m = mnew;
-    if (corr != 1.f) {
-      float* orow = Oa + (wr0 + r) * kLdO + half * (HD / 2);
-#pragma unroll 8
-      for (int c = 0; c < HD / 2; ++c) orow[c] *= corr;
-    }
     __syncwarp();
 
-    // O += P V (accumulator round trip through shared memory).
+    // O += P V: mma_ab_acc's MMAs in its order, with the kk loop rolled (unrolled, ptxas spills at the
+    // 96-register cap of hd 64; Q's fragments are not held across the loop either, for the same reason).
+#pragma unroll 1
+    for (int kk = 0; kk < kRows / 16; ++kk) {
+      FragA fa;
+      wmma::load_matrix_sync(fa, Pw + kk * 16 + (kk / 2) * kGapB, kLdB);
 #pragma unroll
-    for (int n = 0; n < HD / 16; ++n) {
-      FragC acc;
-      wmma::load_matrix_sync(acc, Oa + wr0 * kLdO + n * 16, kLdO, wmma::mem_row_major);
-#pragma unroll
-      for (int kk = 0; kk < kRows / 16; ++kk) {
-        FragA fa;
+      for (int n = 0; n < HD / 16; ++n) {
         FragBRow fb;
-        wmma::load_matrix_sync(fa, Ps + wr0 * kLdP + kk * 16, kLdP);
         wmma::load_matrix_sync(fb, Vs + kk * 16 * kLdH + n * 16, kLdH);
-        wmma::mma_sync(acc, fa, fb, acc);
+        wmma::mma_sync(of[n], fa, fb, of[n]);
       }
-      wmma::store_matrix_sync(Oa + wr0 * kLdO + n * 16, acc, kLdO, wmma::mem_row_major);
+    }
+  }
+
+  // Epilogue: o = O / l through the slab, 64 columns at a time; lse = m + log(l).
+  const float inv = 1.f / l;  // rows past S: l = 0, inf, never stored
+  __syncwarp();               // every lane's P loads from the slab are done
+#pragma unroll
+  for (int c0 = 0; c0 < HD; c0 += kRows) {
+#pragma unroll
+    for (int n = 0; n < kRows / 16; ++n)
+      wmma::store_matrix_sync(Sw + n * 16, of[c0 / 16 + n], kLdS, wmma::mem_row_major);
+    __syncwarp();
+#pragma unroll 4
+    for (int t = 0; t < 32; ++t) {  // row t / 2, columns 32 (t % 2) + lane
+      const int rr = t >> 1, c = (t & 1) * 32 + lane, ii = i0 + wr0 + rr;
+      const float ir = __shfl_sync(0xffffffffu, inv, 2 * rr);
+      if (ii < S) store_rn(o[((size_t(b) * S + ii) * H + h) * HD + c0 + c], Sw[rr * kLdS + c] * ir);
     }
     __syncwarp();
   }
-  if (half == 0) {
-    Ms[wr0 + r] = m;
-    Ls[wr0 + r] = l;
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < kRows * HD; idx += kThreads) {
-    const int rr = idx / HD, c = idx % HD, ii = i0 + rr;
-    if (ii < S) store_rn(o[((size_t(b) * S + ii) * H + h) * HD + c], Oa[rr * kLdO + c] * (1.f / Ls[rr]));
-  }
-  if (threadIdx.x < kRows) {
-    const int ii = i0 + threadIdx.x;
-    if (ii < S) lse[(size_t(b) * H + h) * S + ii] = Ms[threadIdx.x] + logf(Ls[threadIdx.x]);
-  }
+  if (half == 0 && i < S) lse[(size_t(b) * H + h) * S + i] = m + logf(l);
 }
 
 // ---------------------------------------------------------------------------------------------

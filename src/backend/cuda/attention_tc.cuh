@@ -23,7 +23,7 @@
 namespace ladder::cuda::k {
 
 // head_dim 64 or 128, KV > 0, H % KV == 0, and the current device is sm_80+ with enough opt-in
-// shared memory per block (up to 110.5 KiB at head_dim 128: A100, H100, H200 yes; sm_86/89 no).
+// shared memory per block (up to 102.5 KiB at head_dim 128: A100, H100, H200 yes; sm_86/89 no).
 bool attention_tc_supported(const cpu::AttnShape& s);
 
 cudaError_t attention_tc_forward(float* o, float* lse, const float* q, const float* k, const float* v,
