@@ -76,6 +76,7 @@ extern "C" void emu_fiber_switch(void** save_sp, void* next_sp);
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#define LADDER_CUDA_EMULATION 1  // src/backend/cuda/mma_ptx.cuh: emu:: stand-ins instead of inline PTX
 #define __global__
 #define __device__
 #define __host__
@@ -527,14 +528,18 @@ struct AsyncCopies {
   std::vector<AsyncCopy> open;                    // issued since the last __pipeline_commit
 };
 
+constexpr size_t kWarpAllBytes = 32;  // the largest value a lane publishes to warp_all (mma: 6 words)
+
 struct Block {
-  explicit Block(unsigned threads) : all(int(threads)), xchg(2 * size_t(threads)), async(threads) {
+  explicit Block(unsigned threads)
+      : all(int(threads)), xchg(2 * size_t(threads)), async(threads), wide(2 * size_t(threads) * kWarpAllBytes) {
     for (unsigned w = 0; w < threads / 32; ++w) warp.push_back(std::make_unique<Barrier>(32));
   }
   Barrier all;
   std::vector<std::unique_ptr<Barrier>> warp;
   std::vector<uint64_t> xchg;  // [2 buffers][threads]: shuffle slots (8 bytes each)
   std::vector<AsyncCopies> async;  // per thread: its cp.async copies not yet waited for
+  std::vector<unsigned char> wide;  // [2 buffers][threads][kWarpAllBytes]: warp_all's slots (mma, ldmatrix)
   // Static __shared__ arrays, one heap block each, keyed by their declaration's address.
   std::mutex shared_m;
   std::vector<std::pair<const void*, void*>> shared;
@@ -683,6 +688,79 @@ template <class T>
 T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
   return emu::shfl(mask, v, [&](unsigned l) { return l - l % unsigned(width) + unsigned(src_lane) % unsigned(width); });
 }
+
+// ---- mma.sync / ldmatrix (src/backend/cuda/mma_ptx.cuh) ------------------------------------------
+// The PTX warp-level matrix instructions, by the fragment layouts of the PTX ISA ("Matrix Fragments
+// for mma.m16n8k16 with floating point type", "ldmatrix"). Lane l: group g = l / 4, thread in group
+// t = l % 4. A (16 x 16 bf16, row): a[0] = (g, 2t..2t+1), a[1] = (g+8, 2t..), a[2] = (g, 2t+8..),
+// a[3] = (g+8, 2t+8..); B (16 x 8 bf16, col): b[0] = (k 2t..2t+1, n g), b[1] = (k 2t+8.., n g);
+// C, D (16 x 8 fp32): c[0..1] = (g, 2t..2t+1), c[2..3] = (g+8, 2t..). Two bf16 in a 32-bit word:
+// the lower column (k) in the low half. ldmatrix .x4: lanes 8j..8j+7 give the row addresses
+// (16-byte aligned, shared memory) of 8x8 matrix j, and register j gets (row g, columns 2t, 2t+1)
+// of matrix j, or with .trans (rows 2t, 2t+1, column g). The products are summed in fp32 in k order
+// onto c (the device's adder order is unknown; tests bound it, never compare bits with the device).
+namespace emu {
+// Every lane of the warp publishes v; all get the 32 values (a warp barrier, like a shuffle, and the
+// same two alternating buffers: see shfl).
+template <class T>
+void warp_all(const T& v, T (&all)[32]) {
+  static_assert(sizeof(T) <= kWarpAllBytes && std::is_trivially_copyable_v<T>, "warp_all value too large");
+  const unsigned lane = t_tid % 32, base = t_tid - lane;
+  unsigned char* buf = g_block->wide.data() + size_t(t_shfl_parity) * g_block->wide.size() / 2;
+  t_shfl_parity ^= 1u;
+  std::memcpy(buf + size_t(base + lane) * kWarpAllBytes, &v, sizeof(T));
+  g_block->warp[t_tid / 32]->wait("warp-collective mma / ldmatrix");
+  for (unsigned l = 0; l < 32; ++l) std::memcpy(&all[l], buf + size_t(base + l) * kWarpAllBytes, sizeof(T));
+}
+inline float bf16_lo(uint32_t w) { return __bfloat162float(__nv_bfloat16{uint16_t(w & 0xFFFFu)}); }
+inline float bf16_hi(uint32_t w) { return __bfloat162float(__nv_bfloat16{uint16_t(w >> 16)}); }
+
+inline void ptx_mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  struct Frag {
+    uint32_t a[4], b[2];
+  } mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}}, all[32];
+  warp_all(mine, all);
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    const Frag& f = all[l];
+    const int ar[4] = {g, g + 8, g, g + 8}, ac[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+    for (int i = 0; i < 4; ++i) {
+      A[ar[i]][ac[i]] = bf16_lo(f.a[i]);
+      A[ar[i]][ac[i] + 1] = bf16_hi(f.a[i]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      B[2 * t + 8 * i][g] = bf16_lo(f.b[i]);
+      B[2 * t + 8 * i + 1][g] = bf16_hi(f.b[i]);
+    }
+  }
+  const int g = int(t_tid % 32) / 4, t = int(t_tid % 32) % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = i < 2 ? g : g + 8, col = 2 * t + (i & 1);
+    float acc = d[i];
+    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    d[i] = acc;
+  }
+}
+
+// ldmatrix .x1/.x2/.x4 (`n` matrices), `trans`: the lanes' row addresses as described above.
+inline void ptx_ldmatrix(uint32_t* r, int n, bool trans, const void* row) {
+  EMU_ASSERT(reinterpret_cast<uintptr_t>(row) % 16 == 0, "ldmatrix row address 16-byte aligned");
+  const auto* p = static_cast<const unsigned char*>(row);
+  EMU_ASSERT(g_smem && p >= g_smem && p + 16 <= g_smem + g_smem_bytes,
+             "ldmatrix row inside the block's dynamic shared memory");
+  const void* all[32];
+  warp_all(row, all);
+  const int lane = int(t_tid % 32), g = lane / 4, t = lane % 4;
+  auto at = [&](int j, int rr, int c) {  // element (rr, c) of matrix j
+    uint16_t v;
+    std::memcpy(&v, static_cast<const unsigned char*>(all[8 * j + rr]) + 2 * c, 2);
+    return uint32_t(v);
+  };
+  for (int j = 0; j < n; ++j)
+    r[j] = trans ? at(j, 2 * t, g) | (at(j, 2 * t + 1, g) << 16) : at(j, g, 2 * t) | (at(j, g, 2 * t + 1) << 16);
+}
+}  // namespace emu
 
 // ---- launches ----------------------------------------------------------------------------------
 namespace emu {

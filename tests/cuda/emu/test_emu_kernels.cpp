@@ -11,6 +11,8 @@
 #include "backend/cpu/optim_kernels.h"
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/switch_optim_ops.cuh"
+#include "../mma_selftest_case.h"
+#include "backend/cuda/mma_selftest.cuh"
 #include "emu_fixture.h"
 
 namespace ladder {
@@ -105,6 +107,19 @@ TEST(CudaEmuChecks, AsyncCopiesLandWhenWaitedFor) {
   for (int t = 0; t + 1 < n; ++t) EXPECT_TRUE(std::isnan(nb[4 * t])) << t;
 #endif
   EXPECT_DEATH(run(AsyncMode::NeverWait), "cp.async copies outstanding");
+}
+
+// mma_ptx.cuh's emulated mma.sync / ldmatrix follow the layouts the device test (CudaMmaPtx) checks
+// on a GPU: the same kernel and comparison (tests/cuda/mma_selftest_case.h).
+TEST(CudaEmuChecks, MmaPtxFragmentLayoutsMatchACpuProduct) {
+  std::mt19937_64 rng(std::random_device{}());
+  mma_case::check_all(rng, [&](const mma_case::Operands& o, int mode, std::vector<float>& d) {
+    ASSERT_EQ(k::mma_ptx_selftest(d.data(), o.a.data(), o.at.data(), o.bnk.data(), o.bkn.data(), mode, nullptr),
+              cudaSuccess);
+  });
+  // ldmatrix's row addresses must be 16-byte aligned, as on the device.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(::emu::ptx_ldmatrix(nullptr, 4, false, reinterpret_cast<const void*>(uintptr_t(8))), "16-byte aligned");
 }
 
 // ---------------------------------------------------------------------------------------------
