@@ -41,9 +41,12 @@
 #include <mma.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <cstdint>
 
 #include "backend/cuda/attention_tc.cuh"
+#include "backend/cuda/attention_mma.cuh"
 #include "backend/cuda/device_common.cuh"
 
 namespace ladder::cuda::k {
@@ -685,10 +688,23 @@ cudaError_t bwd(float* dq, float* dk, float* dv, const float* dout, const E* q, 
   return cudaGetLastError();
 }
 
+AttnTcKernels& kernels() {
+  static AttnTcKernels k = [] {
+    const char* e = std::getenv("LADDER_ATTN_MMA");
+    const std::string v = e ? e : "";
+    AttnTcKernels r;
+    r.mma_fwd = v == "1" || v == "all" || v == "fwd";
+    r.mma_bwd = v == "1" || v == "all" || v == "bwd";
+    return r;
+  }();
+  return k;
+}
+
 template <class E>
 cudaError_t forward(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
   if (!shape_ok(s)) return cudaErrorInvalidValue;
+  if (kernels().mma_fwd) return attention_mma_forward(o, lse, q, k, v, s, st);
   return s.hd == 64 ? fwd<64>(o, lse, q, k, v, s, st) : fwd<128>(o, lse, q, k, v, s, st);
 }
 
@@ -700,11 +716,15 @@ cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E
   const size_t rows = size_t(s.B) * s.S * s.H;
   const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
   tc_bwd_dot_kernel<E><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
+  if (kernels().mma_bwd) return attention_mma_backward(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
   return s.hd == 64 ? bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st)
                     : bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
 }
 
 }  // namespace
+
+AttnTcKernels attention_tc_kernels() { return kernels(); }
+void attention_tc_set_kernels(AttnTcKernels k) { kernels() = k; }
 
 bool attention_tc_supported(const AttnShape& s) {
   if (!shape_ok(s)) return false;

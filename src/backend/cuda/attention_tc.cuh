@@ -26,6 +26,17 @@ namespace ladder::cuda::k {
 // shared memory per block (up to 102.5 KiB at head_dim 128: A100, H100, H200 yes; sm_86/89 no).
 bool attention_tc_supported(const cpu::AttnShape& s);
 
+// Which kernels the launchers below run: the WMMA kernels of attention_tc.cu (the default), or the
+// register-resident mma.sync kernels (attention_mma.cuh; experimental until CudaAttentionTc has
+// passed with them on a GPU: scripts/gpu-check.sh), for the forward and the backward separately.
+// The starting value comes from the environment: LADDER_ATTN_MMA unset or 0 = neither, fwd, bwd,
+// 1 or all = both. Not thread-safe: set it before launching.
+struct AttnTcKernels {
+  bool mma_fwd = false, mma_bwd = false;
+};
+AttnTcKernels attention_tc_kernels();
+void attention_tc_set_kernels(AttnTcKernels k);
+
 cudaError_t attention_tc_forward(float* o, float* lse, const float* q, const float* k, const float* v,
                                  const cpu::AttnShape& s, cudaStream_t st);
 

@@ -385,12 +385,15 @@ void tc_case(CudaEmu& t, std::mt19937_64& rng, cpu::AttnShape s, float qk, size_
   (void)t;
 }
 
-TEST_F(CudaEmu, AttentionTcAgainstCpu) {
-  struct Case {
-    cpu::AttnShape s;
-    float qk;
-    size_t off;
-  };
+struct TcCase {
+  cpu::AttnShape s;
+  float qk;
+  size_t off;
+};
+
+// The shapes of the tensor-core attention tests (both kernel families).
+std::vector<TcCase> tc_cases() {
+  using Case = TcCase;
   std::vector<Case> cases;
   if (full()) {  // test_cuda_attention_tc.cpp's shapes (run.sh tc)
     for (int hd : {64, 128})
@@ -411,16 +414,47 @@ TEST_F(CudaEmu, AttentionTcAgainstCpu) {
              {{2, 1, 2, 2, 64, 0, 0}, 2.f, 0},    {{1, 100, 4, 2, 64, 0, 0}, 6.f, 3}};
     if (quick()) cases.resize(4);
   }
-  for (const auto& c : cases) {
-    const std::string what = fmt("attn_tc B=%d S=%d H=%d KV=%d hd=%d W=%d qk=%g%s", c.s.B, c.s.S, c.s.H, c.s.KV,
+  return cases;
+}
+
+void run_tc_cases(CudaEmu& t, std::mt19937_64& rng, const char* name) {
+  for (const auto& c : tc_cases()) {
+    const std::string what = CudaEmu::fmt("%s B=%d S=%d H=%d KV=%d hd=%d W=%d qk=%g%s", name, c.s.B, c.s.S, c.s.H, c.s.KV,
                                  c.s.hd, c.s.window, c.qk, c.off ? " unaligned" : "");
-    tc_case(*this, rng_, c.s, c.qk, c.off, what);
+    tc_case(t, rng, c.s, c.qk, c.off, what);
   }
+}
+
+// Selects the attention_tc launchers' kernels for one test, and restores the previous choice.
+struct TcKernels {
+  explicit TcKernels(k::AttnTcKernels want) : saved(k::attention_tc_kernels()) { k::attention_tc_set_kernels(want); }
+  ~TcKernels() { k::attention_tc_set_kernels(saved); }
+  k::AttnTcKernels saved;
+};
+
+TEST_F(CudaEmu, AttentionTcAgainstCpu) {
+  const TcKernels wmma(k::AttnTcKernels{false, false});
+  run_tc_cases(*this, rng_, "attn_tc");
   // Other head dims: not supported, and refused without a launch.
   const cpu::AttnShape bad{1, 4, 2, 2, 96, 0, 0.1};
   EXPECT_FALSE(k::attention_tc_supported(bad));
   EXPECT_EQ(k::attention_tc_forward(nullptr, nullptr, nullptr, nullptr, nullptr, bad, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// The register-resident (mma.sync) kernels on the same shapes and bounds: the forward with the WMMA
+// backward, the backward with the WMMA forward, and both.
+TEST_F(CudaEmu, AttentionMmaForwardAgainstCpu) {
+  const TcKernels mma(k::AttnTcKernels{true, false});
+  run_tc_cases(*this, rng_, "attn_mma fwd");
+}
+TEST_F(CudaEmu, AttentionMmaBackwardAgainstCpu) {
+  const TcKernels mma(k::AttnTcKernels{false, true});
+  run_tc_cases(*this, rng_, "attn_mma bwd");
+}
+TEST_F(CudaEmu, AttentionMmaAgainstCpu) {
+  const TcKernels mma(k::AttnTcKernels{true, true});
+  run_tc_cases(*this, rng_, "attn_mma");
 }
 
 }  // namespace
