@@ -46,6 +46,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_tc.cuh"
+#include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/attention_mma.cuh"
 #include "backend/cuda/device_common.cuh"
 
@@ -58,7 +59,7 @@ using bf16 = __nv_bfloat16;
 namespace wmma = nvcuda::wmma;
 
 constexpr int kThreads = 128;  // 4 warps per block, every kernel here
-constexpr int kRows = 64;      // rows per tile: query tiles and key tiles alike
+using attn::kRows;  // rows per tile: query tiles and key tiles alike
 constexpr int kLdS = kRows + 4;  // fp32 [64][64] score tiles (ldm multiple of 4 floats)
 // The bf16 P (forward), P^T, dS^T (dK/dV) and dS (dQ) rows, each over the fp32 row of the score tile it
 // is computed from (Tiles): ld kLdB halves (= kLdS floats, 272 bytes), columns [0, 32) at halves
@@ -133,73 +134,15 @@ static_assert(blocks_per_sm(Tiles<64>::kDkdv, 164) >= 2 && blocks_per_sm(Tiles<6
                   Tiles<128>::kMax <= 163 * 1024,
               "sm_80 occupancy");
 
-__device__ __forceinline__ int key_lo(int i, int window) { return window > 0 ? max(0, i - window + 1) : 0; }
-__device__ __forceinline__ bool visible(int i, int j, int window) {
-  return j <= i && (window <= 0 || i - j < window);
-}
-
-// Four consecutive elements p[0..3] of a row into the bf16 tile at d (8-byte aligned). fp32 is
-// rounded to nearest even (vec: p is 16-byte aligned, one float4 load); bf16 is copied as it is
-// (vec: p is 8-byte aligned, one 8-byte load).
-__device__ __forceinline__ void stage4(bf16* d, const float* p, bool vec) {
-  float4 f;
-  if (vec) f = *reinterpret_cast<const float4*>(p);
-  else f = make_float4(p[0], p[1], p[2], p[3]);
-  *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(f.x, f.y);
-  *reinterpret_cast<__nv_bfloat162*>(d + 2) = __floats2bfloat162_rn(f.z, f.w);
-}
-__device__ __forceinline__ void stage4(bf16* d, const bf16* p, bool vec) {
-  Bf16x4 u;
-  if (vec) {
-    u = *reinterpret_cast<const Bf16x4*>(p);
-  } else {
-    u.lo.x = p[0], u.lo.y = p[1];
-    u.hi.x = p[2], u.hi.y = p[3];
-  }
-  *reinterpret_cast<Bf16x4*>(d) = u;
-}
-
-// Rows [0, 64) of a row-major fp32 or bf16 matrix whose row 0 is at `src` and rows `ld` elements
-// apart into a bf16 [64][kLdH] shared tile (stage4); rows at or past `n` are zeros. `vec`: the tensor's
-// base is aligned for 4-element loads (vec_ok), so (HD and ld being multiples of 4) every
-// 4-element group is too. Thread t loads column group t % (HD / 4) of rows t / (HD / 4) + k * kStep,
-// the mapping of the former flat idx loop, walking one pointer down the rows: with unroll 4, ptxas
-// issues four row loads at a time and the HD = 128 dK/dV kernel, which holds 16 accumulator
-// fragments across its loop, fits in 168 (fp32 E) / 178 (bf16 E) registers on sm_90 instead of 255
-// plus a 40-byte spill.
-template <int HD, class E>
-__device__ void load_rows(bf16* dst, const E* src, size_t ld, int n, bool vec) {
-  constexpr int kLd = Tiles<HD>::kLdH, C4 = HD / 4, kStep = kThreads / C4;
-  static_assert(kThreads % C4 == 0, "a thread's column group is the same on every row it loads");
-  const int c = (threadIdx.x % C4) * 4;
-  int r = threadIdx.x / C4;
-  bf16* d = dst + r * kLd + c;  // 8-byte aligned: c % 4 == 0 and kLd * 2 % 16 == 0
-  const E* p = src + r * ld + c;
-#pragma unroll 4
-  for (; r < kRows; r += kStep, d += kStep * kLd, p += kStep * ld) {
-    if (r < n) {
-      stage4(d, p, vec);
-    } else {
-      *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(0.f, 0.f);
-      *reinterpret_cast<__nv_bfloat162*>(d + 2) = __floats2bfloat162_rn(0.f, 0.f);
-    }
-  }
-}
-
-// Rows [r0, r0 + 64) (r0 < S) of head `head` of a [B*S, nh*HD] tensor (batch b; fp32 or bf16) into a
-// bf16 [64][kLdH] shared tile; rows at or past S are zeros.
+// Rows [r0, r0 + 64) of a head into a bf16 [64][kLdH] tile (attention_common.cuh) with this file's
+// tile pitch and block size.
 template <int HD, class E>
 __device__ void load_tile(bf16* dst, const E* src, int b, int S, int nh, int head, int r0, bool vec) {
-  load_rows<HD>(dst, src + ((size_t(b) * S + r0) * nh + head) * HD, size_t(nh) * HD, S - r0, vec);
+  attn::load_tile<HD, Tiles<HD>::kLdH, kThreads>(dst, src, b, S, nh, head, r0, vec);
 }
-
-// Per-row fp32 values [B, H, S] (lse, D) of rows [r0, r0 + 64) into shared memory (0 past S).
-__device__ void load_row_stats(float* dst, const float* src, int b, int H, int h, int S, int r0) {
-  if (threadIdx.x < kRows) {
-    const int i = r0 + threadIdx.x;
-    dst[threadIdx.x] = i < S ? src[(size_t(b) * H + h) * S + i] : 0.f;
-  }
-}
+using attn::key_lo;
+using attn::load_row_stats;
+using attn::visible;
 
 // C[16 x 64] (fp32, row-major, ld kLdS) = A[16 x HD] * B^T where A's rows are `a` (row-major bf16,
 // ld kLdH) and B's 64 rows are `bt` (row-major bf16 [64][kLdH], read as a col-major HD x 64 matrix).
@@ -652,8 +595,7 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dq_kernel(float* dq, const fl
 bool shape_ok(const AttnShape& s) { return (s.hd == 64 || s.hd == 128) && s.KV > 0 && s.H % s.KV == 0; }
 
 // Whether a tensor's base allows stage4's 4-element vector loads: 16 bytes for fp32, 8 for bf16.
-bool vec_ok(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-bool vec_ok(const bf16* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
+using attn::vec_ok;
 
 template <class Kernel>
 cudaError_t allow_smem(Kernel kernel, size_t bytes) {
