@@ -79,38 +79,55 @@ grep -E "^\[  (FAILED|PASSED)  \]" "$OUT/tests.log" | sort -u | head -n 20
 echo "skipped: $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log")"
 grep -B1 -A3 "Failure" "$OUT/tests.log" | head -n 40
 
+# The register-resident mma.sync attention (experimental) is benchmarked only where its layout check
+# and its attention tests all passed on this device; a faulting kernel would end the process it runs in.
+MMA_OK=0
+if grep -q '^\[       OK \] CudaMmaPtx.FragmentLayoutsMatchACpuProduct' "$OUT/tests.log" &&
+   [ "$(grep -c '^\[       OK \] CudaAttentionMma\.' "$OUT/tests.log")" -ge 3 ] &&
+   ! grep -q '^\[  FAILED  \] CudaAttentionMma\.\|^\[  FAILED  \] CudaMmaPtx\.' "$OUT/tests.log"; then
+  MMA_OK=1
+fi
+log "mma.sync attention: $([ $MMA_OK = 1 ] && echo "tests passed, benchmarked beside WMMA" || echo "tests not passed, not benchmarked")"
+
 # ---- 3. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
   log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
-  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaAttnBf16.*-*Throughput*'
+  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaAttnBf16.*-*Throughput*'
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
     >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
   timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
-    --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*:CudaAttentionTc.UnalignedInputs:CudaGroupedTc.BothShapes' >>"$OUT/sanitizer.log" 2>&1
+    --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaGroupedTc.BothShapes' >>"$OUT/sanitizer.log" 2>&1
   SAN_RC="$SAN_RC/$?"
   tail -n 3 "$OUT/sanitizer.log"
 fi
 
 # ---- 4. micro-benchmark -------------------------------------------------------------------------------
 log "benchmark (log: bench.log)"
-timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
+LADDER_BENCH_ATTN_MMA=$MMA_OK timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
 # precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
 log "model benchmarks (log: models.log)"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d1024:bf16:LADDER_ATTN_MMA=1 dense-d2048:bf16 moe-d2048:bf16 dense-d2048:bf16:LADDER_ATTN_MMA=1 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
   IFS=: read -r m prec extra <<<"$mp"
   sets=(--set "run.precision=$prec")
-  for kv in ${extra//,/ }; do sets+=(--set "$kv"); done
+  envs=()  # LADDER_* items are environment variables (LADDER_ATTN_MMA=1: the mma.sync attention)
+  for kv in ${extra//,/ }; do
+    if [[ $kv == LADDER_* ]]; then envs+=("$kv"); else sets+=(--set "$kv"); fi
+  done
+  if [ ${#envs[@]} -gt 0 ] && [[ " ${envs[*]} " == *" LADDER_ATTN_MMA=1 "* ]] && [ $MMA_OK != 1 ]; then
+    log "skipping $mp: the mma.sync attention did not pass its tests here"
+    continue
+  fi
   [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $mp: over 7 minutes"; continue; }
   echo "=== $mp" >>"$OUT/models.log"
-  timeout 100 "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda "${sets[@]}" \
+  env "${envs[@]}" timeout 100 "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda "${sets[@]}" \
     --steps 4 --json >>"$OUT/models.log" 2>&1
   rc=$?
   # Two MFUs: against the GEMM rate measured in the same run at this precision, and against the

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -178,21 +179,34 @@ int main(int argc, char** argv) {
         LADDER_CUDA_CHECK(k::attention_tc_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
                                                    v.data(), o.data(), lse.data(), s, scratch.data(), st));
       };
-      const double fms = time_ms(st, 2, 5, fwd);
-      const double bms = time_ms(st, 2, 5, bwd);
-      const double tms = time_ms(st, 2, 5, [&] {
-        fwd();
-        bwd();
-      });
-      const struct {
-        const char* what;
-        double ms, flop;
-      } tr[] = {{"attn fwd tc bf16", fms, fwd_flop}, {"attn bwd tc bf16", bms, 2.5 * fwd_flop},
-                {"attn fwd+bwd tc bf16", tms, 3.5 * fwd_flop}};
-      for (const auto& t : tr) {
-        rows.push_back({t.what, shape, t.ms, t.flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
-        std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what, shape, t.ms, rows.back().rate);
+      // Both kernel families behind the launchers: the WMMA kernels, then the register-resident
+      // mma.sync ones (attention_mma.cuh), the latter only with LADDER_BENCH_ATTN_MMA=1 (gpu-check
+      // sets it once CudaAttentionMma.* has passed on this device: a kernel that faulted would end
+      // this benchmark); the launchers' choice is restored after.
+      const k::AttnTcKernels saved = k::attention_tc_kernels();
+      const char* env_mma = std::getenv("LADDER_BENCH_ATTN_MMA");
+      const bool with_mma = env_mma && std::string(env_mma) == "1";
+      for (const bool mma : {false, true}) {
+        if (mma && !with_mma) break;
+        k::attention_tc_set_kernels(k::AttnTcKernels{mma, mma});
+        const double fms = time_ms(st, 2, 5, fwd);
+        const double bms = time_ms(st, 2, 5, bwd);
+        const double tms = time_ms(st, 2, 5, [&] {
+          fwd();
+          bwd();
+        });
+        const struct {
+          const char* what;
+          double ms, flop;
+        } tr[] = {{mma ? "attn fwd mma bf16" : "attn fwd tc bf16", fms, fwd_flop},
+                  {mma ? "attn bwd mma bf16" : "attn bwd tc bf16", bms, 2.5 * fwd_flop},
+                  {mma ? "attn fwd+bwd mma bf16" : "attn fwd+bwd tc bf16", tms, 3.5 * fwd_flop}};
+        for (const auto& t : tr) {
+          rows.push_back({t.what, shape, t.ms, t.flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
+          std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what, shape, t.ms, rows.back().rate);
+        }
       }
+      k::attention_tc_set_kernels(saved);
     }
     be->synchronize();
 

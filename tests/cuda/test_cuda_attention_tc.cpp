@@ -84,6 +84,44 @@ class CudaAttentionTc : public test::CudaFixture {
     return r;
   }
 
+  std::string tag_ = "attn_tc";  // the "[ rel err ]" lines' prefix (gpu-check's table groups by it)
+
+  // The tests' bodies, run by both suites (CudaAttentionTc: the WMMA kernels; CudaAttentionMma: the
+  // mma.sync kernels).
+  // S 1 / 17 / 128 / 300 (a single row, less than a tile, exactly two tiles, a ragged last tile),
+  // head_dim 64 and 128, MHA and GQA 4:1 (two KV groups, so the group index is exercised), windows
+  // 0 (causal), 5 (inside one tile), 64 (one tile wide: tiles skipped and partly masked).
+  void across_shapes() {
+    for (int hd : {64, 128})
+      for (int S : {1, 17, 128, 300})
+        for (int gqa = 0; gqa < 2; ++gqa)
+          for (int W : {0, 5, 64}) {
+            Case c{2, S, gqa ? 8 : 2, 2, hd, W};
+            run_case(c);
+            if (HasFatalFailure()) return;
+          }
+  }
+  // Sharp softmax (scores of tens): the online rescaling does most of the work. Only the
+  // rounded-input reference applies (rounding q and k moves scores this large by more than 1e-2
+  // relative in P).
+  void sharp_softmax() {
+    for (int hd : {64, 128}) {
+      Case c{2, 300, 8, 2, hd, 0, 6.f, false};
+      run_case(c);
+      Case w{1, 300, 4, 4, hd, 100, 6.f, false};
+      run_case(w);
+    }
+  }
+  // Inputs at an address 4 bytes past a 16-byte boundary: the scalar load path.
+  void unaligned_inputs() {
+    Case c{2, 77, 8, 2, 64, 0};
+    c.offset = 1;
+    run_case(c);
+    Case d{1, 130, 4, 1, 128, 17};
+    d.offset = 3;
+    run_case(d);
+  }
+
   void run_case(const Case& c) {
     const std::string shape =
         fmt::format("B={} S={} H={} KV={} hd={} W={}{}{}", c.B, c.S, c.H, c.KV, c.hd, c.window,
@@ -154,20 +192,20 @@ class CudaAttentionTc : public test::CudaFixture {
     // The same bits as the MMAs see: the kernel's own error only.
     const Ref rb = cpu_ref(s, bf16_round(q), bf16_round(k), bf16_round(v), bf16_round(dout));
     const double fb = c.S == 1 ? nrm(rb.dv) : 0.0;
-    check(o, rb.o, kTcRounded, "attn_tc fwd o bf16-ref " + shape);
-    check(lse, rb.lse, kTcRounded, "attn_tc fwd lse bf16-ref " + shape, fl);
-    check(dq, rb.dq, kTcRounded, "attn_tc bwd dq bf16-ref " + shape, fb);
-    check(dk, rb.dk, kTcRounded, "attn_tc bwd dk bf16-ref " + shape, fb);
-    check(dv, rb.dv, kTcRounded, "attn_tc bwd dv bf16-ref " + shape);
+    check(o, rb.o, kTcRounded, tag_ + " fwd o bf16-ref " + shape);
+    check(lse, rb.lse, kTcRounded, tag_ + " fwd lse bf16-ref " + shape, fl);
+    check(dq, rb.dq, kTcRounded, tag_ + " bwd dq bf16-ref " + shape, fb);
+    check(dk, rb.dk, kTcRounded, tag_ + " bwd dk bf16-ref " + shape, fb);
+    check(dv, rb.dv, kTcRounded, tag_ + " bwd dv bf16-ref " + shape);
     if (c.check_inputs) {
       const Ref rf = cpu_ref(s, q, k, v, dout);
       const double ff = c.S == 1 ? nrm(rf.dv) : 0.0;
-      const double ro = check(o, rf.o, kTcInputs, "attn_tc fwd o " + shape);
+      const double ro = check(o, rf.o, kTcInputs, tag_ + " fwd o " + shape);
       EXPECT_GT(ro, 1e-5) << "as exact as fp32: are the inputs really rounded to bf16?";
-      check(lse, rf.lse, kTcInputs, "attn_tc fwd lse " + shape, fl);
-      check(dq, rf.dq, kTcInputs, "attn_tc bwd dq " + shape, ff);
-      check(dk, rf.dk, kTcInputs, "attn_tc bwd dk " + shape, ff);
-      check(dv, rf.dv, kTcInputs, "attn_tc bwd dv " + shape);
+      check(lse, rf.lse, kTcInputs, tag_ + " fwd lse " + shape, fl);
+      check(dq, rf.dq, kTcInputs, tag_ + " bwd dq " + shape, ff);
+      check(dk, rf.dk, kTcInputs, tag_ + " bwd dk " + shape, ff);
+      check(dv, rf.dv, kTcInputs, tag_ + " bwd dv " + shape);
     }
   }
 };
@@ -191,40 +229,31 @@ TEST_F(CudaAttentionTc, Supported) {
   be_->synchronize();
 }
 
-// S 1 / 17 / 128 / 300 (a single row, less than a tile, exactly two tiles, a ragged last tile),
-// head_dim 64 and 128, MHA and GQA 4:1 (two KV groups, so the group index is exercised), windows
-// 0 (causal), 5 (inside one tile), 64 (one tile wide: tiles skipped and partly masked).
-TEST_F(CudaAttentionTc, MatchesCpuAcrossShapes) {
-  for (int hd : {64, 128})
-    for (int S : {1, 17, 128, 300})
-      for (int gqa = 0; gqa < 2; ++gqa)
-        for (int W : {0, 5, 64}) {
-          Case c{2, S, gqa ? 8 : 2, 2, hd, W};
-          run_case(c);
-          if (HasFatalFailure()) return;
-        }
-}
+TEST_F(CudaAttentionTc, MatchesCpuAcrossShapes) { across_shapes(); }
+TEST_F(CudaAttentionTc, SharpSoftmax) { sharp_softmax(); }
+TEST_F(CudaAttentionTc, UnalignedInputs) { unaligned_inputs(); }
 
-// Sharp softmax (scores of tens): the online rescaling does most of the work. Only the rounded-input
-// reference applies (rounding q and k moves scores this large by more than 1e-2 relative in P).
-TEST_F(CudaAttentionTc, SharpSoftmax) {
-  for (int hd : {64, 128}) {
-    Case c{2, 300, 8, 2, hd, 0, 6.f, false};
-    run_case(c);
-    Case w{1, 300, 4, 4, hd, 100, 6.f, false};
-    run_case(w);
+// The register-resident mma.sync kernels (attention_mma.cuh) behind the same launchers, on the same
+// cases and bounds; the WMMA kernels come back after each test.
+class CudaAttentionMma : public CudaAttentionTc {
+ protected:
+  void SetUp() override {
+    CudaAttentionTc::SetUp();
+    if (IsSkipped()) return;
+    saved_ = cuda::k::attention_tc_kernels();
+    cuda::k::attention_tc_set_kernels(cuda::k::AttnTcKernels{true, true});
+    tag_ = "attn_mma";
   }
-}
+  void TearDown() override {
+    if (!IsSkipped()) cuda::k::attention_tc_set_kernels(saved_);
+    CudaAttentionTc::TearDown();
+  }
+  cuda::k::AttnTcKernels saved_;
+};
 
-// Inputs at an address 4 bytes past a 16-byte boundary: the scalar load path.
-TEST_F(CudaAttentionTc, UnalignedInputs) {
-  Case c{2, 77, 8, 2, 64, 0};
-  c.offset = 1;
-  run_case(c);
-  Case d{1, 130, 4, 1, 128, 17};
-  d.offset = 3;
-  run_case(d);
-}
+TEST_F(CudaAttentionMma, MatchesCpuAcrossShapes) { across_shapes(); }
+TEST_F(CudaAttentionMma, SharpSoftmax) { sharp_softmax(); }
+TEST_F(CudaAttentionMma, UnalignedInputs) { unaligned_inputs(); }
 
 }  // namespace
 }  // namespace ladder
