@@ -1,12 +1,294 @@
-// Register-resident tensor-core attention, forward (attention_mma.cuh). Not written yet: the
-// launcher refuses, so attention_tc_kernels() must not select it.
+// Register-resident tensor-core attention, forward (attention_mma.cuh): FlashAttention-2 style, on
+// mma.sync m16n8k16 (bf16 in, fp32 accumulators) and ldmatrix (mma_ptx.cuh). Same contract,
+// masking, online softmax and rounding as the WMMA forward tc_fwd_kernel (attention_tc.cu): q, k, v
+// rounded to bf16 as they are staged, S = Q K^T in fp32, P = exp(scale S - m) in fp32 (summed into
+// l before rounding) and rounded to bf16 for P V, lse = m + log(l), o = O / l rounded to E.
+//
+// Work layout: grid (query tiles, H, B), the late (long causal) query tiles first; a block of 128
+// threads (4 warps) owns query rows [i0, i0 + 64) of head h and warp w rows [i0 + 16w, +16). Shared
+// memory holds the Q, K and V tiles only (bf16 [64][HD + 8]: a pitch of HD + 8 halves keeps every
+// ldmatrix row 16-byte aligned and the 8 rows of an 8x8 matrix on distinct banks); the scores, P and
+// the O accumulator never leave registers. Per warp and key tile:
+//   S (16 x 64) = Q_w K^T: 8 n8 accumulator tiles; Q's A fragments (HD / 16 k16 slices, ldmatrix_x4
+//     from the Q tile) are held across the key loop at hd 64 and reloaded per key tile at hd 128
+//     (kHoldQ); K^T's B fragments come from ldmatrix_x4 on K rows (K row-major [key][hd] is B = K^T
+//     in the "col" layout), two n8 tiles per load.
+//   Lane l (g = l / 4, t = l % 4) holds, of n8 tile n, rows g and g + 8 (query i0 + 16w + g, + 8),
+//     columns (keys) k0 + 8n + 2t, + 1 (mma_ptx.cuh): masking, scaling and exp in registers; a row's
+//     max is the lane's max and two shuffles over the quad (xor 1, 2).
+//   P: each pair of n8 tiles (2kk, 2kk + 1), rounded to bf16, is the A fragment of key slice kk
+//     (pack_a); V's B fragments come from ldmatrix_x4_trans on V rows (V row-major [key][hd] = B
+//     row-major; .trans gives the col layout), two n8 output tiles per load; O (HD / 8 n8 tiles)
+//     += P V.
+// The lane's share of l (its 16 p per row and tile) is accumulated per lane and rescaled with the row's
+// corr, then summed over the quad in the epilogue (all four lanes get the same bits).
+//
+// Masking is exact (attention_tc.cu): (i, j) is used iff i < S, j < S and visible(i, j, W); other
+// scores are -inf before the max and p = 0. A warp whose rows see no key of a tile skips it (the
+// identity update); a tile every one of the warp's rows sees whole skips the per-element mask. A row
+// with nothing visible yet keeps m = -inf, p = 0 and corr = 1 (no exp(-inf - -inf)); every row i < S
+// sees key i, so l >= 1 at the end. Rows past S are never stored.
+//
+// E (float or __nv_bfloat16) changes only how the tiles are staged (fp32 rounded to nearest even,
+// bf16 copied) and how o is stored (store_rn): the bf16 instantiation gives bitwise the fp32 one's
+// results on the widened inputs (o then rounded). Deterministic: no atomics, fixed orders.
+//
+// Shared memory per block: 3 * 64 * (HD + 8) * 2 bytes = 27 KiB (hd 64), 51 KiB (hd 128); sm_90
+// (228 KiB per SM, 1 KiB reserved per block) then holds 8 and 4 blocks, sm_80 (164 KiB) 5 and 3.
+// Registers bind first: kMmaFwdBlocks below.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/attention_mma.cuh"
+#include "backend/cuda/device_common.cuh"
+#include "backend/cuda/mma_ptx.cuh"
 
 namespace ladder::cuda::k {
 
+namespace {
+
+using cpu::AttnShape;
+using bf16 = __nv_bfloat16;
+using attn::key_lo;
+using attn::kRows;
+using attn::visible;
+
+constexpr int kThreads = 128;  // 4 warps, 16 query rows each
+
+template <int HD>
+struct MmaFwdTiles {
+  static constexpr int kLd = HD + 8;  // bf16 [64][HD + 8] tiles: Q, K, V
+  static constexpr size_t kTile = size_t(kRows) * kLd * sizeof(bf16);
+  static constexpr size_t kBytes = 3 * kTile;
+  static_assert((kLd * sizeof(bf16)) % 16 == 0 && kTile % 128 == 0, "16-byte aligned ldmatrix rows");
+};
+
+constexpr int blocks_per_sm(size_t bytes, size_t sm_kib) { return int(sm_kib * 1024 / (bytes + 1024)); }
+
+// Blocks per SM as __launch_bounds__ gives them to ptxas (registers capped at 65536 / (128 * N)):
+// shared memory allows 8 (hd 64) and 4 (hd 128) on sm_90; registers bind first. hd 64: 4 blocks
+// (128 registers, Q held); hd 128: 3 blocks (168 registers: with Q held ptxas spills, so Q is
+// reloaded; holding it needs 218, i.e. 2 blocks). scripts/ptxas-regs.sh.
+template <int HD>
+constexpr int kMmaFwdBlocks = HD == 64 ? 4 : 3;
+// Whether the warp's Q fragments are held in registers across the key loop (else reloaded from the
+// Q tile, one k16 slice at a time, at every key tile).
+template <int HD>
+constexpr bool kHoldQ = HD == 64;
+static_assert(blocks_per_sm(MmaFwdTiles<64>::kBytes, 228) >= kMmaFwdBlocks<64> &&
+                  blocks_per_sm(MmaFwdTiles<128>::kBytes, 228) >= kMmaFwdBlocks<128>,
+              "sm_90: shared memory allows the blocks per SM the register caps are chosen for");
+static_assert(blocks_per_sm(MmaFwdTiles<64>::kBytes, 164) >= kMmaFwdBlocks<64> &&
+                  blocks_per_sm(MmaFwdTiles<128>::kBytes, 164) >= kMmaFwdBlocks<128>,
+              "sm_80: the same");
+
+// Two consecutive elements of a row of o (fp32 values rounded to E): one 8-byte (fp32) or 4-byte
+// (bf16) store when the base is aligned for it (`vec`), else two.
+__device__ __forceinline__ void store2(float* d, float a, float b, bool vec) {
+  if (vec) {
+    *reinterpret_cast<float2*>(d) = make_float2(a, b);
+  } else {
+    d[0] = a;
+    d[1] = b;
+  }
+}
+__device__ __forceinline__ void store2(bf16* d, float a, float b, bool vec) {
+  if (vec) {
+    *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(a, b);
+  } else {
+    store_rn(d[0], a);
+    store_rn(d[1], b);
+  }
+}
+inline bool vec2_ok(const float* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
+inline bool vec2_ok(const bf16* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }
+
+template <int HD, class E>
+__global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
+    mma_fwd_kernel(E* o, float* lse, const E* q, const E* k, const E* v, AttnShape sh, bool vec, bool ovec) {
+  using T = MmaFwdTiles<HD>;
+  constexpr int kLd = T::kLd;
+  constexpr int kQk = HD / 16;  // k16 slices of Q K^T
+  constexpr int kOn = HD / 8;   // n8 tiles of O
+  constexpr int kSn = kRows / 8;  // n8 tiles of S (8)
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem);
+  bf16* Ks = reinterpret_cast<bf16*>(smem + T::kTile);
+  bf16* Vs = reinterpret_cast<bf16*>(smem + 2 * T::kTile);
+
+  const int S = sh.S, H = sh.H, KV = sh.KV, W = sh.window;
+  const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
+  const int i0 = (gridDim.x - 1 - blockIdx.x) * kRows;  // the long (late) causal tiles first
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int wr0 = warp * 16;  // the warp's first row in the tile
+  const int ia = i0 + wr0 + g, ib = ia + 8;  // the lane's two query rows (C rows g, g + 8)
+  const float scale = float(sh.scale);
+
+  // ldmatrix row addresses of lane l (mma_ptx.cuh; matrix j = l / 8 takes the addresses of lanes
+  // 8j .. 8j + 7, its row l % 8):
+  //   A (Q, x4): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) in the order a[0..3]: row
+  //     (l % 8) + ((l / 8) & 1) * 8, column (l / 16) * 8 of the 16x16 block.
+  //   B of K^T (x4, two n8 tiles): matrices 0, 1 = keys 0-7 of the pair, hd columns 0-7 | 8-15 of
+  //     the slice (b[0], b[1] of the first tile), 2, 3 the same for keys 8-15: key (l / 16) * 8 + l % 8,
+  //     column ((l / 8) & 1) * 8.
+  //   B of V (x4 .trans, two n8 tiles): matrices 0, 1 = keys 0-7 | 8-15 of the slice at hd columns
+  //     0-7 of the pair (b[0], b[1] of the first tile), 2, 3 the same at hd columns 8-15: key
+  //     ((l / 8) & 1) * 8 + l % 8, column (l / 16) * 8.
+  const int a_row = (lane % 8) + ((lane / 8) & 1) * 8, a_col = (lane / 16) * 8;
+  const int kb_row = (lane / 16) * 8 + lane % 8, kb_col = ((lane / 8) & 1) * 8;
+  const int vb_row = ((lane / 8) & 1) * 8 + lane % 8, vb_col = (lane / 16) * 8;
+
+  attn::load_tile<HD, kLd, kThreads>(Qs, q, b, S, H, h, i0, vec);
+  __syncthreads();
+  const bf16* qrow = Qs + (wr0 + a_row) * kLd + a_col;
+  uint32_t qa[kHoldQ<HD> ? kQk : 1][4];  // the warp's Q rows as A fragments, one per k16 slice (held)
+  if constexpr (kHoldQ<HD>) {
+#pragma unroll
+    for (int kk = 0; kk < kQk; ++kk) ldmatrix_x4(qa[kk], qrow + kk * 16);
+  }
+
+  float oacc[kOn][4];  // O: rows g, g + 8 of the warp, hd columns 8n + 2t, + 1
+#pragma unroll
+  for (int n = 0; n < kOn; ++n) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY};  // rows ia, ib: running max (the same bits in the quad)
+  float l[2] = {0.f, 0.f};              // the lane's share of the row's denominator
+
+  const int w_first = i0 + wr0, w_last = min(S - 1, w_first + 15);
+  const int i_last = min(S, i0 + kRows) - 1;
+  for (int k0 = key_lo(i0, W); k0 <= i_last; k0 += kRows) {
+    __syncthreads();  // every warp is done with the previous K, V tiles
+    attn::load_tile<HD, kLd, kThreads>(Ks, k, b, S, KV, kvh, k0, vec);
+    attn::load_tile<HD, kLd, kThreads>(Vs, v, b, S, KV, kvh, k0, vec);
+    __syncthreads();
+    // Does any of the warp's rows see any key of this tile? (Warp-uniform; no block barrier below.)
+    if (!(w_first < S && k0 <= w_last && k0 + kRows - 1 >= key_lo(w_first, W))) continue;
+    // Does every one of the warp's 16 rows (all < S) see every key of the tile (all < S)?
+    const bool full = w_first + 15 < S && k0 + kRows - 1 <= w_first && (W <= 0 || w_first + 15 - k0 < W);
+
+    // S = Q K^T (unscaled, fp32).
+    float sacc[kSn][4];
+#pragma unroll
+    for (int n = 0; n < kSn; ++n) sacc[n][0] = sacc[n][1] = sacc[n][2] = sacc[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kQk; ++kk) {
+      uint32_t qr[4];
+      if constexpr (!kHoldQ<HD>) ldmatrix_x4(qr, qrow + kk * 16);
+      const uint32_t(&a)[4] = kHoldQ<HD> ? qa[kk] : qr;
+#pragma unroll
+      for (int n = 0; n < kSn; n += 2) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, Ks + (8 * n + kb_row) * kLd + kk * 16 + kb_col);
+        const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+        mma_bf16_16816(sacc[n], a, b0);
+        mma_bf16_16816(sacc[n + 1], a, b1);
+      }
+    }
+
+    // Scale and mask; the rows' maxima over the tile (the lane's 16 values per row, then the quad).
+    float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < kSn; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e < 2 ? ia : ib, j = k0 + 8 * n + 2 * t + (e & 1);
+        const float x = (full || (i < S && j < S && visible(i, j, W))) ? scale * sacc[n][e] : -INFINITY;
+        sacc[n][e] = x;
+        mt[e / 2] = fmaxf(mt[e / 2], x);
+      }
+    }
+    float corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
+      mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
+      const float mnew = fmaxf(m[r], mt[r]);
+      // corr = 1: nothing visible to this row yet (P row = 0, state unchanged). corr = 0 while m is
+      // -inf: the O row and l are still zeros.
+      corr[r] = mnew == -INFINITY ? 1.f : m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
+      m[r] = mnew;
+    }
+    // P = exp(s - m) (0 where masked, and on rows with nothing visible yet), its sum into l (fp32,
+    // before rounding), and the rescale of O's rows.
+    float psum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < kSn; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float mr = m[e / 2];
+        const float p = mr == -INFINITY ? 0.f : expf(sacc[n][e] - mr);  // masked: exp(-inf) = 0
+        sacc[n][e] = p;
+        psum[e / 2] += p;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + psum[r];
+#pragma unroll
+    for (int n = 0; n < kOn; ++n) {
+      oacc[n][0] *= corr[0];
+      oacc[n][1] *= corr[0];
+      oacc[n][2] *= corr[1];
+      oacc[n][3] *= corr[1];
+    }
+
+    // O += P V: key slice kk's A fragment is n8 tiles 2kk, 2kk + 1 of P, rounded to bf16.
+#pragma unroll
+    for (int kk = 0; kk < kRows / 16; ++kk) {
+      uint32_t pa[4];
+      pack_a(pa, sacc[2 * kk], sacc[2 * kk + 1]);
+#pragma unroll
+      for (int n = 0; n < kOn; n += 2) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, Vs + (kk * 16 + vb_row) * kLd + 8 * n + vb_col);
+        const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+        mma_bf16_16816(oacc[n], pa, b0);
+        mma_bf16_16816(oacc[n + 1], pa, b1);
+      }
+    }
+  }
+
+  // Epilogue: l over the quad (the same bits in its four lanes), o = O / l, lse = m + log(l).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  const float inv_a = 1.f / l[0], inv_b = 1.f / l[1];  // rows past S: l = 0, inf, never stored
+  E* oa = o + ((size_t(b) * S + ia) * H + h) * HD + 2 * t;
+  E* ob = o + ((size_t(b) * S + ib) * H + h) * HD + 2 * t;
+  if (t == 0 && ia < S) lse[(size_t(b) * H + h) * S + ia] = m[0] + logf(l[0]);
+  if (t == 0 && ib < S) lse[(size_t(b) * H + h) * S + ib] = m[1] + logf(l[1]);
+#pragma unroll
+  for (int n = 0; n < kOn; ++n) {
+    if (ia < S) store2(oa + 8 * n, oacc[n][0] * inv_a, oacc[n][1] * inv_a, ovec);
+    if (ib < S) store2(ob + 8 * n, oacc[n][2] * inv_b, oacc[n][3] * inv_b, ovec);
+  }
+}
+
+template <int HD, class E>
+cudaError_t launch(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
+  using T = MmaFwdTiles<HD>;
+  const bool vec = attn::vec_ok(q) && attn::vec_ok(k) && attn::vec_ok(v);
+  const cudaError_t e =
+      cudaFuncSetAttribute(mma_fwd_kernel<HD, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(T::kBytes));
+  if (e != cudaSuccess) return e;
+  const dim3 grid(unsigned((s.S + kRows - 1) / kRows), unsigned(s.H), unsigned(s.B));
+  mma_fwd_kernel<HD, E><<<grid, kThreads, T::kBytes, st>>>(o, lse, q, k, v, s, vec, vec2_ok(o));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
 template <class E>
-cudaError_t attention_mma_forward(E*, float*, const E*, const E*, const E*, const cpu::AttnShape&, cudaStream_t) {
-  return cudaErrorInvalidValue;
+cudaError_t attention_mma_forward(E* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
+                                  cudaStream_t st) {
+  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
+  if (!((s.hd == 64 || s.hd == 128) && s.KV > 0 && s.H % s.KV == 0)) return cudaErrorInvalidValue;
+  return s.hd == 64 ? launch<64>(o, lse, q, k, v, s, st) : launch<128>(o, lse, q, k, v, s, st);
 }
 template cudaError_t attention_mma_forward<float>(float*, float*, const float*, const float*, const float*,
                                                   const cpu::AttnShape&, cudaStream_t);
