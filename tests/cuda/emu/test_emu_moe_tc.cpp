@@ -411,7 +411,8 @@ std::vector<TcCase> tc_cases() {
     // a sharp softmax, unaligned inputs.
     cases = {{{1, 17, 2, 1, 64, 5, 0}, 2.f, 0},   {{1, 80, 2, 2, 128, 0, 0}, 2.f, 0},
              {{1, 70, 4, 1, 64, 64, 0}, 2.f, 1},  {{1, 130, 4, 1, 128, 64, 0}, 6.f, 0},
-             {{2, 1, 2, 2, 64, 0, 0}, 2.f, 0},    {{1, 100, 4, 2, 64, 0, 0}, 6.f, 3}};
+             {{2, 1, 2, 2, 64, 0, 0}, 2.f, 0},    {{1, 100, 4, 2, 64, 0, 0}, 6.f, 3},
+             {{1, 300, 2, 1, 64, 100, 0}, 2.f, 0}};  // a window wider than a tile: whole tiles in it
     if (quick()) cases.resize(4);
   }
   return cases;
