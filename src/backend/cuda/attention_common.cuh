@@ -87,6 +87,12 @@ __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int
   }
 }
 
+// Occupancy by shared memory: the blocks of `bytes` of dynamic shared memory an SM of `sm_kib` KiB
+// holds, with the 1 KiB per block the runtime reserves. sm_90 (H100/H200): 228 KiB per SM, 227 per
+// block; sm_80 (A100): 164 and 163. (Registers: 65536 per SM, so blocks of 128 threads fit 2 per SM
+// up to 255 registers per thread, 3 up to 168, 4 up to 128, 5 up to 96.)
+constexpr int blocks_per_sm(size_t bytes, size_t sm_kib) { return int(sm_kib * 1024 / (bytes + 1024)); }
+
 // Whether a tensor's base allows the 4-element vector loads of stage4.
 inline bool vec_ok(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 inline bool vec_ok(const bf16* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }

@@ -67,7 +67,7 @@ struct MmaFwdTiles {
   static_assert((kLd * sizeof(bf16)) % 16 == 0 && kTile % 128 == 0, "16-byte aligned ldmatrix rows");
 };
 
-constexpr int blocks_per_sm(size_t bytes, size_t sm_kib) { return int(sm_kib * 1024 / (bytes + 1024)); }
+using attn::blocks_per_sm;
 
 // Blocks per SM as __launch_bounds__ gives them to ptxas (registers capped at 65536 / (128 * N)):
 // shared memory allows 8 (hd 64) and 4 (hd 128) on sm_90; registers bind first. hd 64: 4 blocks

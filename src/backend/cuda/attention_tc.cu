@@ -114,11 +114,7 @@ struct Tiles {
   static constexpr size_t kMax = kDkdv > kFwd ? (kDkdv > kDq ? kDkdv : kDq) : (kFwd > kDq ? kFwd : kDq);
 };
 
-// Occupancy by shared memory (the kernels have 128 threads; registers allow 2 blocks per SM up to 255
-// per thread, 3 up to 168, 4 up to 128, 5 up to 96): the blocks of `bytes` of dynamic shared memory
-// an SM of `sm_kib` KiB holds, with the 1 KiB per block the runtime reserves. sm_90 (H100/H200):
-// 228 KiB per SM, 227 per block; sm_80 (A100): 164 and 163.
-constexpr int blocks_per_sm(size_t bytes, size_t sm_kib) { return int(sm_kib * 1024 / (bytes + 1024)); }
+using attn::blocks_per_sm;  // occupancy by shared memory (attention_common.cuh)
 // sm_90: hd 128 dK/dV, dQ 2 blocks (8 warps) per SM, forward 3 (12 warps); hd 64 dK/dV, dQ 3 blocks,
 // forward 5 (20 warps).
 static_assert(blocks_per_sm(Tiles<128>::kDkdv, 228) >= 2 && blocks_per_sm(Tiles<128>::kDq, 228) >= 2 &&
