@@ -176,9 +176,13 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
     for (int n = 0; n < kSn; ++n) sacc[n][0] = sacc[n][1] = sacc[n][2] = sacc[n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kQk; ++kk) {
-      uint32_t qr[4];
-      if constexpr (!kHoldQ<HD>) ldmatrix_x4(qr, qrow + kk * 16);
-      const uint32_t(&a)[4] = kHoldQ<HD> ? qa[kk] : qr;
+      uint32_t a[4];  // Q's A fragment of slice kk: held (a register copy, free) or reloaded
+      if constexpr (kHoldQ<HD>) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) a[x] = qa[kk][x];
+      } else {
+        ldmatrix_x4(a, qrow + kk * 16);
+      }
 #pragma unroll
       for (int n = 0; n < kSn; n += 2) {
         uint32_t kb[4];
@@ -258,8 +262,9 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
   const float inv_a = 1.f / l[0], inv_b = 1.f / l[1];  // rows past S: l = 0, inf, never stored
-  E* oa = o + ((size_t(b) * S + ia) * H + h) * HD + 2 * t;
-  E* ob = o + ((size_t(b) * S + ib) * H + h) * HD + 2 * t;
+  // Rows past S are never stored; their pointers are formed from row 0 so as not to point past o.
+  E* oa = o + ((size_t(b) * S + (ia < S ? ia : 0)) * H + h) * HD + 2 * t;
+  E* ob = o + ((size_t(b) * S + (ib < S ? ib : 0)) * H + h) * HD + 2 * t;
   if (t == 0 && ia < S) lse[(size_t(b) * H + h) * S + ia] = m[0] + logf(l[0]);
   if (t == 0 && ib < S) lse[(size_t(b) * H + h) * S + ib] = m[1] + logf(l[1]);
 #pragma unroll
