@@ -11,12 +11,13 @@
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
 #   GPU_CHECK_PROFILE=0    skip the profiled MoE bench (per-op shares of a step)
 #   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark
-#                          (default: the four presets in bf16, the d=1024 pair with every bf16 activation
-#                          option (mlp_bf16 or moe_bf16, attn_bf16, norm_bf16), the d=1024 pair in tf32,
-#                          then the d=2048 MoE with bf16 saved activations, the d=1024 dense with
-#                          model.mlp_bf16 alone and the d=1024 MoE with model.moe_bf16 alone, while
-#                          under 7 minutes); key=value pairs go
-#                          to `ladder bench --set`
+#                          (default: the four presets in bf16, the two dense ones and the d=1024 MoE
+#                          also with LADDER_ATTN_MMA=1 (only if the mma.sync attention passed its tests
+#                          in this run), the d=1024 pair with every bf16 activation option (mlp_bf16 or
+#                          moe_bf16, attn_bf16, norm_bf16), the d=1024 pair in tf32, then the d=2048 MoE
+#                          with bf16 saved activations, the d=1024 dense with model.mlp_bf16 alone and
+#                          the d=1024 MoE with model.moe_bf16 alone, while under 7 minutes); key=value
+#                          pairs go to `ladder bench --set`, LADDER_*=value to the environment
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}

@@ -1,7 +1,8 @@
 // GPU micro-benchmark (scripts/gpu-check.sh runs it): the cuBLASLt GEMM ceiling in fp32, TF32 and
 // bf16 (fp32 accumulation) at 4096^3 and 8192^3, a device-to-device copy for the bandwidth ceiling,
 // and the fp32 flash attention forward/backward at d=1024-like shapes, and the tensor-core (bf16)
-// attention forward/backward at B=8 S=2048 H=16, head_dim 64 and 128, causal, and Muon's
+// attention forward/backward at B=8 S=2048 H=16, head_dim 64 and 128, causal (WMMA kernels, and with
+// LADDER_BENCH_ATTN_MMA=1 the same rows for the mma.sync kernels), and Muon's
 // Newton-Schulz over a 64-expert stack, per matrix against batched. Random data (never zeros),
 // warm-up first, CUDA events around each repetition, the median reported. Prints a table last.
 //   ladder_cuda_bench [--quick]     (--quick: 4096^3 GEMMs, one attention and one Newton-Schulz shape only)

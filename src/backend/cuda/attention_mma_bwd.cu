@@ -71,9 +71,8 @@ struct BwdCfg {
   static_assert(kTile % 128 == 0, "tiles stay 128-byte aligned");
 };
 
-// blocks of `bytes` of dynamic shared memory an SM of `sm_kib` KiB holds (1 KiB reserved per block).
-constexpr int blocks_by_smem(size_t bytes, size_t sm_kib) { return int(sm_kib * 1024 / (bytes + 1024)); }
-static_assert(blocks_by_smem(BwdCfg<64>::kSmem, 228) >= 4 && blocks_by_smem(BwdCfg<128>::kSmem, 228) >= 3,
+using attn::blocks_per_sm;  // occupancy by shared memory (attention_common.cuh)
+static_assert(blocks_per_sm(BwdCfg<64>::kSmem, 228) >= 4 && blocks_per_sm(BwdCfg<128>::kSmem, 228) >= 3,
               "sm_90: shared memory holds the blocks the register cap is sized for");
 static_assert(BwdCfg<128>::kSmem <= 163 * 1024, "sm_80 opt-in limit");
 

@@ -4,9 +4,10 @@
 // (window > 0), GQA (H a multiple of KV), scores scale * q.k, no S x S matrix in memory.
 //
 // Inside, q, k, v (and dO, P, dS in the backward) are rounded to bf16 (round to nearest even) when
-// staged into shared memory and multiplied on the tensor cores (WMMA 16x16x16, fp32 accumulators);
-// softmax statistics, lse and D = rowsum(bf16(dO) * O) stay fp32. Expect about 1e-3 relative difference
-// from the fp32 kernels (docs/cuda.md, "Tensor-core attention").
+// staged into shared memory and multiplied on the tensor cores (WMMA 16x16x16, or mma.sync m16n8k16
+// with attention_tc_kernels() below; fp32 accumulators); softmax statistics, lse and
+// D = rowsum(bf16(dO) * O) stay fp32. Expect about 2-4e-3 relative difference from the fp32 kernels on
+// the same fp32 inputs (docs/cuda.md, "Tensor-core attention").
 //
 // Plain C++ declarations (the host compiler includes this). Each launcher enqueues on `st` and
 // returns the first error of its cudaFuncSetAttribute calls or cudaGetLastError() after the
@@ -27,7 +28,7 @@ namespace ladder::cuda::k {
 bool attention_tc_supported(const cpu::AttnShape& s);
 
 // Which kernels the launchers below run: the WMMA kernels of attention_tc.cu (the default), or the
-// register-resident mma.sync kernels (attention_mma.cuh; experimental until CudaAttentionTc has
+// register-resident mma.sync kernels (attention_mma.cuh; experimental until CudaMmaPtx.* and CudaAttentionMma.* have
 // passed with them on a GPU: scripts/gpu-check.sh), for the forward and the backward separately.
 // The starting value comes from the environment: LADDER_ATTN_MMA unset or 0 = neither, fwd, bwd,
 // 1 or all = both. Not thread-safe: set it before launching.

@@ -1,6 +1,7 @@
 // Launchers of the bf16 tensor-core grouped GEMM (grouped_gemm_tc.cu). Plain C++ declarations, like
 // moe_ops.cuh, so cuda_backend.cpp (host compiler) can call them. Each launcher enqueues its kernels
-// on `st` and returns cudaGetLastError() after the launches (launch errors only).
+// on `st` and returns the first error of its cudaFuncSetAttribute call (the kernels take 60 KiB of
+// dynamic shared memory) or cudaGetLastError() after the launches (launch errors only).
 //
 // Same contract and arguments as k::grouped_gemm (moe_ops.cuh, cpu::grouped_gemm in
 // backend/cpu/kernels.h), over the E expert row blocks [offsets[e], offsets[e+1]):

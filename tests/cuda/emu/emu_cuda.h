@@ -13,11 +13,14 @@
 // Shared memory is heap memory of exactly the size declared (each static __shared__ array its own
 // block, the dynamic buffer another), filled with 0xFF bytes (NaN as float or double), so that
 // AddressSanitizer catches overflows and reads of unwritten shared memory show up as NaN in results.
-// In the thread mode, ThreadSanitizer sees the barriers (mutex + condition variable) and so reports shared-memory races
-// between them the way racecheck would. WMMA fragments hold the whole 16x16 tile and the collective
-// operations are done by lane 0 of the warp (other lanes' fragments are unused).
-// What it cannot show: real fragment layouts, the device memory model, timing, warp scheduling, or
-// device numerics of MMA and of the SFU intrinsics (__expf maps to std::exp).
+// In the thread mode, ThreadSanitizer sees the barriers (a mutex for the arrivals, a futex sleep) and so
+// reports shared-memory races between them the way racecheck would. WMMA fragments hold the whole
+// 16x16 tile and the collective operations are done by lane 0 of the warp (other lanes' fragments
+// are unused); mma.sync and ldmatrix (mma_ptx.cuh) follow the PTX ISA's per-lane layouts; cp.async
+// copies land when waited for.
+// What it cannot show: whether the hardware's layouts are the documented ones (CudaMmaPtx checks
+// that on a GPU), the device memory model, timing, warp scheduling, or device numerics of MMA and
+// of the SFU intrinsics (__expf maps to std::exp).
 #pragma once
 #include <algorithm>
 #include <atomic>

@@ -1,11 +1,13 @@
 // The CUDA kernels' own source (src/backend/cuda/{ops,attention,switch_ops,optim_ops}.cu, rewritten
-// by emulate.py, run by emu_cuda.h's host threads) against the CPU kernels (float), with no GPU.
+// by emulate.py, run by emu_cuda.h) against the CPU kernels (float), with no GPU; also the emulator's
+// own device checks (CudaEmuChecks: alignment, cp.async, and mma_selftest.cu's mma.sync/ldmatrix
+// layouts).
 // Pointers are host pointers: the emulated "device" memory is the host's. Every output is poisoned
 // with 0xFF bytes (NaN) first, so an element a kernel never writes fails; buffers are exactly the
 // size the launcher is told, so AddressSanitizer (run.sh asan) sees any overrun.
 // Tolerances as in tests/cuda: ||emu - cpu|| / ||cpu|| <= 5e-6 for fp32, exact for copies and
 // integer work, 1e-6 relative for returned double sums. Shapes are small and odd (the emulation
-// runs a std::thread per CUDA thread); EMU_SEED=N repeats a run's inputs; EMU_QUICK=1 (run.sh's
+// runs a fiber, or under asan/tsan a std::thread, per CUDA thread); EMU_SEED=N repeats a run's inputs; EMU_QUICK=1 (run.sh's
 // sanitizer modes) drops the costlier shapes.
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/optim_kernels.h"

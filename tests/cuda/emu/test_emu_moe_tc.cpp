@@ -1,13 +1,14 @@
 // The MoE dispatch kernels and the device-side grouped GEMM (src/backend/cuda/moe_ops.cu) and the
-// tensor-core flash attention (attention_tc.cu), rewritten by emulate.py and run by emu_cuda.h's host
-// threads, against the CPU kernels: every moe_ops launcher against backend/cpu/moe_kernels.h and
+// tensor-core flash attention (attention_tc.cu's WMMA kernels and attention_mma_*.cu's mma.sync
+// ones behind the same launchers), rewritten by emulate.py and run by emu_cuda.h, against the CPU
+// kernels: every moe_ops launcher against backend/cpu/moe_kernels.h and
 // cpu::grouped_gemm (integers and selections exact, fp32 within 5e-6), attention_tc against
 // cpu::attention_forward/backward within its documented bf16 tolerances (docs/cuda.md,
 // "Tensor-core attention"). Conventions of test_emu_kernels.cpp (emu_fixture.h): outputs poisoned
 // with 0xFF bytes, buffers and scratch exactly the size the launcher asks for (ASan in run.sh asan
 // sees overruns), EMU_SEED repeats inputs, EMU_QUICK drops the costlier shapes. Shapes are those of
 // tests/cuda/test_cuda_moe.cpp and test_cuda_attention_tc.cpp, made smaller where the emulation's
-// cost (a std::thread per CUDA thread, ~2 us per barrier per thread) would dominate; EMU_FULL=1 runs
+// cost (a fiber, or under asan/tsan a std::thread, per CUDA thread) would dominate; EMU_FULL=1 runs
 // the GPU tests' attention_tc shapes (run.sh tc does).
 #include "../grouped_gemm_case.h"
 #include "backend/cpu/kernels.h"
