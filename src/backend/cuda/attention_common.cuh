@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cpu/kernels.h"
 #include "backend/cuda/device_common.cuh"
 
 namespace ladder::cuda::k::attn {
@@ -96,5 +97,31 @@ constexpr int blocks_per_sm(size_t bytes, size_t sm_kib) { return int(sm_kib * 1
 // Whether a tensor's base allows the 4-element vector loads of stage4.
 inline bool vec_ok(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 inline bool vec_ok(const bf16* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
+
+// Two consecutive elements of an output row (fp32 values, rounded to bf16 for a bf16 output): one
+// 8-byte (fp32) or 4-byte (bf16) store when the base is aligned for it (`vec`: vec2_ok, and every
+// pair starts at an even element), else two.
+__device__ __forceinline__ void store2(float* d, float a, float b, bool vec) {
+  if (vec) {
+    *reinterpret_cast<float2*>(d) = make_float2(a, b);
+  } else {
+    d[0] = a;
+    d[1] = b;
+  }
+}
+__device__ __forceinline__ void store2(bf16* d, float a, float b, bool vec) {
+  if (vec) {
+    *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(a, b);
+  } else {
+    store_rn(d[0], a);
+    store_rn(d[1], b);
+  }
+}
+inline bool vec2_ok(const float* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
+inline bool vec2_ok(const bf16* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }
+
+// The shapes the tensor-core attention kernels (WMMA and mma.sync) take: head_dim 64 or 128, GQA
+// with H a multiple of KV.
+inline bool shape_ok(const cpu::AttnShape& s) { return (s.hd == 64 || s.hd == 128) && s.KV > 0 && s.H % s.KV == 0; }
 
 }  // namespace ladder::cuda::k::attn

@@ -76,27 +76,6 @@ static_assert(blocks_per_sm(BwdCfg<64>::kSmem, 228) >= 4 && blocks_per_sm(BwdCfg
               "sm_90: shared memory holds the blocks the register cap is sized for");
 static_assert(BwdCfg<128>::kSmem <= 163 * 1024, "sm_80 opt-in limit");
 
-// The lane's row address for ldmatrix_x4 (plain or .trans) of the 16x16 block at (r0, c0) of a
-// row-major bf16 tile: matrices 0..3 = (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols
-// 8-15), (rows 8-15, cols 8-15). Plain, that is the A fragment of rows r0.. and k columns c0.. ;
-// .trans on a [k][n] tile, it is the B fragments of the n8 tiles at columns c0 (registers 0, 1) and
-// c0 + 8 (registers 2, 3) of the k16 slice at rows r0.
-__device__ __forceinline__ const bf16* frag_a(const bf16* tile, int ld, int r0, int c0, int lane) {
-  return tile + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + c0 + (lane >> 4) * 8;
-}
-// The lane's row address for ldmatrix_x4 (plain) of B from a [n][k] row-major tile: the B fragments
-// of the n8 tiles at rows n0 (registers 0, 1) and n0 + 8 (registers 2, 3), k16 slice at column k0:
-// matrices 0..3 = (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
-__device__ __forceinline__ const bf16* frag_b_nk(const bf16* tile, int ld, int n0, int k0, int lane) {
-  return tile + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8;
-}
-
-__device__ __forceinline__ void mma2(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
-  const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-  mma_bf16_16816(d0, a, b0);
-  mma_bf16_16816(d1, a, b1);
-}
-
 // c[n] (16 x C: n8 tiles) = A_w[16 x HD] * B^T where A_w is rows [r0, r0 + 16) of tile `a` and B^T's
 // columns are rows [n0, n0 + C) of tile `bt` (both [64][kLd] bf16 row-major).
 template <int HD, int C>
@@ -120,25 +99,6 @@ __device__ __forceinline__ void mma_abt(float (&c)[C / 8][4], const bf16* a, con
   }
 }
 
-// acc[n] (16 x HD) += bf16(p)[16 x C] * B[C x HD], B = rows [k0, k0 + C) of tile `bm` ([64][kLd] bf16
-// row-major).
-template <int HD, int C>
-__device__ __forceinline__ void mma_ab_acc(float (&acc)[HD / 8][4], const float (&p)[C / 8][4], const bf16* bm,
-                                           int k0, int lane) {
-  constexpr int kLd = BwdCfg<HD>::kLd;
-#pragma unroll
-  for (int kk = 0; kk < C / 16; ++kk) {
-    uint32_t fa[4];
-    pack_a(fa, p[2 * kk], p[2 * kk + 1]);
-#pragma unroll
-    for (int n = 0; n < HD / 16; ++n) {
-      uint32_t fb[4];
-      ldmatrix_x4_trans(fb, frag_a(bm, kLd, k0 + kk * 16, n * 16, lane));
-      mma2(acc[2 * n], acc[2 * n + 1], fa, fb);
-    }
-  }
-}
-
 // The warp's 16 x HD accumulator (rows r and r + 8 of the lane: its g and g + 8) times `mul` to rows
 // `ra`, `rb` of head `head` of a [B*S, nh*HD] fp32 tensor (rows at or past S skipped). vec: the base
 // is 8-byte aligned (float2 stores).
@@ -152,13 +112,7 @@ __device__ __forceinline__ void store_rows(float* dst, const float (&acc)[HD / 8
     float* p = dst + ((size_t(b) * S + row) * nh + head) * HD + 2 * t;
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) {
-      const float x = acc[n][2 * half] * mul, y = acc[n][2 * half + 1] * mul;
-      if (vec) {
-        *reinterpret_cast<float2*>(p + n * 8) = make_float2(x, y);
-      } else {
-        p[n * 8] = x;
-        p[n * 8 + 1] = y;
-      }
+      attn::store2(p + n * 8, acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul, vec);
     }
   }
 }
@@ -227,14 +181,13 @@ __global__ void __launch_bounds__(kThreads, BwdCfg<HD>::kMinKV)
             dpt[n][e] = p * (dpt[n][e] - Dq[col]);
             st[n][e] = p;
           }
-        mma_ab_acc<HD, C>(dva, st, dOs, c0, lane);   // dV += P^T dO
-        mma_ab_acc<HD, C>(dka, dpt, Qs, c0, lane);  // dK += dS^T Q   (scale applied at the store)
+        mma_ab_acc<HD, C, kLd>(dva, st, dOs, c0, lane);   // dV += P^T dO
+        mma_ab_acc<HD, C, kLd>(dka, dpt, Qs, c0, lane);  // dK += dS^T Q   (scale applied at the store)
       }
     }
   }
-  const bool va = vec_out;
-  store_rows<HD>(dk, dka, scale, b, S, KV, g, ja, jb, tq, va);
-  store_rows<HD>(dv, dva, 1.f, b, S, KV, g, ja, jb, tq, va);
+  store_rows<HD>(dk, dka, scale, b, S, KV, g, ja, jb, tq, vec_out);
+  store_rows<HD>(dv, dva, 1.f, b, S, KV, g, ja, jb, tq, vec_out);
 }
 
 // dQ. Grid (query tiles, H, B), the late tiles (most keys) first; the block owns query rows
@@ -297,18 +250,12 @@ __global__ void __launch_bounds__(kThreads, BwdCfg<HD>::kMinQ)
           const float p = vis ? expf(scale * s[n][e] - (e < 2 ? la : lb)) : 0.f;
           dp[n][e] = p * (dp[n][e] - (e < 2 ? da : db));
         }
-      mma_ab_acc<HD, C>(dqa, dp, Ks, c0, lane);  // dQ += dS K   (scale applied at the store)
+      mma_ab_acc<HD, C, kLd>(dqa, dp, Ks, c0, lane);  // dQ += dS K   (scale applied at the store)
     }
   }
   store_rows<HD>(dq, dqa, scale, b, S, H, h, ia, ib, tq, vec_out);
 }
 
-template <class Kernel>
-cudaError_t allow_smem(Kernel kernel, size_t bytes) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-}
-
-bool vec2_ok(const float* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
 template <int HD, class E>
 cudaError_t bwd(float* dq, float* dk, float* dv, const float* dout, const E* q, const E* k, const E* v,
@@ -321,9 +268,9 @@ cudaError_t bwd(float* dq, float* dk, float* dv, const float* dout, const E* q, 
   if (e != cudaSuccess) return e;
   const unsigned tiles = unsigned((s.S + kRows - 1) / kRows);
   mma_bwd_dkdv_kernel<HD, E><<<dim3(tiles, unsigned(s.KV), unsigned(s.B)), kThreads, Cfg::kSmem, st>>>(
-      dk, dv, dout, q, k, v, lse, Dv, s, vec, vec2_ok(dk) && vec2_ok(dv));
+      dk, dv, dout, q, k, v, lse, Dv, s, vec, attn::vec2_ok(dk) && attn::vec2_ok(dv));
   mma_bwd_dq_kernel<HD, E><<<dim3(tiles, unsigned(s.H), unsigned(s.B)), kThreads, Cfg::kSmem, st>>>(
-      dq, dout, q, k, v, lse, Dv, s, vec, vec2_ok(dq));
+      dq, dout, q, k, v, lse, Dv, s, vec, attn::vec2_ok(dq));
   return cudaGetLastError();
 }
 

@@ -86,26 +86,7 @@ static_assert(blocks_per_sm(MmaFwdTiles<64>::kBytes, 164) >= kMmaFwdBlocks<64> &
                   blocks_per_sm(MmaFwdTiles<128>::kBytes, 164) >= kMmaFwdBlocks<128>,
               "sm_80: the same");
 
-// Two consecutive elements of a row of o (fp32 values rounded to E): one 8-byte (fp32) or 4-byte
-// (bf16) store when the base is aligned for it (`vec`), else two.
-__device__ __forceinline__ void store2(float* d, float a, float b, bool vec) {
-  if (vec) {
-    *reinterpret_cast<float2*>(d) = make_float2(a, b);
-  } else {
-    d[0] = a;
-    d[1] = b;
-  }
-}
-__device__ __forceinline__ void store2(bf16* d, float a, float b, bool vec) {
-  if (vec) {
-    *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(a, b);
-  } else {
-    store_rn(d[0], a);
-    store_rn(d[1], b);
-  }
-}
-inline bool vec2_ok(const float* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
-inline bool vec2_ok(const bf16* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }
+using attn::store2;
 
 template <int HD, class E>
 __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
@@ -129,23 +110,11 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
   const int ia = i0 + wr0 + g, ib = ia + 8;  // the lane's two query rows (C rows g, g + 8)
   const float scale = float(sh.scale);
 
-  // ldmatrix row addresses of lane l (mma_ptx.cuh; matrix j = l / 8 takes the addresses of lanes
-  // 8j .. 8j + 7, its row l % 8):
-  //   A (Q, x4): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) in the order a[0..3]: row
-  //     (l % 8) + ((l / 8) & 1) * 8, column (l / 16) * 8 of the 16x16 block.
-  //   B of K^T (x4, two n8 tiles): matrices 0, 1 = keys 0-7 of the pair, hd columns 0-7 | 8-15 of
-  //     the slice (b[0], b[1] of the first tile), 2, 3 the same for keys 8-15: key (l / 16) * 8 + l % 8,
-  //     column ((l / 8) & 1) * 8.
-  //   B of V (x4 .trans, two n8 tiles): matrices 0, 1 = keys 0-7 | 8-15 of the slice at hd columns
-  //     0-7 of the pair (b[0], b[1] of the first tile), 2, 3 the same at hd columns 8-15: key
-  //     ((l / 8) & 1) * 8 + l % 8, column (l / 16) * 8.
-  const int a_row = (lane % 8) + ((lane / 8) & 1) * 8, a_col = (lane / 16) * 8;
-  const int kb_row = (lane / 16) * 8 + lane % 8, kb_col = ((lane / 8) & 1) * 8;
-  const int vb_row = ((lane / 8) & 1) * 8 + lane % 8, vb_col = (lane / 16) * 8;
-
+  // ldmatrix row addresses (mma_ptx.cuh): Q's A fragments by frag_a, K^T's B fragments (keys as n)
+  // by frag_b_nk, V's by frag_a with .trans (mma_ab_acc).
   attn::load_tile<HD, kLd, kThreads>(Qs, q, b, S, H, h, i0, vec);
   __syncthreads();
-  const bf16* qrow = Qs + (wr0 + a_row) * kLd + a_col;
+  const bf16* qrow = frag_a(Qs, kLd, wr0, 0, lane);
   uint32_t qa[kHoldQ<HD> ? kQk : 1][4];  // the warp's Q rows as A fragments, one per k16 slice (held)
   if constexpr (kHoldQ<HD>) {
 #pragma unroll
@@ -186,10 +155,8 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
 #pragma unroll
       for (int n = 0; n < kSn; n += 2) {
         uint32_t kb[4];
-        ldmatrix_x4(kb, Ks + (8 * n + kb_row) * kLd + kk * 16 + kb_col);
-        const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
-        mma_bf16_16816(sacc[n], a, b0);
-        mma_bf16_16816(sacc[n + 1], a, b1);
+        ldmatrix_x4(kb, frag_b_nk(Ks, kLd, 8 * n, kk * 16, lane));
+        mma2(sacc[n], sacc[n + 1], a, kb);
       }
     }
 
@@ -240,19 +207,7 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
     }
 
     // O += P V: key slice kk's A fragment is n8 tiles 2kk, 2kk + 1 of P, rounded to bf16.
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) {
-      uint32_t pa[4];
-      pack_a(pa, sacc[2 * kk], sacc[2 * kk + 1]);
-#pragma unroll
-      for (int n = 0; n < kOn; n += 2) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, Vs + (kk * 16 + vb_row) * kLd + 8 * n + vb_col);
-        const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
-        mma_bf16_16816(oacc[n], pa, b0);
-        mma_bf16_16816(oacc[n + 1], pa, b1);
-      }
-    }
+    mma_ab_acc<HD, kRows, kLd>(oacc, sacc, Vs, 0, lane);
   }
 
   // Epilogue: l over the quad (the same bits in its four lanes), o = O / l, lse = m + log(l).
@@ -278,11 +233,9 @@ template <int HD, class E>
 cudaError_t launch(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   using T = MmaFwdTiles<HD>;
   const bool vec = attn::vec_ok(q) && attn::vec_ok(k) && attn::vec_ok(v);
-  const cudaError_t e =
-      cudaFuncSetAttribute(mma_fwd_kernel<HD, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(T::kBytes));
-  if (e != cudaSuccess) return e;
+  if (const cudaError_t e = allow_smem(mma_fwd_kernel<HD, E>, T::kBytes); e != cudaSuccess) return e;
   const dim3 grid(unsigned((s.S + kRows - 1) / kRows), unsigned(s.H), unsigned(s.B));
-  mma_fwd_kernel<HD, E><<<grid, kThreads, T::kBytes, st>>>(o, lse, q, k, v, s, vec, vec2_ok(o));
+  mma_fwd_kernel<HD, E><<<grid, kThreads, T::kBytes, st>>>(o, lse, q, k, v, s, vec, attn::vec2_ok(o));
   return cudaGetLastError();
 }
 
@@ -292,7 +245,7 @@ template <class E>
 cudaError_t attention_mma_forward(E* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
                                   cudaStream_t st) {
   if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
-  if (!((s.hd == 64 || s.hd == 128) && s.KV > 0 && s.H % s.KV == 0)) return cudaErrorInvalidValue;
+  if (!attn::shape_ok(s)) return cudaErrorInvalidValue;
   return s.hd == 64 ? launch<64>(o, lse, q, k, v, s, st) : launch<128>(o, lse, q, k, v, s, st);
 }
 template cudaError_t attention_mma_forward<float>(float*, float*, const float*, const float*, const float*,

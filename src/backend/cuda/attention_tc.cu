@@ -588,15 +588,11 @@ __global__ void __launch_bounds__(kThreads) tc_bwd_dq_kernel(float* dq, const fl
 
 // ---------------------------------------------------------------------------------------------
 
-bool shape_ok(const AttnShape& s) { return (s.hd == 64 || s.hd == 128) && s.KV > 0 && s.H % s.KV == 0; }
+using attn::shape_ok;
 
 // Whether a tensor's base allows stage4's 4-element vector loads: 16 bytes for fp32, 8 for bf16.
 using attn::vec_ok;
 
-template <class Kernel>
-cudaError_t allow_smem(Kernel kernel, size_t bytes) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-}
 
 template <int HD, class E>
 cudaError_t fwd(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {

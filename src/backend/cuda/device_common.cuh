@@ -2,6 +2,7 @@
 // block size).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -47,6 +48,13 @@ inline __nv_bfloat16* as_bf16(uint16_t* p) { return reinterpret_cast<__nv_bfloat
 struct alignas(8) Bf16x4 {
   __nv_bfloat162 lo, hi;
 };
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (above the default 48 KiB needs the
+// opt-in); its error is the launcher's to return.
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
 
 // The expert owning row tile g of a grouped GEMM over expert row blocks (tile_start[e] = the first
 // row tile of expert e, k::row_tile_prefix): the last e in [0, E) with tile_start[e] <= g. An empty

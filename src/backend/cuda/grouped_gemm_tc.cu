@@ -391,11 +391,6 @@ auto wgrad_kernel(bool a_async, bool b_async) {
                  : (b_async ? tc_wgrad_kernel<false, true> : tc_wgrad_kernel<false, false>);
 }
 
-// The stages take more than the default 48 KiB of dynamic shared memory.
-template <class Kernel>
-cudaError_t allow_smem(Kernel kernel) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-}
 
 }  // namespace
 
@@ -423,7 +418,7 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
     const unsigned grid = unsigned(sm_count > 0 ? sm_count : kDefaultSms) * kBlocksPerSm;
     const bool a_async = async_ok(A, a_bf16, size_t(lda), 0), b_async = async_ok(B, b_bf16, size_t(ldb), strideB);
     const auto kernel = transB ? rows_kernel<true>(a_async, b_async) : rows_kernel<false>(a_async, b_async);
-    if (const cudaError_t e = allow_smem(kernel); e != cudaSuccess) return e;
+    if (const cudaError_t e = allow_smem(kernel, kSmem); e != cudaSuccess) return e;  // 60 KiB of stages
     kernel<<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb,
                                           strideB, vecB, beta, C, c_bf16, ldc);
   } else {
@@ -431,7 +426,7 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
     const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
     if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
     const auto kernel = wgrad_kernel(async_ok(A, a_bf16, size_t(lda), 0), async_ok(B, b_bf16, size_t(ldb), 0));
-    if (const cudaError_t e = allow_smem(kernel); e != cudaSuccess) return e;
+    if (const cudaError_t e = allow_smem(kernel, kSmem); e != cudaSuccess) return e;
     kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb, vecB,
                                                       beta, C, c_bf16, ldc, strideC);
   }

@@ -15,6 +15,10 @@
 // shared memory); register j gets row g, columns 2t, 2t+1 of matrix j, or with .trans rows 2t, 2t+1
 // of column g. .x2: lanes 0..15 give the addresses of matrices 0 and 1.
 //
+// Below them, the warp-level building blocks the attention kernels share: each lane's ldmatrix row
+// address (frag_a, frag_b_nk), a pair of n8 MMAs from one x4 load (mma2), and acc += P B with P
+// from accumulators (mma_ab_acc).
+//
 // On the host emulation (tests/cuda/emu, LADDER_CUDA_EMULATION) the same functions are emu_cuda.h's
 // stand-ins, written from the same layouts; CudaMmaPtx.* (tests/cuda) checks them on a device
 // against a CPU product, which is what proves the layouts (and the emulation) right.
@@ -89,6 +93,46 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&c0)[4], c
   a[1] = pack_bf16(c0[2], c0[3]);
   a[2] = pack_bf16(c1[0], c1[1]);
   a[3] = pack_bf16(c1[2], c1[3]);
+}
+
+// The lane's row address for ldmatrix_x4 (plain or .trans) of the 16x16 block at (r0, c0) of a
+// row-major bf16 tile: matrices 0..3 = (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols
+// 8-15), (rows 8-15, cols 8-15). Plain, that is the A fragment of rows r0.. and k columns c0.. ;
+// .trans on a [k][n] tile, it is the B fragments of the n8 tiles at columns c0 (registers 0, 1) and
+// c0 + 8 (registers 2, 3) of the k16 slice at rows r0.
+__device__ __forceinline__ const __nv_bfloat16* frag_a(const __nv_bfloat16* tile, int ld, int r0, int c0, int lane) {
+  return tile + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + c0 + (lane >> 4) * 8;
+}
+// The lane's row address for ldmatrix_x4 (plain) of B from a [n][k] row-major tile: the B fragments
+// of the n8 tiles at rows n0 (registers 0, 1) and n0 + 8 (registers 2, 3), k16 slice at column k0:
+// matrices 0..3 = (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
+__device__ __forceinline__ const __nv_bfloat16* frag_b_nk(const __nv_bfloat16* tile, int ld, int n0, int k0, int lane) {
+  return tile + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8;
+}
+
+// d0 += a * (b[0], b[1]), d1 += a * (b[2], b[3]): the two n8 tiles of one ldmatrix_x4 of B.
+__device__ __forceinline__ void mma2(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+  mma_bf16_16816(d0, a, b0);
+  mma_bf16_16816(d1, a, b1);
+}
+
+// acc[n] (16 x HD: n8 tiles) += bf16(p)[16 x C] * B[C x HD], p given as C / 8 n8 accumulator tiles
+// (pack_a), B = rows [k0, k0 + C) of the [.][LD] bf16 row-major shared tile `bm` (ldmatrix .trans).
+template <int HD, int C, int LD>
+__device__ __forceinline__ void mma_ab_acc(float (&acc)[HD / 8][4], const float (&p)[C / 8][4], const __nv_bfloat16* bm,
+                                           int k0, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < C / 16; ++kk) {
+    uint32_t fa[4];
+    pack_a(fa, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) {
+      uint32_t fb[4];
+      ldmatrix_x4_trans(fb, frag_a(bm, LD, k0 + kk * 16, n * 16, lane));
+      mma2(acc[2 * n], acc[2 * n + 1], fa, fb);
+    }
+  }
 }
 
 }  // namespace ladder::cuda::k
