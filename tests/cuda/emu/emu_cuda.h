@@ -7,7 +7,7 @@
 // host thread (each its own stack; a barrier wait switches to the next runnable fiber), which is
 // 10-20x faster than threads; with EMU_THREADS defined (the asan / tsan builds) every CUDA thread is
 // a std::thread (a pool of blockDim threads per launch, reused block after block), run concurrently. __syncthreads and
-// __syncwarp are barrier waits; shuffles go through a per-warp exchange array. A thread that leaves
+// __syncwarp are barrier waits; shuffles, mma.sync and ldmatrix go through a per-warp exchange array (warp_all). A thread that leaves
 // the kernel drops out of its barriers, and a barrier (or full-mask shuffle) that then completes
 // without it fails loudly: that is a divergent __syncthreads / shuffle, undefined on the device.
 // Shared memory is heap memory of exactly the size declared (each static __shared__ array its own
@@ -470,7 +470,7 @@ struct Fiber {
   void* sp = nullptr;  // saved stack pointer while switched out
   const unsigned* wait_gen = nullptr;  // parked at a barrier until *wait_gen != gen
   unsigned gen = 0;
-  unsigned parity = 0;  // the fiber's t_shfl_parity while it is switched out
+  unsigned parity = 0;  // the fiber's t_warp_parity while it is switched out
   bool done = false;
 };
 struct FiberSched {
@@ -531,18 +531,17 @@ struct AsyncCopies {
   std::vector<AsyncCopy> open;                    // issued since the last __pipeline_commit
 };
 
-constexpr size_t kWarpAllBytes = 32;  // the largest value a lane publishes to warp_all (mma: 6 words)
+constexpr size_t kWarpAllBytes = 32;  // the largest value a lane publishes to warp_all (mma.sync: 6 words)
 
 struct Block {
   explicit Block(unsigned threads)
-      : all(int(threads)), xchg(2 * size_t(threads)), async(threads), wide(2 * size_t(threads) * kWarpAllBytes) {
+      : all(int(threads)), async(threads), wide(2 * size_t(threads) * kWarpAllBytes) {
     for (unsigned w = 0; w < threads / 32; ++w) warp.push_back(std::make_unique<Barrier>(32));
   }
   Barrier all;
   std::vector<std::unique_ptr<Barrier>> warp;
-  std::vector<uint64_t> xchg;  // [2 buffers][threads]: shuffle slots (8 bytes each)
   std::vector<AsyncCopies> async;  // per thread: its cp.async copies not yet waited for
-  std::vector<unsigned char> wide;  // [2 buffers][threads][kWarpAllBytes]: warp_all's slots (mma, ldmatrix)
+  std::vector<unsigned char> wide;  // [2 buffers][threads][kWarpAllBytes]: warp_all's slots (shuffles, mma, ldmatrix)
   // Static __shared__ arrays, one heap block each, keyed by their declaration's address.
   std::mutex shared_m;
   std::vector<std::pair<const void*, void*>> shared;
@@ -555,7 +554,7 @@ struct Block {
 inline Block* g_block = nullptr;
 inline unsigned char* g_smem = nullptr;  // dynamic shared memory of the running block
 inline size_t g_smem_bytes = 0;
-inline thread_local unsigned t_shfl_parity = 0;
+inline thread_local unsigned t_warp_parity = 0;
 inline thread_local unsigned t_tid = 0;  // linear thread index in the block: x + X * (y + Y * z)
 #ifndef EMU_THREADS
 inline void fiber_park(const unsigned& gen) {
@@ -563,7 +562,7 @@ inline void fiber_park(const unsigned& gen) {
   Fiber& me = s.f[s.cur];
   me.wait_gen = &gen;
   me.gen = gen;
-  me.parity = t_shfl_parity;
+  me.parity = t_warp_parity;
   emu_fiber_switch(&me.sp, s.host_sp);  // the scheduler restores this fiber's thread-locals on return
 }
 #endif
@@ -653,22 +652,30 @@ inline void __pipeline_wait_prior(size_t prior) {
 }
 
 namespace emu {
-// Every lane of the warp publishes its value, waits at the warp barrier, then reads lane src(lane).
-// Two slot buffers used alternately: a lane can only overwrite a slot of buffer p two shuffles
-// later, after the next shuffle's barrier, which every reader of this one has reached. So one
-// barrier per shuffle suffices.
+// Every lane of the warp publishes v, waits at the warp barrier, and gets the 32 values: the one
+// mechanism of the warp-collective operations (shuffles; mma.sync and ldmatrix below). Two slot
+// buffers used alternately: a lane can only overwrite a slot of buffer p two collectives later,
+// after the next one's barrier, which every reader of this one has reached. So one barrier per
+// collective suffices.
+template <class T>
+void warp_all(const T& v, T (&all)[32], const char* what) {
+  static_assert(sizeof(T) <= kWarpAllBytes && std::is_trivially_copyable_v<T>, "warp_all value too large");
+  const unsigned lane = t_tid % 32, base = t_tid - lane;
+  unsigned char* buf = g_block->wide.data() + size_t(t_warp_parity) * g_block->wide.size() / 2;
+  t_warp_parity ^= 1u;
+  std::memcpy(buf + size_t(base + lane) * kWarpAllBytes, &v, sizeof(T));
+  g_block->warp[t_tid / 32]->wait(what);
+  for (unsigned l = 0; l < 32; ++l) std::memcpy(&all[l], buf + size_t(base + l) * kWarpAllBytes, sizeof(T));
+}
+
+// A full-mask shuffle: lane src(lane)'s value.
 template <class T, class Src>
 T shfl(unsigned mask, T v, Src src) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffle of a type above 8 bytes");
   if (mask != 0xffffffffu) die("shuffle with a partial mask is not emulated");
-  const unsigned lane = t_tid % 32, base = t_tid - lane;
-  uint64_t* buf = g_block->xchg.data() + size_t(t_shfl_parity) * g_block->xchg.size() / 2 + base;
-  t_shfl_parity ^= 1u;
-  std::memcpy(&buf[lane], &v, sizeof(T));
-  g_block->warp[t_tid / 32]->wait("full-mask shuffle");
-  T r;
-  std::memcpy(&r, &buf[src(lane)], sizeof(T));
-  return r;
+  T all[32];
+  warp_all(v, all, "full-mask shuffle");
+  return all[src(t_tid % 32)];
 }
 }  // namespace emu
 
@@ -703,18 +710,6 @@ T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
 // of matrix j, or with .trans (rows 2t, 2t+1, column g). The products are summed in fp32 in k order
 // onto c (the device's adder order is unknown; tests bound it, never compare bits with the device).
 namespace emu {
-// Every lane of the warp publishes v; all get the 32 values (a warp barrier, like a shuffle, and the
-// same two alternating buffers: see shfl).
-template <class T>
-void warp_all(const T& v, T (&all)[32]) {
-  static_assert(sizeof(T) <= kWarpAllBytes && std::is_trivially_copyable_v<T>, "warp_all value too large");
-  const unsigned lane = t_tid % 32, base = t_tid - lane;
-  unsigned char* buf = g_block->wide.data() + size_t(t_shfl_parity) * g_block->wide.size() / 2;
-  t_shfl_parity ^= 1u;
-  std::memcpy(buf + size_t(base + lane) * kWarpAllBytes, &v, sizeof(T));
-  g_block->warp[t_tid / 32]->wait("warp-collective mma / ldmatrix");
-  for (unsigned l = 0; l < 32; ++l) std::memcpy(&all[l], buf + size_t(base + l) * kWarpAllBytes, sizeof(T));
-}
 inline float bf16_lo(uint32_t w) { return __bfloat162float(__nv_bfloat16{uint16_t(w & 0xFFFFu)}); }
 inline float bf16_hi(uint32_t w) { return __bfloat162float(__nv_bfloat16{uint16_t(w >> 16)}); }
 
@@ -722,7 +717,7 @@ inline void ptx_mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint
   struct Frag {
     uint32_t a[4], b[2];
   } mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}}, all[32];
-  warp_all(mine, all);
+  warp_all(mine, all, "warp-collective mma.sync");
   float A[16][16], B[16][8];
   for (int l = 0; l < 32; ++l) {
     const int g = l / 4, t = l % 4;
@@ -753,7 +748,7 @@ inline void ptx_ldmatrix(uint32_t* r, int n, bool trans, const void* row) {
   EMU_ASSERT(g_smem && p >= g_smem && p + 16 <= g_smem + g_smem_bytes,
              "ldmatrix row inside the block's dynamic shared memory");
   const void* all[32];
-  warp_all(row, all);
+  warp_all(row, all, "warp-collective ldmatrix");
   const int lane = int(t_tid % 32), g = lane / 4, t = lane % 4;
   auto at = [&](int j, int rr, int c) {  // element (rr, c) of matrix j
     uint16_t v;
@@ -842,7 +837,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
       for (unsigned i = 1; i <= blocks; ++i) {
         futex_wait(started, i - 1);
         blockIdx = cur_idx;
-        t_shfl_parity = 0;
+        t_warp_parity = 0;
         kernel(args...);  // each thread its own copies of the parameters
         async_check_drained();
         cur->all.drop();
@@ -911,7 +906,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
   sched.body_ctx = &run_thread;
   FiberSched* const saved = std::exchange(t_sched, &sched);
   const dim3 host_tidx = threadIdx, host_bidx = blockIdx;
-  const unsigned host_tid = t_tid, host_parity = t_shfl_parity;
+  const unsigned host_tid = t_tid, host_parity = t_warp_parity;
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -947,7 +942,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
             sched.cur = t;
             threadIdx = tidx[t];
             t_tid = t;
-            t_shfl_parity = f.parity;
+            t_warp_parity = f.parity;
             emu_fiber_switch(&sched.host_sp, f.sp);
             if (f.done) --live;
             ran = true;
@@ -966,7 +961,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
   threadIdx = host_tidx;
   blockIdx = host_bidx;
   t_tid = host_tid;
-  t_shfl_parity = host_parity;
+  t_warp_parity = host_parity;
 }
 #endif  // EMU_THREADS
 }  // namespace emu
