@@ -41,12 +41,16 @@ __global__ void mma_selftest_kernel(float* d, const uint16_t* a, const uint16_t*
   __syncwarp();
   uint32_t fa[4], fb[2];
   const int j = lane / 8, r = lane % 8;
+  // Modes 0 and 1 address the loads as the attention kernels do (frag_a, frag_b_nk: lanes 0-15 of
+  // an x4 address are an x2's), so a device run checks those helpers too.
+  const bf16* as = reinterpret_cast<const bf16*>(As);
+  const bf16* bs = reinterpret_cast<const bf16*>(Bs);
   if (mode == 0 || mode == 3) {
-    ldmatrix_x4(fa, As + ((j & 1) * 8 + r) * kLd + (j >> 1) * 8);
-    ldmatrix_x2(fb, Bs + (lane % 8) * kLd + ((lane / 8) & 1) * 8);
+    ldmatrix_x4(fa, frag_a(as, kLd, 0, 0, lane));
+    ldmatrix_x2(fb, frag_b_nk(bs, kLd, 0, 0, lane));
   } else if (mode == 1) {
-    ldmatrix_x4_trans(fa, As + ((j >> 1) * 8 + r) * kLd + (j & 1) * 8);
-    ldmatrix_x2_trans(fb, Bs + (((lane / 8) & 1) * 8 + lane % 8) * kLd);
+    ldmatrix_x4_trans(fa, As + ((j >> 1) * 8 + r) * kLd + (j & 1) * 8);  // A^T: [k][m]
+    ldmatrix_x2_trans(fb, frag_a(bs, kLd, 0, 0, lane));
   } else {
     fa[0] = word(a + g * 16 + 2 * t);
     fa[1] = word(a + (g + 8) * 16 + 2 * t);
