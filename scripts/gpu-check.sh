@@ -9,15 +9,17 @@
 # (carried with the call). Which one ran is printed.
 #   GPU_CHECK_BUILD=0      skip the device build, use gpu-bundle/ directly (saves ~1-2 minutes)
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
-#   GPU_CHECK_PROFILE=0    skip the profiled MoE bench (per-op shares of a step)
+#   GPU_CHECK_PROFILE=0    skip the profiled benches (per-op shares of a step: MoE d=1024, dense d=2048)
 #   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark
-#                          (default: the four presets in bf16, the two dense ones and the d=1024 MoE
-#                          also with LADDER_ATTN_MMA=1 (only if the mma.sync attention passed its tests
-#                          in this run), the d=1024 pair with every bf16 activation option (mlp_bf16 or
-#                          moe_bf16, attn_bf16, norm_bf16), the d=1024 pair in tf32, then the d=2048 MoE
-#                          with bf16 saved activations, the d=1024 dense with model.mlp_bf16 alone and
-#                          the d=1024 MoE with model.moe_bf16 alone, while under 7 minutes); key=value
-#                          pairs go to `ladder bench --set`, LADDER_*=value to the environment
+#                          (default: the four presets in bf16; the d=1024 pair with the WMMA attention
+#                          (LADDER_ATTN_MMA=0) for comparison; the d=1024 pair and the d=2048 dense with
+#                          every bf16 activation option (mlp_bf16 or moe_bf16, attn_bf16, norm_bf16); the
+#                          d=1024 pair in tf32; then the d=2048 MoE with bf16 saved activations, the
+#                          d=1024 dense with model.mlp_bf16 alone and the d=1024 MoE with model.moe_bf16
+#                          alone, while under 7 minutes); key=value pairs go to `ladder bench --set`,
+#                          LADDER_*=value to the environment. The attention's default is the mma.sync
+#                          kernels; where they did not pass their tests in this run, every model bench
+#                          runs with LADDER_ATTN_MMA=0 (WMMA) instead
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -80,15 +82,17 @@ grep -E "^\[  (FAILED|PASSED)  \]" "$OUT/tests.log" | sort -u | head -n 20
 echo "skipped: $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log")"
 grep -B1 -A3 "Failure" "$OUT/tests.log" | head -n 40
 
-# The register-resident mma.sync attention (experimental) is benchmarked only where its layout check
-# and its attention tests all passed on this device; a faulting kernel would end the process it runs in.
+# The register-resident mma.sync attention (the default) is benchmarked only where its layout check
+# and its attention tests all passed on this device; a faulting kernel would end the process it runs
+# in, so otherwise the model benches run on the WMMA kernels (LADDER_ATTN_MMA=0).
 MMA_OK=0
 if grep -q '^\[       OK \] CudaMmaPtx.FragmentLayoutsMatchACpuProduct' "$OUT/tests.log" &&
    [ "$(grep -c '^\[       OK \] CudaAttentionMma\.' "$OUT/tests.log")" -ge 3 ] &&
    ! grep -q '^\[  FAILED  \] CudaAttentionMma\.\|^\[  FAILED  \] CudaMmaPtx\.' "$OUT/tests.log"; then
   MMA_OK=1
 fi
-log "mma.sync attention: $([ $MMA_OK = 1 ] && echo "tests passed, benchmarked beside WMMA" || echo "tests not passed, not benchmarked")"
+log "mma.sync attention: $([ $MMA_OK = 1 ] && echo "tests passed, benchmarked beside WMMA" || echo "tests not passed, not benchmarked: LADDER_ATTN_MMA=0")"
+[ $MMA_OK = 1 ] || export LADDER_ATTN_MMA=0
 
 # ---- 3. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
 SAN_RC=skipped
@@ -112,18 +116,18 @@ BENCH_RC=$?
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
 # precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
 log "model benchmarks (log: models.log)"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d1024:bf16:LADDER_ATTN_MMA=1 dense-d2048:bf16 moe-d2048:bf16 dense-d2048:bf16:LADDER_ATTN_MMA=1 moe-d1024:bf16:LADDER_ATTN_MMA=1 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_ATTN_MMA=0 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d2048:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
   IFS=: read -r m prec extra <<<"$mp"
   sets=(--set "run.precision=$prec")
-  envs=()  # LADDER_* items are environment variables (LADDER_ATTN_MMA=1: the mma.sync attention)
+  envs=()  # LADDER_* items are environment variables (LADDER_ATTN_MMA=0: the WMMA attention)
   for kv in ${extra//,/ }; do
     if [[ $kv == LADDER_* ]]; then envs+=("$kv"); else sets+=(--set "$kv"); fi
   done
-  if [ ${#envs[@]} -gt 0 ] && [[ " ${envs[*]} " == *" LADDER_ATTN_MMA=1 "* ]] && [ $MMA_OK != 1 ]; then
-    log "skipping $mp: the mma.sync attention did not pass its tests here"
+  if [ ${#envs[@]} -gt 0 ] && [[ " ${envs[*]} " == *" LADDER_ATTN_MMA=0 "* ]] && [ $MMA_OK != 1 ]; then
+    log "skipping $mp: every bench runs the WMMA attention already (the mma.sync kernels did not pass here)"
     continue
   fi
   [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $mp: over 7 minutes"; continue; }
@@ -145,26 +149,31 @@ except Exception:
   MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rc" "$row" "$extra")"$'\n'
 done
 
-# ---- 5b. where the time goes: one profiled bench (each op's device time from CUDA events on the
-# backend's stream, Backend::make_op_timer; no host wait per op) of the bf16 MoE at d=1024.
+# ---- 5b. where the time goes: profiled benches (each op's device time from CUDA events on the
+# backend's stream, Backend::make_op_timer; no host wait per op) of the bf16 MoE at d=1024 and the
+# bf16 dense at d=2048 (the presets the MFU goals are furthest from / closest to).
 PROFILE_ROWS=""
-if [ "${GPU_CHECK_PROFILE:-1}" != 0 ] && [ $(($(date +%s) - T0)) -lt 400 ]; then
-  log "profiled bench: moe-d1024 bf16 (log: profile.log)"
-  timeout 90 "$BIN/ladder" bench --config configs/gpu/moe-d1024.yaml --device cuda --set run.precision=bf16 \
-    --steps 2 --profile --json >"$OUT/profile.log" 2>&1
-  PROFILE_ROWS=$(tail -n 1 "$OUT/profile.log" | python3 -c 'import json,sys
+for pm in moe-d1024 dense-d2048; do
+  [ "${GPU_CHECK_PROFILE:-1}" != 0 ] && [ $(($(date +%s) - T0)) -lt 420 ] || break
+  log "profiled bench: $pm bf16 (log: profile.log)"
+  # One log for both (the device tool brings back at most 8 files from $OUT).
+  timeout 90 "$BIN/ladder" bench --config "configs/gpu/$pm.yaml" --device cuda --set run.precision=bf16 \
+    --steps 2 --profile --json >"$OUT/profile-run.tmp" 2>&1
+  { echo "=== $pm"; cat "$OUT/profile-run.tmp"; } >>"$OUT/profile.log"
+  PROFILE_ROWS="$PROFILE_ROWS$(tail -n 1 "$OUT/profile-run.tmp" | PM=$pm python3 -c 'import json,os,sys
 try:
     j = json.loads(sys.stdin.read())
     p, steps = j["profile"], max(1, j["steps_timed"])
-    print("  device busy %.1f%% of the steps (sum of the ops\x27 event times / wall time; the rest: gaps between kernels)"
-          % (100 * j["profile_busy"]))
+    print("%s: %.0f tokens/s, device busy %.1f%% of the steps (sum of the ops\x27 event times / wall time; the rest: gaps between kernels)"
+          % (os.environ["PM"], j["tokens_per_s"], 100 * j["profile_busy"]))
     for op, t in sorted(p.items(), key=lambda kv: -kv[1]["share"])[:12]:
         g = t["gflops"]
         print("  %-18s %5.1f%% %9.2f ms/step %7d calls %s" % (op, 100 * t["share"], t["ms_per_step"], t["calls"] // steps,
               ("%.1f TFLOP/s" % (g / 1e3)) if g > 0 else ""))
 except Exception:
-    print("  (failed: see profile.log)")' 2>/dev/null)
-fi
+    print("%s: (failed: see profile.log)" % os.environ["PM"])' 2>/dev/null)"$'\n'
+done
+rm -f "$OUT/profile-run.tmp"
 
 # ---- 6. the table, last -------------------------------------------------------------------------
 echo
@@ -183,7 +192,7 @@ echo "model benchmarks (ladder bench --device cuda, median of 4 steps; MFU = mod
 echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@ds  act MiB  dev MiB  (settings)"
 printf '%s' "$MODEL_ROWS"
 if [ -n "$PROFILE_ROWS" ]; then
-  echo "where a step's time goes (moe-d1024 bf16, ladder bench --profile: device time per op from CUDA events, top 12):"
-  printf '%s\n' "$PROFILE_ROWS"
+  echo "where a step's time goes (bf16, ladder bench --profile: device time per op from CUDA events, top 12):"
+  printf '%s' "$PROFILE_ROWS"
 fi
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

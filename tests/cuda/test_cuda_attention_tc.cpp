@@ -85,6 +85,19 @@ class CudaAttentionTc : public test::CudaFixture {
   }
 
   std::string tag_ = "attn_tc";  // the "[ rel err ]" lines' prefix (gpu-check's table groups by it)
+  // The kernels this suite runs behind the launchers (CudaAttentionTc: WMMA; the default is mma.sync),
+  // selected for each test and the previous choice restored after it.
+  cuda::k::AttnTcKernels want_{false, false}, saved_;
+  void SetUp() override {
+    test::CudaFixture::SetUp();
+    if (IsSkipped()) return;
+    saved_ = cuda::k::attention_tc_kernels();
+    cuda::k::attention_tc_set_kernels(want_);
+  }
+  void TearDown() override {
+    if (!IsSkipped()) cuda::k::attention_tc_set_kernels(saved_);
+    test::CudaFixture::TearDown();
+  }
 
   // The tests' bodies, run by both suites (CudaAttentionTc: the WMMA kernels; CudaAttentionMma: the
   // mma.sync kernels).
@@ -233,22 +246,14 @@ TEST_F(CudaAttentionTc, MatchesCpuAcrossShapes) { across_shapes(); }
 TEST_F(CudaAttentionTc, SharpSoftmax) { sharp_softmax(); }
 TEST_F(CudaAttentionTc, UnalignedInputs) { unaligned_inputs(); }
 
-// The register-resident mma.sync kernels (attention_mma.cuh) behind the same launchers, on the same
-// cases and bounds; the WMMA kernels come back after each test.
+// The register-resident mma.sync kernels (attention_mma.cuh, the launchers' default) on the same
+// cases and bounds.
 class CudaAttentionMma : public CudaAttentionTc {
  protected:
-  void SetUp() override {
-    CudaAttentionTc::SetUp();
-    if (IsSkipped()) return;
-    saved_ = cuda::k::attention_tc_kernels();
-    cuda::k::attention_tc_set_kernels(cuda::k::AttnTcKernels{true, true});
+  CudaAttentionMma() {
+    want_ = cuda::k::AttnTcKernels{true, true};
     tag_ = "attn_mma";
   }
-  void TearDown() override {
-    if (!IsSkipped()) cuda::k::attention_tc_set_kernels(saved_);
-    CudaAttentionTc::TearDown();
-  }
-  cuda::k::AttnTcKernels saved_;
 };
 
 TEST_F(CudaAttentionMma, MatchesCpuAcrossShapes) { across_shapes(); }

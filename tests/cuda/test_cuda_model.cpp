@@ -293,6 +293,19 @@ TEST_F(CudaModel, MoeBf16MatchesTheCpu) {
 // router weights), against 3.9e-4 for the dense switches model. Held to 1e-2: a misread buffer is
 // O(1).
 constexpr double kGradTolAllBf16Moe = 1e-2;
+// model.attn_bf16 + norm_bf16 round many more tensors per layer (q, k, v, the attention and XSA
+// outputs, the gated output, both norms' outputs) than model.mlp_bf16, and each flip seeds more:
+// a flipped element moves its consumers by ~2^-8 x its weight, far more than the 1e-7 fp32
+// difference that caused it, so the next rounding point flips more elements, layer after layer.
+// On the emulated backend the GEMMs are the CPU's own (emu_lt_gemm.cpp), so few flips start there;
+// on a device cuBLASLt's summation order seeds them at every GEMM output. Measured on an H200
+// (2026-11-30, the first device run): logits 1.4e-3 (switches) and 2.0e-3 (MoE, every bf16 option),
+// worst gradient tensor 3.6e-3, against logits 9.9e-5 and 4.0e-4 on the emulated backend, and over
+// the 1e-3 / 3e-3 bounds this test had then. The bounds are
+// the bf16 bound for gradients and half of it for the forward; a misread or stale buffer
+// moves them by O(1).
+constexpr double kFwdTolAttnBf16 = 5e-3;
+constexpr double kGradTolAttnBf16 = 1e-2;
 TEST_F(CudaModel, AttnAndNormBf16MatchTheCpu) {
   for (auto [c, tag, all] : {std::tuple{switches_config(), "switches", false},
                              std::tuple{moe_switches_config(), "moe-switches+all-bf16+saved-bf16", true}}) {
@@ -301,8 +314,8 @@ TEST_F(CudaModel, AttnAndNormBf16MatchTheCpu) {
       c.model.mlp_bf16 = c.model.moe_bf16 = true;
       c.model.saved_activations = "bf16";
     }
-    compare_model(c, std::string("attn+norm-bf16 ") + tag, all ? kGradTolAllBf16Moe : kGradTolBf16Saved,
-                  kFwdTolMlpBf16);
+    compare_model(c, std::string("attn+norm-bf16 ") + tag, all ? kGradTolAllBf16Moe : kGradTolAttnBf16,
+                  kFwdTolAttnBf16);
   }
 }
 

@@ -626,9 +626,11 @@ AttnTcKernels& kernels() {
   static AttnTcKernels k = [] {
     const char* e = std::getenv("LADDER_ATTN_MMA");
     const std::string v = e ? e : "";
+    // Default (unset, 1, all): both mma.sync. 0 or wmma: both WMMA. fwd / bwd: only that one mma.sync.
     AttnTcKernels r;
-    r.mma_fwd = v == "1" || v == "all" || v == "fwd";
-    r.mma_bwd = v == "1" || v == "all" || v == "bwd";
+    const bool wmma = v == "0" || v == "wmma";
+    r.mma_fwd = !wmma && v != "bwd";
+    r.mma_bwd = !wmma && v != "fwd";
     return r;
   }();
   return k;

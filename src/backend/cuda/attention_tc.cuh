@@ -27,13 +27,14 @@ namespace ladder::cuda::k {
 // shared memory per block (up to 102.5 KiB at head_dim 128: A100, H100, H200 yes; sm_86/89 no).
 bool attention_tc_supported(const cpu::AttnShape& s);
 
-// Which kernels the launchers below run: the WMMA kernels of attention_tc.cu (the default), or the
-// register-resident mma.sync kernels (attention_mma.cuh; experimental until CudaMmaPtx.* and CudaAttentionMma.* have
-// passed with them on a GPU: scripts/gpu-check.sh), for the forward and the backward separately.
-// The starting value comes from the environment: LADDER_ATTN_MMA unset or 0 = neither, fwd, bwd,
-// 1 or all = both. Not thread-safe: set it before launching.
+// Which kernels the launchers below run: the register-resident mma.sync kernels (attention_mma.cuh;
+// the default since their tests passed on an H200, where they ran 1.3-1.7x faster than WMMA:
+// docs/cuda.md "Measured runs"), or the WMMA kernels of attention_tc.cu, for the forward and the
+// backward separately. The starting value comes from the environment LADDER_ATTN_MMA: unset, 1 or
+// all = both mma.sync; 0 or wmma = both WMMA; fwd / bwd = only that one mma.sync.
+// Not thread-safe: set it before launching.
 struct AttnTcKernels {
-  bool mma_fwd = false, mma_bwd = false;
+  bool mma_fwd = true, mma_bwd = true;
 };
 AttnTcKernels attention_tc_kernels();
 void attention_tc_set_kernels(AttnTcKernels k);
