@@ -180,31 +180,53 @@ int main(int argc, char** argv) {
         LADDER_CUDA_CHECK(k::attention_tc_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
                                                    v.data(), o.data(), lse.data(), s, scratch.data(), st));
       };
+      // bf16 inputs and output (model.attn_bf16): the launchers' other entry points, where the mma
+      // forward stages K and V by cp.async (16-byte aligned bf16) instead of through registers.
+      DeviceBuffer<uint16_t> q16(nq), k16(nk), v16(nk), o16(nq);
+      LADDER_CUDA_CHECK(k::f32_to_bf16(q16.data(), q.data(), nq, st));
+      LADDER_CUDA_CHECK(k::f32_to_bf16(k16.data(), k.data(), nk, st));
+      LADDER_CUDA_CHECK(k::f32_to_bf16(v16.data(), v.data(), nk, st));
+      auto fwd16 = [&] {
+        LADDER_CUDA_CHECK(
+            k::attention_tc_forward_bf16(o16.data(), lse.data(), q16.data(), k16.data(), v16.data(), s, st));
+      };
+      auto bwd16 = [&] {
+        LADDER_CUDA_CHECK(k::attention_tc_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q16.data(),
+                                                        k16.data(), v16.data(), o16.data(), lse.data(), s,
+                                                        scratch.data(), st));
+      };
       // Both kernel families behind the launchers: the WMMA kernels, then the register-resident
       // mma.sync ones (attention_mma.cuh), the latter only with LADDER_BENCH_ATTN_MMA=1 (gpu-check
       // sets it once CudaAttentionMma.* has passed on this device: a kernel that faulted would end
-      // this benchmark); the launchers' choice is restored after.
+      // this benchmark); each with fp32 inputs (the model's default: rows "... bf16", the MMA
+      // precision) and with bf16 inputs (rows "... in16"); the launchers' choice is restored after.
       const k::AttnTcKernels saved = k::attention_tc_kernels();
       const char* env_mma = std::getenv("LADDER_BENCH_ATTN_MMA");
       const bool with_mma = env_mma && std::string(env_mma) == "1";
       for (const bool mma : {false, true}) {
         if (mma && !with_mma) break;
         k::attention_tc_set_kernels(k::AttnTcKernels{mma, mma});
-        const double fms = time_ms(st, 2, 5, fwd);
-        const double bms = time_ms(st, 2, 5, bwd);
-        const double tms = time_ms(st, 2, 5, [&] {
-          fwd();
-          bwd();
-        });
-        const struct {
-          const char* what;
-          double ms, flop;
-        } tr[] = {{mma ? "attn fwd mma bf16" : "attn fwd tc bf16", fms, fwd_flop},
-                  {mma ? "attn bwd mma bf16" : "attn bwd tc bf16", bms, 2.5 * fwd_flop},
-                  {mma ? "attn fwd+bwd mma bf16" : "attn fwd+bwd tc bf16", tms, 3.5 * fwd_flop}};
-        for (const auto& t : tr) {
-          rows.push_back({t.what, shape, t.ms, t.flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
-          std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what, shape, t.ms, rows.back().rate);
+        for (const bool in16 : {false, true}) {
+          const std::function<void()> f = in16 ? std::function<void()>(fwd16) : std::function<void()>(fwd);
+          const std::function<void()> g = in16 ? std::function<void()>(bwd16) : std::function<void()>(bwd);
+          if (in16) f();  // o16 for the backward (its D = dO . O reads it)
+          const double fms = time_ms(st, 2, 5, f);
+          const double bms = time_ms(st, 2, 5, g);
+          const double tms = time_ms(st, 2, 5, [&] {
+            f();
+            g();
+          });
+          const std::string fam = mma ? "mma" : "tc", ty = in16 ? "in16" : "bf16";
+          const struct {
+            std::string what;
+            double ms, flop;
+          } tr[] = {{"attn fwd " + fam + " " + ty, fms, fwd_flop},
+                    {"attn bwd " + fam + " " + ty, bms, 2.5 * fwd_flop},
+                    {"attn fwd+bwd " + fam + " " + ty, tms, 3.5 * fwd_flop}};
+          for (const auto& t : tr) {
+            rows.push_back({t.what, shape, t.ms, t.flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
+            std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what.c_str(), shape, t.ms, rows.back().rate);
+          }
         }
       }
       k::attention_tc_set_kernels(saved);
