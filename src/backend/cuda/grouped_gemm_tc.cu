@@ -1,9 +1,13 @@
 // bf16 tensor-core grouped GEMM for the MoE experts (launchers and contract in grouped_gemm_tc.cuh;
 // the fp32 CUDA-core version it replaces under bf16 precision is in moe_ops.cu).
 //
-// Only the portable WMMA API (nvcuda::wmma, bf16 16x16x16 fragments, fp32 accumulators; sm_80 and
-// sm_90 alike, no wgmma) touches the tensor cores, and no fragment's element-to-thread mapping is
-// assumed: accumulators leave through store_matrix_sync into shared memory (as in attention_tc.cu).
+// The tensor cores are driven by mma.sync m16n8k16 (bf16 in, fp32 accumulators; sm_80 and sm_90
+// alike, no wgmma) with ldmatrix fragment loads, through mma_ptx.cuh's wrappers: their fragment
+// layouts are the PTX ISA's documented ones (checked on a device by CudaMmaPtx.*), so each lane's
+// ldmatrix row address follows from the stage layout, and the accumulators' positions are known
+// (the register-resident attention built on them ran 1.3-1.7x its WMMA version on an H200). The
+// previous WMMA implementation (nvcuda::wmma 16x16x16, no layout assumed) stays selectable for a
+// same-run comparison: grouped_gemm_tc_set_mma(false) or LADDER_GROUPED_MMA=0 (MmaCore / WmmaCore).
 //
 // Tile product. A block of 256 threads (8 warps) computes a 128 x 128 fp32 output tile
 //      C_tile[x_a, x_b] = alpha * sum_t opA(x_a, t) opB(t, x_b) + beta * C_tile
@@ -18,10 +22,13 @@
 // bf16 mirror under bf16 precision; half the bytes to load, the same bf16 values in shared memory,
 // so the same bits out). An operand tile lives in shared memory as bf16 in the layout its global
 // memory has, so a thread's 4 consecutive elements (one float4 / one 8-byte load of bf16 where the
-// operand is 16- / 8-byte aligned with ld % 4 == 0, else 4 scalar loads) become 4 consecutive bf16: t-contiguous tiles as [128 x][32 t] (ld 40), read as a
-// row_major matrix_a / col_major matrix_b; x-contiguous ones as [32 t][128 x] (ld 136), read as
-// col_major matrix_a / row_major matrix_b. Elements outside the operand (x >= its extent, t >= the
-// reduction length) are stored as zeros, so partial tiles add exact zeros and need no other path.
+// operand is 16- / 8-byte aligned with ld % 4 == 0, else 4 scalar loads) become 4 consecutive bf16:
+// t-contiguous tiles as [128 x][32 t] (ld 40), read by plain ldmatrix (a row-major A; B k-contiguous
+// per column, the mma's "col" B); x-contiguous ones as [32 t][128 x] (ld 136), read by
+// ldmatrix .trans. Both pitches are multiples of 16 bytes (ldmatrix rows) and conflict-free: the 8
+// rows of an 8x8 matrix fall into 8 distinct 16-byte bank groups. Elements outside the operand
+// (x >= its extent, t >= the reduction length) are stored as zeros, so partial tiles add exact
+// zeros and need no other path.
 // Pipeline: three shared stages, one barrier per step; while step s multiplies, steps s+1 and s+2
 // are on their way. A bf16 operand aligned to 8 elements (16 bytes, ld % 8 == 0: the weights' bf16
 // mirror, and with model.moe_bf16 the activations too) goes straight from global to shared memory
@@ -29,10 +36,13 @@
 // valid elements and zeros); any other operand through registers: step s+2's loads are issued
 // before step s's MMAs and converted and stored after them. Either way a stage holds the same bf16
 // values, so the path taken never changes a bit of the result.
-// Warps are 2 (rows) x 4 (columns), each owning a 64 x 32 block: 4 x 2 accumulator fragments.
-// Epilogue: each warp stores a 16 x 32 strip of accumulators at a time to its own staging area
-// (which aliases the operand stages, after the last step's barrier) and writes it out, lane = column,
-// 128 contiguous bytes per row: C = alpha * acc (+ beta * C, read only when beta != 0).
+// Warps are 2 (rows) x 4 (columns), each owning a 64 x 32 block: 4 (m16) x 4 (n8) mma tiles, 64 fp32
+// accumulators a lane. Per k16 slice a warp loads B's two x4 fragments, then A's four one at a time.
+// Epilogue: each warp stores a 16 x 32 strip of accumulators at a time (float2 stores, positions
+// from the accumulator layout) to its own staging area (which aliases the operand stages, after the
+// last step's barrier) and writes it out, lane = column, 128 contiguous bytes per row:
+// C = alpha * acc (+ beta * C, read only when beta != 0). Writing the registers straight to global
+// memory spilled on sm_90 (MmaCore::store).
 //
 // Determinism: every output element is summed by one block, in 16-wide MMA chunks in increasing t,
 // independent of the grid and of which block takes the tile. No atomics, no split-K (see below).
