@@ -67,6 +67,23 @@ class CudaGroupedTc : public test::CudaFixture {
     k::grouped_gemm_tc_set_mma(prev);
   }
 
+  // Larger MoE-like problems (many row tiles, reductions over hundreds of steps), both shapes, with
+  // one implementation: a test each (on the emulated backend the mma.sync one takes minutes, the
+  // WMMA one ~20 s; tests/cuda/emu/CMakeLists.txt leaves the former out of CTest).
+  void large_shapes(bool mma) {
+    const bool prev = k::grouped_gemm_tc_mma();
+    k::grouped_gemm_tc_set_mma(mma);
+    const gt::Case cases[] = {
+        {true, true, 16, 0, 1000, 777, 0, 1.f, 0.f, 600},
+        {true, false, 16, 0, 512, 1024, 1, 1.f, 1.f, 600, 1},
+        {false, false, 16, 768, 520, 0, 0, 1.f, 1.f, 600},
+        {false, false, 4, 300, 260, 0, 0, 1.f, 0.f, 2000, 0, true},
+    };
+    for (const auto& c : cases)
+      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
+    k::grouped_gemm_tc_set_mma(prev);
+  }
+
   static inline int sms_ = 0;
 };
 
@@ -77,19 +94,8 @@ TEST_F(CudaGroupedTc, BothShapes) {
   });
 }
 
-// Larger MoE-like problems (many row tiles, reductions over hundreds of steps), both shapes.
-TEST_F(CudaGroupedTc, LargeShapes) {
-  for_both([&] {
-    const gt::Case cases[] = {
-        {true, true, 16, 0, 1000, 777, 0, 1.f, 0.f, 600},
-        {true, false, 16, 0, 512, 1024, 1, 1.f, 1.f, 600, 1},
-        {false, false, 16, 768, 520, 0, 0, 1.f, 1.f, 600},
-        {false, false, 4, 300, 260, 0, 0, 1.f, 0.f, 2000, 0, true},
-    };
-    for (const auto& c : cases)
-      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
-  });
-}
+TEST_F(CudaGroupedTc, LargeShapes) { large_shapes(true); }
+TEST_F(CudaGroupedTc, LargeShapesWmma) { large_shapes(false); }
 
 // The rows_out grid only sets which block takes which tile: different grids give the same bits.
 TEST_F(CudaGroupedTc, GridIndependent) {
