@@ -3,7 +3,9 @@
 // emulated test tests/cuda/emu/test_emu_grouped_tc.cpp, where the same comparisons run without a
 // GPU). Both shapes, both transB, alpha/beta, beta 0 on a poisoned C, empty experts, skewed loads,
 // odd sizes, misaligned pointers, C outside the output untouched, two runs bitwise identical; plus a
-// throughput print (no assertion) at an MoE-like size against the fp32 kernel of moe_ops.cu.
+// throughput print (no assertion) at an MoE-like size against the fp32 kernel of moe_ops.cu. The
+// correctness tests run for both implementations of the tile product (grouped_gemm_tc_set_mma:
+// mma.sync with ldmatrix, the default, and WMMA); the throughput prints both.
 // Without a GPU each test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
 #include <gtest/gtest.h>
 
@@ -53,36 +55,60 @@ class CudaGroupedTc : public test::CudaFixture {
     C.resize(p.C.size());
   }
 
+  // f() once with each implementation selected (mma.sync, then WMMA); the selection is restored.
+  template <class F>
+  static void for_both(F&& f) {
+    const bool prev = k::grouped_gemm_tc_mma();
+    for (bool mma : {true, false}) {
+      SCOPED_TRACE(mma ? "mma.sync" : "wmma");
+      k::grouped_gemm_tc_set_mma(mma);
+      f();
+    }
+    k::grouped_gemm_tc_set_mma(prev);
+  }
+
+  // Larger MoE-like problems (many row tiles, reductions over hundreds of steps), both shapes, with
+  // one implementation: a test each (on the emulated backend the mma.sync one takes minutes, the
+  // WMMA one ~20 s; tests/cuda/emu/CMakeLists.txt leaves the former out of CTest).
+  void large_shapes(bool mma) {
+    const bool prev = k::grouped_gemm_tc_mma();
+    k::grouped_gemm_tc_set_mma(mma);
+    const gt::Case cases[] = {
+        {true, true, 16, 0, 1000, 777, 0, 1.f, 0.f, 600},
+        {true, false, 16, 0, 512, 1024, 1, 1.f, 1.f, 600, 1},
+        {false, false, 16, 768, 520, 0, 0, 1.f, 1.f, 600},
+        {false, false, 4, 300, 260, 0, 0, 1.f, 0.f, 2000, 0, true},
+    };
+    for (const auto& c : cases)
+      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
+    k::grouped_gemm_tc_set_mma(prev);
+  }
+
   static inline int sms_ = 0;
 };
 
 TEST_F(CudaGroupedTc, BothShapes) {
-  for (const auto& c : gt::cases(false))
-    gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
+  for_both([&] {
+    for (const auto& c : gt::cases(false))
+      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
+  });
 }
 
-// Larger MoE-like problems (many row tiles, reductions over hundreds of steps), both shapes.
-TEST_F(CudaGroupedTc, LargeShapes) {
-  const gt::Case cases[] = {
-      {true, true, 16, 0, 1000, 777, 0, 1.f, 0.f, 600},
-      {true, false, 16, 0, 512, 1024, 1, 1.f, 1.f, 600, 1},
-      {false, false, 16, 768, 520, 0, 0, 1.f, 1.f, 600},
-      {false, false, 4, 300, 260, 0, 0, 1.f, 0.f, 2000, 0, true},
-  };
-  for (const auto& c : cases)
-    gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
-}
+TEST_F(CudaGroupedTc, LargeShapes) { large_shapes(true); }
+TEST_F(CudaGroupedTc, LargeShapesWmma) { large_shapes(false); }
 
 // The rows_out grid only sets which block takes which tile: different grids give the same bits.
 TEST_F(CudaGroupedTc, GridIndependent) {
-  const gt::Case c{true, false, 9, 0, 300, 200, 1, 1.f, 0.5f, 200, 1};
-  const gt::Problem p = gt::make_problem(c, rng_);
-  std::vector<float> a = p.C, b = p.C, d = p.C;
-  run(c, p, a, 1);
-  run(c, p, b, sms_);
-  run(c, p, d, 3 * sms_ + 1);
-  EXPECT_EQ(a, b);
-  EXPECT_EQ(a, d);
+  for_both([&] {
+    const gt::Case c{true, false, 9, 0, 300, 200, 1, 1.f, 0.5f, 200, 1};
+    const gt::Problem p = gt::make_problem(c, rng_);
+    std::vector<float> a = p.C, b = p.C, d = p.C;
+    run(c, p, a, 1);
+    run(c, p, b, sms_);
+    run(c, p, d, 3 * sms_ + 1);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(a, d);
+  });
 }
 
 // grouped_gemm_tc_ex with a bf16 C (c_bf16): every output element is the round-to-nearest-even of
@@ -91,71 +117,75 @@ TEST_F(CudaGroupedTc, GridIndependent) {
 // emulated twin: CudaEmuGroupedTc.Bf16OutputIsTheFp32OutputRounded). With beta != 0 a bf16 C is
 // refused (cudaErrorInvalidValue), nothing launched.
 TEST_F(CudaGroupedTc, Bf16OutputIsTheFp32OutputRounded) {
-  int ran = 0;
-  for (const auto& c : gt::cases(false)) {
-    if (c.beta != 0.f) continue;
-    SCOPED_TRACE(c.name());
+  for_both([&] {
+    int ran = 0;
+    for (const auto& c : gt::cases(false)) {
+      if (c.beta != 0.f) continue;
+      SCOPED_TRACE(c.name());
+      const gt::Problem p = gt::make_problem(c, rng_);
+      const int s = p.shift;
+      std::vector<float> ref(p.C.size());
+      std::memset(ref.data(), 0xFF, ref.size() * sizeof(float));  // beta 0: C not read
+      run(c, p, ref, sms_);
+      if (HasFatalFailure()) return;
+      auto d_off = up(p.off);
+      auto d_A = up(p.A), d_B = up(p.B);
+      auto d_C = poisoned<uint16_t>(p.C.size());
+      DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E));
+      ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, d_off.data(), c.M, c.N, c.K, c.alpha, d_A.data() + s,
+                                      false, p.lda, d_B.data() + s, false, p.ldb, p.sB, 0.f, d_C.data() + s, true,
+                                      p.ldc, p.sC, scratch.data(), sms_, nullptr),
+                cudaSuccess);
+      cuda::device_synchronize();
+      std::vector<uint16_t> got = d_C.download();
+      got.resize(p.C.size());
+      ran += gt::check_bf16_output(c, p, got, ref);
+    }
+    EXPECT_GE(ran, 4);
+    // beta != 0 with a bf16 C: refused before any launch.
+    const gt::Case c{true, true, 3, 0, 5, 4, 0, 1.f, 0.5f, 10};
     const gt::Problem p = gt::make_problem(c, rng_);
-    const int s = p.shift;
-    std::vector<float> ref(p.C.size());
-    std::memset(ref.data(), 0xFF, ref.size() * sizeof(float));  // beta 0: C not read
-    run(c, p, ref, sms_);
-    if (HasFatalFailure()) return;
     auto d_off = up(p.off);
     auto d_A = up(p.A), d_B = up(p.B);
     auto d_C = poisoned<uint16_t>(p.C.size());
     DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E));
-    ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, d_off.data(), c.M, c.N, c.K, c.alpha, d_A.data() + s,
-                                    false, p.lda, d_B.data() + s, false, p.ldb, p.sB, 0.f, d_C.data() + s, true,
-                                    p.ldc, p.sC, scratch.data(), sms_, nullptr),
-              cudaSuccess);
+    for (bool rows_out : {true, false})
+      EXPECT_EQ(k::grouped_gemm_tc_ex(rows_out, c.transB, c.E, d_off.data(), 4, c.N, c.K, 1.f, d_A.data(), false,
+                                      p.lda, d_B.data(), false, p.ldb, p.sB, 0.5f, d_C.data(), true, c.N,
+                                      size_t(4) * c.N, scratch.data(), sms_, nullptr),
+                cudaErrorInvalidValue)
+          << "rows_out " << rows_out;
     cuda::device_synchronize();
-    std::vector<uint16_t> got = d_C.download();
-    got.resize(p.C.size());
-    ran += gt::check_bf16_output(c, p, got, ref);
-  }
-  EXPECT_GE(ran, 4);
-  // beta != 0 with a bf16 C: refused before any launch.
-  const gt::Case c{true, true, 3, 0, 5, 4, 0, 1.f, 0.5f, 10};
-  const gt::Problem p = gt::make_problem(c, rng_);
-  auto d_off = up(p.off);
-  auto d_A = up(p.A), d_B = up(p.B);
-  auto d_C = poisoned<uint16_t>(p.C.size());
-  DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E));
-  for (bool rows_out : {true, false})
-    EXPECT_EQ(k::grouped_gemm_tc_ex(rows_out, c.transB, c.E, d_off.data(), 4, c.N, c.K, 1.f, d_A.data(), false,
-                                    p.lda, d_B.data(), false, p.ldb, p.sB, 0.5f, d_C.data(), true, c.N,
-                                    size_t(4) * c.N, scratch.data(), sms_, nullptr),
-              cudaErrorInvalidValue)
-        << "rows_out " << rows_out;
-  cuda::device_synchronize();
-  EXPECT_EQ(d_C.download(), std::vector<uint16_t>(d_C.download().size(), 0xFFFF));
+    EXPECT_EQ(d_C.download(), std::vector<uint16_t>(d_C.download().size(), 0xFFFF));
+  });
 }
 
 TEST_F(CudaGroupedTc, AllExpertsEmpty) {
-  const int E = 5, M = 20, N = 30;
-  const std::vector<int32_t> off(E + 1, 0);
-  auto d_off = up(off);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  std::vector<float> C(size_t(E) * M * N);
-  for (auto& x : C) x = u(rng_);
-  for (float beta : {0.f, 1.f, -2.f}) {
-    auto d_C = up(C);
-    if (beta == 0.f) d_C.poison();
-    ASSERT_EQ(k::grouped_gemm_tc(false, false, E, d_off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta,
-                                 d_C.data(), N, size_t(M) * N, nullptr, sms_, nullptr),
+  for_both([&] {
+    const int E = 5, M = 20, N = 30;
+    const std::vector<int32_t> off(E + 1, 0);
+    auto d_off = up(off);
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    std::vector<float> C(size_t(E) * M * N);
+    for (auto& x : C) x = u(rng_);
+    for (float beta : {0.f, 1.f, -2.f}) {
+      auto d_C = up(C);
+      if (beta == 0.f) d_C.poison();
+      ASSERT_EQ(k::grouped_gemm_tc(false, false, E, d_off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta,
+                                   d_C.data(), N, size_t(M) * N, nullptr, sms_, nullptr),
+                cudaSuccess);
+      std::vector<float> ref = C;
+      cpu::grouped_gemm<float>(false, false, E, off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta, ref.data(),
+                               N, size_t(M) * N);
+      EXPECT_EQ(d_C.download(), ref) << "beta " << beta;
+    }
+    DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(E));
+    auto d_R = up(std::vector<float>(C.begin(), C.begin() + 7));
+    ASSERT_EQ(k::grouped_gemm_tc(true, true, E, d_off.data(), 0, N, M, 1.f, nullptr, M, nullptr, M, size_t(N) * M, 0.f,
+                                 d_R.data(), N, 0, scratch.data(), sms_, nullptr),
               cudaSuccess);
-    std::vector<float> ref = C;
-    cpu::grouped_gemm<float>(false, false, E, off.data(), M, N, 0, 1.f, nullptr, M, nullptr, N, 0, beta, ref.data(),
-                             N, size_t(M) * N);
-    EXPECT_EQ(d_C.download(), ref) << "beta " << beta;
-  }
-  DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(E));
-  auto d_R = up(std::vector<float>(C.begin(), C.begin() + 7));
-  ASSERT_EQ(k::grouped_gemm_tc(true, true, E, d_off.data(), 0, N, M, 1.f, nullptr, M, nullptr, M, size_t(N) * M, 0.f,
-                               d_R.data(), N, 0, scratch.data(), sms_, nullptr),
-            cudaSuccess);
-  EXPECT_EQ(d_R.download(), std::vector<float>(C.begin(), C.begin() + 7));
+    EXPECT_EQ(d_R.download(), std::vector<float>(C.begin(), C.begin() + 7));
+  });
 }
 
 // Under bf16 precision the backend's grouped_gemm reads expert weights (B of the rows_out shape)
@@ -245,8 +275,13 @@ TEST_F(CudaGroupedTc, Throughput) {
   // rows_out shapes) in bf16, as the bf16 backend passes them (staged by cp.async); 3: also the
   // activations x in bf16 (model.moe_bf16): the forward reads both operands by cp.async, the weight
   // gradient its x.
+  const bool prev = k::grouped_gemm_tc_mma();
   for (const Op& o : ops)
-    for (int tc = 0; tc < 4; ++tc) {
+    for (int run = 0; run < 7; ++run) {
+      // runs 4..6: tc 1..3 with the WMMA tile product (grouped_gemm_tc_set_mma(false)), to compare.
+      const bool wmma = run > 3;
+      const int tc = wmma ? run - 3 : run;
+      k::grouped_gemm_tc_set_mma(!wmma);
       if (tc == 2 && !o.rows_out) continue;
       if (tc == 3 && o.name[0] == 'd') continue;  // the data gradient reads no x
       auto launch = [&] {
@@ -276,9 +311,11 @@ TEST_F(CudaGroupedTc, Throughput) {
       float ms = 0;
       cudaEventElapsedTime(&ms, t0, t1);
       const char* kind = tc == 3 ? "bf16 (x+W bf16)" : tc == 2 ? "bf16 (W bf16)" : tc ? "bf16" : "fp32";
-      std::printf("[ thruput  ] %s %-15s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, kind,
-                  E, total, d, f, ms / reps, flops * reps / (ms * 1e-3) / 1e12);
+      std::printf("[ thruput  ] %s %-15s %-4s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, kind,
+                  wmma ? "wmma" : tc ? "mma" : "", E, total, d, f, ms / reps,
+                  flops * reps / (ms * 1e-3) / 1e12);
     }
+  k::grouped_gemm_tc_set_mma(prev);
   cudaEventDestroy(t0);
   cudaEventDestroy(t1);
 }

@@ -8,7 +8,8 @@
 //  rows_out = true:  C[rows_e, :N] = alpha * A[rows_e, :K] * op(B_e) + beta * C[rows_e]
 //  rows_out = false: C_e[M, N] = alpha * A[rows_e, :M]^T * B[rows_e, :N] + beta * C_e (transB unused)
 // with one difference in precision: the fp32 operands are rounded to bf16 (nearest even) on their
-// way into shared memory and multiplied on the tensor cores (WMMA bf16 16x16x16, fp32 accumulation).
+// way into shared memory and multiplied on the tensor cores (bf16 inputs, fp32 accumulation: mma.sync
+// m16n8k16, or WMMA 16x16x16, grouped_gemm_tc_set_mma below).
 // Every output element is computed by one block in an order fixed by the problem shape (never by
 // the grid): bitwise reproducible run to run, no atomics. `offsets` stay on the device: nothing here
 // synchronizes with the host. beta == 0 never reads C. Any sizes, leading dimensions and
@@ -24,6 +25,14 @@
 #include <cstdint>
 
 namespace ladder::cuda::k {
+
+// Which implementation of the tile product the launchers run: mma.sync m16n8k16 with ldmatrix
+// (true, the default) or the WMMA API (false; kept to compare with on a GPU). Both give results
+// within the bounds above and deterministic as described; their bits may differ from each other.
+// The starting value comes from the environment: LADDER_GROUPED_MMA unset or 1 = mma.sync, 0 = WMMA.
+// Not thread-safe: set it before launching.
+bool grouped_gemm_tc_mma();
+void grouped_gemm_tc_set_mma(bool mma);
 
 size_t grouped_gemm_tc_scratch_ints(int E);
 cudaError_t grouped_gemm_tc(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,

@@ -135,4 +135,13 @@ __device__ __forceinline__ void mma_ab_acc(float (&acc)[HD / 8][4], const float 
   }
 }
 
+// The lane's row address for ldmatrix_x4_trans of the A fragment (16 m x k16) from a [k][m]
+// row-major tile (A stored transposed: m contiguous), k16 slice at row k0, rows m0.. of A. The A
+// fragment's matrices 0..3 are (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15),
+// i.e. the tile's blocks (rows k 0-7, cols m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15):
+// frag_b_nk's order with k as the tile's rows; .trans hands lane (g, t) rows k 2t, 2t+1 of column m g.
+__device__ __forceinline__ const __nv_bfloat16* frag_a_km(const __nv_bfloat16* tile, int ld, int k0, int m0, int lane) {
+  return frag_b_nk(tile, ld, k0, m0, lane);
+}
+
 }  // namespace ladder::cuda::k
