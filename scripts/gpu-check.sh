@@ -12,7 +12,8 @@
 #   GPU_CHECK_PROFILE=0    skip the profiled benches (per-op shares of a step: MoE d=1024, dense d=2048)
 #   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark
 #                          (default: the four presets in bf16; the d=1024 pair with the WMMA attention
-#                          (LADDER_ATTN_MMA=0) for comparison; the d=1024 pair and the d=2048 dense with
+#                          (LADDER_ATTN_MMA=0) and the d=1024 MoE with the WMMA grouped GEMM
+#                          (LADDER_GROUPED_MMA=0) for comparison; the d=1024 pair and the d=2048 dense with
 #                          every bf16 activation option (mlp_bf16 or moe_bf16, attn_bf16, norm_bf16); the
 #                          d=1024 pair in tf32; then the d=2048 MoE with bf16 saved activations, the
 #                          d=1024 dense with model.mlp_bf16 alone and the d=1024 MoE with model.moe_bf16
@@ -93,12 +94,21 @@ if grep -q '^\[       OK \] CudaMmaPtx.FragmentLayoutsMatchACpuProduct' "$OUT/te
 fi
 log "mma.sync attention: $([ $MMA_OK = 1 ] && echo "tests passed, benchmarked beside WMMA" || echo "tests not passed, not benchmarked: LADDER_ATTN_MMA=0")"
 [ $MMA_OK = 1 ] || export LADDER_ATTN_MMA=0
+# Likewise the grouped GEMM's mma.sync tile product (the default; its tests run both it and WMMA):
+# where any CudaGroupedTc test failed here, the model benches use WMMA (LADDER_GROUPED_MMA=0).
+GG_OK=1
+if ! grep -q '^\[       OK \] CudaGroupedTc.BothShapes' "$OUT/tests.log" ||
+   grep -q '^\[  FAILED  \] CudaGroupedTc\.' "$OUT/tests.log"; then
+  GG_OK=0
+  export LADDER_GROUPED_MMA=0
+fi
+log "grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "tests passed" || echo "tests not passed: model benches on WMMA (LADDER_GROUPED_MMA=0)")"
 
 # ---- 3. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
   log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
-  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaAttnBf16.*-*Throughput*'
+  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaAttnBf16.*-*Throughput*:*LargeShapesWmma*'
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
     >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
@@ -116,7 +126,7 @@ BENCH_RC=$?
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
 # precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
 log "model benchmarks (log: models.log)"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_ATTN_MMA=0 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d2048:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d2048:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
@@ -128,6 +138,10 @@ for mp in $MODELS; do
   done
   if [ ${#envs[@]} -gt 0 ] && [[ " ${envs[*]} " == *" LADDER_ATTN_MMA=0 "* ]] && [ $MMA_OK != 1 ]; then
     log "skipping $mp: every bench runs the WMMA attention already (the mma.sync kernels did not pass here)"
+    continue
+  fi
+  if [[ " ${envs[*]} " == *" LADDER_GROUPED_MMA=0 "* ]] && [ $GG_OK != 1 ]; then
+    log "skipping $mp: every bench runs the WMMA grouped GEMM already"
     continue
   fi
   [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $mp: over 7 minutes"; continue; }
