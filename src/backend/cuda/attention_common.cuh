@@ -119,10 +119,11 @@ __device__ __forceinline__ void stage_tile(bf16* dst, const E* src, int b, int S
   load_rows<HD, LD, THREADS, ROWS>(dst, p, ld, S - r0, vec);
 }
 
-// Per-row fp32 values [B, H, S] (lse, D) of rows [r0, r0 + 64) into shared memory (0 past S); the
-// block's first 64 threads do it.
+// Per-row fp32 values [B, H, S] (lse, D) of rows [r0, r0 + ROWS) into shared memory (0 past S); the
+// block's first ROWS threads do it.
+template <int ROWS = kRows>
 __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int b, int H, int h, int S, int r0) {
-  if (threadIdx.x < kRows) {
+  if (threadIdx.x < ROWS) {
     const int i = r0 + threadIdx.x;
     dst[threadIdx.x] = i < S ? src[(size_t(b) * H + h) * S + i] : 0.f;
   }

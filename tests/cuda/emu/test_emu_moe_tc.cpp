@@ -374,8 +374,11 @@ void tc_bf16_case(const cpu::AttnShape& s, const std::vector<float>& q, const st
   CudaEmu::ok(k::attention_tc_forward_bf16(ob.data() + boff, lseb.data(), qb.data() + boff, kb.data() + boff,
                                            vb.data() + boff, s, nullptr),
               what + " bf16");
-  if (boff != 0) EXPECT_EQ(::emu::g_async_copies.load(), copies) << what << ": cp.async needs 16-byte aligned rows";
-  else if (k::attention_tc_kernels().mma_fwd) EXPECT_GT(::emu::g_async_copies.load(), copies) << what;
+  if (boff != 0) {
+    EXPECT_EQ(::emu::g_async_copies.load(), copies) << what << ": cp.async needs 16-byte aligned rows";
+  } else if (k::attention_tc_kernels().mma_fwd) {
+    EXPECT_GT(::emu::g_async_copies.load(), copies) << what << ": aligned bf16 tiles go by cp.async";
+  }
   CudaEmu::ok(k::attention_tc_forward(o32.data(), lse32.data(), wq.data(), wk.data(), wv.data(), s, nullptr), what);
   std::vector<uint16_t> o32b(nq);
   for (size_t i = 0; i < nq; ++i) o32b[i] = bits(o32[i]);
@@ -386,10 +389,16 @@ void tc_bf16_case(const cpu::AttnShape& s, const std::vector<float>& q, const st
   auto scratch = CudaEmu::poisoned(k::attention_tc_backward_scratch_floats(s));
   auto dqb = CudaEmu::poisoned(nq), dkb = CudaEmu::poisoned(nk), dvb = CudaEmu::poisoned(nk);
   auto dq32 = CudaEmu::poisoned(nq), dk32 = CudaEmu::poisoned(nk), dv32 = CudaEmu::poisoned(nk);
+  const uint64_t bwd_copies = ::emu::g_async_copies.load();
   CudaEmu::ok(k::attention_tc_backward_bf16(dqb.data(), dkb.data(), dvb.data(), dout.data(), qb.data() + boff,
                                             kb.data() + boff, vb.data() + boff, ob.data() + boff, lseb.data(), s,
                                             scratch.data(), nullptr),
               what + " bf16");
+  if (boff != 0) {
+    EXPECT_EQ(::emu::g_async_copies.load(), bwd_copies) << what << ": cp.async needs 16-byte aligned rows";
+  } else if (k::attention_tc_kernels().mma_bwd) {
+    EXPECT_GT(::emu::g_async_copies.load(), bwd_copies) << what << ": aligned bf16 tiles go by cp.async";
+  }
   CudaEmu::ok(k::attention_tc_backward(dq32.data(), dk32.data(), dv32.data(), dout.data(), wq.data(), wk.data(),
                                        wv.data(), wo.data(), lseb.data(), s, scratch.data(), nullptr),
               what);
