@@ -3,9 +3,11 @@
 // k, v, dO (fp32 rounded to bf16, or bf16 as it is) and of per-row statistics into shared memory.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_pipeline_primitives.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/device_common.cuh"
@@ -44,15 +46,15 @@ __device__ __forceinline__ void stage4(bf16* d, const bf16* p, bool vec) {
   *reinterpret_cast<Bf16x4*>(d) = u;
 }
 
-// Rows [0, 64) of a row-major fp32 or bf16 matrix whose row 0 is at `src` and rows `ld` elements
-// apart into a bf16 [64][LD] shared tile (stage4), by a block of THREADS threads; rows at or past
-// `n` are zeros. `vec`: the tensor's base is aligned for 4-element loads (vec_ok), so (HD and ld
+// Rows [0, ROWS) (a tile: 64) of a row-major fp32 or bf16 matrix whose row 0 is at `src` and rows
+// `ld` elements apart into a bf16 [ROWS][LD] shared tile (stage4), by a block of THREADS threads;
+// rows at or past `n` are zeros. `vec`: the tensor's base is aligned for 4-element loads (vec_ok), so (HD and ld
 // being multiples of 4) every 4-element group is too. Thread t loads column group t % (HD / 4) of
 // rows t / (HD / 4) + k * kStep, walking one pointer down the rows: with unroll 4, ptxas issues four
 // row loads at a time, and the HD = 128 WMMA dK/dV kernel, which holds 16 accumulator fragments
 // across its loop, fits in 168 (fp32 E) / 178 (bf16 E) registers on sm_90 instead of 255 plus a
 // 40-byte spill (a flat index loop).
-template <int HD, int LD, int THREADS, class E>
+template <int HD, int LD, int THREADS, int ROWS = kRows, class E>
 __device__ void load_rows(bf16* dst, const E* src, size_t ld, int n, bool vec) {
   constexpr int C4 = HD / 4, kStep = THREADS / C4;
   static_assert(THREADS % C4 == 0, "a thread's column group is the same on every row it loads");
@@ -62,7 +64,7 @@ __device__ void load_rows(bf16* dst, const E* src, size_t ld, int n, bool vec) {
   bf16* d = dst + r * LD + c;  // 8-byte aligned: c % 4 == 0 and LD * 2 % 8 == 0
   const E* p = src + r * ld + c;
 #pragma unroll 4
-  for (; r < kRows; r += kStep, d += kStep * LD, p += kStep * ld) {
+  for (; r < ROWS; r += kStep, d += kStep * LD, p += kStep * ld) {
     if (r < n) {
       stage4(d, p, vec);
     } else {
@@ -79,10 +81,49 @@ __device__ void load_tile(bf16* dst, const E* src, int b, int S, int nh, int hea
   load_rows<HD, LD, THREADS>(dst, src + ((size_t(b) * S + r0) * nh + head) * HD, size_t(nh) * HD, S - r0, vec);
 }
 
-// Per-row fp32 values [B, H, S] (lse, D) of rows [r0, r0 + 64) into shared memory (0 past S); the
-// block's first 64 threads do it.
+// load_rows for bf16 whose rows are 16-byte aligned (async_ok), by cp.async: 8-element chunks go
+// from global to shared memory without passing through registers, so the caller can compute while
+// they are in flight. A chunk lands when the issuing thread waits for the commit group it joins
+// (__pipeline_wait_prior) and is visible to the block after the next __syncthreads; rows at or past
+// `n` are zeroed by plain stores (no source to copy), visible after that same barrier. The values
+// are the ones load_rows stages (bf16 is copied as it is).
+template <int HD, int LD, int THREADS, int ROWS = kRows>
+__device__ __forceinline__ void load_rows_async(bf16* dst, const bf16* src, size_t ld, int n) {
+  constexpr int C8 = HD / 8, kStep = THREADS / C8;
+  static_assert(THREADS % C8 == 0 && ROWS % kStep == 0, "a thread's chunk column is the same on every row");
+  static_assert((LD * sizeof(bf16)) % 16 == 0, "16-byte aligned shared rows");
+  const int c = (threadIdx.x % C8) * 8, r0 = threadIdx.x / C8;
+#pragma unroll
+  for (int r = r0; r < ROWS; r += kStep) {
+    bf16* d = dst + r * LD + c;
+    if (r < n) __pipeline_memcpy_async(d, src + r * ld + c, 16);
+    else *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);  // all-zero bits: bf16 zeros
+  }
+}
+
+// Rows [r0, r0 + ROWS) (a tile, or part of one) as load_tile stages them (rows at or past S: zeros),
+// but by cp.async (load_rows_async) when E is bf16 and `async` (async_ok of the tensor): the caller
+// then waits for the commit group before the barrier that publishes the rows. Otherwise load_rows:
+// plain stores, published by the barrier alone (a wait for an empty group is free).
+template <int HD, int LD, int THREADS, int ROWS = kRows, class E>
+__device__ __forceinline__ void stage_tile(bf16* dst, const E* src, int b, int S, int nh, int head, int r0, bool vec,
+                                           bool async) {
+  const E* p = src + ((size_t(b) * S + min(r0, S - 1)) * nh + head) * HD;  // rows past S: never read
+  const size_t ld = size_t(nh) * HD;
+  if constexpr (std::is_same_v<E, bf16>) {
+    if (async) {
+      load_rows_async<HD, LD, THREADS, ROWS>(dst, p, ld, S - r0);
+      return;
+    }
+  }
+  load_rows<HD, LD, THREADS, ROWS>(dst, p, ld, S - r0, vec);
+}
+
+// Per-row fp32 values [B, H, S] (lse, D) of rows [r0, r0 + ROWS) into shared memory (0 past S); the
+// block's first ROWS threads do it.
+template <int ROWS = kRows>
 __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int b, int H, int h, int S, int r0) {
-  if (threadIdx.x < kRows) {
+  if (threadIdx.x < ROWS) {
     const int i = r0 + threadIdx.x;
     dst[threadIdx.x] = i < S ? src[(size_t(b) * H + h) * S + i] : 0.f;
   }
@@ -97,6 +138,10 @@ constexpr int blocks_per_sm(size_t bytes, size_t sm_kib) { return int(sm_kib * 1
 // Whether a tensor's base allows the 4-element vector loads of stage4.
 inline bool vec_ok(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 inline bool vec_ok(const bf16* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
+// Whether a bf16 tensor's base allows load_rows_async's 16-byte copies: rows of HD = 64 or 128 bf16
+// are 128 or 256 bytes, so every row and every 8-element chunk is then 16-byte aligned as well.
+inline bool async_ok(const bf16* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+inline bool async_ok(const float*) { return false; }  // fp32 is rounded while staged: no plain copy
 
 // Two consecutive elements of an output row (fp32 values, rounded to bf16 for a bf16 output): one
 // 8-byte (fp32) or 4-byte (bf16) store when the base is aligned for it (`vec`: vec2_ok, and every

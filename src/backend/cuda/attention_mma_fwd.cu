@@ -33,9 +33,18 @@
 // bf16 copied) and how o is stored (store_rn): the bf16 instantiation gives bitwise the fp32 one's
 // results on the widened inputs (o then rounded). Deterministic: no atomics, fixed orders.
 //
-// Shared memory per block: 3 * 64 * (HD + 8) * 2 bytes = 27 KiB (hd 64), 51 KiB (hd 128); sm_90
-// (228 KiB per SM, 1 KiB reserved per block) then holds 8 and 4 blocks, sm_80 (164 KiB) 5 and 3.
-// Registers bind first: kMmaFwdBlocks below.
+// Pipelining: the K and V tiles are staged by cp.async when the inputs are bf16 with 16-byte aligned
+// bases (stage_tile; fp32 is rounded while staged, and unaligned bf16 is loaded 4 elements at a
+// time: those go through registers, synchronously), so that a tile loads while the warps compute.
+// Each key tile's V is issued at the top of its iteration and lands during S = Q K^T and the
+// softmax; the next K tile is issued at the top too into a second K buffer (hd 64), or after
+// S = Q K^T into the only one (hd 128), and lands by the end of the iteration. Three block barriers
+// per key tile at hd 128, two at hd 64. The staged values and the math are unchanged: bitwise the
+// results of the synchronous kernel.
+//
+// Shared memory per block: Q, V and one (hd 128) or two (hd 64) K tiles of 64 * (HD + 8) * 2 bytes:
+// 36 KiB (hd 64), 51 KiB (hd 128); sm_90 (228 KiB per SM, 1 KiB reserved per block) then holds 6
+// and 4 blocks, sm_80 (164 KiB) 4 and 3. Registers bind first: kMmaFwdBlocks below.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -63,16 +72,21 @@ template <int HD>
 struct MmaFwdTiles {
   static constexpr int kLd = HD + 8;  // bf16 [64][HD + 8] tiles: Q, K, V
   static constexpr size_t kTile = size_t(kRows) * kLd * sizeof(bf16);
-  static constexpr size_t kBytes = 3 * kTile;
+  // K buffers: two at hd 64, so that the next K tile is issued with the V tile at the top of the
+  // iteration (only O and Q live: loading it after S = Q K^T, with S live too, spills under the
+  // 128-register cap); one at hd 128, where a second would cost sm_80 a block per SM (shared memory)
+  // and the 168-register cap leaves room to issue the next K tile after S = Q K^T.
+  static constexpr int kKBufs = HD == 64 ? 2 : 1;
+  static constexpr size_t kBytes = (2 + kKBufs) * kTile;  // Q, V, K (x kKBufs)
   static_assert((kLd * sizeof(bf16)) % 16 == 0 && kTile % 128 == 0, "16-byte aligned ldmatrix rows");
 };
 
 using attn::blocks_per_sm;
 
 // Blocks per SM as __launch_bounds__ gives them to ptxas (registers capped at 65536 / (128 * N)):
-// shared memory allows 8 (hd 64) and 4 (hd 128) on sm_90; registers bind first. hd 64: 4 blocks
-// (128 registers, Q held); hd 128: 3 blocks (168 registers: with Q held ptxas spills, so Q is
-// reloaded; holding it needs 218, i.e. 2 blocks). scripts/ptxas-regs.sh.
+// shared memory allows 6 (hd 64) and 4 (hd 128) on sm_90; registers bind first. hd 64: 4 blocks
+// (128 registers, Q held); hd 128: 3 blocks (166 of 168 registers: with Q held ptxas spills, so Q
+// is reloaded; holding it needs 218, i.e. 2 blocks). scripts/ptxas-regs.sh.
 template <int HD>
 constexpr int kMmaFwdBlocks = HD == 64 ? 4 : 3;
 // Whether the warp's Q fragments are held in registers across the key loop (else reloaded from the
@@ -90,7 +104,8 @@ using attn::store2;
 
 template <int HD, class E>
 __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
-    mma_fwd_kernel(E* o, float* lse, const E* q, const E* k, const E* v, AttnShape sh, bool vec, bool ovec) {
+    mma_fwd_kernel(E* o, float* lse, const E* q, const E* k, const E* v, AttnShape sh, bool vec, bool async,
+                   bool ovec) {
   using T = MmaFwdTiles<HD>;
   constexpr int kLd = T::kLd;
   constexpr int kQk = HD / 16;  // k16 slices of Q K^T
@@ -98,8 +113,9 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
   constexpr int kSn = kRows / 8;  // n8 tiles of S (8)
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* Qs = reinterpret_cast<bf16*>(smem);
-  bf16* Ks = reinterpret_cast<bf16*>(smem + T::kTile);
-  bf16* Vs = reinterpret_cast<bf16*>(smem + 2 * T::kTile);
+  bf16* Vs = reinterpret_cast<bf16*>(smem + T::kTile);
+  bf16* Ks = reinterpret_cast<bf16*>(smem + 2 * T::kTile);  // the K tile of this iteration
+  bf16* Kn = reinterpret_cast<bf16*>(smem + (1 + T::kKBufs) * T::kTile);  // the next one's (Ks if kKBufs = 1)
 
   const int S = sh.S, H = sh.H, KV = sh.KV, W = sh.window;
   const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
@@ -109,11 +125,17 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
   const int wr0 = warp * 16;  // the warp's first row in the tile
   const int ia = i0 + wr0 + g, ib = ia + 8;  // the lane's two query rows (C rows g, g + 8)
   const float scale = float(sh.scale);
+  const int k_first = key_lo(i0, W);
+
+  // Prologue: Q and the first K tile, one commit group (stage_tile: cp.async or plain stores).
+  attn::stage_tile<HD, kLd, kThreads>(Qs, q, b, S, H, h, i0, vec, async);
+  attn::stage_tile<HD, kLd, kThreads>(Ks, k, b, S, KV, kvh, k_first, vec, async);
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();
 
   // ldmatrix row addresses (mma_ptx.cuh): Q's A fragments by frag_a, K^T's B fragments (keys as n)
   // by frag_b_nk, V's by frag_a with .trans (mma_ab_acc).
-  attn::load_tile<HD, kLd, kThreads>(Qs, q, b, S, H, h, i0, vec);
-  __syncthreads();
   const bf16* qrow = frag_a(Qs, kLd, wr0, 0, lane);
   uint32_t qa[kHoldQ<HD> ? kQk : 1][4];  // the warp's Q rows as A fragments, one per k16 slice (held)
   if constexpr (kHoldQ<HD>) {
@@ -129,13 +151,21 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
 
   const int w_first = i0 + wr0, w_last = min(S - 1, w_first + 15);
   const int i_last = min(S, i0 + kRows) - 1;
-  for (int k0 = key_lo(i0, W); k0 <= i_last; k0 += kRows) {
-    __syncthreads();  // every warp is done with the previous K, V tiles
-    attn::load_tile<HD, kLd, kThreads>(Ks, k, b, S, KV, kvh, k0, vec);
-    attn::load_tile<HD, kLd, kThreads>(Vs, v, b, S, KV, kvh, k0, vec);
-    __syncthreads();
-    // Does any of the warp's rows see any key of this tile? (Warp-uniform; no block barrier below.)
-    if (!(w_first < S && k0 <= w_last && k0 + kRows - 1 >= key_lo(w_first, W))) continue;
+  // Each iteration starts with its K tile published and every warp done with the previous V tile.
+  // The V tile loads (cp.async) while the warps compute S = Q K^T and the softmax; the next K tile
+  // while they compute the whole iteration (two K buffers) or its softmax and O += P V (one). Two
+  // commit groups per iteration, V's then the next K's, so the waits below count the same either way.
+  for (int k0 = k_first; k0 <= i_last; k0 += kRows) {
+    const bool more = k0 + kRows <= i_last;  // block-uniform
+    attn::stage_tile<HD, kLd, kThreads>(Vs, v, b, S, KV, kvh, k0, vec, async);
+    __pipeline_commit();
+    if constexpr (T::kKBufs == 2) {  // Kn held the previous tile: every warp is done with it
+      if (more) attn::stage_tile<HD, kLd, kThreads>(Kn, k, b, S, KV, kvh, k0 + kRows, vec, async);
+      __pipeline_commit();  // (empty after the last tile)
+    }
+    // Does any of the warp's rows see any key of this tile? (Warp-uniform: the warp skips the math,
+    // never the barriers or its share of the loads.)
+    const bool active = w_first < S && k0 <= w_last && k0 + kRows - 1 >= key_lo(w_first, W);
     // Does every one of the warp's 16 rows (all < S) see every key of the tile (all < S)?
     const bool full = w_first + 15 < S && k0 + kRows - 1 <= w_first && (W <= 0 || w_first + 15 - k0 < W);
 
@@ -143,71 +173,89 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
     float sacc[kSn][4];
 #pragma unroll
     for (int n = 0; n < kSn; ++n) sacc[n][0] = sacc[n][1] = sacc[n][2] = sacc[n][3] = 0.f;
+    if (active) {
 #pragma unroll
-    for (int kk = 0; kk < kQk; ++kk) {
-      uint32_t a[4];  // Q's A fragment of slice kk: held (a register copy, free) or reloaded
-      if constexpr (kHoldQ<HD>) {
+      for (int kk = 0; kk < kQk; ++kk) {
+        uint32_t a[4];  // Q's A fragment of slice kk: held (a register copy, free) or reloaded
+        if constexpr (kHoldQ<HD>) {
 #pragma unroll
-        for (int x = 0; x < 4; ++x) a[x] = qa[kk][x];
-      } else {
-        ldmatrix_x4(a, qrow + kk * 16);
+          for (int x = 0; x < 4; ++x) a[x] = qa[kk][x];
+        } else {
+          ldmatrix_x4(a, qrow + kk * 16);
+        }
+#pragma unroll
+        for (int n = 0; n < kSn; n += 2) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, frag_b_nk(Ks, kLd, 8 * n, kk * 16, lane));
+          mma2(sacc[n], sacc[n + 1], a, kb);
+        }
+      }
+    }
+    if constexpr (T::kKBufs == 1) {
+      __syncthreads();  // every warp is done with this K tile: the next one may load into its buffer
+      if (more) attn::stage_tile<HD, kLd, kThreads>(Ks, k, b, S, KV, kvh, k0 + kRows, vec, async);
+      __pipeline_commit();  // (empty after the last tile)
+    }
+
+    if (active) {
+      // Scale and mask; the rows' maxima over the tile (the lane's 16 values per row, then the quad).
+      float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < kSn; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e < 2 ? ia : ib, j = k0 + 8 * n + 2 * t + (e & 1);
+          const float x = (full || (i < S && j < S && visible(i, j, W))) ? scale * sacc[n][e] : -INFINITY;
+          sacc[n][e] = x;
+          mt[e / 2] = fmaxf(mt[e / 2], x);
+        }
+      }
+      float corr[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
+        mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
+        const float mnew = fmaxf(m[r], mt[r]);
+        // corr = 1: nothing visible to this row yet (P row = 0, state unchanged). corr = 0 while m is
+        // -inf: the O row and l are still zeros.
+        corr[r] = mnew == -INFINITY ? 1.f : m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
+        m[r] = mnew;
+      }
+      // P = exp(s - m) (0 where masked, and on rows with nothing visible yet), its sum into l (fp32,
+      // before rounding), and the rescale of O's rows.
+      float psum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int n = 0; n < kSn; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float mr = m[e / 2];
+          const float p = mr == -INFINITY ? 0.f : expf(sacc[n][e] - mr);  // masked: exp(-inf) = 0
+          sacc[n][e] = p;
+          psum[e / 2] += p;
+        }
       }
 #pragma unroll
-      for (int n = 0; n < kSn; n += 2) {
-        uint32_t kb[4];
-        ldmatrix_x4(kb, frag_b_nk(Ks, kLd, 8 * n, kk * 16, lane));
-        mma2(sacc[n], sacc[n + 1], a, kb);
+      for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + psum[r];
+#pragma unroll
+      for (int n = 0; n < kOn; ++n) {
+        oacc[n][0] *= corr[0];
+        oacc[n][1] *= corr[0];
+        oacc[n][2] *= corr[1];
+        oacc[n][3] *= corr[1];
       }
     }
 
-    // Scale and mask; the rows' maxima over the tile (the lane's 16 values per row, then the quad).
-    float mt[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < kSn; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e < 2 ? ia : ib, j = k0 + 8 * n + 2 * t + (e & 1);
-        const float x = (full || (i < S && j < S && visible(i, j, W))) ? scale * sacc[n][e] : -INFINITY;
-        sacc[n][e] = x;
-        mt[e / 2] = fmaxf(mt[e / 2], x);
-      }
-    }
-    float corr[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
-      mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
-      const float mnew = fmaxf(m[r], mt[r]);
-      // corr = 1: nothing visible to this row yet (P row = 0, state unchanged). corr = 0 while m is
-      // -inf: the O row and l are still zeros.
-      corr[r] = mnew == -INFINITY ? 1.f : m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
-      m[r] = mnew;
-    }
-    // P = exp(s - m) (0 where masked, and on rows with nothing visible yet), its sum into l (fp32,
-    // before rounding), and the rescale of O's rows.
-    float psum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int n = 0; n < kSn; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float mr = m[e / 2];
-        const float p = mr == -INFINITY ? 0.f : expf(sacc[n][e] - mr);  // masked: exp(-inf) = 0
-        sacc[n][e] = p;
-        psum[e / 2] += p;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + psum[r];
-#pragma unroll
-    for (int n = 0; n < kOn; ++n) {
-      oacc[n][0] *= corr[0];
-      oacc[n][1] *= corr[0];
-      oacc[n][2] *= corr[1];
-      oacc[n][3] *= corr[1];
-    }
-
+    __pipeline_wait_prior(1);  // this thread's V copies have landed (the next K's may be in flight)
+    __syncthreads();           // everyone's have: the V tile is published
     // O += P V: key slice kk's A fragment is n8 tiles 2kk, 2kk + 1 of P, rounded to bf16.
-    mma_ab_acc<HD, kRows, kLd>(oacc, sacc, Vs, 0, lane);
+    if (active) mma_ab_acc<HD, kRows, kLd>(oacc, sacc, Vs, 0, lane);
+    __pipeline_wait_prior(0);  // the next K tile has landed here ...
+    __syncthreads();           // ... and everywhere, and every warp is done with this V tile
+    if constexpr (T::kKBufs == 2) {
+      bf16* const x = Ks;
+      Ks = Kn;
+      Kn = x;
+    }
   }
 
   // Epilogue: l over the quad (the same bits in its four lanes), o = O / l, lse = m + log(l).
@@ -233,9 +281,10 @@ template <int HD, class E>
 cudaError_t launch(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   using T = MmaFwdTiles<HD>;
   const bool vec = attn::vec_ok(q) && attn::vec_ok(k) && attn::vec_ok(v);
+  const bool async = attn::async_ok(q) && attn::async_ok(k) && attn::async_ok(v);
   if (const cudaError_t e = allow_smem(mma_fwd_kernel<HD, E>, T::kBytes); e != cudaSuccess) return e;
   const dim3 grid(unsigned((s.S + kRows - 1) / kRows), unsigned(s.H), unsigned(s.B));
-  mma_fwd_kernel<HD, E><<<grid, kThreads, T::kBytes, st>>>(o, lse, q, k, v, s, vec, attn::vec2_ok(o));
+  mma_fwd_kernel<HD, E><<<grid, kThreads, T::kBytes, st>>>(o, lse, q, k, v, s, vec, async, attn::vec2_ok(o));
   return cudaGetLastError();
 }
 

@@ -332,6 +332,81 @@ TEST_F(CudaEmu, MoeGroupedGemmAllExpertsEmpty) {
 
 float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
+// model.attn_bf16: the bf16 launchers against the fp32 ones on the widened inputs, bitwise (the
+// contract attention_tc.cuh states): the same bf16 values are staged whichever way they travel.
+// `boff` bf16 elements of offset on q, k, v and o: 0 stages the mma kernels' tiles by cp.async
+// (16-byte aligned bases), 4 (8 bytes) by 4-element vector loads, 1 by scalar loads.
+void tc_bf16_case(const cpu::AttnShape& s, const std::vector<float>& q, const std::vector<float>& kk,
+                  const std::vector<float>& v, const std::vector<float>& dout, size_t boff, const std::string& what) {
+  const size_t nq = q.size(), nk = kk.size(), nl = size_t(s.B) * s.H * s.S;
+  auto bits = [](float x) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(x);
+    uint16_t u;
+    std::memcpy(&u, &b, 2);
+    return u;
+  };
+  auto widen = [](uint16_t u) {
+    const uint32_t w = uint32_t(u) << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  };
+  auto to_bf16 = [&](const std::vector<float>& x) {  // boff elements of padding first
+    std::vector<uint16_t> y(x.size() + boff, 0);
+    for (size_t i = 0; i < x.size(); ++i) y[boff + i] = bits(x[i]);
+    return y;
+  };
+  auto widened = [&](const std::vector<uint16_t>& y) {
+    std::vector<float> x(y.size() - boff);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = widen(y[boff + i]);
+    return x;
+  };
+  auto as_bits = [](const std::vector<float>& x) {
+    std::vector<uint32_t> u(x.size());
+    std::memcpy(u.data(), x.data(), x.size() * 4);
+    return u;
+  };
+  const auto qb = to_bf16(q), kb = to_bf16(kk), vb = to_bf16(v);
+  const auto wq = widened(qb), wk = widened(kb), wv = widened(vb);
+  std::vector<uint16_t> ob(nq + boff, 0xFFFF);
+  auto lseb = CudaEmu::poisoned(nl), o32 = CudaEmu::poisoned(nq), lse32 = CudaEmu::poisoned(nl);
+  const uint64_t copies = ::emu::g_async_copies.load();
+  CudaEmu::ok(k::attention_tc_forward_bf16(ob.data() + boff, lseb.data(), qb.data() + boff, kb.data() + boff,
+                                           vb.data() + boff, s, nullptr),
+              what + " bf16");
+  if (boff != 0) {
+    EXPECT_EQ(::emu::g_async_copies.load(), copies) << what << ": cp.async needs 16-byte aligned rows";
+  } else if (k::attention_tc_kernels().mma_fwd) {
+    EXPECT_GT(::emu::g_async_copies.load(), copies) << what << ": aligned bf16 tiles go by cp.async";
+  }
+  CudaEmu::ok(k::attention_tc_forward(o32.data(), lse32.data(), wq.data(), wk.data(), wv.data(), s, nullptr), what);
+  std::vector<uint16_t> o32b(nq);
+  for (size_t i = 0; i < nq; ++i) o32b[i] = bits(o32[i]);
+  EXPECT_EQ(std::vector<uint16_t>(ob.begin() + ptrdiff_t(boff), ob.end()), o32b) << what << " bf16 o";
+  EXPECT_EQ(as_bits(lseb), as_bits(lse32)) << what << " bf16 lse";
+
+  const auto wo = widened(ob);
+  auto scratch = CudaEmu::poisoned(k::attention_tc_backward_scratch_floats(s));
+  auto dqb = CudaEmu::poisoned(nq), dkb = CudaEmu::poisoned(nk), dvb = CudaEmu::poisoned(nk);
+  auto dq32 = CudaEmu::poisoned(nq), dk32 = CudaEmu::poisoned(nk), dv32 = CudaEmu::poisoned(nk);
+  const uint64_t bwd_copies = ::emu::g_async_copies.load();
+  CudaEmu::ok(k::attention_tc_backward_bf16(dqb.data(), dkb.data(), dvb.data(), dout.data(), qb.data() + boff,
+                                            kb.data() + boff, vb.data() + boff, ob.data() + boff, lseb.data(), s,
+                                            scratch.data(), nullptr),
+              what + " bf16");
+  if (boff != 0) {
+    EXPECT_EQ(::emu::g_async_copies.load(), bwd_copies) << what << ": cp.async needs 16-byte aligned rows";
+  } else if (k::attention_tc_kernels().mma_bwd) {
+    EXPECT_GT(::emu::g_async_copies.load(), bwd_copies) << what << ": aligned bf16 tiles go by cp.async";
+  }
+  CudaEmu::ok(k::attention_tc_backward(dq32.data(), dk32.data(), dv32.data(), dout.data(), wq.data(), wk.data(),
+                                       wv.data(), wo.data(), lseb.data(), s, scratch.data(), nullptr),
+              what);
+  EXPECT_EQ(as_bits(dqb), as_bits(dq32)) << what << " bf16 dq";
+  EXPECT_EQ(as_bits(dkb), as_bits(dk32)) << what << " bf16 dk";
+  EXPECT_EQ(as_bits(dvb), as_bits(dv32)) << what << " bf16 dv";
+}
+
 // Forward and backward of one shape against the CPU kernel on the fp32 inputs (1e-2) and on the
 // bf16-rounded q, k, v, dO (5e-3), the tolerances test_cuda_attention_tc.cpp argues. `off` floats
 // of offset make every input unaligned (the scalar load path).
@@ -383,6 +458,9 @@ void tc_case(CudaEmu& t, std::mt19937_64& rng, cpu::AttnShape s, float qk, size_
     CudaEmu::check(dk, rdk, tol, tag + " dk", std::sqrt(fdv));
     CudaEmu::check(dv, rdv, tol, tag + " dv");
   }
+  // The bf16 launchers: aligned (cp.async), or as unaligned as the fp32 inputs (off 1: scalar
+  // loads; 3: 8-byte vector loads).
+  tc_bf16_case(s, unpad(q, false), unpad(kk, false), unpad(v, false), unpad(dout, false), off == 3 ? 4 : off, what);
   (void)t;
 }
 
