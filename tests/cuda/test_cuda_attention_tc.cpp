@@ -188,6 +188,42 @@ class CudaAttentionTc : public test::CudaFixture {
       }
     }
 
+    // The in16 entry points (fp32 activations under bf16 precision: the backend passes q, k, v
+    // rounded to bf16 and keeps o fp32): bitwise the fp32 entry points' results, the inputs now
+    // staged from bf16 (cp.async where aligned: these fresh buffers are). mma.sync kernels only; with
+    // the WMMA kernels selected they refuse (cudaErrorNotSupported) and the backend does not call them.
+    {
+      auto bits = [](const std::vector<float>& x) {
+        std::vector<uint16_t> r(x.size());
+        for (size_t i = 0; i < x.size(); ++i) r[i] = cpu::bf16_bits(x[i]);
+        return r;
+      };
+      auto q16 = up(bits(q)), k16 = up(bits(k)), v16 = up(bits(v));
+      auto d_o2 = poisoned(nq), d_lse2 = poisoned(nl);
+      const cudaError_t ef = cuda::k::attention_tc_forward_in16(d_o2.data(), d_lse2.data(), q16.data(), k16.data(),
+                                                                v16.data(), s, st());
+      if (!want_.mma_fwd) {
+        EXPECT_EQ(ef, cudaErrorNotSupported);
+      } else {
+        LADDER_CUDA_CHECK(ef);
+        EXPECT_EQ(down(d_o2, nq), o) << "attention_tc_forward_in16 o: not the fp32 entry's bits";
+        EXPECT_EQ(down(d_lse2, nl), lse) << "attention_tc_forward_in16 lse: not the fp32 entry's bits";
+      }
+      auto d_dq2 = poisoned(nq), d_dk2 = poisoned(nk), d_dv2 = poisoned(nk);
+      scratch.poison();
+      const cudaError_t eb = cuda::k::attention_tc_backward_in16(
+          d_dq2.data(), d_dk2.data(), d_dv2.data(), d_dout.data() + off, q16.data(), k16.data(), v16.data(),
+          d_o.data(), d_lse.data(), s, scratch.data(), st());
+      if (!want_.mma_bwd) {
+        EXPECT_EQ(eb, cudaErrorNotSupported);
+      } else {
+        LADDER_CUDA_CHECK(eb);
+        EXPECT_EQ(down(d_dq2, nq), dq) << "attention_tc_backward_in16 dq: not the fp32 entry's bits";
+        EXPECT_EQ(down(d_dk2, nk), dk) << "attention_tc_backward_in16 dk: not the fp32 entry's bits";
+        EXPECT_EQ(down(d_dv2, nk), dv) << "attention_tc_backward_in16 dv: not the fp32 entry's bits";
+      }
+    }
+
     // At S = 1 the one key has probability 1 whatever its score, so the exact dq and dk are zero and
     // both sides hold rounding noise (~1e-7 of a normal gradient): measure them against ||dv||, the
     // size a non-degenerate gradient would have (dv = dO there).

@@ -18,6 +18,11 @@ template <class E>
 cudaError_t attention_mma_forward(E* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
                                   cudaStream_t st);
 
+// bf16 q, k, v and an fp32 o (attention_tc_forward_in16): the bf16 instantiation's staging (cp.async
+// where aligned) with the fp32 instantiation's output.
+cudaError_t attention_mma_forward_in16(float* o, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                       const __nv_bfloat16* v, const cpu::AttnShape& s, cudaStream_t st);
+
 // dq, dk, dv overwritten; D = rowsum(bf16(dO) * O) [B, H, S] already computed (attention_tc.cu).
 template <class E>
 cudaError_t attention_mma_backward(float* dq, float* dk, float* dv, const float* dout, const E* q, const E* k,

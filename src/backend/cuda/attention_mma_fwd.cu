@@ -102,9 +102,10 @@ static_assert(blocks_per_sm(MmaFwdTiles<64>::kBytes, 164) >= kMmaFwdBlocks<64> &
 
 using attn::store2;
 
-template <int HD, class E>
+// EO: o's type (E, or float with bf16 inputs: attention_mma_forward_in16).
+template <int HD, class E, class EO>
 __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
-    mma_fwd_kernel(E* o, float* lse, const E* q, const E* k, const E* v, AttnShape sh, bool vec, bool async,
+    mma_fwd_kernel(EO* o, float* lse, const E* q, const E* k, const E* v, AttnShape sh, bool vec, bool async,
                    bool ovec) {
   using T = MmaFwdTiles<HD>;
   constexpr int kLd = T::kLd;
@@ -266,8 +267,8 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
   }
   const float inv_a = 1.f / l[0], inv_b = 1.f / l[1];  // rows past S: l = 0, inf, never stored
   // Rows past S are never stored; their pointers are formed from row 0 so as not to point past o.
-  E* oa = o + ((size_t(b) * S + (ia < S ? ia : 0)) * H + h) * HD + 2 * t;
-  E* ob = o + ((size_t(b) * S + (ib < S ? ib : 0)) * H + h) * HD + 2 * t;
+  EO* oa = o + ((size_t(b) * S + (ia < S ? ia : 0)) * H + h) * HD + 2 * t;
+  EO* ob = o + ((size_t(b) * S + (ib < S ? ib : 0)) * H + h) * HD + 2 * t;
   if (t == 0 && ia < S) lse[(size_t(b) * H + h) * S + ia] = m[0] + logf(l[0]);
   if (t == 0 && ib < S) lse[(size_t(b) * H + h) * S + ib] = m[1] + logf(l[1]);
 #pragma unroll
@@ -277,14 +278,14 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
   }
 }
 
-template <int HD, class E>
-cudaError_t launch(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
+template <int HD, class E, class EO>
+cudaError_t launch(EO* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   using T = MmaFwdTiles<HD>;
   const bool vec = attn::vec_ok(q) && attn::vec_ok(k) && attn::vec_ok(v);
   const bool async = attn::async_ok(q) && attn::async_ok(k) && attn::async_ok(v);
-  if (const cudaError_t e = allow_smem(mma_fwd_kernel<HD, E>, T::kBytes); e != cudaSuccess) return e;
+  if (const cudaError_t e = allow_smem(mma_fwd_kernel<HD, E, EO>, T::kBytes); e != cudaSuccess) return e;
   const dim3 grid(unsigned((s.S + kRows - 1) / kRows), unsigned(s.H), unsigned(s.B));
-  mma_fwd_kernel<HD, E><<<grid, kThreads, T::kBytes, st>>>(o, lse, q, k, v, s, vec, async, attn::vec2_ok(o));
+  mma_fwd_kernel<HD, E, EO><<<grid, kThreads, T::kBytes, st>>>(o, lse, q, k, v, s, vec, async, attn::vec2_ok(o));
   return cudaGetLastError();
 }
 
@@ -302,5 +303,12 @@ template cudaError_t attention_mma_forward<float>(float*, float*, const float*, 
 template cudaError_t attention_mma_forward<__nv_bfloat16>(__nv_bfloat16*, float*, const __nv_bfloat16*,
                                                           const __nv_bfloat16*, const __nv_bfloat16*,
                                                           const cpu::AttnShape&, cudaStream_t);
+
+cudaError_t attention_mma_forward_in16(float* o, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                       const __nv_bfloat16* v, const cpu::AttnShape& s, cudaStream_t st) {
+  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
+  if (!attn::shape_ok(s)) return cudaErrorInvalidValue;
+  return s.hd == 64 ? launch<64>(o, lse, q, k, v, s, st) : launch<128>(o, lse, q, k, v, s, st);
+}
 
 }  // namespace ladder::cuda::k

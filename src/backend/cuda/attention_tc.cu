@@ -698,4 +698,23 @@ cudaError_t attention_tc_backward_bf16(float* dq, float* dk, float* dv, const fl
   return backward(dq, dk, dv, dout, as_bf16(q), as_bf16(k), as_bf16(v), as_bf16(o), lse, s, scratch, st);
 }
 
+cudaError_t attention_tc_forward_in16(float* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                      const AttnShape& s, cudaStream_t st) {
+  if (!kernels().mma_fwd) return cudaErrorNotSupported;
+  return attention_mma_forward_in16(o, lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
+}
+
+cudaError_t attention_tc_backward_in16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                                       const uint16_t* k, const uint16_t* v, const float* o, const float* lse,
+                                       const AttnShape& s, float* scratch, cudaStream_t st) {
+  if (!kernels().mma_bwd) return cudaErrorNotSupported;
+  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
+  if (!shape_ok(s)) return cudaErrorInvalidValue;
+  // D from the fp32 o, as backward() computes it for fp32 inputs.
+  const size_t rows = size_t(s.B) * s.S * s.H;
+  const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
+  tc_bwd_dot_kernel<float><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
+  return attention_mma_backward(dq, dk, dv, dout, as_bf16(q), as_bf16(k), as_bf16(v), lse, scratch, s, st);
+}
+
 }  // namespace ladder::cuda::k

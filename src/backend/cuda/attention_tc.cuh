@@ -59,4 +59,17 @@ cudaError_t attention_tc_backward_bf16(float* dq, float* dk, float* dv, const fl
                                        const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
                                        const cpu::AttnShape& s, float* scratch, cudaStream_t st);
 
+// fp32 activations under bf16 precision, mma.sync kernels only (attention_tc_kernels().mma_fwd /
+// .mma_bwd; else cudaErrorNotSupported): q, k, v already rounded to bf16 by the caller
+// (k::f32_to_bf16, round to nearest even, as the fp32 launchers round them while staging), o fp32.
+// So these give bitwise the fp32 launchers' results on the fp32 inputs, with the bf16 instantiation's
+// staging: cp.async copies where aligned, which overlap the math (the fp32 staging goes through
+// registers; on an H200 the bf16-input kernels ran 1.2-1.8x the fp32-input ones: docs/cuda.md).
+// The backward computes D from the fp32 o, as attention_tc_backward does.
+cudaError_t attention_tc_forward_in16(float* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                      const cpu::AttnShape& s, cudaStream_t st);
+cudaError_t attention_tc_backward_in16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                                       const uint16_t* k, const uint16_t* v, const float* o, const float* lse,
+                                       const cpu::AttnShape& s, float* scratch, cudaStream_t st);
+
 }  // namespace ladder::cuda::k
