@@ -33,8 +33,22 @@
 #include <vector>
 
 #include "backend/cpu/kernels.h"
+#include "backend/cuda/grouped_gemm_tc.cuh"
 
 namespace ladder::grouped_tc {
+
+// f() once with each tile product of grouped_gemm_tc.cu selected (mma.sync, then WMMA), in a
+// SCOPED_TRACE that names it; the previous selection is restored.
+template <class F>
+void for_both_tile_products(F&& f) {
+  const bool prev = cuda::k::grouped_gemm_tc_mma();
+  for (bool mma : {true, false}) {
+    SCOPED_TRACE(mma ? "mma.sync" : "wmma");
+    cuda::k::grouped_gemm_tc_set_mma(mma);
+    f();
+  }
+  cuda::k::grouped_gemm_tc_set_mma(prev);
+}
 
 constexpr double kTcInputs = 1e-2;
 constexpr double kTcRounded = 1e-4;

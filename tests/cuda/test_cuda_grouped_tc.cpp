@@ -55,16 +55,10 @@ class CudaGroupedTc : public test::CudaFixture {
     C.resize(p.C.size());
   }
 
-  // f() once with each implementation selected (mma.sync, then WMMA); the selection is restored.
+  // f() with each tile product selected in turn (grouped_tc_cases.h).
   template <class F>
   static void for_both(F&& f) {
-    const bool prev = k::grouped_gemm_tc_mma();
-    for (bool mma : {true, false}) {
-      SCOPED_TRACE(mma ? "mma.sync" : "wmma");
-      k::grouped_gemm_tc_set_mma(mma);
-      f();
-    }
-    k::grouped_gemm_tc_set_mma(prev);
+    gt::for_both_tile_products(f);
   }
 
   // Larger MoE-like problems (many row tiles, reductions over hundreds of steps), both shapes, with

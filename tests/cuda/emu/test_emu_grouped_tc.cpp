@@ -52,16 +52,10 @@ class CudaEmuGroupedTc : public ::testing::Test {
               cudaSuccess);
     EXPECT_EQ(::emu::g_async_copies.load(), copies) << "fp32 operands go through registers, never cp.async";
   }
-  // f() once with each implementation selected (mma.sync, then WMMA); the selection is restored.
+  // f() with each tile product selected in turn (grouped_tc_cases.h).
   template <class F>
   static void for_both(F&& f) {
-    const bool prev = k::grouped_gemm_tc_mma();
-    for (bool mma : {true, false}) {
-      SCOPED_TRACE(mma ? "mma.sync" : "wmma");
-      k::grouped_gemm_tc_set_mma(mma);
-      f();
-    }
-    k::grouped_gemm_tc_set_mma(prev);
+    gt::for_both_tile_products(f);
   }
   std::mt19937_64 rng_;
 };
