@@ -13,15 +13,12 @@
 
 namespace ladder::cuda::k {
 
-// o, lse: as attention_tc_forward (o rounded to E). Shapes already checked (hd 64/128, H % KV == 0).
-template <class E>
-cudaError_t attention_mma_forward(E* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
+// o, lse: as attention_tc_forward (o rounded to EO). Shapes already checked (hd 64/128, H % KV == 0).
+// Instantiated for (E, EO) = (float, float), (bf16, bf16) and (bf16, float): bf16 q, k, v with an fp32
+// o (attention_tc_forward_in16), the bf16 staging (cp.async where aligned) with the fp32 output.
+template <class E, class EO>
+cudaError_t attention_mma_forward(EO* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
                                   cudaStream_t st);
-
-// bf16 q, k, v and an fp32 o (attention_tc_forward_in16): the bf16 instantiation's staging (cp.async
-// where aligned) with the fp32 instantiation's output.
-cudaError_t attention_mma_forward_in16(float* o, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                       const __nv_bfloat16* v, const cpu::AttnShape& s, cudaStream_t st);
 
 // dq, dk, dv overwritten; D = rowsum(bf16(dO) * O) [B, H, S] already computed (attention_tc.cu).
 template <class E>

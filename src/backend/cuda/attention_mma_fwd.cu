@@ -102,7 +102,7 @@ static_assert(blocks_per_sm(MmaFwdTiles<64>::kBytes, 164) >= kMmaFwdBlocks<64> &
 
 using attn::store2;
 
-// EO: o's type (E, or float with bf16 inputs: attention_mma_forward_in16).
+// EO: o's type (E, or float with bf16 inputs: attention_tc_forward_in16).
 template <int HD, class E, class EO>
 __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
     mma_fwd_kernel(EO* o, float* lse, const E* q, const E* k, const E* v, AttnShape sh, bool vec, bool async,
@@ -291,24 +291,21 @@ cudaError_t launch(EO* o, float* lse, const E* q, const E* k, const E* v, const 
 
 }  // namespace
 
-template <class E>
-cudaError_t attention_mma_forward(E* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
+template <class E, class EO>
+cudaError_t attention_mma_forward(EO* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
                                   cudaStream_t st) {
   if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
   if (!attn::shape_ok(s)) return cudaErrorInvalidValue;
   return s.hd == 64 ? launch<64>(o, lse, q, k, v, s, st) : launch<128>(o, lse, q, k, v, s, st);
 }
-template cudaError_t attention_mma_forward<float>(float*, float*, const float*, const float*, const float*,
-                                                  const cpu::AttnShape&, cudaStream_t);
-template cudaError_t attention_mma_forward<__nv_bfloat16>(__nv_bfloat16*, float*, const __nv_bfloat16*,
-                                                          const __nv_bfloat16*, const __nv_bfloat16*,
-                                                          const cpu::AttnShape&, cudaStream_t);
-
-cudaError_t attention_mma_forward_in16(float* o, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                       const __nv_bfloat16* v, const cpu::AttnShape& s, cudaStream_t st) {
-  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
-  if (!attn::shape_ok(s)) return cudaErrorInvalidValue;
-  return s.hd == 64 ? launch<64>(o, lse, q, k, v, s, st) : launch<128>(o, lse, q, k, v, s, st);
-}
+template cudaError_t attention_mma_forward<float, float>(float*, float*, const float*, const float*, const float*,
+                                                         const cpu::AttnShape&, cudaStream_t);
+template cudaError_t attention_mma_forward<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, float*,
+                                                                         const __nv_bfloat16*, const __nv_bfloat16*,
+                                                                         const __nv_bfloat16*, const cpu::AttnShape&,
+                                                                         cudaStream_t);
+template cudaError_t attention_mma_forward<__nv_bfloat16, float>(float*, float*, const __nv_bfloat16*,
+                                                                 const __nv_bfloat16*, const __nv_bfloat16*,
+                                                                 const cpu::AttnShape&, cudaStream_t);
 
 }  // namespace ladder::cuda::k

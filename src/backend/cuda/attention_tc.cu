@@ -644,14 +644,15 @@ cudaError_t forward(E* o, float* lse, const E* q, const E* k, const E* v, const 
   return s.hd == 64 ? fwd<64>(o, lse, q, k, v, s, st) : fwd<128>(o, lse, q, k, v, s, st);
 }
 
-template <class E>
+// EO: o's type, read only for D (E, or float with bf16 inputs: attention_tc_backward_in16).
+template <class E, class EO>
 cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E* q, const E* k, const E* v,
-                     const E* o, const float* lse, const AttnShape& s, float* scratch, cudaStream_t st) {
+                     const EO* o, const float* lse, const AttnShape& s, float* scratch, cudaStream_t st) {
   if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
   if (!shape_ok(s)) return cudaErrorInvalidValue;
   const size_t rows = size_t(s.B) * s.S * s.H;
   const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
-  tc_bwd_dot_kernel<E><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
+  tc_bwd_dot_kernel<EO><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
   if (kernels().mma_bwd) return attention_mma_backward(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
   return s.hd == 64 ? bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st)
                     : bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
@@ -701,20 +702,14 @@ cudaError_t attention_tc_backward_bf16(float* dq, float* dk, float* dv, const fl
 cudaError_t attention_tc_forward_in16(float* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                       const AttnShape& s, cudaStream_t st) {
   if (!kernels().mma_fwd) return cudaErrorNotSupported;
-  return attention_mma_forward_in16(o, lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
+  return attention_mma_forward(o, lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
 }
 
 cudaError_t attention_tc_backward_in16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                                        const uint16_t* k, const uint16_t* v, const float* o, const float* lse,
                                        const AttnShape& s, float* scratch, cudaStream_t st) {
   if (!kernels().mma_bwd) return cudaErrorNotSupported;
-  if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
-  if (!shape_ok(s)) return cudaErrorInvalidValue;
-  // D from the fp32 o, as backward() computes it for fp32 inputs.
-  const size_t rows = size_t(s.B) * s.S * s.H;
-  const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
-  tc_bwd_dot_kernel<float><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
-  return attention_mma_backward(dq, dk, dv, dout, as_bf16(q), as_bf16(k), as_bf16(v), lse, scratch, s, st);
+  return backward(dq, dk, dv, dout, as_bf16(q), as_bf16(k), as_bf16(v), o, lse, s, scratch, st);  // D from fp32 o
 }
 
 }  // namespace ladder::cuda::k

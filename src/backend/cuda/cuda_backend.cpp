@@ -357,8 +357,8 @@ class CudaBackendImpl final : public CudaBackend {
                          const AttnShape& s) override {
     check_attn(s);
     if (tc_attention(s) && k::attention_tc_kernels().mma_fwd) {
-      const uint16_t* const* x = attn_in16(q, k, v, s);
-      return check(k::attention_tc_forward_in16(o, lse, x[0], x[1], x[2], s, st_), "attention_tc_forward_in16");
+      const AttnIn16 x = attn_in16(q, k, v, s);
+      return check(k::attention_tc_forward_in16(o, lse, x.q, x.k, x.v, s, st_), "attention_tc_forward_in16");
     }
     if (tc_attention(s)) return check(k::attention_tc_forward(o, lse, q, k, v, s, st_), "attention_tc_forward");
     check(k::attention_forward(o, lse, q, k, v, s, st_), "attention_forward");
@@ -367,8 +367,8 @@ class CudaBackendImpl final : public CudaBackend {
                           const float* v, const float* o, const float* lse, const AttnShape& s) override {
     float* scratch = attention_backward_scratch(s);
     if (tc_attention(s) && k::attention_tc_kernels().mma_bwd) {
-      const uint16_t* const* x = attn_in16(q, k, v, s);
-      return check(k::attention_tc_backward_in16(dq, dk, dv, dout, x[0], x[1], x[2], o, lse, s, scratch, st_),
+      const AttnIn16 x = attn_in16(q, k, v, s);
+      return check(k::attention_tc_backward_in16(dq, dk, dv, dout, x.q, x.k, x.v, o, lse, s, scratch, st_),
                    "attention_tc_backward_in16");
     }
     if (tc_attention(s))
@@ -904,21 +904,22 @@ class CudaBackendImpl final : public CudaBackend {
   // the shape and the device (head_dim 64 or 128, enough shared memory); elsewhere the fp32 kernel.
   bool tc_attention(const AttnShape& s) const { return opt_.bf16 && k::attention_tc_supported(s); }
 
-  // q, k, v rounded to bf16 (nearest even) into one scratch buffer, each part 16-byte aligned (cp.async);
-  // returns their three pointers, valid until the next call.
-  const uint16_t* const* attn_in16(const float* q, const float* k, const float* v, const AttnShape& s) {
+  // q, k, v rounded to bf16 (nearest even) into one scratch buffer, each part 16-byte aligned (cp.async),
+  // valid until the next call.
+  struct AttnIn16 {
+    const uint16_t *q, *k, *v;
+  };
+  AttnIn16 attn_in16(const float* q, const float* k, const float* v, const AttnShape& s) {
     const auto up8 = [](size_t n) { return (n + 7) / 8 * 8; };
     const size_t nq = size_t(s.B) * s.S * s.H * s.hd, nk = size_t(s.B) * s.S * s.KV * s.hd;
     attn16_.reserve(up8(nq) + 2 * up8(nk), "attention bf16 inputs");
-    uint16_t* base = attn16_.data();
-    attn16_ptr_[0] = base;
-    attn16_ptr_[1] = base + up8(nq);
-    attn16_ptr_[2] = base + up8(nq) + up8(nk);
-    const float* src[3] = {q, k, v};
-    const size_t n[3] = {nq, nk, nk};
-    for (int i = 0; i < 3; ++i)
-      check(k::f32_to_bf16(const_cast<uint16_t*>(attn16_ptr_[i]), src[i], n[i], st_), "attention (bf16 inputs)");
-    return attn16_ptr_;
+    uint16_t* const q16 = attn16_.data();
+    uint16_t* const k16 = q16 + up8(nq);
+    uint16_t* const v16 = k16 + up8(nk);
+    check(k::f32_to_bf16(q16, q, nq, st_), "attention (bf16 q)");
+    check(k::f32_to_bf16(k16, k, nk, st_), "attention (bf16 k)");
+    check(k::f32_to_bf16(v16, v, nk, st_), "attention (bf16 v)");
+    return {q16, k16, v16};
   }
 
   void post(const char* op) {
@@ -1137,7 +1138,6 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<char> moe_scratch_;      // moe_sort (CUB + keys), moe_quantile_beta (transposed keys)
   DeviceBuffer<int32_t> moe_tiles_;     // grouped_gemm: per-expert row-tile prefix [E+1]
   DeviceBuffer<uint16_t> attn16_;       // attn_in16: q, k, v in bf16
-  const uint16_t* attn16_ptr_[3] = {};
   double* host_sums_ = nullptr;
   std::map<std::tuple<int, int, double>, DeviceBuffer<float>> rope_;
 };
