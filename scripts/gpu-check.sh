@@ -11,13 +11,12 @@
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
 #   GPU_CHECK_PROFILE=0    skip the profiled benches (per-op shares of a step: MoE d=1024, dense d=2048)
 #   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark
-#                          (default: the four presets in bf16; the d=1024 pair with the WMMA attention
-#                          (LADDER_ATTN_MMA=0) and the d=1024 MoE with the WMMA grouped GEMM
-#                          (LADDER_GROUPED_MMA=0) for comparison; the d=1024 pair and the d=2048 dense with
-#                          every bf16 activation option (mlp_bf16 or moe_bf16, attn_bf16, norm_bf16); the
-#                          d=1024 pair in tf32; then the d=2048 MoE with bf16 saved activations, the
-#                          d=1024 dense with model.mlp_bf16 alone and the d=1024 MoE with model.moe_bf16
-#                          alone, while under 7 minutes); key=value pairs go to `ladder bench --set`,
+#                          (default: the four presets in bf16 (their bf16 activations); the d=1024 pair
+#                          and the d=2048 dense with fp32 activations (mlp_bf16 or moe_bf16, attn_bf16,
+#                          norm_bf16 = false); the d=1024 pair with MuonH (optim.name=muonh); the d=2048
+#                          MoE with bf16 saved activations; then, while under 7 minutes, the d=1024 MoE
+#                          with the WMMA grouped GEMM (LADDER_GROUPED_MMA=0) and the d=1024 dense with
+#                          the WMMA attention (LADDER_ATTN_MMA=0)); key=value pairs go to `ladder bench --set`,
 #                          LADDER_*=value to the environment. The attention's default is the mma.sync
 #                          kernels; where they did not pass their tests in this run, every model bench
 #                          runs with LADDER_ATTN_MMA=0 (WMMA) instead
@@ -126,7 +125,7 @@ BENCH_RC=$?
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
 # precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
 log "model benchmarks (log: models.log)"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d2048:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:bf16:model.mlp_bf16=false,model.attn_bf16=false,model.norm_bf16=false moe-d1024:bf16:model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false dense-d2048:bf16:model.mlp_bf16=false,model.attn_bf16=false,model.norm_bf16=false dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
