@@ -5,10 +5,10 @@
 //
 // Fast paths (memory-bound kernels; set_reference_paths in kernels.cuh turns them off for tests):
 // elementwise kernels move 16 bytes per load / store (for_each_vec, device_common.cuh) when every
-// pointer is 16-byte aligned, with a scalar tail; RMSNorm keeps a row's values in registers between
-// its two passes in the forward when D <= kThreads * kMaxRegsPerThread. Neither changes which thread sums which
-// elements in which order, nor any per-element expression: the results are bitwise the scalar
-// reference path's.
+// pointer is 16-byte aligned, with a scalar tail; RMSNorm's forward keeps a row's values in
+// registers between its two passes when D <= kThreads * kMaxRegsPerThread. Neither changes which
+// thread sums which elements in which order, nor any per-element expression: the results are
+// bitwise the scalar reference path's (CudaEmu.*MatchReferenceBitwise).
 #include <cuda_bf16.h>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -249,6 +249,21 @@ __global__ void rope_kernel(float* x, const float* cos_sin, int N_tok, int S, in
 // ---------------------------------------------------------------------------------------------
 // SwiGLU
 
+// out[i] = f(a[i], b[i]) for i < n, in vectors of V (for_each_vec): both inputs of a vector are
+// read before its output is written, so out may be a or b.
+template <int V, class TO, class TA, class TB, class F>
+__device__ __forceinline__ void map2(TO* out, const TA* a, const TB* b, size_t n, F f) {
+  for_each_vec<V>(n, [&](size_t i, auto w) {
+    constexpr int W = decltype(w)::value;
+    float av[W], bv[W];
+    load_vec<W>(a + i, av);
+    load_vec<W>(b + i, bv);
+#pragma unroll
+    for (int j = 0; j < W; ++j) av[j] = f(av[j], bv[j]);
+    store_vec<W>(out + i, av);
+  });
+}
+
 // T: the storage of g, u and h, float or __nv_bfloat16 (model.mlp_bf16: the fp32 arithmetic on the
 // widened values, h rounded to nearest even as it is stored; the backward's gradients fp32).
 // V: elements per vector access (16 bytes of T: 4 fp32 or 8 bf16; 1 = the scalar reference path).
@@ -256,18 +271,9 @@ __global__ void rope_kernel(float* x, const float* cos_sin, int N_tok, int S, in
 // correct (dg == dh, h == g).
 template <class T, int V>
 __global__ void swiglu_fwd_kernel(T* h, const T* g, const T* u, size_t n) {
-  for_each_vec<V>(n, [&](size_t i, auto w) {
-    constexpr int W = decltype(w)::value;
-    float gv[W], uv[W];
-    load_vec<W>(g + i, gv);
-    load_vec<W>(u + i, uv);
-#pragma unroll
-    for (int j = 0; j < W; ++j) {
-      const float gi = gv[j];
-      const float sig = 1.f / (1.f + expf(-gi));
-      gv[j] = gi * sig * uv[j];
-    }
-    store_vec<W>(h + i, gv);
+  map2<V>(h, g, u, n, [](float gi, float ui) {
+    const float sig = 1.f / (1.f + expf(-gi));
+    return gi * sig * ui;
   });
 }
 
@@ -354,15 +360,7 @@ __global__ void reduce_pairs_kernel(const double* row_sums, int N, double* sums)
 
 template <int V>
 __global__ void add_kernel(float* y, const float* x, size_t n) {
-  for_each_vec<V>(n, [&](size_t i, auto w) {
-    constexpr int W = decltype(w)::value;
-    float yv[W], xv[W];
-    load_vec<W>(y + i, yv);
-    load_vec<W>(x + i, xv);
-#pragma unroll
-    for (int j = 0; j < W; ++j) yv[j] += xv[j];
-    store_vec<W>(y + i, yv);
-  });
+  map2<V>(y, y, x, n, [](float yi, float xi) { return yi + xi; });
 }
 
 template <int V>
@@ -412,8 +410,8 @@ __global__ void scale_matrix_kernel(float* C, int M, int N, int ldc, float beta)
 
 // Casts: load_vec widens (bf16 -> fp32 exactly), store_vec rounds (fp32 -> bf16 to nearest even), so
 // a vector of V converts exactly as V scalar casts. V = 8: 32 bytes of fp32, 16 of bf16 per thread.
-template <class TO, class TI, int V>
-__global__ void cast_kernel(TO* out, const TI* in, size_t n) {
+template <int V, class TO, class TI>
+__device__ __forceinline__ void cast_range(TO* out, const TI* in, size_t n) {
   for_each_vec<V>(n, [&](size_t i, auto w) {
     constexpr int W = decltype(w)::value;
     float v[W];
@@ -422,17 +420,16 @@ __global__ void cast_kernel(TO* out, const TI* in, size_t n) {
   });
 }
 
+template <class TO, class TI, int V>
+__global__ void cast_kernel(TO* out, const TI* in, size_t n) {
+  cast_range<V>(out, in, n);
+}
+
 // The first min(*rows, max_rows) rows of `cols` elements: the row count read on the device.
 template <int V>
 __global__ void f32_to_bf16_rows_kernel(__nv_bfloat16* out, const float* in, const int32_t* rows, size_t cols,
                                         size_t max_rows) {
-  const size_t n = min(size_t(max(*rows, 0)), max_rows) * cols;
-  for_each_vec<V>(n, [&](size_t i, auto w) {
-    constexpr int W = decltype(w)::value;
-    float v[W];
-    load_vec<W>(in + i, v);
-    store_vec<W>(out + i, v);
-  });
+  cast_range<V>(out, in, min(size_t(max(*rows, 0)), max_rows) * cols);
 }
 
 // A rows x cols view with leading dimension ld -> packed bf16 [rows, cols]. One block row per

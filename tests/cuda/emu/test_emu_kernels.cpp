@@ -387,12 +387,18 @@ TEST_F(CudaEmu, AttentionForwardBackward) {
 // ---------------------------------------------------------------------------------------------
 // switch_ops.cu
 
+// Document starts for PKO: token 0 of each sequence of S, and others with probability p.
+std::vector<uint8_t> random_resets(std::mt19937_64& rng, int N, int S, double p) {
+  std::vector<uint8_t> reset(N);
+  std::bernoulli_distribution doc(p);
+  for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng)) ? 1 : 0;
+  return reset;
+}
+
 TEST_F(CudaEmu, PkoShiftForwardBackward) {
   for (auto [B, S, nkv, hd] : {std::tuple{3, 41, 2, 16}, {2, 37, 3, 40}}) {
     const int N = B * S;
-    std::vector<uint8_t> reset(N);
-    std::bernoulli_distribution doc(0.125);
-    for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng_)) ? 1 : 0;
+    const std::vector<uint8_t> reset = random_resets(rng_, N, S, 0.125);
     const size_t n = size_t(N) * nkv * hd;
     const auto kx = randv(n), dout = randv(n);
     for (int from : {hd / 2, 0, hd, 3}) {
@@ -415,9 +421,7 @@ TEST_F(CudaEmu, QkPrepForwardBackward) {
   const float theta = 10000.f, eps = 1e-6f;
   for (auto [B, S, nh, hd, rot] : {std::tuple{2, 13, 3, 18, 18}, {1, 75, 4, 40, 20}, {3, 7, 1, 17, 16}}) {
     const int N = B * S;
-    std::vector<uint8_t> reset(N);
-    std::bernoulli_distribution doc(0.15);
-    for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng_)) ? 1 : 0;
+    const std::vector<uint8_t> reset = random_resets(rng_, N, S, 0.15);
     const size_t n = size_t(N) * nh * hd, rows = size_t(N) * nh;
     const auto x = randv(n), dout = randv(n), g = randv(size_t(hd), 0.5f, 1.5f), dg0 = randv(size_t(hd));
     const auto tab = rope_table(S, rot, theta);
@@ -774,9 +778,7 @@ TEST_F(CudaEmu, QkPrepRegisterPathsMatchReferenceBitwise) {
                                    {2, 5, 2, 128, 64}, {1, 6, 2, 256, 256}, {1, 6, 2, 256, 128}, {2, 5, 2, 64, 32}}) {
     if (quick() && (S == 100 || hd == 256)) continue;
     const int N = B * S;
-    std::vector<uint8_t> reset(N);
-    std::bernoulli_distribution doc(0.2);
-    for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng_)) ? 1 : 0;
+    const std::vector<uint8_t> reset = random_resets(rng_, N, S, 0.2);
     const size_t n = size_t(N) * nh * hd, rows = size_t(N) * nh;
     const auto x = randv(n), dout = randv(n), g = randv(size_t(hd), 0.5f, 1.5f), dg0 = randv(size_t(hd));
     const auto x16 = to_bf16_bits(x);
