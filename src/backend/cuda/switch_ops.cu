@@ -239,7 +239,8 @@ __global__ void qk_prep_bwd_kernel(float* dx, float* partial, const float* dout,
 // RoPE partner c + half of dim c < half is the same lane's j + HP, so a row's loads are all issued
 // together into registers (x, and dout in the backward, VPL each; cos / sin HP each) instead of one
 // dependent loop step at a time. Row and token indices are 32-bit (the launcher checks N_tok *
-// nheads < 2^31): one 32-bit division per row instead of a 64-bit division and modulo. The forward
+// nheads < 2^31): a 32-bit division and modulo per row, where the reference's size_t ones compile to
+// a run-time choice between the 32- and 64-bit instruction sequences. The forward
 // reads its row once (the reference reads it twice) and the gain once per kernel. The backward
 // loads two rows per step (twice the bytes in flight per warp: its grid is one block per 256-row
 // chunk, too few blocks to fill the device at the model's sizes) and keeps the dgain partials in
