@@ -6,9 +6,10 @@
 // Fast paths (memory-bound kernels; set_reference_paths in kernels.cuh turns them off for tests):
 // elementwise kernels move 16 bytes per load / store (for_each_vec, device_common.cuh) when every
 // pointer is 16-byte aligned, with a scalar tail; RMSNorm's forward keeps a row's values in
-// registers between its two passes when D <= kThreads * kMaxRegsPerThread. Neither changes which
-// thread sums which elements in which order, nor any per-element expression: the results are
-// bitwise the scalar reference path's (CudaEmu.*MatchReferenceBitwise).
+// registers between its two passes when D <= kThreads * kMaxRegsPerThread, and its backward's first
+// pass loads the row into registers the same way. Neither changes which thread sums which elements
+// in which order, nor any per-element expression: the results are bitwise the scalar reference
+// path's (CudaEmu.*MatchReferenceBitwise).
 #include <cuda_bf16.h>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -162,11 +163,6 @@ __global__ void rmsnorm_bwd_dx_kernel(float* dx, const float* dy, const float* x
 // k * kThreads, k = 0..NV-1, a thread's partial summed in k order, then block_sum), but each thread
 // loads its NV elements (and the gain, once per kernel) up front, so the loads are independent and
 // in flight together, and the second pass reads registers instead of global memory again.
-//
-// The backward has no such path: its expressions (g * dy - x * c, then dx + v under `accumulate`)
-// are ones where the compiler's FMA contraction depends on the code around them (whether a loop is
-// unswitched on gain or acc, whether g * dy of the dot and of dx become one value with two uses),
-// and a register version of it did not round as rmsnorm_bwd_dx_kernel does in the emulation.
 constexpr int kMaxRegsPerThread = 8;  // rows up to 2048 elements
 
 template <class TY, int NV>
@@ -199,6 +195,45 @@ __global__ void rmsnorm_fwd_regs_kernel(TY* y, float* rstd, const float* x, cons
     for (int k = 0; k < NV; ++k) {
       const int j = threadIdx.x + k * kThreads;
       if (j < D) store_rn(yi[j], gain ? xv[k] * r * gv[k] : xv[k] * r);
+    }
+  }
+}
+
+// The backward's first pass (the row's dot) the same way: NV loads of dy and x per thread in flight
+// together instead of one loop step at a time (the dot's terms and order as rmsnorm_bwd_dx_kernel's;
+// its only FMA, dot + (dy g) x, is the same in any code shape). The second pass is
+// rmsnorm_bwd_dx_kernel's loop as it stands, reading dy and x again (L1 hits after block_sum's
+// barrier): its expressions, g dy - x c and dx + r (...) under `acc`, are ones where the compiler's
+// FMA contraction depends on the code around them (a loop unswitched on gain or acc; g dy of the dot
+// and of dx one value with two uses when kept in registers), and a register version of this pass
+// did not round as the reference does in the emulation.
+template <int NV>
+__global__ void rmsnorm_bwd_dx_regs_kernel(float* dx, const float* dy, const float* x, const float* gain,
+                                           const float* rstd, int N, int D, bool acc) {
+  __shared__ float red[32];
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const float* xi = x + size_t(i) * D;
+    const float* dyi = dy + size_t(i) * D;
+    float* dxi = dx + size_t(i) * D;
+    const float r = rstd[i];
+    float xv[NV], dv[NV], gv[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int j = threadIdx.x + k * kThreads;
+      xv[k] = j < D ? xi[j] : 0.f;
+      dv[k] = j < D ? dyi[j] : 0.f;
+      gv[k] = gain && j < D ? gain[j] : 1.f;
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+      if (int(threadIdx.x) + k * kThreads < D) dot += dv[k] * gv[k] * xv[k];
+    dot = block_sum(dot, red);
+    const float c = dot * r * r / float(D);
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+      const float g = gain ? gain[j] : 1.f;
+      const float v = r * (g * dyi[j] - xi[j] * c);
+      dxi[j] = acc ? dxi[j] + v : v;
     }
   }
 }
@@ -571,8 +606,15 @@ size_t rmsnorm_backward_scratch_floats(int N, int D) {
 cudaError_t rmsnorm_backward(float* dx, float* dgain, const float* dy, const float* x, const float* gain,
                              const float* rstd, int N, int D, bool accumulate_dx, float* scratch, cudaStream_t st) {
   if (N <= 0) return cudaSuccess;
-  rmsnorm_bwd_dx_kernel<<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D,
-                                                                              accumulate_dx);
+  const unsigned grid = unsigned(N < 65536 ? N : 65536);
+  if (const int nv = norm_regs(D)) {
+    with_norm_regs(nv, [&](auto c) {
+      constexpr int NV = decltype(c)::value;
+      rmsnorm_bwd_dx_regs_kernel<NV><<<grid, kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D, accumulate_dx);
+    });
+  } else {
+    rmsnorm_bwd_dx_kernel<<<grid, kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D, accumulate_dx);
+  }
   if (gain && dgain) {
     const int nchunks = (N + kNormRowChunk - 1) / kNormRowChunk;
     dim3 grid(unsigned((D + kThreads - 1) / kThreads), unsigned(nchunks));
