@@ -4,7 +4,8 @@
 // attention forward/backward at B=8 S=2048 H=16, head_dim 64 and 128, causal (WMMA kernels, and with
 // LADDER_BENCH_ATTN_MMA=1 the same rows for the mma.sync kernels), and Muon's
 // Newton-Schulz over a 64-expert stack, per matrix against batched, and the memory-bound ops (QK
-// prep, SwiGLU, casts, RMSNorm, the MoE permutation) as TB/s against the copy. Random data (never zeros),
+// prep, SwiGLU, casts, RMSNorm, the MoE permutation) as TB/s against the copy, each also on its scalar
+// reference path (" ref" rows). Random data (never zeros),
 // warm-up first, CUDA events around each repetition, the median reported. Prints a table last.
 //   ladder_cuda_bench [--quick]     (--quick: 4096^3 GEMMs, one attention and one Newton-Schulz shape only)
 #include <cuda_runtime.h>
@@ -60,7 +61,9 @@ double time_ms(cudaStream_t st, int warm, int reps, const std::function<void()>&
 }
 
 // A memory-bound op timed as a rate: `bytes` read + written per call (each tensor counted once, as
-// if every reuse hit the cache), against the d2d copy's TB/s.
+// if every reuse hit the cache), against the d2d copy's TB/s. Each op is timed twice: as the backend
+// runs it, then with k::set_reference_paths(true) (row name + " ref": the scalar kernels the fast
+// paths replaced, bitwise the same results), so one run measures what the fast paths gain.
 struct BandwidthRow {
   const char* what;
   std::string shape;
@@ -69,11 +72,15 @@ struct BandwidthRow {
 };
 
 void time_bandwidth_rows(cudaStream_t st, const std::vector<BandwidthRow>& list, std::vector<Row>& rows) {
-  for (const auto& r : list) {
-    const double ms = time_ms(st, 2, 10, r.fn);
-    rows.push_back({r.what, r.shape, ms, r.bytes / (ms * 1e-3) / 1e12, "TB/s"});
-    std::printf("%-22s %-26s %9.3f ms %8.2f TB/s\n", r.what, r.shape.c_str(), ms, rows.back().rate);
-  }
+  for (const auto& r : list)
+    for (bool ref : {false, true}) {
+      k::set_reference_paths(ref);
+      const double ms = time_ms(st, 2, 10, r.fn);
+      k::set_reference_paths(false);
+      const std::string what = std::string(r.what) + (ref ? " ref" : "");
+      rows.push_back({what, r.shape, ms, r.bytes / (ms * 1e-3) / 1e12, "TB/s"});
+      std::printf("%-26s %-22s %9.3f ms %8.2f TB/s\n", what.c_str(), r.shape.c_str(), ms, rows.back().rate);
+    }
 }
 
 }  // namespace
