@@ -139,6 +139,16 @@ __global__ void rmsnorm_fwd_kernel(TY* y, float* rstd, const float* x, const flo
   }
 }
 
+// NV = 0: the reference path. NV > 0: the first pass (the row's dot) with the row in registers, as
+// rmsnorm_fwd_regs_kernel below: the NV loads of dy, x and gain per thread in flight together
+// instead of one loop step at a time, the dot's terms and order unchanged (its only FMA, dot +
+// (dy g) x, is the same in any code shape). The second pass is the same loop on either path, reading
+// dy and x again (L1 hits after block_sum's barrier): its expressions, g dy - x c and dx + r (...)
+// under `acc`, are ones where the compiler's FMA contraction depends on the code around them (a loop
+// unswitched on gain or acc; g dy of the dot and of dx one value with two uses when kept in
+// registers), and a register version of this pass did not round as the reference does in the
+// emulation.
+template <int NV>
 __global__ void rmsnorm_bwd_dx_kernel(float* dx, const float* dy, const float* x, const float* gain,
                                       const float* rstd, int N, int D, bool acc) {
   __shared__ float red[32];
@@ -148,7 +158,21 @@ __global__ void rmsnorm_bwd_dx_kernel(float* dx, const float* dy, const float* x
     float* dxi = dx + size_t(i) * D;
     const float r = rstd[i];
     float dot = 0.f;
-    for (int j = threadIdx.x; j < D; j += blockDim.x) dot += dyi[j] * (gain ? gain[j] : 1.f) * xi[j];
+    if constexpr (NV == 0) {
+      for (int j = threadIdx.x; j < D; j += blockDim.x) dot += dyi[j] * (gain ? gain[j] : 1.f) * xi[j];
+    } else {
+      float xv[NV], dv[NV], gv[NV];
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int j = threadIdx.x + k * kThreads;
+        xv[k] = j < D ? xi[j] : 0.f;
+        dv[k] = j < D ? dyi[j] : 0.f;
+        gv[k] = gain && j < D ? gain[j] : 1.f;
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+        if (int(threadIdx.x) + k * kThreads < D) dot += dv[k] * gv[k] * xv[k];
+    }
     dot = block_sum(dot, red);
     const float c = dot * r * r / float(D);
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
@@ -195,45 +219,6 @@ __global__ void rmsnorm_fwd_regs_kernel(TY* y, float* rstd, const float* x, cons
     for (int k = 0; k < NV; ++k) {
       const int j = threadIdx.x + k * kThreads;
       if (j < D) store_rn(yi[j], gain ? xv[k] * r * gv[k] : xv[k] * r);
-    }
-  }
-}
-
-// The backward's first pass (the row's dot) the same way: NV loads of dy and x per thread in flight
-// together instead of one loop step at a time (the dot's terms and order as rmsnorm_bwd_dx_kernel's;
-// its only FMA, dot + (dy g) x, is the same in any code shape). The second pass is
-// rmsnorm_bwd_dx_kernel's loop as it stands, reading dy and x again (L1 hits after block_sum's
-// barrier): its expressions, g dy - x c and dx + r (...) under `acc`, are ones where the compiler's
-// FMA contraction depends on the code around them (a loop unswitched on gain or acc; g dy of the dot
-// and of dx one value with two uses when kept in registers), and a register version of this pass
-// did not round as the reference does in the emulation.
-template <int NV>
-__global__ void rmsnorm_bwd_dx_regs_kernel(float* dx, const float* dy, const float* x, const float* gain,
-                                           const float* rstd, int N, int D, bool acc) {
-  __shared__ float red[32];
-  for (int i = blockIdx.x; i < N; i += gridDim.x) {
-    const float* xi = x + size_t(i) * D;
-    const float* dyi = dy + size_t(i) * D;
-    float* dxi = dx + size_t(i) * D;
-    const float r = rstd[i];
-    float xv[NV], dv[NV], gv[NV];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int j = threadIdx.x + k * kThreads;
-      xv[k] = j < D ? xi[j] : 0.f;
-      dv[k] = j < D ? dyi[j] : 0.f;
-      gv[k] = gain && j < D ? gain[j] : 1.f;
-    }
-    float dot = 0.f;
-#pragma unroll
-    for (int k = 0; k < NV; ++k)
-      if (int(threadIdx.x) + k * kThreads < D) dot += dv[k] * gv[k] * xv[k];
-    dot = block_sum(dot, red);
-    const float c = dot * r * r / float(D);
-    for (int j = threadIdx.x; j < D; j += blockDim.x) {
-      const float g = gain ? gain[j] : 1.f;
-      const float v = r * (g * dyi[j] - xi[j] * c);
-      dxi[j] = acc ? dxi[j] + v : v;
     }
   }
 }
@@ -610,10 +595,10 @@ cudaError_t rmsnorm_backward(float* dx, float* dgain, const float* dy, const flo
   if (const int nv = norm_regs(D)) {
     with_norm_regs(nv, [&](auto c) {
       constexpr int NV = decltype(c)::value;
-      rmsnorm_bwd_dx_regs_kernel<NV><<<grid, kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D, accumulate_dx);
+      rmsnorm_bwd_dx_kernel<NV><<<grid, kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D, accumulate_dx);
     });
   } else {
-    rmsnorm_bwd_dx_kernel<<<grid, kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D, accumulate_dx);
+    rmsnorm_bwd_dx_kernel<0><<<grid, kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D, accumulate_dx);
   }
   if (gain && dgain) {
     const int nchunks = (N + kNormRowChunk - 1) / kNormRowChunk;

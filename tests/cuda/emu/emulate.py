@@ -30,8 +30,8 @@ import sys
 # problem without a stride (rmsnorm_dgain_*, the attention tile kernels).
 GRID_STRIDE = {
     "ops.cu": ["embedding_fwd_kernel", "iota_kernel", "embedding_bwd_segments", "rmsnorm_fwd_kernel",
-               "rmsnorm_bwd_dx_kernel", "rmsnorm_fwd_regs_kernel", "rmsnorm_bwd_dx_regs_kernel", "rope_kernel",
-               "swiglu_fwd_kernel", "swiglu_bwd_kernel", "xent_kernel",
+               "rmsnorm_bwd_dx_kernel", "rmsnorm_fwd_regs_kernel", "rope_kernel", "swiglu_fwd_kernel",
+               "swiglu_bwd_kernel", "xent_kernel",
                "add_kernel", "scale_kernel", "adamw_kernel", "scale_matrix_kernel", "cast_kernel",
                "f32_to_bf16_2d_kernel", "f32_to_bf16_rows_kernel", "fill_uniform_kernel"],
     "attention.cu": ["attn_bwd_dot_kernel"],
