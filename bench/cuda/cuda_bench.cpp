@@ -3,7 +3,9 @@
 // and the fp32 flash attention forward/backward at d=1024-like shapes, and the tensor-core (bf16)
 // attention forward/backward at B=8 S=2048 H=16, head_dim 64 and 128, causal (WMMA kernels, and with
 // LADDER_BENCH_ATTN_MMA=1 the same rows for the mma.sync kernels), and Muon's
-// Newton-Schulz over a 64-expert stack, per matrix against batched. Random data (never zeros),
+// Newton-Schulz over a 64-expert stack, per matrix against batched, and the memory-bound ops (QK
+// prep, SwiGLU, casts, RMSNorm, the MoE permutation) as TB/s against the copy, each also on its scalar
+// reference path (" ref" rows). Random data (never zeros),
 // warm-up first, CUDA events around each repetition, the median reported. Prints a table last.
 //   ladder_cuda_bench [--quick]     (--quick: 4096^3 GEMMs, one attention and one Newton-Schulz shape only)
 #include <cuda_runtime.h>
@@ -56,6 +58,29 @@ double time_ms(cudaStream_t st, int warm, int reps, const std::function<void()>&
   cudaEventDestroy(b);
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// A memory-bound op timed as a rate: `bytes` read + written per call (each tensor counted once, as
+// if every reuse hit the cache), against the d2d copy's TB/s. Each op is timed twice: as the backend
+// runs it, then with k::set_reference_paths(true) (row name + " ref": the scalar kernels the fast
+// paths replaced, bitwise the same results), so one run measures what the fast paths gain.
+struct BandwidthRow {
+  const char* what;
+  std::string shape;
+  double bytes;
+  std::function<void()> fn;
+};
+
+void time_bandwidth_rows(cudaStream_t st, const std::vector<BandwidthRow>& list, std::vector<Row>& rows) {
+  for (const auto& r : list)
+    for (bool ref : {false, true}) {
+      k::set_reference_paths(ref);
+      const double ms = time_ms(st, 2, 10, r.fn);
+      k::set_reference_paths(false);
+      const std::string what = std::string(r.what) + (ref ? " ref" : "");
+      rows.push_back({what, r.shape, ms, r.bytes / (ms * 1e-3) / 1e12, "TB/s"});
+      std::printf("%-26s %-22s %9.3f ms %8.2f TB/s\n", what.c_str(), r.shape.c_str(), ms, rows.back().rate);
+    }
 }
 
 }  // namespace
@@ -295,12 +320,8 @@ int main(int argc, char** argv) {
       be->to_bf16(g16.data(), g.data(), ni);
       be->to_bf16(u16.data(), u.data(), ni);
       const double qkb = 2.0 * nq * 4, qkbb = 3.0 * nq * 4;  // fwd: x in, out; bwd: dout, x in, dx out
-      const struct {
-        const char* what;
-        std::string shape;
-        double bytes;
-        std::function<void()> fn;
-      } ms_rows[] = {
+      DeviceBuffer<float> dg(ni, "swiglu dg"), du(ni, "swiglu du");
+      time_bandwidth_rows(st, {
           {"qk_prep fwd", "8192 x 16 x 128", qkb,
            [&] { be->qk_prep_forward(out.data(), rstd.data(), x.data(), gain.data(), nullptr, N, S, H, hd, hd, 5e5f, true, 1e-6f); }},
           {"qk_prep bwd", "8192 x 16 x 128", qkbb,
@@ -311,12 +332,88 @@ int main(int argc, char** argv) {
            [&] { be->swiglu_forward_bf16(h16.data(), g16.data(), u16.data(), ni); }},
           {"to_bf16", "8192 x 5632", ni * 6.0, [&] { be->to_bf16(h16.data(), g.data(), ni); }},
           {"from_bf16", "8192 x 5632", ni * 6.0, [&] { be->from_bf16(h.data(), g16.data(), ni); }},
-      };
-      for (const auto& r : ms_rows) {
-        const double ms = time_ms(st, 2, 10, r.fn);
-        rows.push_back({r.what, r.shape, ms, r.bytes / (ms * 1e-3) / 1e12, "TB/s"});
-        std::printf("%-22s %-26s %9.3f ms %8.2f TB/s\n", r.what, r.shape.c_str(), ms, rows.back().rate);
+          // g, u, dh in; dg, du out (bf16: g and u 2 bytes each).
+          {"swiglu bwd fp32", "8192 x 5632", 5.0 * ni * 4,
+           [&] { be->swiglu_backward(dg.data(), du.data(), h.data(), g.data(), u.data(), ni); }},
+          {"swiglu bwd bf16", "8192 x 5632", ni * (2.0 * 2 + 3.0 * 4),
+           [&] { be->swiglu_backward_bf16(dg.data(), du.data(), h.data(), g16.data(), u16.data(), ni); }},
+          {"add_inplace", "8192 x 5632", ni * 12.0, [&] { be->add_inplace(h.data(), g.data(), ni); }},
+      }, rows);
+    }
+
+    // The MoE d=1024 preset's other memory-bound ops (configs/gpu/moe-d1024.yaml: 16 heads of 64,
+    // K = 4 of 64 experts, a 16k-token step): RMSNorm over d, the QK prep of the queries, and the
+    // MoE permutation (gather into expert order, combine back, and their backward) on a random
+    // permutation of the N K slots.
+    {
+      const int N = 16384, D = 1024, H = 16, hd = 64, S = 2048, K = 4, NK = N * K;
+      const size_t nd = size_t(N) * D, nkd = size_t(NK) * D, nq = size_t(N) * H * hd;
+      DeviceBuffer<float> x(nd, "norm x"), y(nd, "norm y"), dy(nd, "norm dy"), dx(nd, "norm dx"),
+          rstd(size_t(N), "norm rstd"), gain(size_t(D), "norm gain"), dgain(size_t(D), "norm dgain");
+      DeviceBuffer<uint16_t> y16(nd, "norm y bf16");
+      LADDER_CUDA_CHECK(k::fill_uniform(x.data(), nd, 41, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(dy.data(), nd, 42, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(gain.data(), size_t(D), 43, 0.5f, 1.5f, st));
+      DeviceBuffer<float> qx(nq, "qk x"), qo(nq, "qk out"), qr(size_t(N) * H, "qk rstd"), qg(size_t(hd), "qk gain"),
+          qdg(size_t(hd), "qk dgain"), qdx(nq, "qk dx");
+      LADDER_CUDA_CHECK(k::fill_uniform(qx.data(), nq, 44, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(qg.data(), size_t(hd), 45, 0.5f, 1.5f, st));
+      std::vector<int32_t> perm(NK), inv(NK);
+      for (int j = 0; j < NK; ++j) perm[j] = j;
+      uint64_t z = 46;
+      for (int j = NK - 1; j > 0; --j) {  // Fisher-Yates driven by an LCG: the same permutation every run
+        z = z * 6364136223846793005ull + 1442695040888963407ull;
+        std::swap(perm[j], perm[int((z >> 33) % uint64_t(j + 1))]);
       }
+      for (int j = 0; j < NK; ++j) inv[perm[j]] = j;
+      DeviceBuffer<int32_t> row(size_t(NK), "moe row"), slot(size_t(NK), "moe slot");
+      row.upload(perm);
+      slot.upload(inv);
+      DeviceBuffer<float> xs(nkd, "moe xs"), ys(nkd, "moe y"), dys(nkd, "moe dy"), comb(size_t(NK), "moe comb"),
+          dcomb(size_t(NK), "moe dcomb");
+      DeviceBuffer<uint16_t> xs16(nkd, "moe xs bf16");
+      LADDER_CUDA_CHECK(k::fill_uniform(ys.data(), nkd, 47, -1.f, 1.f, st));
+      LADDER_CUDA_CHECK(k::fill_uniform(comb.data(), size_t(NK), 48, 0.f, 1.f, st));
+      be->to_bf16(xs16.data(), ys.data(), nkd);
+      const std::string nds = "16384 x 1024", moes = "16384 x 4 x 1024", qks = "16384 x 16 x 64";
+      const double f = 4.0;  // bytes per fp32
+      time_bandwidth_rows(st, {
+          // x in, y out (bf16: y 2 bytes); rstd and the gain are negligible.
+          {"rmsnorm fwd fp32", nds, 2.0 * nd * f,
+           [&] { be->rmsnorm_forward(y.data(), rstd.data(), x.data(), gain.data(), N, D, 1e-6f); }},
+          {"rmsnorm fwd bf16", nds, nd * (f + 2),
+           [&] { be->rmsnorm_forward_bf16(y16.data(), rstd.data(), x.data(), gain.data(), N, D, 1e-6f); }},
+          // dy, x in, dx out (the dgain pass reads dy and x a second time: not counted).
+          {"rmsnorm bwd", nds, 3.0 * nd * f,
+           [&] { be->rmsnorm_backward(dx.data(), dgain.data(), dy.data(), x.data(), gain.data(), rstd.data(), N, D,
+                                      false); }},
+          {"qk_prep fwd hd64", qks, 2.0 * nq * f,
+           [&] { be->qk_prep_forward(qo.data(), qr.data(), qx.data(), qg.data(), nullptr, N, S, H, hd, hd, 5e5f, true,
+                                     1e-6f); }},
+          {"qk_prep bwd hd64", qks, 3.0 * nq * f,
+           [&] { be->qk_prep_backward(qdx.data(), qdg.data(), qo.data(), qx.data(), qg.data(), qr.data(), nullptr, N, S,
+                                      H, hd, hd, 5e5f, true); }},
+          // Token rows in (each read K times: counted once), expert rows out.
+          {"moe gather fp32", moes, (double(nd) + double(nkd)) * f,
+           [&] { be->moe_gather(xs.data(), x.data(), slot.data(), NK, K, D); }},
+          {"moe gather bf16", moes, double(nd) * f + double(nkd) * 2,
+           [&] { be->moe_gather_bf16(xs16.data(), x.data(), slot.data(), NK, K, D); }},
+          // out read and written, the K expert rows read.
+          {"moe combine fp32", moes, (2.0 * nd + double(nkd)) * f,
+           [&] { be->moe_combine(y.data(), ys.data(), comb.data(), row.data(), N, K, D); }},
+          {"moe combine bf16", moes, 2.0 * nd * f + double(nkd) * 2,
+           [&] { be->moe_combine_bf16(y.data(), xs16.data(), comb.data(), row.data(), N, K, D); }},
+          // dout in (K times, counted once), y in, dy out.
+          {"moe combine bwd fp32", moes, (double(nd) + 2.0 * nkd) * f,
+           [&] { be->moe_combine_backward(dys.data(), dcomb.data(), dy.data(), ys.data(), comb.data(), row.data(), N,
+                                          K, D); }},
+          {"moe combine bwd bf16", moes, (double(nd) + double(nkd)) * f + double(nkd) * 2,
+           [&] { be->moe_combine_backward_bf16(dys.data(), dcomb.data(), dy.data(), xs16.data(), comb.data(),
+                                               row.data(), N, K, D); }},
+          // The K expert rows in, the token row out.
+          {"moe gather bwd", moes, (double(nkd) + double(nd)) * f,
+           [&] { be->moe_gather_backward(dx.data(), dys.data(), row.data(), N, K, D); }},
+      }, rows);
     }
 
     std::printf("\n| what | shape | ms (median) | rate |\n|---|---|---|---|\n");

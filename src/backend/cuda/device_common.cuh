@@ -49,6 +49,56 @@ struct alignas(8) Bf16x4 {
   __nv_bfloat162 lo, hi;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Vector access for the memory-bound elementwise and row kernels: V consecutive elements of type T
+// moved as one aligned aggregate, which nvcc turns into 16-byte (or 8-byte) loads and stores
+// (ld.global.v4 / v2) instead of V scalar ones. Each element still goes through widen() / store_rn(),
+// so a vector path computes exactly what the scalar path computes, element by element. The caller
+// checks alignment once at launch (aligned16 on every pointer, and V * sizeof(T) a multiple of 16 or
+// the pointer's offset a multiple of V * sizeof(T)), never per element.
+template <class T, int V>
+struct alignas(V * sizeof(T) < 16 ? V * sizeof(T) : 16) Packed {
+  T e[V];
+};
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <int V, class T>
+__device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
+  using P = Packed<T, V>;  // an alias keeps the cast a simple one (emulate.py checks its alignment)
+  const P pk = *reinterpret_cast<const P*>(p);
+#pragma unroll
+  for (int j = 0; j < V; ++j) v[j] = widen(pk.e[j]);
+}
+
+template <int V, class T>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
+  using P = Packed<T, V>;
+  P pk;
+#pragma unroll
+  for (int j = 0; j < V; ++j) store_rn(pk.e[j], v[j]);
+  *reinterpret_cast<P*>(p) = pk;
+}
+
+// A compile-time vector width for the generic bodies of for_each_vec.
+template <int W>
+struct Width {
+  static constexpr int value = W;
+};
+
+// Grid-stride loop over n elements in vectors of V: body(i, Width<V>{}) for each full vector starting
+// at element i (i a multiple of V), then body(i, Width<1>{}) for the n % V tail elements. With V == 1
+// it is the plain scalar grid-stride loop. The body does the same per-element arithmetic at either
+// width, so the result does not depend on V (only the memory access pattern does).
+template <int V, class Body>
+__device__ __forceinline__ void for_each_vec(size_t n, Body&& body) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x, tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nv = n / V;
+  for (size_t i = tid; i < nv; i += stride) body(i * V, Width<V>{});
+  if (V > 1)
+    for (size_t i = nv * V + tid; i < n; i += stride) body(i, Width<1>{});
+}
+
 // Lets `kernel` launch with `bytes` of dynamic shared memory (above the default 48 KiB needs the
 // opt-in); its error is the launcher's to return.
 template <class Kernel>

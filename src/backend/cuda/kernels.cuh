@@ -81,6 +81,14 @@ cudaError_t fill_uniform(float* x, size_t n, uint64_t seed, float lo, float hi, 
 // Whether this binary holds code the current device can run (cudaFuncGetAttributes on a kernel).
 cudaError_t probe_kernel_attributes(cudaFuncAttributes* attr);
 
+// Test hook: with `on`, the launchers of the memory-bound kernels that have a vectorized or
+// register-resident fast path (swiglu, rmsnorm, the casts, add / scale, qk_prep, the MoE gather /
+// combine) take their scalar reference path instead: the kernels as they were before the fast paths,
+// one element per thread and step. The emulated tests run both and compare them bitwise. Host-side
+// state read at launch; not thread-safe; off by default.
+void set_reference_paths(bool on);
+bool reference_paths();
+
 // Flash-style attention, fp32 (attention.cu). Supports head_dim <= 128 (attention_supported).
 bool attention_supported(int hd);
 cudaError_t attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,

@@ -18,6 +18,7 @@
 
 #include "backend/cuda/moe_ops.cuh"
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/kernels.cuh"
 
 namespace ladder::cuda::k {
 
@@ -160,44 +161,52 @@ __global__ void router_backward_kernel(float* ds_out, const float* logits, const
 
 // ---------------------------------------------------------------------------------------------
 // Gather / combine and their backward: memory-bound row copies, one block (or warp) per row.
+//
+// V: consecutive columns per thread and access (load_vec / store_vec, device_common.cuh): 4 = one
+// 16-byte fp32 access (8 bytes for bf16 rows), when d is a multiple of 4 and every pointer is 16-byte
+// aligned (the launchers check); 1 = the scalar reference path. Each column keeps its own arithmetic
+// and order (k order in the sums), so the result does not depend on V.
 
-__global__ void gather_kernel(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
+template <int V, class TO>
+__global__ void gather_kernel(TO* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
   for (int r = blockIdx.x; r < NK; r += gridDim.x) {
     const float* src = h + size_t(slot[r] / K) * d;
-    float* dst = xs + size_t(r) * d;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+    TO* dst = xs + size_t(r) * d;
+    for (int c = threadIdx.x * V; c < d; c += blockDim.x * V) {
+      float v[V];
+      load_vec<V>(src + c, v);
+      store_vec<V>(dst + c, v);  // bf16 rows: rounded to nearest even
+    }
   }
 }
 
-__global__ void gather_bf16_kernel(__nv_bfloat16* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
-  for (int r = blockIdx.x; r < NK; r += gridDim.x) {
-    const float* src = h + size_t(slot[r] / K) * d;
-    __nv_bfloat16* dst = xs + size_t(r) * d;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) dst[c] = __float2bfloat16_rn(src[c]);
-  }
-}
-
-// An element of y: fp32, or bf16 widened (exact).
-__device__ __forceinline__ float y_value(float v) { return v; }
-__device__ __forceinline__ float y_value(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-// out[i] += sum_k comb[iK+k] y[row[iK+k]], added in k order (the CPU's order).
-template <class Y>
+// out[i] += sum_k comb[iK+k] y[row[iK+k]], added in k order (the CPU's order). Y: fp32, or bf16
+// widened (exact). The k loop stores nothing, so its K row loads can be in flight together.
+template <class Y, int V>
 __global__ void combine_kernel(float* out, const Y* y, const float* comb, const int32_t* row, int N, int K, int d) {
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
     float* o = out + size_t(i) * d;
     const size_t j0 = size_t(i) * K;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-      float acc = o[c];
-      for (int k = 0; k < K; ++k) acc += comb[j0 + k] * y_value(y[size_t(row[j0 + k]) * d + c]);
-      o[c] = acc;
+    for (int c = threadIdx.x * V; c < d; c += blockDim.x * V) {
+      float acc[V], yv[V];
+      load_vec<V>(o + c, acc);
+      for (int k = 0; k < K; ++k) {
+        const float w = comb[j0 + k];
+        load_vec<V>(y + size_t(row[j0 + k]) * d + c, yv);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] += w * yv[e];
+      }
+      store_vec<V>(o + c, acc);
     }
   }
 }
 
 // One warp per slot j: dy[row[j]] = comb[j] dout[i] (each row is exactly one slot's: no conflicts),
-// dcomb[j] = dout[i] . y[row[j]] (lane partials, then a fixed butterfly).
-template <class Y>
+// dcomb[j] = dout[i] . y[row[j]] (lane partials, then a fixed butterfly). The lanes keep the columns
+// c = lane + 32 m (the partials' order); U: columns per lane loaded before any is used or stored (the
+// stores to dy would otherwise keep the next column's loads from starting before them: one pair of
+// loads in flight per lane). U = 1: the reference path.
+template <class Y, int U>
 __global__ void combine_backward_kernel(float* dy, float* dcomb, const float* dout, const Y* y, const float* comb,
                                         const int32_t* row, int64_t NK, int K, int d) {
   const int lane = threadIdx.x & 31;
@@ -208,9 +217,23 @@ __global__ void combine_backward_kernel(float* dy, float* dcomb, const float* do
     float* dyr = dy + r * d;
     const float w = comb[j];
     float dot = 0.f;
-    for (int c = lane; c < d; c += 32) {
+    int c = lane;
+    for (; c + 32 * (U - 1) < d; c += 32 * U) {
+      float g[U], yv[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        g[u] = go[c + 32 * u];
+        yv[u] = widen(yr[c + 32 * u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        dot += g[u] * yv[u];
+        dyr[c + 32 * u] = w * g[u];
+      }
+    }
+    for (; c < d; c += 32) {
       const float g = go[c];
-      dot += g * y_value(yr[c]);
+      dot += g * widen(yr[c]);
       dyr[c] = w * g;
     }
     dot = warp_sum(dot);
@@ -219,16 +242,31 @@ __global__ void combine_backward_kernel(float* dy, float* dcomb, const float* do
 }
 
 // dh[i] = sum_k dx[row[iK+k]] in k order (overwritten).
+template <int V>
 __global__ void gather_backward_kernel(float* dh, const float* dx, const int32_t* row, int N, int K, int d) {
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
     float* o = dh + size_t(i) * d;
     const size_t j0 = size_t(i) * K;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-      float acc = dx[size_t(row[j0]) * d + c];
-      for (int k = 1; k < K; ++k) acc += dx[size_t(row[j0 + k]) * d + c];
-      o[c] = acc;
+    for (int c = threadIdx.x * V; c < d; c += blockDim.x * V) {
+      float acc[V], xv[V];
+      load_vec<V>(dx + size_t(row[j0]) * d + c, acc);
+      for (int k = 1; k < K; ++k) {
+        load_vec<V>(dx + size_t(row[j0 + k]) * d + c, xv);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] += xv[e];
+      }
+      store_vec<V>(o + c, acc);
     }
   }
+}
+
+constexpr int kCombineBwdUnroll = 8;
+
+// The row kernels' vector width for rows of d columns: 4 when d allows it and every pointer is
+// 16-byte aligned (then every row start and every 4-column group is), else 1.
+template <class... P>
+bool rows_vectorizable(int d, const P*... p) {
+  return !reference_paths() && d % 4 == 0 && (aligned16(p) && ...);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -669,14 +707,20 @@ cudaError_t moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_
 cudaError_t moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d, cudaStream_t st) {
   if (NK <= 0 || d <= 0) return cudaSuccess;
   if (K < 1) return cudaErrorInvalidValue;
-  gather_kernel<<<grid_for(size_t(NK), 1), kThreads, 0, st>>>(xs, h, slot, NK, K, d);
+  if (rows_vectorizable(d, xs, h))
+    gather_kernel<4, float><<<grid_for(size_t(NK), 1), kThreads, 0, st>>>(xs, h, slot, NK, K, d);
+  else
+    gather_kernel<1, float><<<grid_for(size_t(NK), 1), kThreads, 0, st>>>(xs, h, slot, NK, K, d);
   return cudaGetLastError();
 }
 
 cudaError_t moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d,
                         cudaStream_t st) {
   if (N <= 0 || d <= 0 || K <= 0) return cudaSuccess;
-  combine_kernel<float><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, y, comb, row, N, K, d);
+  if (rows_vectorizable(d, out, y))
+    combine_kernel<float, 4><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, y, comb, row, N, K, d);
+  else
+    combine_kernel<float, 1><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, y, comb, row, N, K, d);
   return cudaGetLastError();
 }
 
@@ -684,15 +728,22 @@ cudaError_t moe_combine_backward(float* dy, float* dcomb, const float* dout, con
                                  const int32_t* row, int N, int K, int d, cudaStream_t st) {
   const int64_t NK = int64_t(N) * K;
   if (NK <= 0) return cudaSuccess;
-  combine_backward_kernel<float><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(dy, dcomb, dout, y, comb, row, NK, K,
-                                                                             d);
+  if (!reference_paths())
+    combine_backward_kernel<float, kCombineBwdUnroll><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(
+        dy, dcomb, dout, y, comb, row, NK, K, d);
+  else
+    combine_backward_kernel<float, 1><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(dy, dcomb, dout, y, comb,
+                                                                                          row, NK, K, d);
   return cudaGetLastError();
 }
 
 cudaError_t moe_combine_bf16(float* out, const uint16_t* y, const float* comb, const int32_t* row, int N, int K, int d,
                              cudaStream_t st) {
   if (N <= 0 || d <= 0 || K <= 0) return cudaSuccess;
-  combine_kernel<__nv_bfloat16><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, as_bf16(y), comb, row, N, K, d);
+  if (rows_vectorizable(d, out, y))
+    combine_kernel<__nv_bfloat16, 4><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, as_bf16(y), comb, row, N, K, d);
+  else
+    combine_kernel<__nv_bfloat16, 1><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(out, as_bf16(y), comb, row, N, K, d);
   return cudaGetLastError();
 }
 
@@ -700,15 +751,22 @@ cudaError_t moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout
                                       const int32_t* row, int N, int K, int d, cudaStream_t st) {
   const int64_t NK = int64_t(N) * K;
   if (NK <= 0) return cudaSuccess;
-  combine_backward_kernel<__nv_bfloat16><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(
-      dy, dcomb, dout, as_bf16(y), comb, row, NK, K, d);
+  if (!reference_paths())
+    combine_backward_kernel<__nv_bfloat16, kCombineBwdUnroll><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(
+        dy, dcomb, dout, as_bf16(y), comb, row, NK, K, d);
+  else
+    combine_backward_kernel<__nv_bfloat16, 1><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(
+        dy, dcomb, dout, as_bf16(y), comb, row, NK, K, d);
   return cudaGetLastError();
 }
 
 cudaError_t moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d, cudaStream_t st) {
   if (NK <= 0 || d <= 0) return cudaSuccess;
   if (K < 1) return cudaErrorInvalidValue;
-  gather_bf16_kernel<<<grid_for(size_t(NK), 1), kThreads, 0, st>>>(as_bf16(xs), h, slot, NK, K, d);
+  if (rows_vectorizable(d, xs, h))
+    gather_kernel<4, __nv_bfloat16><<<grid_for(size_t(NK), 1), kThreads, 0, st>>>(as_bf16(xs), h, slot, NK, K, d);
+  else
+    gather_kernel<1, __nv_bfloat16><<<grid_for(size_t(NK), 1), kThreads, 0, st>>>(as_bf16(xs), h, slot, NK, K, d);
   return cudaGetLastError();
 }
 
@@ -716,7 +774,10 @@ cudaError_t moe_gather_backward(float* dh, const float* dx, const int32_t* row, 
                                 cudaStream_t st) {
   if (N <= 0 || d <= 0) return cudaSuccess;
   if (K < 1) return cudaErrorInvalidValue;
-  gather_backward_kernel<<<grid_for(size_t(N), 1), kThreads, 0, st>>>(dh, dx, row, N, K, d);
+  if (rows_vectorizable(d, dh, dx))
+    gather_backward_kernel<4><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(dh, dx, row, N, K, d);
+  else
+    gather_backward_kernel<1><<<grid_for(size_t(N), 1), kThreads, 0, st>>>(dh, dx, row, N, K, d);
   return cudaGetLastError();
 }
 

@@ -2,9 +2,19 @@
 // CPU kernels' (backend/cpu/kernels.h). Every reduction runs in an order fixed by the problem size
 // (fixed grids, fixed chunking, tree reductions in shared memory): no floating-point atomics, so
 // results are reproducible run to run on one device.
+//
+// Fast paths (memory-bound kernels; set_reference_paths in kernels.cuh turns them off for tests):
+// elementwise kernels move 16 bytes per load / store (for_each_vec, device_common.cuh) when every
+// pointer is 16-byte aligned, with a scalar tail; RMSNorm's forward keeps a row's values in
+// registers between its two passes when D <= kThreads * kMaxRegsPerThread, and its backward's first
+// pass loads the row into registers the same way. Neither changes which thread sums which elements
+// in which order, nor any per-element expression: the results are bitwise the scalar reference
+// path's (CudaEmu.*MatchReferenceBitwise).
 #include <cuda_bf16.h>
 
 #include <cub/device/device_radix_sort.cuh>
+
+#include <type_traits>
 
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/device_common.cuh"
@@ -129,6 +139,16 @@ __global__ void rmsnorm_fwd_kernel(TY* y, float* rstd, const float* x, const flo
   }
 }
 
+// NV = 0: the reference path. NV > 0: the first pass (the row's dot) with the row in registers, as
+// rmsnorm_fwd_regs_kernel below: the NV loads of dy, x and gain per thread in flight together
+// instead of one loop step at a time, the dot's terms and order unchanged (its only FMA, dot +
+// (dy g) x, is the same in any code shape). The second pass is the same loop on either path, reading
+// dy and x again (L1 hits after block_sum's barrier): its expressions, g dy - x c and dx + r (...)
+// under `acc`, are ones where the compiler's FMA contraction depends on the code around them (a loop
+// unswitched on gain or acc; g dy of the dot and of dx one value with two uses when kept in
+// registers), and a register version of this pass did not round as the reference does in the
+// emulation.
+template <int NV>
 __global__ void rmsnorm_bwd_dx_kernel(float* dx, const float* dy, const float* x, const float* gain,
                                       const float* rstd, int N, int D, bool acc) {
   __shared__ float red[32];
@@ -138,13 +158,67 @@ __global__ void rmsnorm_bwd_dx_kernel(float* dx, const float* dy, const float* x
     float* dxi = dx + size_t(i) * D;
     const float r = rstd[i];
     float dot = 0.f;
-    for (int j = threadIdx.x; j < D; j += blockDim.x) dot += dyi[j] * (gain ? gain[j] : 1.f) * xi[j];
+    if constexpr (NV == 0) {
+      for (int j = threadIdx.x; j < D; j += blockDim.x) dot += dyi[j] * (gain ? gain[j] : 1.f) * xi[j];
+    } else {
+      float xv[NV], dv[NV], gv[NV];
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int j = threadIdx.x + k * kThreads;
+        xv[k] = j < D ? xi[j] : 0.f;
+        dv[k] = j < D ? dyi[j] : 0.f;
+        gv[k] = gain && j < D ? gain[j] : 1.f;
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+        if (int(threadIdx.x) + k * kThreads < D) dot += dv[k] * gv[k] * xv[k];
+    }
     dot = block_sum(dot, red);
     const float c = dot * r * r / float(D);
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
       const float g = gain ? gain[j] : 1.f;
       const float v = r * (g * dyi[j] - xi[j] * c);
       dxi[j] = acc ? dxi[j] + v : v;
+    }
+  }
+}
+
+// RMSNorm with the row in registers: the same thread -> element map as above (element j = tid +
+// k * kThreads, k = 0..NV-1, a thread's partial summed in k order, then block_sum), but each thread
+// loads its NV elements (and the gain, once per kernel) up front, so the loads are independent and
+// in flight together, and the second pass reads registers instead of global memory again.
+constexpr int kMaxRegsPerThread = 8;  // rows up to 2048 elements
+
+template <class TY, int NV>
+__global__ void rmsnorm_fwd_regs_kernel(TY* y, float* rstd, const float* x, const float* gain, int N, int D,
+                                        float eps) {
+  __shared__ float red[32];
+  float gv[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int j = threadIdx.x + k * kThreads;
+    gv[k] = gain && j < D ? gain[j] : 1.f;
+  }
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const float* xi = x + size_t(i) * D;
+    TY* yi = y + size_t(i) * D;
+    float xv[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int j = threadIdx.x + k * kThreads;
+      xv[k] = j < D ? xi[j] : 0.f;
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+      if (int(threadIdx.x) + k * kThreads < D) ss += xv[k] * xv[k];
+    ss = block_sum(ss, red);
+    const float r = float(1.0 / sqrt(double(ss) / D + double(eps)));  // as rmsnorm_fwd_kernel
+    if (threadIdx.x == 0) rstd[i] = r;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int j = threadIdx.x + k * kThreads;
+      if (j < D) store_rn(yi[j], gain ? xv[k] * r * gv[k] : xv[k] * r);
     }
   }
 }
@@ -195,28 +269,53 @@ __global__ void rope_kernel(float* x, const float* cos_sin, int N_tok, int S, in
 // ---------------------------------------------------------------------------------------------
 // SwiGLU
 
-// T: the storage of g, u and h, float or __nv_bfloat16 (model.mlp_bf16: the fp32 arithmetic on the
-// widened values, h rounded to nearest even as it is stored; the backward's gradients fp32).
-template <class T>
-__global__ void swiglu_fwd_kernel(T* h, const T* g, const T* u, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float gi = widen(g[i]);
-    const float sig = 1.f / (1.f + expf(-gi));
-    store_rn(h[i], gi * sig * widen(u[i]));
-  }
+// out[i] = f(a[i], b[i]) for i < n, in vectors of V (for_each_vec): both inputs of a vector are
+// read before its output is written, so out may be a or b.
+template <int V, class TO, class TA, class TB, class F>
+__device__ __forceinline__ void map2(TO* out, const TA* a, const TB* b, size_t n, F f) {
+  for_each_vec<V>(n, [&](size_t i, auto w) {
+    constexpr int W = decltype(w)::value;
+    float av[W], bv[W];
+    load_vec<W>(a + i, av);
+    load_vec<W>(b + i, bv);
+#pragma unroll
+    for (int j = 0; j < W; ++j) av[j] = f(av[j], bv[j]);
+    store_vec<W>(out + i, av);
+  });
 }
 
-template <class T>
-__global__ void swiglu_bwd_kernel(float* dg, float* du, const float* dh, const T* g, const T* u, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float gi = widen(g[i]), ui = widen(u[i]), dhi = dh[i];
+// T: the storage of g, u and h, float or __nv_bfloat16 (model.mlp_bf16: the fp32 arithmetic on the
+// widened values, h rounded to nearest even as it is stored; the backward's gradients fp32).
+// V: elements per vector access (16 bytes of T: 4 fp32 or 8 bf16; 1 = the scalar reference path).
+// Every input of a vector is read before any of its outputs is written, so the in-place calls stay
+// correct (dg == dh, h == g).
+template <class T, int V>
+__global__ void swiglu_fwd_kernel(T* h, const T* g, const T* u, size_t n) {
+  map2<V>(h, g, u, n, [](float gi, float ui) {
     const float sig = 1.f / (1.f + expf(-gi));
-    // d silu / dg = sig * (1 + g * (1 - sig)); read g, u, dh before writing (dg/du may alias nothing,
-    // but the order keeps an in-place dg == dh call correct too).
-    const float dgi = dhi * ui * sig * (1.f + gi * (1.f - sig));
-    du[i] = dhi * gi * sig;
-    dg[i] = dgi;
-  }
+    return gi * sig * ui;
+  });
+}
+
+template <class T, int V>
+__global__ void swiglu_bwd_kernel(float* dg, float* du, const float* dh, const T* g, const T* u, size_t n) {
+  for_each_vec<V>(n, [&](size_t i, auto w) {
+    constexpr int W = decltype(w)::value;
+    float gv[W], uv[W], dv[W];
+    load_vec<W>(g + i, gv);
+    load_vec<W>(u + i, uv);
+    load_vec<W>(dh + i, dv);
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const float gi = gv[j], ui = uv[j], dhi = dv[j];
+      const float sig = 1.f / (1.f + expf(-gi));
+      // d silu / dg = sig * (1 + g * (1 - sig)).
+      dv[j] = dhi * ui * sig * (1.f + gi * (1.f - sig));
+      uv[j] = dhi * gi * sig;
+    }
+    store_vec<W>(du + i, uv);
+    store_vec<W>(dg + i, dv);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -279,14 +378,21 @@ __global__ void reduce_pairs_kernel(const double* row_sums, int N, double* sums)
 // ---------------------------------------------------------------------------------------------
 // Vector helpers, AdamW
 
+template <int V>
 __global__ void add_kernel(float* y, const float* x, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    y[i] += x[i];
+  map2<V>(y, y, x, n, [](float yi, float xi) { return yi + xi; });
 }
 
+template <int V>
 __global__ void scale_kernel(float* x, float s, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    x[i] *= s;
+  for_each_vec<V>(n, [&](size_t i, auto w) {
+    constexpr int W = decltype(w)::value;
+    float v[W];
+    load_vec<W>(x + i, v);
+#pragma unroll
+    for (int j = 0; j < W; ++j) v[j] *= s;
+    store_vec<W>(x + i, v);
+  });
 }
 
 constexpr int kSsqBlocks = 512;
@@ -322,31 +428,43 @@ __global__ void scale_matrix_kernel(float* C, int M, int N, int ldc, float beta)
   }
 }
 
-__global__ void f32_to_bf16_kernel(__nv_bfloat16* out, const float* in, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i]);
+// Casts: load_vec widens (bf16 -> fp32 exactly), store_vec rounds (fp32 -> bf16 to nearest even), so
+// a vector of V converts exactly as V scalar casts. V = 8: 32 bytes of fp32, 16 of bf16 per thread.
+template <int V, class TO, class TI>
+__device__ __forceinline__ void cast_range(TO* out, const TI* in, size_t n) {
+  for_each_vec<V>(n, [&](size_t i, auto w) {
+    constexpr int W = decltype(w)::value;
+    float v[W];
+    load_vec<W>(in + i, v);
+    store_vec<W>(out + i, v);
+  });
 }
 
-__global__ void bf16_to_f32_kernel(float* out, const __nv_bfloat16* in, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __bfloat162float(in[i]);
+template <class TO, class TI, int V>
+__global__ void cast_kernel(TO* out, const TI* in, size_t n) {
+  cast_range<V>(out, in, n);
 }
 
 // The first min(*rows, max_rows) rows of `cols` elements: the row count read on the device.
+template <int V>
 __global__ void f32_to_bf16_rows_kernel(__nv_bfloat16* out, const float* in, const int32_t* rows, size_t cols,
                                         size_t max_rows) {
-  const size_t n = min(size_t(max(*rows, 0)), max_rows) * cols;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i]);
+  cast_range<V>(out, in, min(size_t(max(*rows, 0)), max_rows) * cols);
 }
 
 // A rows x cols view with leading dimension ld -> packed bf16 [rows, cols]. One block row per
-// matrix row keeps both sides coalesced.
+// matrix row keeps both sides coalesced. V: columns per access (cols and ld multiples of V, the
+// launcher checks; 4 = a float4 in, 8 bytes out).
+template <int V>
 __global__ void f32_to_bf16_2d_kernel(__nv_bfloat16* out, const float* in, int rows, int cols, int ld) {
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
     const float* src = in + size_t(r) * ld;
     __nv_bfloat16* dst = out + size_t(r) * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = __float2bfloat16_rn(src[c]);
+    for (int c = threadIdx.x * V; c < cols; c += blockDim.x * V) {
+      float v[V];
+      load_vec<V>(src + c, v);
+      store_vec<V>(dst + c, v);
+    }
   }
 }
 
@@ -361,7 +479,29 @@ __global__ void fill_uniform_kernel(float* x, size_t n, uint64_t seed, float lo,
   }
 }
 
+bool g_reference_paths = false;
+
+// The fast path's preconditions: every pointer 16-byte aligned (a vector of 16 bytes, or 8 for four
+// bf16, then never straddles an alignment boundary) and the reference paths not forced.
+template <class... P>
+bool vectorizable(const P*... p) {
+  return !g_reference_paths && (aligned16(p) && ...);
+}
+
+// One launch of an elementwise kernel over n elements at width V (vectors of V, so the grid covers
+// n / V threads) or at width 1 (the reference path), as `vec` says.
+template <int V, class Launch>
+cudaError_t launch_vec(size_t n, bool vec, Launch&& launch) {
+  if (!n) return cudaSuccess;
+  if (vec) launch(std::integral_constant<int, V>{}, grid_for((n + V - 1) / V));
+  else launch(std::integral_constant<int, 1>{}, grid_for(n));
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+void set_reference_paths(bool on) { g_reference_paths = on; }
+bool reference_paths() { return g_reference_paths; }
 
 // ---------------------------------------------------------------------------------------------
 // Launchers
@@ -392,19 +532,56 @@ cudaError_t embedding_backward(float* dtable, const float* dout, const int32_t* 
   return cudaGetLastError();
 }
 
+namespace {
+
+// Registers per thread for a row of D (0: the row does not fit, or the reference path is forced).
+int norm_regs(int D) {
+  const int nv = (D + kThreads - 1) / kThreads;
+  return g_reference_paths || D <= 0 || nv > kMaxRegsPerThread ? 0 : nv;
+}
+
+// Calls launch(std::integral_constant<int, NV>) for NV = nv in [1, kMaxRegsPerThread].
+template <class Launch>
+void with_norm_regs(int nv, Launch&& launch) {
+  switch (nv) {
+    case 1: launch(std::integral_constant<int, 1>{}); break;
+    case 2: launch(std::integral_constant<int, 2>{}); break;
+    case 3: launch(std::integral_constant<int, 3>{}); break;
+    case 4: launch(std::integral_constant<int, 4>{}); break;
+    case 5: launch(std::integral_constant<int, 5>{}); break;
+    case 6: launch(std::integral_constant<int, 6>{}); break;
+    case 7: launch(std::integral_constant<int, 7>{}); break;
+    default: launch(std::integral_constant<int, 8>{}); break;
+  }
+  static_assert(kMaxRegsPerThread == 8, "with_norm_regs covers 1..kMaxRegsPerThread");
+}
+
+template <class TY>
+cudaError_t launch_rmsnorm_forward(TY* y, float* rstd, const float* x, const float* gain, int N, int D, float eps,
+                                   cudaStream_t st) {
+  if (N <= 0) return cudaSuccess;
+  const unsigned grid = unsigned(N < 65536 ? N : 65536);
+  if (const int nv = norm_regs(D)) {
+    with_norm_regs(nv, [&](auto c) {
+      constexpr int NV = decltype(c)::value;
+      rmsnorm_fwd_regs_kernel<TY, NV><<<grid, kThreads, 0, st>>>(y, rstd, x, gain, N, D, eps);
+    });
+  } else {
+    rmsnorm_fwd_kernel<TY><<<grid, kThreads, 0, st>>>(y, rstd, x, gain, N, D, eps);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
 cudaError_t rmsnorm_forward(float* y, float* rstd, const float* x, const float* gain, int N, int D, float eps,
                             cudaStream_t st) {
-  if (N <= 0) return cudaSuccess;
-  rmsnorm_fwd_kernel<float><<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(y, rstd, x, gain, N, D, eps);
-  return cudaGetLastError();
+  return launch_rmsnorm_forward(y, rstd, x, gain, N, D, eps, st);
 }
 
 cudaError_t rmsnorm_forward_bf16(uint16_t* y, float* rstd, const float* x, const float* gain, int N, int D, float eps,
                                  cudaStream_t st) {
-  if (N <= 0) return cudaSuccess;
-  rmsnorm_fwd_kernel<__nv_bfloat16><<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(
-      as_bf16(y), rstd, x, gain, N, D, eps);
-  return cudaGetLastError();
+  return launch_rmsnorm_forward(as_bf16(y), rstd, x, gain, N, D, eps, st);
 }
 
 size_t rmsnorm_backward_scratch_floats(int N, int D) {
@@ -414,8 +591,15 @@ size_t rmsnorm_backward_scratch_floats(int N, int D) {
 cudaError_t rmsnorm_backward(float* dx, float* dgain, const float* dy, const float* x, const float* gain,
                              const float* rstd, int N, int D, bool accumulate_dx, float* scratch, cudaStream_t st) {
   if (N <= 0) return cudaSuccess;
-  rmsnorm_bwd_dx_kernel<<<unsigned(N < 65536 ? N : 65536), kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D,
-                                                                              accumulate_dx);
+  const unsigned grid = unsigned(N < 65536 ? N : 65536);
+  if (const int nv = norm_regs(D)) {
+    with_norm_regs(nv, [&](auto c) {
+      constexpr int NV = decltype(c)::value;
+      rmsnorm_bwd_dx_kernel<NV><<<grid, kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D, accumulate_dx);
+    });
+  } else {
+    rmsnorm_bwd_dx_kernel<0><<<grid, kThreads, 0, st>>>(dx, dy, x, gain, rstd, N, D, accumulate_dx);
+  }
   if (gain && dgain) {
     const int nchunks = (N + kNormRowChunk - 1) / kNormRowChunk;
     dim3 grid(unsigned((D + kThreads - 1) / kThreads), unsigned(nchunks));
@@ -434,30 +618,45 @@ cudaError_t rope_apply(float* x, const float* cos_sin, int N_tok, int S, int nhe
   return cudaGetLastError();
 }
 
+namespace {
+
+// 16 bytes of T per access in the forward (4 fp32, 8 bf16); the backward's fp32 gradients take 4 per
+// access with fp32 inputs, 8 (two 16-byte accesses, one for the bf16 inputs) with bf16 ones.
+template <class T>
+cudaError_t launch_swiglu_forward(T* h, const T* g, const T* u, size_t n, cudaStream_t st) {
+  return launch_vec<16 / sizeof(T)>(n, vectorizable(h, g, u), [&](auto v, unsigned grid) {
+    constexpr int V = decltype(v)::value;
+    swiglu_fwd_kernel<T, V><<<grid, kThreads, 0, st>>>(h, g, u, n);
+  });
+}
+
+template <class T>
+cudaError_t launch_swiglu_backward(float* dg, float* du, const float* dh, const T* g, const T* u, size_t n,
+                                   cudaStream_t st) {
+  return launch_vec<16 / sizeof(T)>(n, vectorizable(dg, du, dh, g, u), [&](auto v, unsigned grid) {
+    constexpr int V = decltype(v)::value;
+    swiglu_bwd_kernel<T, V><<<grid, kThreads, 0, st>>>(dg, du, dh, g, u, n);
+  });
+}
+
+}  // namespace
+
 cudaError_t swiglu_forward(float* h, const float* g, const float* u, size_t n, cudaStream_t st) {
-  if (!n) return cudaSuccess;
-  swiglu_fwd_kernel<float><<<grid_for(n), kThreads, 0, st>>>(h, g, u, n);
-  return cudaGetLastError();
+  return launch_swiglu_forward(h, g, u, n, st);
 }
 
 cudaError_t swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n,
                             cudaStream_t st) {
-  if (!n) return cudaSuccess;
-  swiglu_bwd_kernel<float><<<grid_for(n), kThreads, 0, st>>>(dg, du, dh, g, u, n);
-  return cudaGetLastError();
+  return launch_swiglu_backward(dg, du, dh, g, u, n, st);
 }
 
 cudaError_t swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n, cudaStream_t st) {
-  if (!n) return cudaSuccess;
-  swiglu_fwd_kernel<__nv_bfloat16><<<grid_for(n), kThreads, 0, st>>>(as_bf16(h), as_bf16(g), as_bf16(u), n);
-  return cudaGetLastError();
+  return launch_swiglu_forward(as_bf16(h), as_bf16(g), as_bf16(u), n, st);
 }
 
 cudaError_t swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
                                  size_t n, cudaStream_t st) {
-  if (!n) return cudaSuccess;
-  swiglu_bwd_kernel<__nv_bfloat16><<<grid_for(n), kThreads, 0, st>>>(dg, du, dh, as_bf16(g), as_bf16(u), n);
-  return cudaGetLastError();
+  return launch_swiglu_backward(dg, du, dh, as_bf16(g), as_bf16(u), n, st);
 }
 
 cudaError_t softmax_xent(float* logits, const int32_t* targets, int N, int V, float z_coef, float grad_scale,
@@ -482,15 +681,17 @@ cudaError_t reduce_pairs(const double* row_sums, int N, double* sums, cudaStream
 }
 
 cudaError_t add_inplace(float* y, const float* x, size_t n, cudaStream_t st) {
-  if (!n) return cudaSuccess;
-  add_kernel<<<grid_for(n), kThreads, 0, st>>>(y, x, n);
-  return cudaGetLastError();
+  return launch_vec<4>(n, vectorizable(y, x), [&](auto v, unsigned grid) {
+    constexpr int V = decltype(v)::value;
+    add_kernel<V><<<grid, kThreads, 0, st>>>(y, x, n);
+  });
 }
 
 cudaError_t scale_inplace(float* x, float s, size_t n, cudaStream_t st) {
-  if (!n) return cudaSuccess;
-  scale_kernel<<<grid_for(n), kThreads, 0, st>>>(x, s, n);
-  return cudaGetLastError();
+  return launch_vec<4>(n, vectorizable(x), [&](auto v, unsigned grid) {
+    constexpr int V = decltype(v)::value;
+    scale_kernel<V><<<grid, kThreads, 0, st>>>(x, s, n);
+  });
 }
 
 size_t sum_squares_scratch_doubles() { return kSsqBlocks; }
@@ -521,30 +722,46 @@ cudaError_t fill_uniform(float* x, size_t n, uint64_t seed, float lo, float hi, 
   return cudaGetLastError();
 }
 
-cudaError_t probe_kernel_attributes(cudaFuncAttributes* attr) { return cudaFuncGetAttributes(attr, add_kernel); }
+cudaError_t probe_kernel_attributes(cudaFuncAttributes* attr) {
+  return cudaFuncGetAttributes(attr, add_kernel<4>);
+}
+
+namespace {
+template <class TO, class TI>
+cudaError_t launch_cast(TO* out, const TI* in, size_t n, cudaStream_t st) {
+  return launch_vec<8>(n, vectorizable(out, in), [&](auto v, unsigned grid) {
+    constexpr int V = decltype(v)::value;
+    cast_kernel<TO, TI, V><<<grid, kThreads, 0, st>>>(out, in, n);
+  });
+}
+}  // namespace
 
 cudaError_t f32_to_bf16(uint16_t* out, const float* in, size_t n, cudaStream_t st) {
-  if (!n) return cudaSuccess;
-  f32_to_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(as_bf16(out), in, n);
-  return cudaGetLastError();
+  return launch_cast(as_bf16(out), in, n, st);
 }
 
 cudaError_t bf16_to_f32(float* out, const uint16_t* in, size_t n, cudaStream_t st) {
-  if (!n) return cudaSuccess;
-  bf16_to_f32_kernel<<<grid_for(n), kThreads, 0, st>>>(out, as_bf16(in), n);
-  return cudaGetLastError();
+  return launch_cast(out, as_bf16(in), n, st);
 }
 
 cudaError_t f32_to_bf16_rows(uint16_t* out, const float* in, const int32_t* rows, size_t cols, size_t max_rows,
                              cudaStream_t st) {
   if (!cols || !max_rows) return cudaSuccess;
-  f32_to_bf16_rows_kernel<<<grid_for(cols * max_rows), kThreads, 0, st>>>(as_bf16(out), in, rows, cols, max_rows);
-  return cudaGetLastError();
+  return launch_vec<8>(cols * max_rows, vectorizable(out, in), [&](auto v, unsigned grid) {
+    constexpr int V = decltype(v)::value;
+    f32_to_bf16_rows_kernel<V><<<grid, kThreads, 0, st>>>(as_bf16(out), in, rows, cols, max_rows);
+  });
 }
 
 cudaError_t f32_to_bf16_2d(uint16_t* out, const float* in, int rows, int cols, int ld, cudaStream_t st) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
-  f32_to_bf16_2d_kernel<<<unsigned(rows < 65535 ? rows : 65535), kThreads, 0, st>>>(as_bf16(out), in, rows, cols, ld);
+  const unsigned grid = unsigned(rows < 65535 ? rows : 65535);
+  // Every row's start stays 16-byte aligned (fp32 side) and 8-byte aligned (bf16 side) when cols and
+  // ld are multiples of 4.
+  if (vectorizable(out, in) && cols % 4 == 0 && ld % 4 == 0)
+    f32_to_bf16_2d_kernel<4><<<grid, kThreads, 0, st>>>(as_bf16(out), in, rows, cols, ld);
+  else
+    f32_to_bf16_2d_kernel<1><<<grid, kThreads, 0, st>>>(as_bf16(out), in, rows, cols, ld);
   return cudaGetLastError();
 }
 

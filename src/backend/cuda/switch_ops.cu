@@ -20,6 +20,9 @@
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/switch_optim_ops.cuh"
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/kernels.cuh"
+
+#include <climits>
 
 namespace ladder::cuda::k {
 
@@ -228,6 +231,221 @@ __global__ void qk_prep_bwd_kernel(float* dx, float* partial, const float* dout,
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The QK prep's fast paths, for hd = 32 VPL and half = 32 HP (the model's shapes: hd 64 or 128, rope
+// over hd or hd / 2). Lane `lane` owns dims c = lane + 32 j, j < VPL: exactly the dims the kernels
+// above give it in their first loop, so its partial sums add the same terms in the same order and
+// the shuffle tree is the same (the same rstd, dot and dgain). Since half is a multiple of 32, the
+// RoPE partner c + half of dim c < half is the same lane's j + HP, so a row's loads are all issued
+// together into registers (x, and dout in the backward, VPL each; cos / sin HP each) instead of one
+// dependent loop step at a time. Row and token indices are 32-bit (the launcher checks N_tok *
+// nheads < 2^31): a 32-bit division and modulo per row, where the reference's size_t ones compile to
+// a run-time choice between the 32- and 64-bit instruction sequences. The forward
+// reads its row once (the reference reads it twice) and the gain once per kernel. The backward
+// loads two rows per step (twice the bytes in flight per warp: its grid is one block per 256-row
+// chunk, too few blocks to fill the device at the model's sizes) and keeps the dgain partials in
+// registers instead of shared memory.
+//
+// The per-element expressions are the reference kernels', in the same form: with the norm, the
+// backward's second pass (dx from dn after the row's dot) reads dout, x, cos / sin and the gain
+// again, as qk_prep_bwd_kernel does (L1 hits, after a __syncwarp that keeps the compiler from reusing
+// the first pass's loads). Reusing the first pass's values would make gain * dn of the dot and of dx
+// one value with two uses, and the compiler's FMA contraction of gain * dn - xs * cc then picks the
+// other multiply (LLVM prefers the one with fewer uses): a different rounding. The emulated test
+// (CudaEmu.QkPrepRegisterPathsMatchReferenceBitwise) compares the two paths bit for bit.
+
+// The row's values after the PKO shift (qk_shifted of each owned dim).
+template <int VPL, class T>
+__device__ __forceinline__ void qk_load_shifted(float (&v)[VPL], const T* xr, size_t stride, bool prev, int lane,
+                                                int from) {
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) v[j] = qk_shifted(xr, stride, prev, lane + 32 * j, from);
+}
+
+// The gain of each owned dim (1 without a gain: the reference kernels' `gain ? gain[c] : 1.f`).
+template <int VPL>
+__device__ __forceinline__ void qk_load_gain(float (&gv)[VPL], const float* gain, int lane) {
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) gv[j] = gain ? gain[lane + 32 * j] : 1.f;
+}
+
+template <class T, int VPL, int HP>
+__global__ void qk_prep_fwd_regs_kernel(T* out, float* rstd, const T* x, const float* gain, const uint8_t* reset,
+                                        const float* cos_sin, int N_tok, int S, int nheads, int from, bool norm,
+                                        float eps) {
+  constexpr int hd = 32 * VPL, half = 32 * HP;
+  const int lane = threadIdx.x & 31;
+  const unsigned rows = unsigned(N_tok) * unsigned(nheads), warps = gridDim.x * (blockDim.x >> 5);
+  const size_t stride = size_t(nheads) * hd;
+  const float* ct = cos_sin;
+  const float* st = cos_sin + size_t(S) * half;
+  float gv[VPL];
+  qk_load_gain(gv, gain, lane);
+  for (unsigned r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+    const unsigned t = r / unsigned(nheads), pos = t % unsigned(S);
+    const bool prev = reset && t > 0 && !reset[t];
+    float v[VPL], cs[HP], sn[HP];
+    qk_load_shifted(v, x + size_t(r) * hd, stride, prev, lane, from);
+#pragma unroll
+    for (int j = 0; j < HP; ++j) {
+      cs[j] = ct[pos * half + lane + 32 * j];
+      sn[j] = st[pos * half + lane + 32 * j];
+    }
+    float rs = 1.f;
+    if (norm) {
+      float ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) ss += v[j] * v[j];
+      ss = warp_sum(ss);
+      rs = float(1.0 / sqrt(double(ss) / hd + double(eps)));  // as qk_prep_fwd_kernel
+      if (lane == 0) rstd[r] = rs;
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) v[j] = gain ? v[j] * rs * gv[j] : v[j] * rs;  // qk_normed
+    }
+    T* o = out + size_t(r) * hd + lane;
+#pragma unroll
+    for (int j = 0; j < HP; ++j) {
+      const float a = v[j], b = v[j + HP], c = cs[j], s = sn[j];
+      store_rn(o[32 * j], a * c - b * s);
+      store_rn(o[32 * j + half], b * c + a * s);
+    }
+#pragma unroll
+    for (int j = 2 * HP; j < VPL; ++j) store_rn(o[32 * j], v[j]);
+  }
+}
+
+// One row's inputs to the backward, loaded before any of them is used (qk_bwd_row_load), so that
+// the warp has two rows' loads in flight at once (qk_prep_bwd_regs_kernel).
+template <int VPL, int HP>
+struct QkBwdRow {
+  float g[VPL], xs[VPL], cs[HP], sn[HP], rs;
+  unsigned t;
+  bool prev, next_reads;
+};
+
+template <int VPL, int HP, class T>
+__device__ __forceinline__ void qk_bwd_row_load(QkBwdRow<VPL, HP>& w, unsigned r, const float* dout, const T* x,
+                                                const float* rstd, const uint8_t* reset, const float* cos_sin,
+                                                unsigned N_tok, unsigned S, unsigned nheads, int lane, int from,
+                                                bool norm) {
+  constexpr int hd = 32 * VPL, half = 32 * HP;
+  w.t = r / nheads;
+  w.prev = reset && w.t > 0 && !reset[w.t];
+  w.next_reads = reset && w.t + 1 < N_tok && !reset[w.t + 1];
+  const unsigned pos = w.t % S;
+  const float* g = dout + size_t(r) * hd + lane;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) w.g[j] = g[32 * j];
+#pragma unroll
+  for (int j = 0; j < HP; ++j) {
+    w.cs[j] = cos_sin[pos * half + lane + 32 * j];
+    w.sn[j] = cos_sin[size_t(S) * half + pos * half + lane + 32 * j];
+  }
+  w.rs = norm ? rstd[r] : 1.f;
+  if (norm) qk_load_shifted(w.xs, x + size_t(r) * hd, size_t(nheads) * hd, w.prev, lane, from);
+}
+
+// qk_prep_bwd_kernel's row body on a loaded row: dn (RoPE's adjoint), the dot, then each dim's
+// dx_s and where it goes; pacc: the lane's dgain partials (its dims), added in row order.
+// d(normed) of the row: RoPE's adjoint (dn_pair of qk_prep_bwd_kernel) on the pairs, dout itself
+// on the unrotated dims.
+template <int VPL, int HP>
+__device__ __forceinline__ void qk_bwd_dn(float (&dn)[VPL], const QkBwdRow<VPL, HP>& w) {
+#pragma unroll
+  for (int j = 0; j < HP; ++j) {
+    const float a = w.g[j], b = w.g[j + HP], c = w.cs[j], si = -w.sn[j];
+    dn[j] = a * c - b * si;
+    dn[j + HP] = b * c + a * si;
+  }
+#pragma unroll
+  for (int j = 2 * HP; j < VPL; ++j) dn[j] = w.g[j];
+}
+
+template <int VPL, int HP, class T>
+__device__ __forceinline__ void qk_bwd_row_emit(QkBwdRow<VPL, HP>& w, float (&pacc)[VPL], const float* gain,
+                                                float* dx, unsigned r, const float* dout, const T* x,
+                                                const float* rstd, const uint8_t* reset, const float* cos_sin,
+                                                unsigned N_tok, unsigned S, unsigned nheads, int lane, int from,
+                                                bool norm, bool with_partial) {
+  constexpr int hd = 32 * VPL;
+  const size_t stride = size_t(nheads) * hd;
+  float dn[VPL];
+  qk_bwd_dn(dn, w);
+  float cc = 0.f;
+  if (norm) {
+    float dot = 0.f;  // the reference order: pairs (i, i + half) in i order, then the unrotated dims
+#pragma unroll
+    for (int j = 0; j < HP; ++j) {
+      const float g1 = gain ? gain[lane + 32 * j] : 1.f, g2 = gain ? gain[lane + 32 * (j + HP)] : 1.f;
+      dot += dn[j] * g1 * w.xs[j];
+      dot += dn[j + HP] * g2 * w.xs[j + HP];
+    }
+#pragma unroll
+    for (int j = 2 * HP; j < VPL; ++j) dot += dn[j] * (gain ? gain[lane + 32 * j] : 1.f) * w.xs[j];
+    dot = warp_sum(dot);
+    cc = dot * w.rs * w.rs / float(hd);
+    __syncwarp();  // a memory barrier to the compiler: the loads below are new ones (see above)
+    qk_bwd_row_load(w, r, dout, x, rstd, reset, cos_sin, N_tok, S, nheads, lane, from, norm);
+    qk_bwd_dn(dn, w);
+  }
+  float* d = dx + size_t(r) * hd;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    const int c = lane + 32 * j;
+    float v = dn[j];
+    if (norm) {
+      v = w.rs * ((gain ? gain[c] : 1.f) * dn[j] - w.xs[j] * cc);
+      if (with_partial) pacc[j] += dn[j] * w.xs[j] * w.rs;
+    }
+    if (c < from) d[c] = v;
+    else if (w.prev) *(d - stride + c) = v;
+    if (reset && c >= from && !w.next_reads) d[c] = 0.f;
+  }
+}
+
+// qk_prep_bwd_kernel with the rows in registers: the same chunks, the same rows per warp in the same
+// order (so the same dgain partials, summed in the same order), two rows loaded per step. The dgain
+// partial of a dim lives in its lane's registers for the chunk and reaches shared memory once.
+template <class T, int VPL, int HP>
+__global__ void qk_prep_bwd_regs_kernel(float* dx, float* partial, const float* dout, const T* x, const float* gain,
+                                        const float* rstd, const uint8_t* reset, const float* cos_sin, int N_tok,
+                                        int S, int nheads, int from, bool norm) {
+  constexpr int hd = 32 * VPL;
+  extern __shared__ float part[];  // [warps, hd] when partial != nullptr
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const unsigned rows = unsigned(N_tok) * unsigned(nheads);
+  const unsigned nchunks = (rows + kQkChunkRows - 1) / kQkChunkRows;
+  for (unsigned ch = blockIdx.x; ch < nchunks; ch += gridDim.x) {
+    float pacc[VPL];
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) pacc[j] = 0.f;
+    const unsigned r1 = (ch + 1) * kQkChunkRows < rows ? (ch + 1) * kQkChunkRows : rows;
+    for (unsigned r = ch * kQkChunkRows + warp; r < r1; r += 2 * nwarps) {
+      const unsigned r2 = r + nwarps;
+      QkBwdRow<VPL, HP> a = {}, b = {};  // b: loaded only when the warp has a second row; xs with the norm
+      qk_bwd_row_load(a, r, dout, x, rstd, reset, cos_sin, N_tok, S, nheads, lane, from, norm);
+      if (r2 < r1) qk_bwd_row_load(b, r2, dout, x, rstd, reset, cos_sin, N_tok, S, nheads, lane, from, norm);
+      qk_bwd_row_emit(a, pacc, gain, dx, r, dout, x, rstd, reset, cos_sin, N_tok, S, nheads, lane, from, norm,
+                      partial != nullptr);
+      if (r2 < r1)
+        qk_bwd_row_emit(b, pacc, gain, dx, r2, dout, x, rstd, reset, cos_sin, N_tok, S, nheads, lane, from, norm,
+                        partial != nullptr);
+    }
+    if (partial) {
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) part[warp * hd + lane + 32 * j] = pacc[j];
+      __syncthreads();
+      // The chunk's partial: the block's warps in warp order, as qk_prep_bwd_kernel.
+      for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float acc = 0.f;
+        for (int w = 0; w < nwarps; ++w) acc += part[w * hd + c];
+        partial[size_t(ch) * hd + c] = acc;
+      }
+      __syncthreads();  // part is written again for the next chunk
+    }
+  }
+}
+
 // dgain += the chunks' partials, added in chunk order (one thread per column).
 __global__ void qk_dgain_final_kernel(float* dgain, const float* partial, size_t nchunks, int hd) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -412,14 +630,38 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
+// Calls f(Width<VPL>{}, Width<HP>{}) when the QK prep's register kernels cover hd = 32 VPL and half
+// = 32 HP (the model's shapes: hd 64 or 128 with rope over hd or hd / 2) and the rows fit 32-bit
+// indices; false (nothing called) otherwise, or when the reference paths are forced. Not hd = 256:
+// there the emulation's compiler fuses the backward's rotation (a c - b s over 4 pairs per lane, as
+// vectors) into FMAs differently from qk_prep_bwd_kernel's loop, so it is not bitwise the reference.
+template <class F>
+bool with_qk_regs_shape(int hd, int half, size_t rows, F&& f) {
+  if (reference_paths() || rows > size_t(INT_MAX) || hd % 32 != 0 || half % 32 != 0) return false;
+  switch ((hd / 32) * 16 + half / 32) {
+    case 2 * 16 + 1: f(Width<2>{}, Width<1>{}); return true;
+    case 4 * 16 + 2: f(Width<4>{}, Width<2>{}); return true;
+    case 4 * 16 + 1: f(Width<4>{}, Width<1>{}); return true;
+    default: return false;
+  }
+}
+
 template <class T>
 cudaError_t launch_qk_prep_forward(T* out, float* rstd, const T* x, const float* gain, const uint8_t* reset,
                                    const float* cos_sin, int N_tok, int S, int nheads, int hd, int rot_dims, bool norm,
                                    float eps, cudaStream_t st) {
   if (N_tok <= 0 || nheads <= 0 || hd <= 0) return cudaSuccess;
   if (S < 1 || rot_dims < 0 || rot_dims > hd) return cudaErrorInvalidValue;
-  qk_prep_fwd_kernel<T><<<grid_for_rows(size_t(N_tok) * nheads), kThreads, 0, st>>>(
-      out, rstd, x, gain, reset, cos_sin, N_tok, S, nheads, hd, rot_dims / 2, reset ? hd / 2 : hd, norm, eps);
+  const size_t rows = size_t(N_tok) * nheads;
+  const int from = reset ? hd / 2 : hd;
+  const bool regs = with_qk_regs_shape(hd, rot_dims / 2, rows, [&](auto vpl, auto hp) {
+    constexpr int VPL = decltype(vpl)::value, HP = decltype(hp)::value;
+    qk_prep_fwd_regs_kernel<T, VPL, HP><<<grid_for_rows(rows), kThreads, 0, st>>>(out, rstd, x, gain, reset, cos_sin,
+                                                                                 N_tok, S, nheads, from, norm, eps);
+  });
+  if (!regs)
+    qk_prep_fwd_kernel<T><<<grid_for_rows(rows), kThreads, 0, st>>>(out, rstd, x, gain, reset, cos_sin, N_tok, S,
+                                                                    nheads, hd, rot_dims / 2, from, norm, eps);
   return cudaGetLastError();
 }
 
@@ -435,9 +677,16 @@ cudaError_t launch_qk_prep_backward(float* dx, float* dgain, const float* dout, 
   const size_t nchunks = (rows + kQkChunkRows - 1) / kQkChunkRows;
   const unsigned grid = unsigned(nchunks < kMaxBlocks ? nchunks : kMaxBlocks);
   const size_t smem = with_gain ? size_t(hd) * kWarpsPerBlock * sizeof(float) : 0;
-  qk_prep_bwd_kernel<T><<<grid, kThreads, smem, st>>>(dx, with_gain ? scratch : nullptr, dout, x, gain, rstd, reset,
-                                                      cos_sin, N_tok, S, nheads, hd, rot_dims / 2,
-                                                      reset ? hd / 2 : hd, norm);
+  float* partial = with_gain ? scratch : nullptr;
+  const int from = reset ? hd / 2 : hd;
+  const bool regs = with_qk_regs_shape(hd, rot_dims / 2, rows, [&](auto vpl, auto hp) {
+    constexpr int VPL = decltype(vpl)::value, HP = decltype(hp)::value;
+    qk_prep_bwd_regs_kernel<T, VPL, HP><<<grid, kThreads, smem, st>>>(dx, partial, dout, x, gain, rstd, reset,
+                                                                     cos_sin, N_tok, S, nheads, from, norm);
+  });
+  if (!regs)
+    qk_prep_bwd_kernel<T><<<grid, kThreads, smem, st>>>(dx, partial, dout, x, gain, rstd, reset, cos_sin, N_tok, S,
+                                                        nheads, hd, rot_dims / 2, from, norm);
   if (with_gain)
     qk_dgain_final_kernel<<<unsigned((hd + kThreads - 1) / kThreads), kThreads, 0, st>>>(dgain, scratch, nchunks, hd);
   return cudaGetLastError();

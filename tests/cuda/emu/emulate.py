@@ -30,11 +30,13 @@ import sys
 # problem without a stride (rmsnorm_dgain_*, the attention tile kernels).
 GRID_STRIDE = {
     "ops.cu": ["embedding_fwd_kernel", "iota_kernel", "embedding_bwd_segments", "rmsnorm_fwd_kernel",
-               "rmsnorm_bwd_dx_kernel", "rope_kernel", "swiglu_fwd_kernel", "swiglu_bwd_kernel", "xent_kernel",
-               "add_kernel", "scale_kernel", "adamw_kernel", "scale_matrix_kernel", "f32_to_bf16_kernel",
+               "rmsnorm_bwd_dx_kernel", "rmsnorm_fwd_regs_kernel", "rope_kernel", "swiglu_fwd_kernel",
+               "swiglu_bwd_kernel", "xent_kernel",
+               "add_kernel", "scale_kernel", "adamw_kernel", "scale_matrix_kernel", "cast_kernel",
                "f32_to_bf16_2d_kernel", "f32_to_bf16_rows_kernel", "fill_uniform_kernel"],
     "attention.cu": ["attn_bwd_dot_kernel"],
     "switch_ops.cu": ["pko_fwd_kernel", "pko_bwd_kernel", "qk_prep_fwd_kernel", "qk_prep_bwd_kernel",
+                      "qk_prep_fwd_regs_kernel", "qk_prep_bwd_regs_kernel",
                       "xsa_fwd_kernel", "xsa_bwd_kernel",
                       "head_gate_fwd_kernel", "head_gate_bwd_kernel", "silu_fwd_kernel", "silu_bwd_kernel",
                       "sigmoid_gate_fwd_kernel", "sigmoid_gate_bwd_kernel"],
@@ -43,7 +45,6 @@ GRID_STRIDE = {
     # moe_ops.cu: not listed, on purpose: radix_select_kernel (one block per column),
     # row_tile_prefix_kernel (one block), grouped_wgrad_kernel (one block per tile, no stride).
     "moe_ops.cu": ["route_kernel", "balance_values_kernel", "router_backward_kernel", "gather_kernel",
-                   "gather_bf16_kernel",
                    "combine_kernel", "combine_backward_kernel", "gather_backward_kernel", "iota_kernel",
                    "invert_perm_kernel", "offsets_from_sorted_kernel", "transpose_keys_kernel",
                    "grouped_rows_kernel", "count_load_kernel", "pko_resets_kernel"],

@@ -12,10 +12,14 @@
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/optim_kernels.h"
 #include "backend/cuda/kernels.cuh"
+#include "backend/cuda/moe_ops.cuh"
 #include "backend/cuda/switch_optim_ops.cuh"
 #include "../mma_selftest_case.h"
 #include "backend/cuda/mma_selftest.cuh"
 #include "emu_fixture.h"
+
+#include <algorithm>
+#include <numeric>
 
 namespace ladder {
 namespace {
@@ -383,12 +387,18 @@ TEST_F(CudaEmu, AttentionForwardBackward) {
 // ---------------------------------------------------------------------------------------------
 // switch_ops.cu
 
+// Document starts for PKO: token 0 of each sequence of S, and others with probability p.
+std::vector<uint8_t> random_resets(std::mt19937_64& rng, int N, int S, double p) {
+  std::vector<uint8_t> reset(N);
+  std::bernoulli_distribution doc(p);
+  for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng)) ? 1 : 0;
+  return reset;
+}
+
 TEST_F(CudaEmu, PkoShiftForwardBackward) {
   for (auto [B, S, nkv, hd] : {std::tuple{3, 41, 2, 16}, {2, 37, 3, 40}}) {
     const int N = B * S;
-    std::vector<uint8_t> reset(N);
-    std::bernoulli_distribution doc(0.125);
-    for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng_)) ? 1 : 0;
+    const std::vector<uint8_t> reset = random_resets(rng_, N, S, 0.125);
     const size_t n = size_t(N) * nkv * hd;
     const auto kx = randv(n), dout = randv(n);
     for (int from : {hd / 2, 0, hd, 3}) {
@@ -411,9 +421,7 @@ TEST_F(CudaEmu, QkPrepForwardBackward) {
   const float theta = 10000.f, eps = 1e-6f;
   for (auto [B, S, nh, hd, rot] : {std::tuple{2, 13, 3, 18, 18}, {1, 75, 4, 40, 20}, {3, 7, 1, 17, 16}}) {
     const int N = B * S;
-    std::vector<uint8_t> reset(N);
-    std::bernoulli_distribution doc(0.15);
-    for (int t = 0; t < N; ++t) reset[t] = (t % S == 0 || doc(rng_)) ? 1 : 0;
+    const std::vector<uint8_t> reset = random_resets(rng_, N, S, 0.15);
     const size_t n = size_t(N) * nh * hd, rows = size_t(N) * nh;
     const auto x = randv(n), dout = randv(n), g = randv(size_t(hd), 0.5f, 1.5f), dg0 = randv(size_t(hd));
     const auto tab = rope_table(S, rot, theta);
@@ -626,6 +634,226 @@ TEST_F(CudaEmu, DynamicSharedMemoryAbove48KiBNeedsTheOptIn) {
   emu::launch(false, dim3(1), dim3(32), 64 * 1024, smem_probe_kernel, &flag);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   EXPECT_EQ(flag, 1);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// The memory-bound kernels' fast paths (16-byte vector accesses, rows in registers, batched loads)
+// against their scalar reference paths, bitwise: k::set_reference_paths(true) makes every launcher
+// take the reference path (the kernels as they were before the fast paths). Shapes pick each branch:
+// vector body plus scalar tail (odd sizes), misaligned pointers (the launcher falls back to the
+// scalar path), 16-byte aligned sub-buffers, in-place calls, fp32 and bf16, the QK prep's register
+// shapes (hd 64 / 128 / 256, rope over hd and hd / 2; PKO resets; two dgain chunks) and one it does
+// not cover. The CPU comparisons of the same launchers are the tests above and in test_emu_moe_tc.cpp.
+
+using Bytes = std::vector<std::vector<uint8_t>>;
+
+template <class T>
+std::vector<uint8_t> raw(const T* p, size_t n) {
+  std::vector<uint8_t> b(n * sizeof(T));
+  if (n) std::memcpy(b.data(), p, b.size());
+  return b;
+}
+template <class T>
+std::vector<uint8_t> raw(const std::vector<T>& v) {
+  return raw(v.data(), v.size());
+}
+
+struct ReferencePaths {  // forces the reference paths for its lifetime (also when an ASSERT returns)
+  ReferencePaths() { k::set_reference_paths(true); }
+  ~ReferencePaths() { k::set_reference_paths(false); }
+};
+
+// run() launches with fresh (poisoned) outputs and returns them; fast and reference must agree.
+template <class Run>
+void fast_matches_reference(Run&& run, const std::string& what) {
+  ASSERT_FALSE(k::reference_paths());
+  const Bytes fast = run();
+  Bytes ref;
+  {
+    ReferencePaths force;
+    ref = run();
+  }
+  ASSERT_EQ(fast.size(), ref.size()) << what;
+  for (size_t i = 0; i < fast.size(); ++i) CudaEmu::exact(fast[i], ref[i], what + CudaEmu::fmt(" output %zu", i));
+}
+
+std::vector<uint16_t> to_bf16_bits(const std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = __float2bfloat16_rn(v[i]).bits;
+  return b;
+}
+
+TEST_F(CudaEmu, ElementwiseFastPathsMatchReferenceBitwise) {
+  // off: elements from the start of the allocations (0 and 4: 16-byte aligned, 1: misaligned for a
+  // vector, so the launcher takes the scalar path); n: vector body only, tails, shorter than a vector.
+  for (size_t n : {size_t(3), size_t(64), size_t(8 * 97 + 5), size_t(4099)})
+    for (size_t off : {size_t(0), size_t(1), size_t(4)}) {
+      if (quick() && n == 64) continue;
+      const std::string what = fmt("n=%zu off=%zu", n, off);
+      const auto g = randv(n + off, -4.f, 4.f), u = randv(n + off), dh = randv(n + off);
+      const auto g16 = to_bf16_bits(g), u16 = to_bf16_bits(u);
+      fast_matches_reference([&] {
+        auto h = poisoned(n + off), dg = poisoned(n + off), du = poisoned(n + off), dg16 = poisoned(n + off);
+        auto du16 = poisoned(n + off);
+        auto h16 = poisoned<uint16_t>(n + off);
+        ok(k::swiglu_forward(h.data() + off, g.data() + off, u.data() + off, n, nullptr), what);
+        ok(k::swiglu_backward(dg.data() + off, du.data() + off, dh.data() + off, g.data() + off, u.data() + off, n,
+                              nullptr), what);
+        ok(k::swiglu_forward_bf16(h16.data() + off, g16.data() + off, u16.data() + off, n, nullptr), what);
+        ok(k::swiglu_backward_bf16(dg16.data() + off, du16.data() + off, dh.data() + off, g16.data() + off,
+                                   u16.data() + off, n, nullptr), what);
+        // In place: h over g, dg over dh.
+        auto hg = g, dgh = dh;
+        ok(k::swiglu_forward(hg.data() + off, hg.data() + off, u.data() + off, n, nullptr), what);
+        auto dui = poisoned(n + off);
+        ok(k::swiglu_backward(dgh.data() + off, dui.data() + off, dgh.data() + off, g.data() + off, u.data() + off, n,
+                              nullptr), what);
+        return Bytes{raw(h), raw(dg), raw(du), raw(h16), raw(dg16), raw(du16), raw(hg), raw(dgh), raw(dui)};
+      }, "swiglu " + what);
+      fast_matches_reference([&] {
+        auto b = poisoned<uint16_t>(n + off);
+        auto f = poisoned(n + off), y = dh, ys = dh, yy = dh;
+        ok(k::f32_to_bf16(b.data() + off, g.data() + off, n, nullptr), what);
+        ok(k::bf16_to_f32(f.data() + off, g16.data() + off, n, nullptr), what);
+        ok(k::add_inplace(y.data() + off, u.data() + off, n, nullptr), what);
+        ok(k::add_inplace(yy.data() + off, yy.data() + off, n, nullptr), what);  // y += y
+        ok(k::scale_inplace(ys.data() + off, -0.37f, n, nullptr), what);
+        return Bytes{raw(b), raw(f), raw(y), raw(yy), raw(ys)};
+      }, "casts, add, scale " + what);
+      // The casts are exact operations: the fast path also equals the CPU's rounding bit for bit.
+      auto b = poisoned<uint16_t>(n);
+      ok(k::f32_to_bf16(b.data(), g.data() + off, n, nullptr), what);
+      exact(b, std::vector<uint16_t>(g16.begin() + off, g16.end()), "f32_to_bf16 vs host rounding " + what);
+    }
+  // The row-count cast (rows read on the device) and the strided 2-D cast.
+  for (auto [rows, cols, ld, off] : {std::tuple{5, 24, 28, 0}, {5, 24, 28, 1}, {3, 37, 40, 0}, {4, 16, 18, 0}}) {
+    const std::string what = fmt("rows=%d cols=%d ld=%d off=%d", rows, cols, ld, off);
+    const auto in = randv(size_t(rows) * ld + off);
+    fast_matches_reference([&] {
+      const int32_t dev_rows[1] = {rows - 1};
+      auto r = poisoned<uint16_t>(size_t(rows) * cols + off), m = poisoned<uint16_t>(size_t(rows) * cols + off);
+      ok(k::f32_to_bf16_rows(r.data() + off, in.data() + off, dev_rows, size_t(cols), size_t(rows), nullptr), what);
+      ok(k::f32_to_bf16_2d(m.data() + off, in.data() + off, rows, cols, ld, nullptr), what);
+      return Bytes{raw(r), raw(m)};
+    }, "bf16 rows / 2d " + what);
+  }
+}
+
+TEST_F(CudaEmu, RmsNormRegisterPathMatchesReferenceBitwise) {
+  // D up to 2048 keeps a row in registers (8 per thread); 2049 takes the reference path either way.
+  for (int D : {1, 200, 256, 300, 1024, 2048, 2049}) {
+    if (quick() && (D == 256 || D == 2048)) continue;
+    const int N = 5;
+    const std::string what = fmt("rmsnorm N=%d D=%d", N, D);
+    const auto x = randv(size_t(N) * D), dy = randv(size_t(N) * D), g = randv(size_t(D), 0.5f, 1.5f);
+    const auto dx0 = randv(size_t(N) * D), dg0 = randv(size_t(D));
+    fast_matches_reference([&] {
+      Bytes outs;
+      for (const float* gain : {g.data(), static_cast<const float*>(nullptr)}) {
+        auto y = poisoned(size_t(N) * D), rstd = poisoned(size_t(N)), r16 = poisoned(size_t(N));
+        auto y16 = poisoned<uint16_t>(size_t(N) * D);
+        ok(k::rmsnorm_forward(y.data(), rstd.data(), x.data(), gain, N, D, 1e-5f, nullptr), what);
+        ok(k::rmsnorm_forward_bf16(y16.data(), r16.data(), x.data(), gain, N, D, 1e-5f, nullptr), what);
+        for (bool acc : {false, true}) {
+          auto dx = acc ? dx0 : poisoned(size_t(N) * D), dg = dg0;
+          std::vector<float> scratch = poisoned(k::rmsnorm_backward_scratch_floats(N, D));
+          ok(k::rmsnorm_backward(dx.data(), gain ? dg.data() : nullptr, dy.data(), x.data(), gain, rstd.data(), N, D,
+                                 acc, scratch.data(), nullptr), what);
+          outs.push_back(raw(dx));
+          outs.push_back(raw(dg));
+        }
+        outs.insert(outs.end(), {raw(y), raw(rstd), raw(y16), raw(r16)});
+      }
+      return outs;
+    }, what);
+  }
+}
+
+TEST_F(CudaEmu, QkPrepRegisterPathsMatchReferenceBitwise) {
+  const float theta = 10000.f, eps = 1e-6f;
+  // (64, 32): half = 16 is not a multiple of 32, the reference path either way. 100 x 3 rows: two
+  // dgain chunks, the second with an odd number of rows for some warps (a row without a pair).
+  for (auto [B, S, nh, hd, rot] : {std::tuple{2, 9, 3, 64, 64}, {1, 100, 3, 64, 64}, {2, 5, 2, 128, 128},
+                                   {2, 5, 2, 128, 64}, {1, 6, 2, 256, 256}, {1, 6, 2, 256, 128}, {2, 5, 2, 64, 32}}) {
+    if (quick() && (S == 100 || hd == 256)) continue;
+    const int N = B * S;
+    const std::vector<uint8_t> reset = random_resets(rng_, N, S, 0.2);
+    const size_t n = size_t(N) * nh * hd, rows = size_t(N) * nh;
+    const auto x = randv(n), dout = randv(n), g = randv(size_t(hd), 0.5f, 1.5f), dg0 = randv(size_t(hd));
+    const auto x16 = to_bf16_bits(x);
+    const auto tab = rope_table(S, rot, theta);
+    for (bool norm : {true, false})
+      for (bool with_gain : {true, false})
+        for (bool pko : {true, false}) {
+          if (!norm && with_gain) continue;  // the gain is the norm's
+          const std::string what = fmt("qk_prep B=%d S=%d nh=%d hd=%d rot=%d norm=%d gain=%d pko=%d", B, S, nh, hd,
+                                       rot, int(norm), int(with_gain), int(pko));
+          const float* gain = with_gain ? g.data() : nullptr;
+          const uint8_t* r = pko ? reset.data() : nullptr;
+          fast_matches_reference([&] {
+            auto out = poisoned(n), rstd = poisoned(rows), dx = poisoned(n), dg = dg0, rstd16 = poisoned(rows);
+            auto dx16 = poisoned(n), dg16 = dg0;
+            auto out16 = poisoned<uint16_t>(n);
+            std::vector<float> scratch = poisoned(k::qk_prep_backward_scratch_floats(N, nh, hd));
+            ok(k::qk_prep_forward(out.data(), rstd.data(), x.data(), gain, r, tab.data(), N, S, nh, hd, rot, norm,
+                                  eps, nullptr), what);
+            ok(k::qk_prep_backward(dx.data(), with_gain ? dg.data() : nullptr, dout.data(), x.data(), gain,
+                                   rstd.data(), r, tab.data(), N, S, nh, hd, rot, norm, scratch.data(), nullptr),
+               what);
+            ok(k::qk_prep_forward_bf16(out16.data(), rstd16.data(), x16.data(), gain, r, tab.data(), N, S, nh, hd,
+                                       rot, norm, eps, nullptr), what);
+            ok(k::qk_prep_backward_bf16(dx16.data(), with_gain ? dg16.data() : nullptr, dout.data(), x16.data(), gain,
+                                        rstd16.data(), r, tab.data(), N, S, nh, hd, rot, norm, scratch.data(),
+                                        nullptr), what);
+            Bytes o{raw(out), raw(dx), raw(dg), raw(out16), raw(dx16), raw(dg16)};
+            if (norm) o.insert(o.end(), {raw(rstd), raw(rstd16)});  // written only with the norm
+            return o;
+          }, what);
+          if (hd == 128 && rot == 64 && norm && with_gain && pko) {  // and the fast path against the CPU
+            auto out = poisoned(n), rstd = poisoned(rows);
+            std::vector<float> outr(n), rr(rows);
+            ok(k::qk_prep_forward(out.data(), rstd.data(), x.data(), gain, r, tab.data(), N, S, nh, hd, rot, norm,
+                                  eps, nullptr), what);
+            cpu::qk_prep_forward<float>(outr.data(), rr.data(), x.data(), gain, r, N, S, nh, hd, rot, theta, norm,
+                                        eps);
+            check(out, outr, kF32, what + " out vs cpu");
+            check(rstd, rr, kF32, what + " rstd vs cpu");
+          }
+        }
+  }
+}
+
+TEST_F(CudaEmu, MoeRowFastPathsMatchReferenceBitwise) {
+  const int N = 7, K = 3, NK = N * K;
+  // d = 300: 4-column vectors, and 9 lane-batches of 8 plus a tail in combine_backward; 37: scalar.
+  for (int d : {300, 37, 1024}) {
+    if (quick() && d == 1024) continue;
+    const std::string what = fmt("N=%d K=%d d=%d", N, K, d);
+    std::vector<int32_t> row(NK), slot(NK);
+    std::iota(row.begin(), row.end(), 0);
+    std::shuffle(row.begin(), row.end(), rng_);
+    for (int j = 0; j < NK; ++j) slot[row[j]] = j;
+    const auto h = randv(size_t(N) * d), y = randv(size_t(NK) * d), comb = randv(size_t(NK), 0.f, 1.f);
+    const auto out0 = randv(size_t(N) * d), dout = randv(size_t(N) * d), dxs = randv(size_t(NK) * d);
+    const auto y16 = to_bf16_bits(y);
+    fast_matches_reference([&] {
+      auto xs = poisoned(size_t(NK) * d), out = out0, out16 = out0;
+      auto xs16 = poisoned<uint16_t>(size_t(NK) * d);
+      auto dy = poisoned(size_t(NK) * d), dc = poisoned(size_t(NK)), dy16 = poisoned(size_t(NK) * d);
+      auto dc16 = poisoned(size_t(NK)), dh = poisoned(size_t(N) * d);
+      ok(k::moe_gather(xs.data(), h.data(), slot.data(), NK, K, d, nullptr), what);
+      ok(k::moe_gather_bf16(xs16.data(), h.data(), slot.data(), NK, K, d, nullptr), what);
+      ok(k::moe_combine(out.data(), y.data(), comb.data(), row.data(), N, K, d, nullptr), what);
+      ok(k::moe_combine_bf16(out16.data(), y16.data(), comb.data(), row.data(), N, K, d, nullptr), what);
+      ok(k::moe_combine_backward(dy.data(), dc.data(), dout.data(), y.data(), comb.data(), row.data(), N, K, d,
+                                 nullptr), what);
+      ok(k::moe_combine_backward_bf16(dy16.data(), dc16.data(), dout.data(), y16.data(), comb.data(), row.data(), N,
+                                      K, d, nullptr), what);
+      ok(k::moe_gather_backward(dh.data(), dxs.data(), row.data(), N, K, d, nullptr), what);
+      return Bytes{raw(xs), raw(xs16), raw(out), raw(out16), raw(dy), raw(dc), raw(dy16), raw(dc16), raw(dh)};
+    }, what);
+  }
 }
 
 }  // namespace
