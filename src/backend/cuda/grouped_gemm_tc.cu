@@ -68,6 +68,8 @@
 #include <type_traits>
 
 #include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/grouped_gemm_common.cuh"
+#include "backend/cuda/grouped_gemm_wgmma.cuh"
 #include "backend/cuda/device_common.cuh"
 #include "backend/cuda/moe_ops.cuh"
 #include "backend/cuda/mma_ptx.cuh"
@@ -78,9 +80,15 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 namespace wmma = nvcuda::wmma;
+using gg::advance;
+using gg::async_ok;
+using gg::aligned4;
+using gg::kBX;
+using gg::Operand;
+using gg::Out;
+using gg::write_strip;
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kBX = 128;          // tile extent in both output dimensions (rows and columns)
 constexpr int kBK = 32;           // reduction step
 constexpr int kWM = 64, kWN = 32;  // warp block: 2 x 4 warps cover 128 x 128
 constexpr int kFM = kWM / 16, kFN = kWN / 16;
@@ -109,28 +117,6 @@ static_assert(kBX * kBK == 4 * 4 * kThreads, "each thread stages 4 groups of 4 e
 static_assert(kBX * kBK == 2 * 8 * kThreads, "or, with cp.async, 2 chunks of 8 bf16 per operand");
 
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-
-// An operand: element (x, t) at p[x * ld + t] (t-contiguous) or p[t * ld + x]; x < xlim valid;
-// p is const float* or, when b16, const bf16*. `vec`: p is aligned to 4 elements (16 bytes fp32,
-// 8 bytes bf16) and ld % 4 == 0, so every group of 4 starting at a multiple of 4 is.
-struct Operand {
-  const void* p;
-  size_t ld;
-  int xlim;
-  bool vec;
-  bool b16;
-};
-
-// The output: fp32, or bf16 (c16: rounded to nearest even; beta is 0 then, C never read).
-struct Out {
-  void* p;
-  bool c16;
-};
-
-// p advanced by n elements of the operand's type.
-__device__ __forceinline__ const void* advance(const void* p, bool b16, size_t n) {
-  return static_cast<const char*>(p) + n * (b16 ? sizeof(bf16) : sizeof(float));
-}
 
 // The first `nv` (0..4) of 4 consecutive elements from element `off` of op into v (the rest stay 0);
 // one vector load when all 4 are valid and op.vec.
@@ -243,26 +229,6 @@ __device__ __forceinline__ void copy_async(bf16* s, const Operand& op, int t0, i
 
 __device__ __forceinline__ bf16* slot(unsigned char* smem, int stage, int operand) {
   return reinterpret_cast<bf16*>(smem + (size_t(stage) * 2 + operand) * kOperand);
-}
-
-// Epilogue: a warp's staged 16 x 32 strip (rows m0.., columns n0.. of the tile, [16][ld] fp32) to
-// C, lane = column, 128 contiguous bytes per row: C = alpha * acc (+ beta * C, read only when
-// beta != 0; c16: rounded to nearest even).
-__device__ __forceinline__ void write_strip(const float* stg, int ld, int m0, int n0, int lane, float alpha, float beta,
-                                            Out C, size_t ldc, int mlim, int nlim) {
-  const int n = n0 + lane;
-  if (n >= nlim) return;
-  for (int r = 0; r < 16; ++r) {
-    const int m = m0 + r;
-    if (m >= mlim) break;
-    const float v = alpha * stg[r * ld + lane];
-    if (C.c16) {
-      static_cast<bf16*>(C.p)[size_t(m) * ldc + n] = __float2bfloat16_rn(v);
-    } else {
-      float* c = static_cast<float*>(C.p) + size_t(m) * ldc + n;
-      *c = beta == 0.f ? v : v + beta * *c;  // beta 0: C is not read (it may hold NaN)
-    }
-  }
 }
 
 // The warp's share of the tile product, one implementation per struct: acc, zero(), step() (one
@@ -458,16 +424,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int tilesN = (N + kBX - 1) / kBX;
   const int64_t total = int64_t(tile_start[E]) * tilesN;
   for (int64_t id = blockIdx.x; id < total; id += gridDim.x) {
-    const int g = int(id / tilesN), nt = int(id % tilesN);
-    const int e = expert_of_row_tile(tile_start, E, g);
-    const int row0 = offsets[e] + (g - tile_start[e]) * kBX;
-    const int rows = min(offsets[e + 1] - row0, kBX);
-    const int n0 = nt * kBX;
-    const size_t b0 = size_t(e) * strideB + (TRANSB ? size_t(n0) * ldb : size_t(n0));
-    const Operand a{advance(A, a16, size_t(row0) * lda), size_t(lda), rows, vecA, a16};
-    const Operand b{advance(B, b16, b0), size_t(ldb), N - n0, vecB, b16};
-    const Out out{const_cast<void*>(advance(C, c16, size_t(row0) * ldc + n0)), c16};
-    tile_product<MMA, true, TRANSB, A_ASYNC, B_ASYNC>(smem, a, b, K, alpha, beta, out, size_t(ldc), rows, N - n0);
+    const gg::Tile t = gg::rows_tile(id, tilesN, offsets, tile_start, E, TRANSB, N, K, A, a16, lda, vecA, B, b16, ldb,
+                                     strideB, vecB, C, c16, ldc);
+    tile_product<MMA, true, TRANSB, A_ASYNC, B_ASYNC>(smem, t.a, t.b, t.tlim, alpha, beta, t.out, size_t(ldc), t.mlim,
+                                                      t.nlim);
   }
 }
 
@@ -477,25 +437,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
                     const void* B, bool b16, int ldb, bool vecB, float beta, void* C, bool c16, int ldc,
                     size_t strideC) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int tilesM = (M + kBX - 1) / kBX, tilesN = (N + kBX - 1) / kBX;
-  const int64_t per_e = int64_t(tilesM) * tilesN;
-  const int e = int(blockIdx.x / per_e);
-  const int64_t rem = blockIdx.x % per_e;
-  const int m0 = int(rem / tilesN) * kBX, n0 = int(rem % tilesN) * kBX;
-  const int r0 = offsets[e];
-  const int rows = max(0, offsets[e + 1] - r0);
-  if (rows == 0 && beta == 1.f) return;  // C_e = 1 * C_e: nothing to write (block-uniform exit)
-  const Operand a{advance(A, a16, size_t(r0) * lda + m0), size_t(lda), M - m0, vecA, a16};
-  const Operand b{advance(B, b16, size_t(r0) * ldb + n0), size_t(ldb), N - n0, vecB, b16};
-  const Out out{const_cast<void*>(advance(C, c16, size_t(e) * strideC + size_t(m0) * ldc + n0)), c16};
-  tile_product<MMA, false, false, A_ASYNC, B_ASYNC>(smem, a, b, rows, alpha, beta, out, size_t(ldc), M - m0, N - n0);
-}
-
-// Four elements' worth of alignment: 16 bytes for fp32, 8 for bf16.
-bool aligned4(const void* p, bool b16) { return (reinterpret_cast<uintptr_t>(p) & (b16 ? 7u : 15u)) == 0; }
-// cp.async staging: bf16, 16-byte aligned, and every row (and expert, `stride`) start too.
-bool async_ok(const void* p, bool b16, size_t ld, size_t stride) {
-  return b16 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0 && ld % 8 == 0 && stride % 8 == 0;
+  const gg::Tile t = gg::wgrad_tile(blockIdx.x, offsets, M, N, A, a16, lda, vecA, B, b16, ldb, vecB, C, c16, ldc,
+                                    strideC);
+  if (t.tlim == 0 && beta == 1.f) return;  // C_e = 1 * C_e: nothing to write (block-uniform exit)
+  tile_product<MMA, false, false, A_ASYNC, B_ASYNC>(smem, t.a, t.b, t.tlim, alpha, beta, t.out, size_t(ldc), t.mlim,
+                                                    t.nlim);
 }
 
 // The instantiation for the implementation and the operands' staging paths, chosen at launch
@@ -527,11 +473,34 @@ bool& use_mma() {
   return mma;
 }
 
+// grouped_gemm_tc_set_wgmma; starts from LADDER_GROUPED_WGMMA (off unless "1").
+bool& use_wgmma() {
+  static bool on = [] {
+    const char* e = std::getenv("LADDER_GROUPED_WGMMA");
+    return e && std::strcmp(e, "1") == 0;
+  }();
+  return on;
+}
 
 }  // namespace
 
 bool grouped_gemm_tc_mma() { return use_mma(); }
 void grouped_gemm_tc_set_mma(bool mma) { use_mma() = mma; }
+bool grouped_gemm_tc_wgmma() { return use_wgmma(); }
+void grouped_gemm_tc_set_wgmma(bool wgmma) { use_wgmma() = wgmma; }
+
+#ifndef LADDER_WGMMA
+// This build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90): grouped_gemm_wgmma.cu is not
+// compiled, and these stand in for it.
+bool grouped_gemm_wgmma_available() { return false; }
+cudaError_t grouped_gemm_wgmma(bool, bool, int, const int32_t*, int, int, int, float, const void*, int, const void*, int,
+                               size_t, float, void*, bool, int, size_t, int32_t*, int, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+cudaError_t wgmma_selftest(float*, const uint16_t*, const uint16_t*, const WgmmaSelftest&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+#endif
 
 size_t grouped_gemm_tc_scratch_ints(int E) { return size_t(E > 0 ? E : 0) + 1; }
 
@@ -549,6 +518,11 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
                                int sm_count, cudaStream_t st) {
   if (E <= 0 || N <= 0) return cudaSuccess;
   if (c_bf16 && beta != 0.f) return cudaErrorInvalidValue;
+  // The wgmma kernels where selected and able: both operands bf16 for cp.async (grouped_gemm_tc.cuh).
+  if (use_wgmma() && async_ok(A, a_bf16, size_t(lda), 0) &&
+      async_ok(B, b_bf16, size_t(ldb), rows_out ? strideB : 0) && grouped_gemm_wgmma_available())
+    return grouped_gemm_wgmma(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, c_bf16,
+                              ldc, strideC, tile_scratch, sm_count, st);
   const bool mma = use_mma();
   const bool vecA = aligned4(A, a_bf16) && lda % 4 == 0;
   const bool vecB = aligned4(B, b_bf16) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);

@@ -1,0 +1,193 @@
+// The wgmma grouped GEMM (src/backend/cuda/grouped_gemm_wgmma.cu) on the host emulation of wgmma
+// (emu_cuda.h, emu::ptx_wgmma): the layout self-test's checks (tests/cuda/wgmma_selftest_case.h,
+// which the GPU test CudaWgmma runs on a device), the emulator's own checks on planted bugs, and
+// every case of tests/cuda/grouped_tc_cases.h through grouped_gemm_tc_ex with the wgmma kernels
+// selected. Those kernels take bf16 operands staged by cp.async (16-byte aligned, ld and expert
+// stride multiples of 8 elements), so each case's operands are handed over as their bf16 rounding
+// repacked with ld rounded up to a multiple of 8: the references of grouped_tc_cases.h (fp32 inputs
+// within 1e-2, bf16-rounded inputs within 1e-4) apply unchanged.
+// EMU_SEED=N repeats a run's inputs; EMU_QUICK=1 (sanitizer builds) drops the costlier shapes.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../grouped_tc_cases.h"
+#include "../wgmma_selftest_case.h"
+#include "backend/cpu/kernels.h"
+#include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/grouped_gemm_wgmma.cuh"
+#include "backend/cuda/wgmma_layout.h"
+#include "emu_cuda.h"
+
+namespace ladder {
+namespace {
+
+namespace k = cuda::k;
+namespace gt = grouped_tc;
+namespace wc = wgmma_case;
+
+bool quick() {
+  static const bool q = std::getenv("EMU_QUICK") && std::string(std::getenv("EMU_QUICK")) != "0";
+  return q;
+}
+
+class CudaEmuWgmma : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* env = std::getenv("EMU_SEED");
+    const uint64_t seed = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
+    rng_.seed(seed);
+    std::printf("[ seed     ] %llu (EMU_SEED=%llu repeats it)\n", static_cast<unsigned long long>(seed),
+                static_cast<unsigned long long>(seed));
+    prev_ = k::grouped_gemm_tc_wgmma();
+    k::grouped_gemm_tc_set_wgmma(true);
+  }
+  void TearDown() override { k::grouped_gemm_tc_set_wgmma(prev_); }
+
+  // The self-test kernel on host memory.
+  static void selftest(const k::WgmmaSelftest& cfg, const wc::Operands& o, std::vector<float>& d) {
+    ASSERT_EQ(k::wgmma_selftest(d.data(), o.a.data(), o.b.data(), cfg, nullptr), cudaSuccess);
+  }
+
+  // bf16 copies of an operand with `rows` rows of `ld` elements (from `src`), repacked with ld8 =
+  // ld rounded up to 8; per expert (`experts` blocks of `rows`, `stride` apart -> stride8).
+  struct Packed {
+    std::vector<uint16_t> v;
+    int ld8 = 0;
+    size_t stride8 = 0;
+  };
+  static Packed pack(const float* src, int experts, int rows, int ld, size_t stride) {
+    Packed p;
+    p.ld8 = (ld + 7) / 8 * 8;
+    p.stride8 = (size_t(rows) * p.ld8 + 7) / 8 * 8;
+    p.v.assign(p.stride8 * std::max(experts, 1) + 8, 0);
+    for (int e = 0; e < experts; ++e)
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < ld; ++c)
+          p.v[e * p.stride8 + size_t(r) * p.ld8 + c] = cpu::bf16_bits(src[e * stride + size_t(r) * ld + c]);
+    return p;
+  }
+
+  // Case c through grouped_gemm_tc_ex with bf16 operands eligible for the wgmma kernels; C as given
+  // (fp32, or bf16 bits when c16). Expects the wgmma kernels to have run where there was work.
+  static void launch(const gt::Case& c, const gt::Problem& p, void* C, bool c16, int sms) {
+    const int s = p.shift, total = p.off[c.E];
+    Packed A, B;
+    if (c.rows_out) {
+      A = pack(p.A.data() + s, 1, total, p.lda, 0);
+      B = pack(p.B.data() + s, c.E, c.transB ? c.N : c.K, p.ldb, p.sB);
+    } else {
+      A = pack(p.A.data() + s, 1, total, p.lda, 0);
+      B = pack(p.B.data() + s, 1, total, p.ldb, 0);
+    }
+    std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
+    const uint64_t ops = ::emu::g_wgmma_ops.load();
+    const size_t cs = c16 ? sizeof(uint16_t) : sizeof(float);
+    ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, A.v.data(), true,
+                                    A.ld8, B.v.data(), true, B.ld8, B.stride8, c.beta,
+                                    static_cast<char*>(C) + size_t(s) * cs, c16, p.ldc, p.sC, scratch.data(), sms,
+                                    nullptr),
+              cudaSuccess);
+    const bool work = c.rows_out ? (total > 0 && c.K > 0) : total > 0;
+    if (work) {
+      EXPECT_GT(::emu::g_wgmma_ops.load(), ops) << "the wgmma kernels did not run";
+    }
+  }
+
+  std::mt19937_64 rng_;
+  bool prev_ = false;
+};
+
+TEST_F(CudaEmuWgmma, AccumulatorLayout) { wc::accumulator_layout(selftest); }
+TEST_F(CudaEmuWgmma, OperandLayouts) { wc::operand_layouts(rng_, selftest); }
+TEST_F(CudaEmuWgmma, MnMajorStrideRoles) { wc::mn_major_stride_roles(rng_, selftest); }
+TEST_F(CudaEmuWgmma, PlantedSwizzleBug) { wc::planted_swizzle_bug(rng_, selftest); }
+
+// The emulator's asynchrony checks, on a planted kernel: an operand overwritten between the MMA and
+// its wait_group, and an MMA without a wgmma.fence, are reported (counted here instead of dying).
+void planted_kernel(bool overwrite, bool fence) {
+  unsigned char* smem = ::emu::g_smem;
+  for (int i = int(threadIdx.x); i < 2 * k::wg::kTileBytes / 2; i += 128)
+    reinterpret_cast<uint16_t*>(smem)[i] = cpu::bf16_bits(1.f);
+  __syncthreads();
+  float acc[64] = {};
+  if (fence) ::emu::ptx_wgmma_fence();
+  ::emu::ptx_wgmma(acc, 128, k::wg::make_desc(0, 16, 1024), k::wg::make_desc(k::wg::kTileBytes, 16, 1024), false,
+                   false);
+  ::emu::ptx_wgmma_commit();
+  __syncthreads();
+  if (overwrite && threadIdx.x == 0) reinterpret_cast<uint16_t*>(smem)[0] = cpu::bf16_bits(2.f);
+  __syncthreads();
+  ::emu::ptx_wgmma_wait(0);
+  EXPECT_EQ(acc[0], 16.f);
+}
+
+TEST_F(CudaEmuWgmma, PlantedAsyncBugsAreCaught) {
+  ::emu::g_wgmma_die = false;
+  for (auto [overwrite, fence] : {std::pair{false, true}, std::pair{true, true}, std::pair{false, false}}) {
+    const uint64_t v = ::emu::g_wgmma_violations.load();
+    ::emu::launch(false, dim3(1), dim3(128), 2 * size_t(k::wg::kTileBytes), planted_kernel, overwrite, fence);
+    const uint64_t n = ::emu::g_wgmma_violations.load() - v;
+    // Overwrite: the threads whose MMA read element 0 (row 0 of A: warp 0, lanes 0-3).
+    const uint64_t want = overwrite ? 4u : fence ? 0u : 128u;
+    EXPECT_EQ(n, want) << (overwrite ? "the overwrite under an in-flight wgmma was not caught"
+                           : fence   ? "a correct kernel was reported"
+                                     : "an MMA without wgmma.fence was not caught");
+  }
+  ::emu::g_wgmma_die = true;
+}
+
+TEST_F(CudaEmuWgmma, GroupedGemmAllCases) {
+  int i = 0;
+  for (const auto& c : gt::cases(quick()))
+    gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { launch(c, p, C.data(), false, 1 + i++ % 3); });
+}
+
+// bf16 C: the rounding of the fp32 output, bitwise; the rows_out grid does not change a bit.
+TEST_F(CudaEmuWgmma, Bf16OutputAndGrid) {
+  int i = 0, ran = 0;
+  for (const auto& c : gt::cases(true)) {
+    if (c.beta != 0.f) continue;
+    SCOPED_TRACE(c.name());
+    const gt::Problem p = gt::make_problem(c, rng_);
+    std::vector<float> ref(p.C.size());
+    std::memset(ref.data(), 0xFF, ref.size() * sizeof(float));
+    launch(c, p, ref.data(), false, 1 + i % 3);
+    if (c.rows_out) {
+      std::vector<float> other(p.C.size());
+      std::memset(other.data(), 0xFF, other.size() * sizeof(float));
+      launch(c, p, other.data(), false, 2 + i % 3);
+      EXPECT_EQ(std::memcmp(ref.data(), other.data(), ref.size() * sizeof(float)), 0) << "grid-dependent bits";
+    }
+    std::vector<uint16_t> got(p.C.size(), 0xFFFF);
+    launch(c, p, got.data(), true, 1 + i++ % 3);
+    ran += gt::check_bf16_output(c, p, got, ref);
+  }
+  EXPECT_GE(ran, 4);
+}
+
+// Calls the wgmma kernels do not take (fp32 operands, a misaligned bf16 one) run the mma.sync
+// kernels with wgmma selected: the same results as with it off, and no wgmma issued.
+TEST_F(CudaEmuWgmma, IneligibleCallsFallBack) {
+  const gt::Case c{true, true, 4, 0, 70, 39, 1, 1.f, 0.f, 50};
+  const gt::Problem p = gt::make_problem(c, rng_);
+  std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
+  std::vector<float> on(p.C.size()), off(p.C.size());
+  const uint64_t ops = ::emu::g_wgmma_ops.load();
+  ASSERT_EQ(k::grouped_gemm_tc(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, p.A.data(), p.lda,
+                               p.B.data(), p.ldb, p.sB, 0.f, on.data(), p.ldc, p.sC, scratch.data(), 2, nullptr),
+            cudaSuccess);
+  EXPECT_EQ(::emu::g_wgmma_ops.load(), ops) << "fp32 operands went to the wgmma kernels";
+  k::grouped_gemm_tc_set_wgmma(false);
+  ASSERT_EQ(k::grouped_gemm_tc(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, p.A.data(), p.lda,
+                               p.B.data(), p.ldb, p.sB, 0.f, off.data(), p.ldc, p.sC, scratch.data(), 2, nullptr),
+            cudaSuccess);
+  EXPECT_EQ(std::memcmp(on.data(), off.data(), on.size() * sizeof(float)), 0);
+}
+
+}  // namespace
+}  // namespace ladder
