@@ -17,7 +17,8 @@
 #                          every bf16 activation option (mlp_bf16 or moe_bf16, attn_bf16, norm_bf16); the
 #                          d=1024 pair in tf32; then the d=2048 MoE with bf16 saved activations, the
 #                          d=1024 dense with model.mlp_bf16 alone and the d=1024 MoE with model.moe_bf16
-#                          alone, while under 7 minutes); key=value pairs go to `ladder bench --set`,
+#                          alone, while under 7 minutes; where the wgmma grouped GEMM passed its tests,
+#                          the two MoE presets with LADDER_GROUPED_WGMMA=1 after the first four); key=value pairs go to `ladder bench --set`,
 #                          LADDER_*=value to the environment. The attention's default is the mma.sync
 #                          kernels; where they did not pass their tests in this run, every model bench
 #                          runs with LADDER_ATTN_MMA=0 (WMMA) instead
@@ -103,12 +104,23 @@ if ! grep -q '^\[       OK \] CudaGroupedTc.BothShapes' "$OUT/tests.log" ||
   export LADDER_GROUPED_MMA=0
 fi
 log "grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "tests passed" || echo "tests not passed: model benches on WMMA (LADDER_GROUPED_MMA=0)")"
+# The wgmma grouped GEMM (sm_90a, off by default: LADDER_GROUPED_WGMMA=1) is benchmarked in the
+# model only where its layout self-test (CudaWgmma.*: accumulator layout, operand layouts, MN-major
+# strides, the planted swizzle bug) and its grouped GEMM tests (CudaGroupedTc.Wgmma*) all passed here:
+# then the MoE presets run once more with it, beside the mma.sync rows.
+WG_OK=0
+if [ "$(grep -c '^\[       OK \] CudaWgmma\.' "$OUT/tests.log")" -ge 4 ] &&
+   [ "$(grep -c '^\[       OK \] CudaGroupedTc\.Wgmma' "$OUT/tests.log")" -ge 3 ] &&
+   ! grep -q '^\[  FAILED  \] CudaWgmma\.\|^\[  FAILED  \] CudaGroupedTc\.Wgmma' "$OUT/tests.log"; then
+  WG_OK=1
+fi
+log "grouped GEMM wgmma: $([ $WG_OK = 1 ] && echo "tests passed, MoE benches with LADDER_GROUPED_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
 
 # ---- 3. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
   log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
-  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaAttnBf16.*-*Throughput*:*LargeShapesWmma*'
+  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaWgmma.*:CudaAttnBf16.*-*Throughput*:*LargeShapesWmma*:*WgmmaLargeShapes*'
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
     >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
@@ -126,7 +138,9 @@ BENCH_RC=$?
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
 # precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
 log "model benchmarks (log: models.log)"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d2048:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
+WG_ROWS=""
+[ $WG_OK = 1 ] && WG_ROWS="moe-d1024:bf16:LADDER_GROUPED_WGMMA=1 moe-d2048:bf16:LADDER_GROUPED_WGMMA=1 "
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${WG_ROWS}dense-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d2048:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
@@ -142,6 +156,10 @@ for mp in $MODELS; do
   fi
   if [[ " ${envs[*]} " == *" LADDER_GROUPED_MMA=0 "* ]] && [ $GG_OK != 1 ]; then
     log "skipping $mp: every bench runs the WMMA grouped GEMM already"
+    continue
+  fi
+  if [[ " ${envs[*]} " == *" LADDER_GROUPED_WGMMA=1 "* ]] && [ $WG_OK != 1 ]; then
+    log "skipping $mp: the wgmma grouped GEMM did not pass its tests here"
     continue
   fi
   [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $mp: over 7 minutes"; continue; }
@@ -197,6 +215,8 @@ echo "largest relative error per op (vs the CPU kernels):"
 grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
   op = $5; for (i = 6; i <= NF && $i !~ /^[0-9.]+e[-+][0-9]+$/; ++i) if ($i !~ /=|[0-9]x[0-9]/) op = op " " $i;
   v = $i + 0; if (!(op in mx) || v > mx[op]) mx[op] = v } END { for (o in mx) printf "  %-26s %.2e\n", o, mx[o] }' | sort
+echo "grouped GEMM wgmma (sm_90a): $([ $WG_OK = 1 ] && echo "CudaWgmma + CudaGroupedTc.Wgmma* passed" || echo "not passed or skipped: see tests.log ('[ wgmma    ]' lines name the layout at fault)")"
+grep '^\[ wgmma    \]' "$OUT/tests.log" | head -n 12 | sed 's/^/  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
 echo "benchmark: exit $BENCH_RC"

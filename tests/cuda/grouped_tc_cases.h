@@ -50,6 +50,18 @@ void for_both_tile_products(F&& f) {
   cuda::k::grouped_gemm_tc_set_mma(prev);
 }
 
+// f() with the wgmma implementation selected (grouped_gemm_tc_set_wgmma(true); the previous
+// selection restored), in a SCOPED_TRACE. It takes only bf16 operands staged by cp.async
+// (wgmma_operands below); every other call falls back to the mma.sync kernels.
+template <class F>
+void with_wgmma(F&& f) {
+  const bool prev = cuda::k::grouped_gemm_tc_wgmma();
+  SCOPED_TRACE("wgmma");
+  cuda::k::grouped_gemm_tc_set_wgmma(true);
+  f();
+  cuda::k::grouped_gemm_tc_set_wgmma(prev);
+}
+
 constexpr double kTcInputs = 1e-2;
 constexpr double kTcRounded = 1e-4;
 
@@ -255,6 +267,33 @@ inline std::vector<Case> cases(bool quick) {
     v.push_back({false, false, 2, 200, 260, 0, 0, 1.f, 0.5f, 100});
   }
   return v;
+}
+
+// A case's operands as the wgmma kernels take them: their bf16 rounding (so the references above
+// hold unchanged), each row block repacked with ld rounded up to a multiple of 8 elements and B's
+// expert stride too, from the start of a fresh (16-byte aligned) buffer: A and B stage by cp.async.
+struct Bf16Operands {
+  std::vector<uint16_t> A, B;
+  int lda = 0, ldb = 0;
+  size_t sB = 0;
+};
+inline Bf16Operands wgmma_operands(const Case& c, const Problem& p) {
+  auto pack = [](const float* src, int blocks, int rows, int ld, size_t stride, int& ld8, size_t& stride8) {
+    ld8 = (ld + 7) / 8 * 8;
+    stride8 = (size_t(rows) * ld8 + 7) / 8 * 8;
+    std::vector<uint16_t> v(stride8 * size_t(std::max(blocks, 1)) + 8, 0);
+    for (int e = 0; e < blocks; ++e)
+      for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < ld; ++j) v[e * stride8 + size_t(r) * ld8 + j] = cpu::bf16_bits(src[e * stride + size_t(r) * ld + j]);
+    return v;
+  };
+  const int s = p.shift, total = p.off[c.E];
+  Bf16Operands o;
+  size_t unused = 0;
+  o.A = pack(p.A.data() + s, 1, total, p.lda, 0, o.lda, unused);
+  if (c.rows_out) o.B = pack(p.B.data() + s, c.E, c.transB ? c.N : c.K, p.ldb, p.sB, o.ldb, o.sB);
+  else o.B = pack(p.B.data() + s, 1, total, p.ldb, 0, o.ldb, unused);
+  return o;
 }
 
 // A bf16-output run (c_bf16) against the fp32-output run `ref` of the same case (beta 0): every

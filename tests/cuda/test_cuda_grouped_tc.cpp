@@ -24,6 +24,7 @@
 #include "backend/cuda/device_memory.h"
 #include "cuda_fixture.h"
 #include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/grouped_gemm_wgmma.cuh"
 #include "backend/cuda/moe_ops.cuh"
 #include "grouped_tc_cases.h"
 
@@ -77,6 +78,29 @@ class CudaGroupedTc : public test::CudaFixture {
       gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
     k::grouped_gemm_tc_set_mma(prev);
   }
+
+  // The case through grouped_gemm_tc_ex with its operands as the wgmma kernels take them
+  // (grouped_tc_cases.h's wgmma_operands: bf16, aligned for cp.async) and wgmma selected; C fp32, or
+  // bf16 bits (c16).
+  template <class T>
+  static void run_wgmma(const gt::Case& c, const gt::Problem& p, std::vector<T>& C, bool c16, int sms) {
+    const gt::Bf16Operands o = gt::wgmma_operands(c, p);
+    auto d_off = up(p.off);
+    auto d_A = up(o.A), d_B = up(o.B);
+    auto d_C = up(C);
+    DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E));
+    const int s = p.shift;
+    ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, d_off.data(), c.M, c.N, c.K, c.alpha, d_A.data(), true,
+                                    o.lda, d_B.data(), true, o.ldb, o.sB, c.beta, d_C.data() + s, c16, p.ldc, p.sC,
+                                    scratch.data(), sms, nullptr),
+              cudaSuccess);
+    cuda::device_synchronize();
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    C = d_C.download();
+    C.resize(p.C.size());
+  }
+  // Skips where the wgmma kernels cannot run (no sm_90 device or no sm_90a code in the build).
+  static bool wgmma_skip() { return !k::grouped_gemm_wgmma_available(); }
 
   static inline int sms_ = 0;
 };
@@ -179,6 +203,57 @@ TEST_F(CudaGroupedTc, AllExpertsEmpty) {
                                  d_R.data(), N, 0, scratch.data(), sms_, nullptr),
               cudaSuccess);
     EXPECT_EQ(d_R.download(), std::vector<float>(C.begin(), C.begin() + 7));
+  });
+}
+
+// The wgmma implementation (grouped_gemm_wgmma.cu, selected by grouped_gemm_tc_set_wgmma): every
+// case of grouped_tc_cases.h with its operands in bf16 aligned for cp.async, against the same
+// references and bounds; MoE-sized shapes; a bf16 C (the rounding of the fp32 output, bitwise) and
+// grid independence. Run after CudaWgmma.* (the layout facts) has passed; skipped where no sm_90a
+// code can run.
+TEST_F(CudaGroupedTc, WgmmaBothShapes) {
+  if (wgmma_skip()) GTEST_SKIP() << "no sm_90a wgmma code for this device";
+  gt::with_wgmma([&] {
+    for (const auto& c : gt::cases(false))
+      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run_wgmma(c, p, C, false, sms_); });
+  });
+}
+
+TEST_F(CudaGroupedTc, WgmmaLargeShapes) {
+  if (wgmma_skip()) GTEST_SKIP() << "no sm_90a wgmma code for this device";
+  const gt::Case cases[] = {
+      {true, true, 16, 0, 1000, 777, 0, 1.f, 0.f, 600},
+      {true, false, 16, 0, 512, 1024, 1, 1.f, 1.f, 600, 1},
+      {false, false, 16, 768, 520, 0, 0, 1.f, 1.f, 600},
+      {false, false, 4, 300, 260, 0, 0, 1.f, 0.f, 2000, 0, true},
+  };
+  gt::with_wgmma([&] {
+    for (const auto& c : cases)
+      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run_wgmma(c, p, C, false, sms_); });
+  });
+}
+
+TEST_F(CudaGroupedTc, WgmmaBf16OutputAndGrid) {
+  if (wgmma_skip()) GTEST_SKIP() << "no sm_90a wgmma code for this device";
+  gt::with_wgmma([&] {
+    int ran = 0;
+    for (const auto& c : gt::cases(false)) {
+      if (c.beta != 0.f) continue;
+      SCOPED_TRACE(c.name());
+      const gt::Problem p = gt::make_problem(c, rng_);
+      std::vector<float> ref(p.C.size()), other(p.C.size());
+      std::memset(ref.data(), 0xFF, ref.size() * sizeof(float));
+      std::memset(other.data(), 0xFF, other.size() * sizeof(float));
+      run_wgmma(c, p, ref, false, sms_);
+      run_wgmma(c, p, other, false, 3);
+      if (HasFatalFailure()) return;
+      EXPECT_EQ(std::memcmp(ref.data(), other.data(), ref.size() * sizeof(float)), 0) << "grid-dependent bits";
+      std::vector<uint16_t> got(p.C.size(), 0xFFFF);
+      run_wgmma(c, p, got, true, sms_);
+      if (HasFatalFailure()) return;
+      ran += gt::check_bf16_output(c, p, got, ref);
+    }
+    EXPECT_GE(ran, 4);
   });
 }
 
@@ -310,6 +385,40 @@ TEST_F(CudaGroupedTc, Throughput) {
                   flops * reps / (ms * 1e-3) / 1e12);
     }
   k::grouped_gemm_tc_set_mma(prev);
+  // Both operands bf16 (the wgmma kernels' calls): y = x W^T, dx = dy W, dW = dy^T x with x, dy and
+  // W in bf16, the mma.sync kernels vs the wgmma ones (where an sm_90a device runs them).
+  std::vector<uint16_t> y16(size_t(total) * f);
+  {
+    std::vector<float> y(size_t(total) * f);
+    for (auto& v : y) v = u(rng_);
+    for (size_t i = 0; i < y.size(); ++i) y16[i] = cpu::bf16_bits(y[i]);
+  }
+  DeviceBuffer<uint16_t> Y16(y16.size());
+  Y16.upload(y16);
+  const bool prev_wg = k::grouped_gemm_tc_wgmma();
+  for (const Op& o : ops)
+    for (bool wgmma : {false, true}) {
+      if (wgmma && !k::grouped_gemm_wgmma_available()) continue;
+      k::grouped_gemm_tc_set_wgmma(wgmma);
+      const void* A = o.name[0] == 'f' ? static_cast<const void*>(X16.data()) : Y16.data();
+      const void* B = o.rows_out ? static_cast<const void*>(W16.data()) : X16.data();
+      auto launch = [&] {
+        return k::grouped_gemm_tc_ex(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, A, true, o.lda, B, true,
+                                     o.ldb, o.sB, 0.f, o.C, false, o.ldc, o.sC, scratch.data(), sms_, nullptr);
+      };
+      ASSERT_EQ(launch(), cudaSuccess);  // warm-up
+      const int reps = 10;
+      cudaEventRecord(t0, nullptr);
+      for (int r = 0; r < reps; ++r) ASSERT_EQ(launch(), cudaSuccess);
+      cudaEventRecord(t1, nullptr);
+      cuda::device_synchronize();
+      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, t0, t1);
+      std::printf("[ thruput  ] %s %-15s %-5s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, "bf16 (all bf16)",
+                  wgmma ? "wgmma" : "mma", E, total, d, f, ms / reps, flops * reps / (ms * 1e-3) / 1e12);
+    }
+  k::grouped_gemm_tc_set_wgmma(prev_wg);
   cudaEventDestroy(t0);
   cudaEventDestroy(t1);
 }

@@ -4,8 +4,8 @@
 // every case of tests/cuda/grouped_tc_cases.h through grouped_gemm_tc_ex with the wgmma kernels
 // selected. Those kernels take bf16 operands staged by cp.async (16-byte aligned, ld and expert
 // stride multiples of 8 elements), so each case's operands are handed over as their bf16 rounding
-// repacked with ld rounded up to a multiple of 8: the references of grouped_tc_cases.h (fp32 inputs
-// within 1e-2, bf16-rounded inputs within 1e-4) apply unchanged.
+// repacked with ld rounded up to a multiple of 8 (grouped_tc_cases.h's wgmma_operands): its
+// references (fp32 inputs within 1e-2, bf16-rounded inputs within 1e-4) apply unchanged.
 // EMU_SEED=N repeats a run's inputs; EMU_QUICK=1 (sanitizer builds) drops the costlier shapes.
 #include <gtest/gtest.h>
 
@@ -53,42 +53,16 @@ class CudaEmuWgmma : public ::testing::Test {
     ASSERT_EQ(k::wgmma_selftest(d.data(), o.a.data(), o.b.data(), cfg, nullptr), cudaSuccess);
   }
 
-  // bf16 copies of an operand with `rows` rows of `ld` elements (from `src`), repacked with ld8 =
-  // ld rounded up to 8; per expert (`experts` blocks of `rows`, `stride` apart -> stride8).
-  struct Packed {
-    std::vector<uint16_t> v;
-    int ld8 = 0;
-    size_t stride8 = 0;
-  };
-  static Packed pack(const float* src, int experts, int rows, int ld, size_t stride) {
-    Packed p;
-    p.ld8 = (ld + 7) / 8 * 8;
-    p.stride8 = (size_t(rows) * p.ld8 + 7) / 8 * 8;
-    p.v.assign(p.stride8 * std::max(experts, 1) + 8, 0);
-    for (int e = 0; e < experts; ++e)
-      for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < ld; ++c)
-          p.v[e * p.stride8 + size_t(r) * p.ld8 + c] = cpu::bf16_bits(src[e * stride + size_t(r) * ld + c]);
-    return p;
-  }
-
   // Case c through grouped_gemm_tc_ex with bf16 operands eligible for the wgmma kernels; C as given
   // (fp32, or bf16 bits when c16). Expects the wgmma kernels to have run where there was work.
   static void launch(const gt::Case& c, const gt::Problem& p, void* C, bool c16, int sms) {
     const int s = p.shift, total = p.off[c.E];
-    Packed A, B;
-    if (c.rows_out) {
-      A = pack(p.A.data() + s, 1, total, p.lda, 0);
-      B = pack(p.B.data() + s, c.E, c.transB ? c.N : c.K, p.ldb, p.sB);
-    } else {
-      A = pack(p.A.data() + s, 1, total, p.lda, 0);
-      B = pack(p.B.data() + s, 1, total, p.ldb, 0);
-    }
+    const gt::Bf16Operands o = gt::wgmma_operands(c, p);
     std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
     const uint64_t ops = ::emu::g_wgmma_ops.load();
     const size_t cs = c16 ? sizeof(uint16_t) : sizeof(float);
-    ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, A.v.data(), true,
-                                    A.ld8, B.v.data(), true, B.ld8, B.stride8, c.beta,
+    ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, o.A.data(), true,
+                                    o.lda, o.B.data(), true, o.ldb, o.sB, c.beta,
                                     static_cast<char*>(C) + size_t(s) * cs, c16, p.ldc, p.sC, scratch.data(), sms,
                                     nullptr),
               cudaSuccess);
