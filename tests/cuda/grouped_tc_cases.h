@@ -34,25 +34,31 @@
 
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/grouped_gemm_wgmma.cuh"
 
 namespace ladder::grouped_tc {
 
-// f() once with each tile product of grouped_gemm_tc.cu selected (mma.sync, then WMMA), in a
-// SCOPED_TRACE that names it; the previous selection is restored.
+// f() once with each tile product selected: grouped_gemm_tc.cu's mma.sync, then its WMMA, then,
+// where the device runs it (grouped_gemm_wgmma_available: sm_90a code on an sm_90 device, or the
+// host emulation), grouped_gemm_wgmma.cu's wgmma; in a SCOPED_TRACE that names it. The previous
+// selections are restored.
 template <class F>
-void for_both_tile_products(F&& f) {
-  const bool prev = cuda::k::grouped_gemm_tc_mma();
-  for (bool mma : {true, false}) {
-    SCOPED_TRACE(mma ? "mma.sync" : "wmma");
-    cuda::k::grouped_gemm_tc_set_mma(mma);
+void for_each_tile_product(F&& f) {
+  const bool prev = cuda::k::grouped_gemm_tc_mma(), prev_wg = cuda::k::grouped_gemm_tc_wgmma();
+  for (const char* impl : {"mma.sync", "wmma", "wgmma"}) {
+    const bool wgmma = impl[1] == 'g';
+    if (wgmma && !cuda::k::grouped_gemm_wgmma_available()) continue;
+    SCOPED_TRACE(impl);
+    cuda::k::grouped_gemm_tc_set_mma(impl[0] == 'm');
+    cuda::k::grouped_gemm_tc_set_wgmma(wgmma);
     f();
   }
   cuda::k::grouped_gemm_tc_set_mma(prev);
+  cuda::k::grouped_gemm_tc_set_wgmma(prev_wg);
 }
 
 // f() with the wgmma implementation selected (grouped_gemm_tc_set_wgmma(true); the previous
-// selection restored), in a SCOPED_TRACE. It takes only bf16 operands staged by cp.async
-// (wgmma_operands below); every other call falls back to the mma.sync kernels.
+// selection restored), in a SCOPED_TRACE.
 template <class F>
 void with_wgmma(F&& f) {
   const bool prev = cuda::k::grouped_gemm_tc_wgmma();
@@ -269,9 +275,10 @@ inline std::vector<Case> cases(bool quick) {
   return v;
 }
 
-// A case's operands as the wgmma kernels take them: their bf16 rounding (so the references above
-// hold unchanged), each row block repacked with ld rounded up to a multiple of 8 elements and B's
-// expert stride too, from the start of a fresh (16-byte aligned) buffer: A and B stage by cp.async.
+// A case's operands as the tensor-core kernels stage by cp.async: their bf16 rounding (so the
+// references above hold unchanged), each row block repacked with ld rounded up to a multiple of 8
+// elements and B's expert stride too, from the start of a fresh (16-byte aligned) buffer. (The
+// cases' own operands are fp32, mostly misaligned: the register path.)
 struct Bf16Operands {
   std::vector<uint16_t> A, B;
   int lda = 0, ldb = 0;

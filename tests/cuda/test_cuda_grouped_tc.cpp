@@ -4,8 +4,10 @@
 // GPU). Both shapes, both transB, alpha/beta, beta 0 on a poisoned C, empty experts, skewed loads,
 // odd sizes, misaligned pointers, C outside the output untouched, two runs bitwise identical; plus a
 // throughput print (no assertion) at an MoE-like size against the fp32 kernel of moe_ops.cu. The
-// correctness tests run for both implementations of the tile product (grouped_gemm_tc_set_mma:
-// mma.sync with ldmatrix, the default, and WMMA); the throughput prints both.
+// correctness tests run for each implementation of the tile product (mma.sync with ldmatrix, the
+// default; WMMA; and, on an sm_90 device, the wgmma kernels of grouped_gemm_wgmma.cu: grouped_tc_cases.h's
+// for_each_tile_product), plus CudaGroupedTc.Wgmma* on the wgmma kernels' cp.async path (bf16
+// operands) and at MoE sizes; the throughput prints them side by side.
 // Without a GPU each test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
 #include <gtest/gtest.h>
 
@@ -56,10 +58,11 @@ class CudaGroupedTc : public test::CudaFixture {
     C.resize(p.C.size());
   }
 
-  // f() with each tile product selected in turn (grouped_tc_cases.h).
+  // f() with each tile product selected in turn (mma.sync, WMMA, wgmma where available:
+  // grouped_tc_cases.h).
   template <class F>
-  static void for_both(F&& f) {
-    gt::for_both_tile_products(f);
+  static void for_each(F&& f) {
+    gt::for_each_tile_product(f);
   }
 
   // Larger MoE-like problems (many row tiles, reductions over hundreds of steps), both shapes, with
@@ -106,7 +109,7 @@ class CudaGroupedTc : public test::CudaFixture {
 };
 
 TEST_F(CudaGroupedTc, BothShapes) {
-  for_both([&] {
+  for_each([&] {
     for (const auto& c : gt::cases(false))
       gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
   });
@@ -117,7 +120,7 @@ TEST_F(CudaGroupedTc, LargeShapesWmma) { large_shapes(false); }
 
 // The rows_out grid only sets which block takes which tile: different grids give the same bits.
 TEST_F(CudaGroupedTc, GridIndependent) {
-  for_both([&] {
+  for_each([&] {
     const gt::Case c{true, false, 9, 0, 300, 200, 1, 1.f, 0.5f, 200, 1};
     const gt::Problem p = gt::make_problem(c, rng_);
     std::vector<float> a = p.C, b = p.C, d = p.C;
@@ -135,7 +138,7 @@ TEST_F(CudaGroupedTc, GridIndependent) {
 // emulated twin: CudaEmuGroupedTc.Bf16OutputIsTheFp32OutputRounded). With beta != 0 a bf16 C is
 // refused (cudaErrorInvalidValue), nothing launched.
 TEST_F(CudaGroupedTc, Bf16OutputIsTheFp32OutputRounded) {
-  for_both([&] {
+  for_each([&] {
     int ran = 0;
     for (const auto& c : gt::cases(false)) {
       if (c.beta != 0.f) continue;
@@ -179,7 +182,7 @@ TEST_F(CudaGroupedTc, Bf16OutputIsTheFp32OutputRounded) {
 }
 
 TEST_F(CudaGroupedTc, AllExpertsEmpty) {
-  for_both([&] {
+  for_each([&] {
     const int E = 5, M = 20, N = 30;
     const std::vector<int32_t> off(E + 1, 0);
     auto d_off = up(off);
@@ -206,11 +209,12 @@ TEST_F(CudaGroupedTc, AllExpertsEmpty) {
   });
 }
 
-// The wgmma implementation (grouped_gemm_wgmma.cu, selected by grouped_gemm_tc_set_wgmma): every
-// case of grouped_tc_cases.h with its operands in bf16 aligned for cp.async, against the same
-// references and bounds; MoE-sized shapes; a bf16 C (the rounding of the fp32 output, bitwise) and
-// grid independence. Run after CudaWgmma.* (the layout facts) has passed; skipped where no sm_90a
-// code can run.
+// The wgmma implementation (grouped_gemm_wgmma.cu, selected by grouped_gemm_tc_set_wgmma), beyond
+// the tests above (which run it on the cases' own operands: fp32, through registers): every case
+// with its operands in bf16 aligned for cp.async (grouped_tc_cases.h's wgmma_operands), against the
+// same references and bounds; MoE-sized shapes; a bf16 C (the rounding of the fp32 output, bitwise)
+// and grid independence. Read after CudaWgmma.* (the layout facts); skipped where no sm_90a code
+// can run.
 TEST_F(CudaGroupedTc, WgmmaBothShapes) {
   if (wgmma_skip()) GTEST_SKIP() << "no sm_90a wgmma code for this device";
   gt::with_wgmma([&] {
@@ -219,6 +223,8 @@ TEST_F(CudaGroupedTc, WgmmaBothShapes) {
   });
 }
 
+// MoE sizes on the wgmma kernels, both staging paths: fp32 operands (registers) and bf16 ones
+// aligned for cp.async.
 TEST_F(CudaGroupedTc, WgmmaLargeShapes) {
   if (wgmma_skip()) GTEST_SKIP() << "no sm_90a wgmma code for this device";
   const gt::Case cases[] = {
@@ -228,8 +234,10 @@ TEST_F(CudaGroupedTc, WgmmaLargeShapes) {
       {false, false, 4, 300, 260, 0, 0, 1.f, 0.f, 2000, 0, true},
   };
   gt::with_wgmma([&] {
-    for (const auto& c : cases)
+    for (const auto& c : cases) {
+      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
       gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run_wgmma(c, p, C, false, sms_); });
+    }
   });
 }
 

@@ -40,6 +40,33 @@ __device__ __forceinline__ const void* advance(const void* p, bool b16, size_t n
   return static_cast<const char*>(p) + n * (b16 ? sizeof(bf16) : sizeof(float));
 }
 
+// The first `nv` (0..4) of 4 consecutive elements from element `off` of op into v (the rest stay 0);
+// one vector load when all 4 are valid and op.vec.
+__device__ __forceinline__ void load4(float (&v)[4], const Operand& op, size_t off, int nv) {
+  if (op.b16) {
+    const bf16* p = static_cast<const bf16*>(op.p) + off;
+    if (op.vec && nv == 4) {
+      const Bf16x4 u = *reinterpret_cast<const Bf16x4*>(p);
+      v[0] = __bfloat162float(u.lo.x), v[1] = __bfloat162float(u.lo.y);
+      v[2] = __bfloat162float(u.hi.x), v[3] = __bfloat162float(u.hi.y);
+    } else {
+#pragma unroll  // static indices: v stays in registers
+      for (int i = 0; i < 4; ++i)
+        if (i < nv) v[i] = __bfloat162float(p[i]);
+    }
+  } else {
+    const float* p = static_cast<const float*>(op.p) + off;
+    if (op.vec && nv == 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+#pragma unroll  // static indices: v stays in registers
+      for (int i = 0; i < 4; ++i)
+        if (i < nv) v[i] = p[i];
+    }
+  }
+}
+
 // Epilogue: a warp's staged 16 x 32 strip (rows m0.., columns n0.. of the tile, [16][ld] fp32) to
 // C, lane = column, 128 contiguous bytes per row: C = alpha * acc (+ beta * C, read only when
 // beta != 0; c16: rounded to nearest even).

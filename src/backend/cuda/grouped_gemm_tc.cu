@@ -84,6 +84,7 @@ using gg::advance;
 using gg::async_ok;
 using gg::aligned4;
 using gg::kBX;
+using gg::load4;
 using gg::Operand;
 using gg::Out;
 using gg::write_strip;
@@ -117,33 +118,6 @@ static_assert(kBX * kBK == 4 * 4 * kThreads, "each thread stages 4 groups of 4 e
 static_assert(kBX * kBK == 2 * 8 * kThreads, "or, with cp.async, 2 chunks of 8 bf16 per operand");
 
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-
-// The first `nv` (0..4) of 4 consecutive elements from element `off` of op into v (the rest stay 0);
-// one vector load when all 4 are valid and op.vec.
-__device__ __forceinline__ void load4(float (&v)[4], const Operand& op, size_t off, int nv) {
-  if (op.b16) {
-    const bf16* p = static_cast<const bf16*>(op.p) + off;
-    if (op.vec && nv == 4) {
-      const Bf16x4 u = *reinterpret_cast<const Bf16x4*>(p);
-      v[0] = __bfloat162float(u.lo.x), v[1] = __bfloat162float(u.lo.y);
-      v[2] = __bfloat162float(u.hi.x), v[3] = __bfloat162float(u.hi.y);
-    } else {
-#pragma unroll  // static indices: v stays in registers
-      for (int i = 0; i < 4; ++i)
-        if (i < nv) v[i] = __bfloat162float(p[i]);
-    }
-  } else {
-    const float* p = static_cast<const float*>(op.p) + off;
-    if (op.vec && nv == 4) {
-      const float4 f = *reinterpret_cast<const float4*>(p);
-      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-    } else {
-#pragma unroll  // static indices: v stays in registers
-      for (int i = 0; i < 4; ++i)
-        if (i < nv) v[i] = p[i];
-    }
-  }
-}
 
 // Thread `tid`'s q-th group of 4: t-contiguous groups walk t fastest (a warp reads 4 rows x 128
 // bytes), x-contiguous ones x (a warp reads 512 contiguous bytes of one t).
@@ -493,8 +467,8 @@ void grouped_gemm_tc_set_wgmma(bool wgmma) { use_wgmma() = wgmma; }
 // This build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90): grouped_gemm_wgmma.cu is not
 // compiled, and these stand in for it.
 bool grouped_gemm_wgmma_available() { return false; }
-cudaError_t grouped_gemm_wgmma(bool, bool, int, const int32_t*, int, int, int, float, const void*, int, const void*, int,
-                               size_t, float, void*, bool, int, size_t, int32_t*, int, cudaStream_t) {
+cudaError_t grouped_gemm_wgmma(bool, bool, int, const int32_t*, int, int, int, float, const void*, bool, int, const void*,
+                               bool, int, size_t, float, void*, bool, int, size_t, int32_t*, int, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 cudaError_t wgmma_selftest(float*, const uint16_t*, const uint16_t*, const WgmmaSelftest&, cudaStream_t) {
@@ -518,11 +492,10 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
                                int sm_count, cudaStream_t st) {
   if (E <= 0 || N <= 0) return cudaSuccess;
   if (c_bf16 && beta != 0.f) return cudaErrorInvalidValue;
-  // The wgmma kernels where selected and able: both operands bf16 for cp.async (grouped_gemm_tc.cuh).
-  if (use_wgmma() && async_ok(A, a_bf16, size_t(lda), 0) &&
-      async_ok(B, b_bf16, size_t(ldb), rows_out ? strideB : 0) && grouped_gemm_wgmma_available())
-    return grouped_gemm_wgmma(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, c_bf16,
-                              ldc, strideC, tile_scratch, sm_count, st);
+  // The wgmma kernels where selected and the device runs them (grouped_gemm_tc.cuh).
+  if (use_wgmma() && grouped_gemm_wgmma_available())
+    return grouped_gemm_wgmma(rows_out, transB, E, offsets, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, strideB,
+                              beta, C, c_bf16, ldc, strideC, tile_scratch, sm_count, st);
   const bool mma = use_mma();
   const bool vecA = aligned4(A, a_bf16) && lda % 4 == 0;
   const bool vecB = aligned4(B, b_bf16) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);

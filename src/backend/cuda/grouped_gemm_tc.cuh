@@ -35,11 +35,9 @@ bool grouped_gemm_tc_mma();
 void grouped_gemm_tc_set_mma(bool mma);
 
 // The wgmma (Hopper sm_90a) implementation, grouped_gemm_wgmma.cu: off by default; starts from
-// LADDER_GROUPED_WGMMA (1 = on). When on, grouped_gemm_tc_ex runs it for the calls it takes (A and
-// B both bf16, 16-byte aligned, ld and B's expert stride multiples of 8 elements: the cp.async
-// staging) where the device and build have sm_90a code (grouped_gemm_wgmma_available); every other
-// call runs the mma.sync / WMMA kernels as before. Same contract and bounds; its bits may differ
-// from theirs. Not thread-safe: set it before launching.
+// LADDER_GROUPED_WGMMA (1 = on). When on, every call runs it where the device and build have
+// sm_90a code (grouped_gemm_wgmma_available); elsewhere the mma.sync / WMMA kernels run as before.
+// Same contract and bounds; its bits may differ from theirs. Not thread-safe: set it before launching.
 bool grouped_gemm_tc_wgmma();
 void grouped_gemm_tc_set_wgmma(bool wgmma);
 

@@ -97,6 +97,50 @@ __device__ __forceinline__ void stage_async(unsigned char* s, const Operand& op,
   }
 }
 
+// Register staging of an operand cp.async cannot take (fp32, or bf16 not 16-byte aligned): thread
+// tid's q-th group of 4 consecutive elements (q = 0..7), t fastest in K-major tiles (a warp reads 2
+// rows of 64 t), x fastest in MN-major ones (128 consecutive x of one t). Loaded as fp32 (one vector
+// load where op.vec, else element by element: gg::load4; zeros outside the operand), stored as 4
+// bf16 rounded to nearest even (exact for bf16) in one 8-byte store: 4 elements starting at a
+// multiple of 4 lie inside one 16-byte chunk, which the swizzle moves whole. So a stage holds the
+// same bf16 values whichever path filled it, and the path never changes a bit of the result.
+constexpr int kRegGroups = wg::kTileX * wg::kStageK / 4 / kThreads;  // 8
+
+template <bool KM>
+__device__ __forceinline__ void reg_group(int q, int& x, int& t) {
+  const int gi = threadIdx.x + q * kThreads;
+  x = KM ? gi >> 4 : (gi & 31) * 4;
+  t = KM ? (gi & 15) * 4 : gi >> 5;
+}
+
+template <bool KM>
+__device__ __forceinline__ void load_regs(float (&r)[kRegGroups][4], const Operand& op, int t0, int tlim) {
+#pragma unroll
+  for (int q = 0; q < kRegGroups; ++q) {
+    int x, t;
+    reg_group<KM>(q, x, t);
+    const int tt = t0 + t;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (x < op.xlim && tt < tlim) {
+      if (KM) gg::load4(v, op, size_t(x) * op.ld + tt, min(4, tlim - tt));
+      else gg::load4(v, op, size_t(tt) * op.ld + x, min(4, op.xlim - x));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[q][i] = v[i];
+  }
+}
+
+template <bool KM>
+__device__ __forceinline__ void store_regs(unsigned char* s, const float (&r)[kRegGroups][4]) {
+#pragma unroll
+  for (int q = 0; q < kRegGroups; ++q) {
+    int x, t;
+    reg_group<KM>(q, x, t);
+    *reinterpret_cast<Bf16x4*>(s + (KM ? wg::kmajor_offset(x, t) : wg::mnmajor_offset(x, t))) =
+        Bf16x4{__floats2bfloat162_rn(r[q][0], r[q][1]), __floats2bfloat162_rn(r[q][2], r[q][3])};
+  }
+}
+
 // The descriptor of warpgroup wg's operand slice for k16 slice kk of a stage operand at shared
 // address `base`: A (IS_A) covers x 64 wg.., B all 128 x.
 template <bool MN, bool IS_A>
@@ -111,9 +155,14 @@ __device__ __forceinline__ uint64_t operand_desc(uint32_t base, int wgi, int kk)
 }
 
 // One 128 x 128 output tile (grouped_gemm_common.cuh's Tile). Called by the whole block with
-// block-uniform arguments (it synchronizes). A_MN / B_MN: the operand is x-contiguous (MN-major).
-template <bool A_MN, bool B_MN>
+// block-uniform arguments (it synchronizes). A_MN / B_MN: the operand is x-contiguous (MN-major);
+// A_ASYNC / B_ASYNC: staged by cp.async (bf16, 16-byte aligned), else through registers.
+// A register-staged operand's step is loaded one step before it is stored (loads for step s + 5 are
+// issued in step s, stored in step s + 1 after that step's MMAs are issued), so the MMAs of a step
+// run while its loads land instead of waiting for them.
+template <bool A_MN, bool B_MN, bool A_ASYNC, bool B_ASYNC>
 __device__ void tile_product(unsigned char* stages, const gg::Tile& tl, float alpha, float beta, size_t ldc) {
+  constexpr int kAhead = kStages - 2;  // steps between a stage's filling and its multiplication
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wgi = warp / 4;
   float acc[64];
 #pragma unroll
@@ -122,25 +171,45 @@ __device__ void tile_product(unsigned char* stages, const gg::Tile& tl, float al
   const int tlim = tl.tlim;
   const int steps = (tlim + wg::kStageK - 1) / wg::kStageK;
   const uint32_t s0 = wg::smem_addr(stages);
-  auto issue = [&](int st) {
-    unsigned char* s = stages + size_t(st % kStages) * kStageBytes;
-    stage_async<!A_MN>(s, tl.a, st * wg::kStageK, tlim);
-    stage_async<!B_MN>(s + wg::kTileBytes, tl.b, st * wg::kStageK, tlim);
+  auto stage = [&](int st) { return stages + size_t(st % kStages) * kStageBytes; };
+  float ra[kRegGroups][4], rb[kRegGroups][4];  // a register-staged operand's step in flight
+  auto issue_async = [&](int st) {
+    if constexpr (A_ASYNC) stage_async<!A_MN>(stage(st), tl.a, st * wg::kStageK, tlim);
+    if constexpr (B_ASYNC) stage_async<!B_MN>(stage(st) + wg::kTileBytes, tl.b, st * wg::kStageK, tlim);
   };
+  auto load = [&](int st) {
+    if constexpr (!A_ASYNC) load_regs<!A_MN>(ra, tl.a, st * wg::kStageK, tlim);
+    if constexpr (!B_ASYNC) load_regs<!B_MN>(rb, tl.b, st * wg::kStageK, tlim);
+  };
+  auto store = [&](int st) {
+    if constexpr (!A_ASYNC) store_regs<!A_MN>(stage(st), ra);
+    if constexpr (!B_ASYNC) store_regs<!B_MN>(stage(st) + wg::kTileBytes, rb);
+  };
+  constexpr bool kRegs = !A_ASYNC || !B_ASYNC;
   __syncthreads();  // the previous tile's epilogue (its staging aliases the stages) is done everywhere
-  // Prologue: steps 0 .. kStages-3, one commit group each (empty past the last step, so that every
-  // thread always has committed step s's group and exactly kStages - 3 younger ones when it waits).
+  // Prologue: steps 0 .. kAhead-1, one commit group each (empty past the last step, so that every
+  // thread always has committed step s's group and exactly kAhead - 1 younger ones when it waits);
+  // the register path stores them at once, then loads step kAhead.
 #pragma unroll
-  for (int st = 0; st < kStages - 2; ++st) {
-    if (st < steps) issue(st);
+  for (int st = 0; st < kAhead; ++st) {
+    if (st < steps) {
+      issue_async(st);
+      if constexpr (kRegs) {
+        load(st);
+        store(st);
+      }
+    }
     __pipeline_commit();
   }
+  if constexpr (kRegs)
+    if (kAhead < steps) load(kAhead);
   for (int s = 0; s < steps; ++s) {
-    __pipeline_wait_prior(kStages - 3);  // this thread's copies of step s have landed
-    wg::fence_proxy_async();             // ... and with its plain stores, are visible to the tensor cores
-    wg::wgmma_wait<1>();                 // this warpgroup's MMAs of step s - 2 are done
-    __syncthreads();                     // everyone's step s is in place; step s - 2's stage is free
-    if (s + kStages - 2 < steps) issue(s + kStages - 2);
+    __pipeline_wait_prior(kAhead - 1);  // this thread's copies of step s have landed
+    wg::fence_proxy_async();            // ... and with its plain stores, are visible to the tensor cores
+    wg::wgmma_wait<1>();                // this warpgroup's MMAs of step s - 2 are done
+    __syncthreads();                    // everyone's step s is in place; step s - 2's stage is free
+    const int next = s + kAhead;        // the step filling step s - 2's stage
+    if (next < steps) issue_async(next);
     __pipeline_commit();
     const uint32_t a_s = s0 + uint32_t(s % kStages) * uint32_t(kStageBytes), b_s = a_s + wg::kTileBytes;
     wg::wgmma_fence();
@@ -151,6 +220,10 @@ __device__ void tile_product(unsigned char* stages, const gg::Tile& tl, float al
                                        operand_desc<B_MN, false>(b_s, wgi, kk));
     wg::wgmma_commit();
     wg::fence_operand(acc);
+    if constexpr (kRegs) {
+      if (next < steps) store(next);         // loaded in the previous step (or the prologue)
+      if (next + 1 < steps) load(next + 1);  // stored in the next step
+    }
   }
   wg::wgmma_wait<0>();
   wg::fence_operand(acc);
@@ -177,30 +250,44 @@ __device__ __forceinline__ unsigned char* aligned_stages(unsigned char* smem) {
   return smem + ((wg::kPattern - wg::smem_addr(smem) % wg::kPattern) % wg::kPattern);
 }
 
-template <bool TRANSB>
+template <bool TRANSB, bool A_ASYNC, bool B_ASYNC>
 __global__ void __launch_bounds__(kThreads, 1)
     wg_rows_kernel(const int32_t* offsets, const int32_t* tile_start, int E, int N, int K, float alpha, const void* A,
-                   int lda, const void* B, int ldb, size_t strideB, float beta, void* C, bool c16, int ldc) {
+                   bool a16, int lda, bool vecA, const void* B, bool b16, int ldb, size_t strideB, bool vecB,
+                   float beta, void* C, bool c16, int ldc) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* stages = aligned_stages(smem);
   const int tilesN = (N + kBX - 1) / kBX;
   const int64_t total = int64_t(tile_start[E]) * tilesN;
   for (int64_t id = blockIdx.x; id < total; id += gridDim.x) {
-    const gg::Tile t = gg::rows_tile(id, tilesN, offsets, tile_start, E, TRANSB, N, K, A, true, lda, true, B, true,
-                                     ldb, strideB, true, C, c16, ldc);
-    tile_product<false, !TRANSB>(stages, t, alpha, beta, size_t(ldc));
+    const gg::Tile t = gg::rows_tile(id, tilesN, offsets, tile_start, E, TRANSB, N, K, A, a16, lda, vecA, B, b16, ldb,
+                                     strideB, vecB, C, c16, ldc);
+    tile_product<false, !TRANSB, A_ASYNC, B_ASYNC>(stages, t, alpha, beta, size_t(ldc));
   }
 }
 
+template <bool A_ASYNC, bool B_ASYNC>
 __global__ void __launch_bounds__(kThreads, 1)
-    wg_wgrad_kernel(const int32_t* offsets, int M, int N, float alpha, const void* A, int lda, const void* B, int ldb,
-                    float beta, void* C, bool c16, int ldc, size_t strideC) {
+    wg_wgrad_kernel(const int32_t* offsets, int M, int N, float alpha, const void* A, bool a16, int lda, bool vecA,
+                    const void* B, bool b16, int ldb, bool vecB, float beta, void* C, bool c16, int ldc,
+                    size_t strideC) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* stages = aligned_stages(smem);
   const gg::Tile t =
-      gg::wgrad_tile(blockIdx.x, offsets, M, N, A, true, lda, true, B, true, ldb, true, C, c16, ldc, strideC);
+      gg::wgrad_tile(blockIdx.x, offsets, M, N, A, a16, lda, vecA, B, b16, ldb, vecB, C, c16, ldc, strideC);
   if (t.tlim == 0 && beta == 1.f) return;  // C_e = 1 * C_e: nothing to write (block-uniform exit)
-  tile_product<true, true>(stages, t, alpha, beta, size_t(ldc));
+  tile_product<true, true, A_ASYNC, B_ASYNC>(stages, t, alpha, beta, size_t(ldc));
+}
+
+// The instantiation for the operands' staging paths, chosen at launch (block-uniform).
+template <bool TRANSB>
+auto rows_kernel(bool a_async, bool b_async) {
+  return a_async ? (b_async ? wg_rows_kernel<TRANSB, true, true> : wg_rows_kernel<TRANSB, true, false>)
+                 : (b_async ? wg_rows_kernel<TRANSB, false, true> : wg_rows_kernel<TRANSB, false, false>);
+}
+auto wgrad_kernel(bool a_async, bool b_async) {
+  return a_async ? (b_async ? wg_wgrad_kernel<true, true> : wg_wgrad_kernel<true, false>)
+                 : (b_async ? wg_wgrad_kernel<false, true> : wg_wgrad_kernel<false, false>);
 }
 
 // ---- the layout self-test (CudaWgmma.*) ----------------------------------------------------------
@@ -258,7 +345,7 @@ bool grouped_gemm_wgmma_available() {
   static const bool ok = [] {
     cudaFuncAttributes attr;
     // No sm_90a image for this device (another architecture): an error, which is not sticky.
-    const cudaError_t e = cudaFuncGetAttributes(&attr, wg_rows_kernel<true>);
+    const cudaError_t e = cudaFuncGetAttributes(&attr, wg_rows_kernel<true, true, true>);
     cudaGetLastError();
     return e == cudaSuccess;
   }();
@@ -266,27 +353,32 @@ bool grouped_gemm_wgmma_available() {
 }
 
 cudaError_t grouped_gemm_wgmma(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
-                               float alpha, const void* A, int lda, const void* B, int ldb, size_t strideB, float beta,
-                               void* C, bool c_bf16, int ldc, size_t strideC, int32_t* tile_scratch, int sm_count,
-                               cudaStream_t st) {
+                               float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
+                               size_t strideB, float beta, void* C, bool c_bf16, int ldc, size_t strideC,
+                               int32_t* tile_scratch, int sm_count, cudaStream_t st) {
   if (!grouped_gemm_wgmma_available()) return cudaErrorNotSupported;
   if (E <= 0 || N <= 0) return cudaSuccess;
   if (c_bf16 && beta != 0.f) return cudaErrorInvalidValue;
+  const bool vecA = gg::aligned4(A, a_bf16) && lda % 4 == 0;
+  const bool vecB = gg::aligned4(B, b_bf16) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);
+  const bool a_async = gg::async_ok(A, a_bf16, size_t(lda), 0);
+  const bool b_async = gg::async_ok(B, b_bf16, size_t(ldb), rows_out ? strideB : 0);
   if (rows_out) {
     if (K < 0) return cudaErrorInvalidValue;
     if (const cudaError_t e = row_tile_prefix(tile_scratch, offsets, E, kBX, st); e != cudaSuccess) return e;
     const unsigned grid = unsigned(sm_count > 0 ? sm_count : kDefaultSms);  // one block per SM (193 KiB)
-    const auto kernel = transB ? wg_rows_kernel<true> : wg_rows_kernel<false>;
+    const auto kernel = transB ? rows_kernel<true>(a_async, b_async) : rows_kernel<false>(a_async, b_async);
     if (const cudaError_t e = allow_smem(kernel, kSmem); e != cudaSuccess) return e;
-    kernel<<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, lda, B, ldb, strideB, beta, C,
-                                          c_bf16, ldc);
+    kernel<<<grid, kThreads, kSmem, st>>>(offsets, tile_scratch, E, N, K, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb,
+                                          strideB, vecB, beta, C, c_bf16, ldc);
   } else {
     if (M <= 0) return cudaSuccess;
     const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
     if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-    if (const cudaError_t e = allow_smem(wg_wgrad_kernel, kSmem); e != cudaSuccess) return e;
-    wg_wgrad_kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, lda, B, ldb, beta, C, c_bf16,
-                                                               ldc, strideC);
+    const auto kernel = wgrad_kernel(a_async, b_async);
+    if (const cudaError_t e = allow_smem(kernel, kSmem); e != cudaSuccess) return e;
+    kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb, vecB,
+                                                      beta, C, c_bf16, ldc, strideC);
   }
   return cudaGetLastError();
 }

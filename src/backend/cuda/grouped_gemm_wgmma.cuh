@@ -16,13 +16,13 @@ namespace ladder::cuda::k {
 // (compute capability 9.0). Asked once per process (the first answer is kept).
 bool grouped_gemm_wgmma_available();
 
-// grouped_gemm_tc_ex's contract, for what the wgmma kernels take: A and B bf16 bits, each 16-byte
-// aligned with ld (and, rows_out, B's strideB) a multiple of 8 elements (the cp.async staging).
-// E > 0, N > 0; rows_out: K >= 0; else M > 0. cudaErrorNotSupported where not available.
+// grouped_gemm_tc_ex's contract and arguments, every call (bf16 operands that are 16-byte aligned
+// with ld, and for rows_out B's strideB, multiples of 8 elements are staged by cp.async, any other
+// operand through registers). cudaErrorNotSupported where not available (nothing launched).
 cudaError_t grouped_gemm_wgmma(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
-                               float alpha, const void* A, int lda, const void* B, int ldb, size_t strideB, float beta,
-                               void* C, bool c_bf16, int ldc, size_t strideC, int32_t* tile_scratch, int sm_count,
-                               cudaStream_t st);
+                               float alpha, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
+                               size_t strideB, float beta, void* C, bool c_bf16, int ldc, size_t strideC,
+                               int32_t* tile_scratch, int sm_count, cudaStream_t st);
 
 // One warpgroup, D [64][128] fp32 (row-major, device) = A [64][64] * B [64][128] (bf16 bits,
 // row-major, device), as four m64n128k16 wgmmas over k 0..63 from shared memory: A staged K-major

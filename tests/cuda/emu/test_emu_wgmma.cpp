@@ -2,10 +2,10 @@
 // (emu_cuda.h, emu::ptx_wgmma): the layout self-test's checks (tests/cuda/wgmma_selftest_case.h,
 // which the GPU test CudaWgmma runs on a device), the emulator's own checks on planted bugs, and
 // every case of tests/cuda/grouped_tc_cases.h through grouped_gemm_tc_ex with the wgmma kernels
-// selected. Those kernels take bf16 operands staged by cp.async (16-byte aligned, ld and expert
-// stride multiples of 8 elements), so each case's operands are handed over as their bf16 rounding
-// repacked with ld rounded up to a multiple of 8 (grouped_tc_cases.h's wgmma_operands): its
-// references (fp32 inputs within 1e-2, bf16-rounded inputs within 1e-4) apply unchanged.
+// selected on their cp.async path: each case's operands as their bf16 rounding repacked with ld
+// rounded up to a multiple of 8 (grouped_tc_cases.h's wgmma_operands), so its references (fp32
+// inputs within 1e-2, bf16-rounded inputs within 1e-4) apply unchanged. (The register path, the
+// cases' own fp32 operands, runs in CudaEmuGroupedTc.*, whose for_each_tile_product includes wgmma.)
 // EMU_SEED=N repeats a run's inputs; EMU_QUICK=1 (sanitizer builds) drops the costlier shapes.
 #include <gtest/gtest.h>
 
@@ -144,23 +144,41 @@ TEST_F(CudaEmuWgmma, Bf16OutputAndGrid) {
   EXPECT_GE(ran, 4);
 }
 
-// Calls the wgmma kernels do not take (fp32 operands, a misaligned bf16 one) run the mma.sync
-// kernels with wgmma selected: the same results as with it off, and no wgmma issued.
-TEST_F(CudaEmuWgmma, IneligibleCallsFallBack) {
-  const gt::Case c{true, true, 4, 0, 70, 39, 1, 1.f, 0.f, 50};
-  const gt::Problem p = gt::make_problem(c, rng_);
-  std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
-  std::vector<float> on(p.C.size()), off(p.C.size());
-  const uint64_t ops = ::emu::g_wgmma_ops.load();
-  ASSERT_EQ(k::grouped_gemm_tc(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, p.A.data(), p.lda,
-                               p.B.data(), p.ldb, p.sB, 0.f, on.data(), p.ldc, p.sC, scratch.data(), 2, nullptr),
-            cudaSuccess);
-  EXPECT_EQ(::emu::g_wgmma_ops.load(), ops) << "fp32 operands went to the wgmma kernels";
-  k::grouped_gemm_tc_set_wgmma(false);
-  ASSERT_EQ(k::grouped_gemm_tc(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha, p.A.data(), p.lda,
-                               p.B.data(), p.ldb, p.sB, 0.f, off.data(), p.ldc, p.sC, scratch.data(), 2, nullptr),
-            cudaSuccess);
-  EXPECT_EQ(std::memcmp(on.data(), off.data(), on.size() * sizeof(float)), 0);
+// In the emulation the wgmma kernels give the mma.sync kernels' bits: both stage the same bf16
+// values and both emulations add the exact products in increasing k onto fp32 accumulators in
+// 16-wide chunks in increasing t (on a device the MMAs' internal adder orders differ, and so may the
+// last bits). Every case, with its own operands (fp32: the register path) and as aligned bf16 (the
+// cp.async path), the latter also with the mma.sync kernels taking them by cp.async.
+TEST_F(CudaEmuWgmma, GivesTheMmaSyncBitsInEmulation) {
+  int i = 0;
+  for (const auto& c : gt::cases(true)) {
+    SCOPED_TRACE(c.name());
+    const gt::Problem p = gt::make_problem(c, rng_);
+    const gt::Bf16Operands o = gt::wgmma_operands(c, p);
+    const int s = p.shift;
+    std::vector<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E), -1);
+    for (bool bf16 : {false, true}) {
+      std::vector<float> out[2];
+      for (bool wgmma : {false, true}) {
+        k::grouped_gemm_tc_set_wgmma(wgmma);
+        std::vector<float>& C = out[wgmma];
+        C = p.C;
+        const uint64_t ops = ::emu::g_wgmma_ops.load();
+        ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, p.off.data(), c.M, c.N, c.K, c.alpha,
+                                        bf16 ? static_cast<const void*>(o.A.data()) : p.A.data() + s, bf16,
+                                        bf16 ? o.lda : p.lda,
+                                        bf16 ? static_cast<const void*>(o.B.data()) : p.B.data() + s, bf16,
+                                        bf16 ? o.ldb : p.ldb, bf16 ? o.sB : p.sB, c.beta, C.data() + s, false, p.ldc,
+                                        p.sC, scratch.data(), 1 + i % 3, nullptr),
+                  cudaSuccess);
+        const bool work = c.rows_out ? (p.off[c.E] > 0 && c.K > 0) : p.off[c.E] > 0;
+        EXPECT_EQ(::emu::g_wgmma_ops.load() > ops, wgmma && work) << "wgmma " << wgmma << ", bf16 " << bf16;
+      }
+      EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)), 0)
+          << "bf16 operands " << bf16 << ": wgmma and mma.sync bits differ";
+    }
+    ++i;
+  }
 }
 
 }  // namespace
