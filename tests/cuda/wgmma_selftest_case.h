@@ -29,6 +29,7 @@
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/grouped_gemm_wgmma.cuh"
 #include "backend/cuda/wgmma_layout.h"
+#include "mma_selftest_case.h"
 
 namespace ladder::wgmma_case {
 
@@ -57,14 +58,7 @@ inline std::vector<double> product(const Operands& o) {
   return d;
 }
 
-inline double rel(const std::vector<float>& got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = std::isfinite(got[i]) ? double(got[i]) - ref[i] : 1e30;
-    num += d * d, den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
+using mma_case::rel;  // ||got - ref|| / ||ref||, a non-finite element counting as 1e30
 
 // The kernel's descriptors for each form (grouped_gemm_wgmma.cu's operand_desc): K-major LBO unused
 // (16), SBO 1024; MN-major LBO 8192 (the next 64 x), SBO 1024 (the next 8 k).
@@ -96,8 +90,16 @@ inline Operands read_unswizzled(const Operands& o, bool a_mn, bool b_mn) {
   return Operands{remap(o.a, a_mn, kM, true), remap(o.b, b_mn, kN, false)};
 }
 
-// `run(cfg, operands, D)`: D (64 x 128 floats, row-major) from k::wgmma_selftest. Returns false
-// (after a GTEST_SKIP-worthy message) when the launcher says cudaErrorNotSupported.
+// `run(cfg, operands, D)` below: D (64 x 128 floats, row-major) from k::wgmma_selftest.
+
+// D's relative error against `ref` (the product of o) with configuration c.
+template <class Run>
+double rel_of(Run&& run, const cuda::k::WgmmaSelftest& c, const Operands& o, const std::vector<double>& ref) {
+  std::vector<float> d(kM * kN, NAN);
+  run(c, o, d);
+  return rel(d, ref);
+}
+
 template <class Run>
 void accumulator_layout(Run&& run) {
   Operands o{std::vector<uint16_t>(kM * kK, 0), std::vector<uint16_t>(kK * kN, 0)};
@@ -155,9 +157,7 @@ void mn_major_stride_roles(std::mt19937_64& rng, Run&& run) {
   for (bool swapped : {false, true}) {
     cuda::k::WgmmaSelftest c = kernel_config(true, true);
     if (swapped) std::swap(c.lbo_a, c.sbo_a), std::swap(c.lbo_b, c.sbo_b);
-    std::vector<float> d(kM * kN, NAN);
-    run(c, o, d);
-    const double e = rel(d, ref);
+    const double e = rel_of(run, c, o, ref);
     std::printf("[ wgmma    ] MN-major A and B, LBO %u (%s) SBO %u: rel err %.3e -> %s\n", c.lbo_b,
                 swapped ? "the 8-k step" : "the 64-x step", c.sbo_b, e, e <= 1e-5 ? "works" : "wrong");
     if (swapped) {
@@ -176,9 +176,7 @@ void planted_swizzle_bug(std::mt19937_64& rng, Run&& run) {
   for (bool mn : {false, true}) {
     cuda::k::WgmmaSelftest c = kernel_config(mn, mn);
     c.plain_store = true;
-    std::vector<float> d(kM * kN, NAN);
-    run(c, o, d);
-    const double e = rel(d, ref);
+    const double e = rel_of(run, c, o, ref);
     std::printf("[ wgmma    ] planted bug: %s operands stored unswizzled: rel err %.3e (must be large)\n",
                 form(mn).c_str(), e);
     EXPECT_GT(e, 1e-2) << "operands stored without the swizzle gave the right product: the swizzle is not applied";

@@ -5,8 +5,10 @@
 // tile id means the same thing in either (the contract: grouped_gemm_tc.cuh).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 
@@ -64,6 +66,33 @@ __device__ __forceinline__ void load4(float (&v)[4], const Operand& op, size_t o
       for (int i = 0; i < 4; ++i)
         if (i < nv) v[i] = p[i];
     }
+  }
+}
+
+// The group of 4 consecutive elements at (x, tt) of op (along t when TC: t-contiguous, else along
+// x) as fp32 into v: its valid elements (x < op.xlim, t < tlim), zeros for the rest.
+template <bool TC>
+__device__ __forceinline__ void load_group4(float (&v)[4], const Operand& op, int x, int tt, int tlim) {
+#pragma unroll  // static indices: v stays in registers
+  for (int i = 0; i < 4; ++i) v[i] = 0.f;
+  if (x < op.xlim && tt < tlim) {
+    if (TC) load4(v, op, size_t(x) * op.ld + tt, min(4, tlim - tt));
+    else load4(v, op, size_t(tt) * op.ld + x, min(4, op.xlim - x));
+  }
+}
+
+// The chunk of 8 consecutive elements at (x, tt) of a bf16 operand (aligned to 8 elements, 16 bytes)
+// into shared memory at d: one 16-byte cp.async (landing by the wait for its commit group) when all
+// 8 are valid; the rare chunk at or past the edge as its valid elements and zeros, by plain stores.
+template <bool TC>
+__device__ __forceinline__ void copy_chunk8(bf16* d, const Operand& op, int x, int tt, int tlim) {
+  const bf16* p = static_cast<const bf16*>(op.p);
+  const bf16* src = TC ? p + size_t(x) * op.ld + tt : p + size_t(tt) * op.ld + x;
+  const int nv = TC ? (x < op.xlim ? tlim - tt : 0) : (tt < tlim ? op.xlim - x : 0);
+  if (nv >= 8) {
+    __pipeline_memcpy_async(d, src, 16);
+  } else {  // nv may be <= 0: all zeros
+    for (int i = 0; i < 8; ++i) d[i] = i < nv ? src[i] : __float2bfloat16_rn(0.f);
   }
 }
 
@@ -137,6 +166,13 @@ __device__ __forceinline__ Tile wgrad_tile(unsigned blk, const int32_t* offsets,
               Out{const_cast<void*>(advance(C, c16, size_t(e) * strideC + size_t(m0) * ldc + n0)), c16},
               M - m0,
               N - n0};
+}
+
+// Blocks of the rows_out = false grid (E x tilesM x tilesN, wgrad_tile), or -1 above INT_MAX (the
+// launchers' cudaErrorInvalidConfiguration).
+inline int64_t wgrad_blocks(int E, int M, int N) {
+  const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
+  return blocks > INT_MAX ? -1 : blocks;
 }
 
 // Four elements' worth of alignment: 16 bytes for fp32, 8 for bf16.

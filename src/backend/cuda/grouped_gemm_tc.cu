@@ -84,7 +84,6 @@ using gg::advance;
 using gg::async_ok;
 using gg::aligned4;
 using gg::kBX;
-using gg::load4;
 using gg::Operand;
 using gg::Out;
 using gg::write_strip;
@@ -138,14 +137,7 @@ __device__ __forceinline__ void load_regs(float (&r)[4][4], const Operand& op, i
   for (int q = 0; q < 4; ++q) {
     int x, t;
     group_coords<TC>(threadIdx.x + q * kThreads, x, t);
-    const int tt = t0 + t;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (x < op.xlim && tt < tlim) {
-      if (TC) load4(v, op, size_t(x) * op.ld + tt, min(4, tlim - tt));
-      else load4(v, op, size_t(tt) * op.ld + x, min(4, op.xlim - x));
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r[q][i] = v[i];
+    gg::load_group4<TC>(r[q], op, x, t0 + t, tlim);
   }
 }
 
@@ -184,20 +176,11 @@ __device__ __forceinline__ void chunk_coords(int g, int& x, int& t) {
 // outside it as zeros, by plain stores.
 template <bool TC>
 __device__ __forceinline__ void copy_async(bf16* s, const Operand& op, int t0, int tlim) {
-  const bf16* p = static_cast<const bf16*>(op.p);
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     int x, t;
     chunk_coords<TC>(threadIdx.x + q * kThreads, x, t);
-    const int tt = t0 + t;
-    bf16* d = TC ? s + x * kLdT + t : s + t * kLdX + x;
-    const bf16* src = TC ? p + size_t(x) * op.ld + tt : p + size_t(tt) * op.ld + x;
-    const int nv = TC ? (x < op.xlim ? tlim - tt : 0) : (tt < tlim ? op.xlim - x : 0);
-    if (nv >= 8) {
-      __pipeline_memcpy_async(d, src, 16);
-    } else {  // the rare chunk at or past the edge: its valid elements (nv may be <= 0), zeros after
-      for (int i = 0; i < 8; ++i) d[i] = i < nv ? src[i] : __float2bfloat16_rn(0.f);
-    }
+    gg::copy_chunk8<TC>(TC ? s + x * kLdT + t : s + t * kLdX + x, op, x, t0 + t, tlim);
   }
 }
 
@@ -511,8 +494,8 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
                                           strideB, vecB, beta, C, c_bf16, ldc);
   } else {
     if (M <= 0) return cudaSuccess;
-    const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
-    if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+    const int64_t blocks = gg::wgrad_blocks(E, M, N);
+    if (blocks < 0) return cudaErrorInvalidConfiguration;
     const auto kernel = wgrad_kernel(mma, async_ok(A, a_bf16, size_t(lda), 0), async_ok(B, b_bf16, size_t(ldb), 0));
     if (const cudaError_t e = allow_smem(kernel, kSmem); e != cudaSuccess) return e;
     kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb, vecB,

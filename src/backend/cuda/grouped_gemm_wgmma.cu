@@ -79,21 +79,13 @@ static_assert(wg::kTileX * wg::kStageK == 4 * 8 * kThreads, "each thread stages 
 // crossing the operand's edge as their valid elements and zeros, chunks outside it as zeros.
 template <bool KM>
 __device__ __forceinline__ void stage_async(unsigned char* s, const Operand& op, int t0, int tlim) {
-  const bf16* p = static_cast<const bf16*>(op.p);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const int id = threadIdx.x + q * kThreads;
     const int x = KM ? id >> 3 : (id & 15) * 8;
     const int t = KM ? (id & 7) * 8 : id >> 4;
-    const int tt = t0 + t;
-    bf16* d = reinterpret_cast<bf16*>(s + (KM ? wg::kmajor_offset(x, t) : wg::mnmajor_offset(x, t)));
-    const bf16* src = KM ? p + size_t(x) * op.ld + tt : p + size_t(tt) * op.ld + x;
-    const int nv = KM ? (x < op.xlim ? tlim - tt : 0) : (tt < tlim ? op.xlim - x : 0);
-    if (nv >= 8) {
-      __pipeline_memcpy_async(d, src, 16);
-    } else {  // the rare chunk at or past the edge: its valid elements (nv may be <= 0), zeros after
-      for (int i = 0; i < 8; ++i) d[i] = i < nv ? src[i] : __float2bfloat16_rn(0.f);
-    }
+    gg::copy_chunk8<KM>(reinterpret_cast<bf16*>(s + (KM ? wg::kmajor_offset(x, t) : wg::mnmajor_offset(x, t))), op, x,
+                        t0 + t, tlim);
   }
 }
 
@@ -119,14 +111,7 @@ __device__ __forceinline__ void load_regs(float (&r)[kRegGroups][4], const Opera
   for (int q = 0; q < kRegGroups; ++q) {
     int x, t;
     reg_group<KM>(q, x, t);
-    const int tt = t0 + t;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (x < op.xlim && tt < tlim) {
-      if (KM) gg::load4(v, op, size_t(x) * op.ld + tt, min(4, tlim - tt));
-      else gg::load4(v, op, size_t(tt) * op.ld + x, min(4, op.xlim - x));
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r[q][i] = v[i];
+    gg::load_group4<KM>(r[q], op, x, t0 + t, tlim);
   }
 }
 
@@ -373,8 +358,8 @@ cudaError_t grouped_gemm_wgmma(bool rows_out, bool transB, int E, const int32_t*
                                           strideB, vecB, beta, C, c_bf16, ldc);
   } else {
     if (M <= 0) return cudaSuccess;
-    const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
-    if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+    const int64_t blocks = gg::wgrad_blocks(E, M, N);
+    if (blocks < 0) return cudaErrorInvalidConfiguration;
     const auto kernel = wgrad_kernel(a_async, b_async);
     if (const cudaError_t e = allow_smem(kernel, kSmem); e != cudaSuccess) return e;
     kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb, vecB,

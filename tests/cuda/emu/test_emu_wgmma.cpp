@@ -22,6 +22,7 @@
 #include "backend/cuda/grouped_gemm_wgmma.cuh"
 #include "backend/cuda/wgmma_layout.h"
 #include "emu_cuda.h"
+#include "emu_fixture.h"
 
 namespace ladder {
 namespace {
@@ -30,19 +31,11 @@ namespace k = cuda::k;
 namespace gt = grouped_tc;
 namespace wc = wgmma_case;
 
-bool quick() {
-  static const bool q = std::getenv("EMU_QUICK") && std::string(std::getenv("EMU_QUICK")) != "0";
-  return q;
-}
-
-class CudaEmuWgmma : public ::testing::Test {
+// The CudaEmu fixture (seeded inputs, EMU_SEED), with the wgmma kernels selected.
+class CudaEmuWgmma : public emu_test::CudaEmu {
  protected:
   void SetUp() override {
-    const char* env = std::getenv("EMU_SEED");
-    const uint64_t seed = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
-    rng_.seed(seed);
-    std::printf("[ seed     ] %llu (EMU_SEED=%llu repeats it)\n", static_cast<unsigned long long>(seed),
-                static_cast<unsigned long long>(seed));
+    CudaEmu::SetUp();
     prev_ = k::grouped_gemm_tc_wgmma();
     k::grouped_gemm_tc_set_wgmma(true);
   }
@@ -72,7 +65,6 @@ class CudaEmuWgmma : public ::testing::Test {
     }
   }
 
-  std::mt19937_64 rng_;
   bool prev_ = false;
 };
 
@@ -117,7 +109,7 @@ TEST_F(CudaEmuWgmma, PlantedAsyncBugsAreCaught) {
 
 TEST_F(CudaEmuWgmma, GroupedGemmAllCases) {
   int i = 0;
-  for (const auto& c : gt::cases(quick()))
+  for (const auto& c : gt::cases(emu_test::quick()))
     gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { launch(c, p, C.data(), false, 1 + i++ % 3); });
 }
 
