@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -38,16 +39,25 @@
 
 namespace ladder::grouped_tc {
 
+// Whether the tests run the wgmma kernels (grouped_gemm_wgmma.cu): where the device runs them
+// (grouped_gemm_wgmma_available: sm_90a code on an sm_90 device, or the host emulation), unless
+// LADDER_TEST_WGMMA=0. scripts/gpu-check.sh sets that for its main test run and runs the wgmma tests
+// in a process of their own, so that a wgmma kernel faulting on a device (which ends the CUDA
+// context) cannot take every other test down with it.
+inline bool wgmma_tests_on() {
+  const char* e = std::getenv("LADDER_TEST_WGMMA");
+  return cuda::k::grouped_gemm_wgmma_available() && !(e && std::strcmp(e, "0") == 0);
+}
+
 // f() once with each tile product selected: grouped_gemm_tc.cu's mma.sync, then its WMMA, then,
-// where the device runs it (grouped_gemm_wgmma_available: sm_90a code on an sm_90 device, or the
-// host emulation), grouped_gemm_wgmma.cu's wgmma; in a SCOPED_TRACE that names it. The previous
-// selections are restored.
+// where wgmma_tests_on(), grouped_gemm_wgmma.cu's wgmma; in a SCOPED_TRACE that names it. The
+// previous selections are restored.
 template <class F>
 void for_each_tile_product(F&& f) {
   const bool prev = cuda::k::grouped_gemm_tc_mma(), prev_wg = cuda::k::grouped_gemm_tc_wgmma();
   for (const char* impl : {"mma.sync", "wmma", "wgmma"}) {
     const bool wgmma = impl[1] == 'g';
-    if (wgmma && !cuda::k::grouped_gemm_wgmma_available()) continue;
+    if (wgmma && !wgmma_tests_on()) continue;
     SCOPED_TRACE(impl);
     cuda::k::grouped_gemm_tc_set_mma(impl[0] == 'm');
     cuda::k::grouped_gemm_tc_set_wgmma(wgmma);

@@ -102,8 +102,9 @@ class CudaGroupedTc : public test::CudaFixture {
     C = d_C.download();
     C.resize(p.C.size());
   }
-  // Skips where the wgmma kernels cannot run (no sm_90 device or no sm_90a code in the build).
-  static bool wgmma_skip() { return !k::grouped_gemm_wgmma_available(); }
+  // Skips where the wgmma kernels cannot run (no sm_90 device or no sm_90a code in the build) or
+  // LADDER_TEST_WGMMA=0 (grouped_tc_cases.h's wgmma_tests_on).
+  static bool wgmma_skip() { return !gt::wgmma_tests_on(); }
 
   static inline int sms_ = 0;
 };
@@ -216,7 +217,7 @@ TEST_F(CudaGroupedTc, AllExpertsEmpty) {
 // and grid independence. Read after CudaWgmma.* (the layout facts); skipped where no sm_90a code
 // can run.
 TEST_F(CudaGroupedTc, WgmmaBothShapes) {
-  if (wgmma_skip()) GTEST_SKIP() << "no sm_90a wgmma code for this device";
+  if (wgmma_skip()) GTEST_SKIP() << "wgmma kernels not run here (no sm_90a code for this device, or LADDER_TEST_WGMMA=0)";
   gt::with_wgmma([&] {
     for (const auto& c : gt::cases(false))
       gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run_wgmma(c, p, C, false, sms_); });
@@ -226,7 +227,7 @@ TEST_F(CudaGroupedTc, WgmmaBothShapes) {
 // MoE sizes on the wgmma kernels, both staging paths: fp32 operands (registers) and bf16 ones
 // aligned for cp.async.
 TEST_F(CudaGroupedTc, WgmmaLargeShapes) {
-  if (wgmma_skip()) GTEST_SKIP() << "no sm_90a wgmma code for this device";
+  if (wgmma_skip()) GTEST_SKIP() << "wgmma kernels not run here (no sm_90a code for this device, or LADDER_TEST_WGMMA=0)";
   const gt::Case cases[] = {
       {true, true, 16, 0, 1000, 777, 0, 1.f, 0.f, 600},
       {true, false, 16, 0, 512, 1024, 1, 1.f, 1.f, 600, 1},
@@ -242,7 +243,7 @@ TEST_F(CudaGroupedTc, WgmmaLargeShapes) {
 }
 
 TEST_F(CudaGroupedTc, WgmmaBf16OutputAndGrid) {
-  if (wgmma_skip()) GTEST_SKIP() << "no sm_90a wgmma code for this device";
+  if (wgmma_skip()) GTEST_SKIP() << "wgmma kernels not run here (no sm_90a code for this device, or LADDER_TEST_WGMMA=0)";
   gt::with_wgmma([&] {
     int ran = 0;
     for (const auto& c : gt::cases(false)) {
@@ -406,7 +407,7 @@ TEST_F(CudaGroupedTc, Throughput) {
   const bool prev_wg = k::grouped_gemm_tc_wgmma();
   for (const Op& o : ops)
     for (bool wgmma : {false, true}) {
-      if (wgmma && !k::grouped_gemm_wgmma_available()) continue;
+      if (wgmma && !gt::wgmma_tests_on()) continue;
       k::grouped_gemm_tc_set_wgmma(wgmma);
       const void* A = o.name[0] == 'f' ? static_cast<const void*>(X16.data()) : Y16.data();
       const void* B = o.rows_out ? static_cast<const void*>(W16.data()) : X16.data();

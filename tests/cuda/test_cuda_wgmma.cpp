@@ -7,11 +7,13 @@
 // unswizzled), MnMajorStrideRoles (which of LBO / SBO steps which dimension), PlantedSwizzleBug
 // (unswizzled data must fail). Where they pass, CudaGroupedTc.Wgmma* test the whole grouped GEMM.
 // Without a GPU: "no CUDA device: GPU test skipped (...)"; without sm_90a code for the device (an
-// sm_80 device, or a build without 90 in CMAKE_CUDA_ARCHITECTURES): skipped with that reason.
+// sm_80 device, or a build without 90 in CMAKE_CUDA_ARCHITECTURES), or with LADDER_TEST_WGMMA=0
+// (scripts/gpu-check.sh runs them in a process of their own): skipped with that reason.
 #include <gtest/gtest.h>
 
 #include "backend/cuda/grouped_gemm_wgmma.cuh"
 #include "cuda_fixture.h"
+#include "grouped_tc_cases.h"
 #include "wgmma_selftest_case.h"
 
 namespace ladder {
@@ -26,6 +28,7 @@ class CudaWgmma : public test::CudaFixture {
     if (IsSkipped()) return;
     if (!cuda::k::grouped_gemm_wgmma_available())
       GTEST_SKIP() << "no sm_90a code for this device (wgmma needs an sm_90 device and 90 in CMAKE_CUDA_ARCHITECTURES)";
+    if (!grouped_tc::wgmma_tests_on()) GTEST_SKIP() << "LADDER_TEST_WGMMA=0: the wgmma tests run in a process of their own";
   }
   // The self-test on the device: D (64 x 128, row-major) for the operands and configuration.
   void selftest(const cuda::k::WgmmaSelftest& cfg, const wc::Operands& o, std::vector<float>& d) {

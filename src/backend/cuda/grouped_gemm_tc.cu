@@ -8,6 +8,9 @@
 // (the register-resident attention built on them ran 1.3-1.7x its WMMA version on an H200). The
 // previous WMMA implementation (nvcuda::wmma 16x16x16, no layout assumed) stays selectable for a
 // same-run comparison: grouped_gemm_tc_set_mma(false) or LADDER_GROUPED_MMA=0 (MmaCore / WmmaCore).
+// On Hopper a third implementation, on wgmma (grouped_gemm_wgmma.cu, sm_90a only), takes every call
+// instead when selected (grouped_gemm_tc_set_wgmma(true) or LADDER_GROUPED_WGMMA=1; off by default)
+// and the device runs it; the tile ids, epilogue and staging rules are shared (grouped_gemm_common.cuh).
 //
 // Tile product. A block of 256 threads (8 warps) computes a 128 x 128 fp32 output tile
 //      C_tile[x_a, x_b] = alpha * sum_t opA(x_a, t) opB(t, x_b) + beta * C_tile
