@@ -1,9 +1,9 @@
 // The bf16 grouped GEMM on Hopper's warpgroup MMA (wgmma.mma_async, sm_90a only): the contract of
-// grouped_gemm_tc.cuh for bf16 operands staged by cp.async, selected by grouped_gemm_tc_set_wgmma /
-// LADDER_GROUPED_WGMMA=1 (off by default; grouped_gemm_tc_ex falls back to the mma.sync kernels of
-// grouped_gemm_tc.cu for every other call). Built only with -gencode arch=compute_90a,code=sm_90a
-// (CMakeLists.txt: its own object library); on another device the launcher says
-// cudaErrorNotSupported and the dispatch never calls it.
+// grouped_gemm_tc.cuh, every call, when selected by grouped_gemm_tc_set_wgmma / LADDER_GROUPED_WGMMA=1
+// (off by default: grouped_gemm_tc_ex runs the mma.sync kernels of grouped_gemm_tc.cu otherwise).
+// Built only with -gencode arch=compute_90a,code=sm_90a (CMakeLists.txt: its own object library);
+// where that code cannot run (another device, or a build without sm_90) grouped_gemm_wgmma_available()
+// is false, the launcher says cudaErrorNotSupported and the dispatch never calls it.
 //
 // Tile product. A block of 256 threads = two warpgroups computes a 128 x 128 fp32 output tile, the
 // warpgroup wg owning rows 64 wg .. 64 wg + 63 (one m64n128 accumulator: 64 fp32 registers a
@@ -16,7 +16,10 @@
 // row of either form is one 16-byte-chunk permutation of the global row segment: cp.async copies of
 // 16 bytes land each chunk at its swizzled place; chunks at the operand's edge are written as their
 // valid elements and zeros by plain stores (so partial tiles add exact zeros, as in the mma.sync
-// kernel).
+// kernel). That is the path of a bf16 operand aligned for cp.async (16 bytes, ld and expert stride
+// multiples of 8 elements); any other operand (fp32, misaligned bf16) is loaded into registers as
+// groups of 4, rounded to bf16 and stored at the same swizzled places (load_regs / store_regs),
+// one step ahead of its store so that its loads' latency overlaps a step's MMAs.
 // Pipeline: kStages = 6 stages (192 KiB, one block per SM), cp.async kStages - 2 = 4 steps ahead. Step s:
 //   wait for this thread's copies of step s; fence.proxy.async (its generic-proxy writes, cp.async
 //   landings and plain stores, become visible to the async proxy the tensor cores read through);
@@ -60,7 +63,7 @@ using gg::Out;
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;  // two warpgroups
 // Six stages (192 KiB, one block per SM), cp.async four steps ahead: a step's MMAs take ~0.3 us on
-// an H200 SM (2 MFLOP at ~7.5 TFLOP/s), a global load's latency is ~1 us.
+// an H200 SM (2 MFLOP at ~7.5 TFLOP/s), a global load's latency is several times that under load.
 constexpr int kStages = 6;
 constexpr size_t kStageBytes = 2 * size_t(wg::kTileBytes);  // A, B: 32 KiB
 // The stages start at the first 1024-byte boundary of the shared window inside the buffer (the
