@@ -146,6 +146,20 @@ void operand_layouts(std::mt19937_64& rng, Run&& run) {
         const double u = rel(d, product(read_unswizzled(o, a_mn, b_mn)));
         std::printf("[ wgmma    ]   against the product of the operands read unswizzled: %.3e%s\n", u,
                     u <= 1e-5 ? " (match: the hardware did not apply the 128-byte swizzle as written)" : "");
+        // Which of the four k16 slices (the four wgmmas, descriptor starts advanced by 32 bytes
+        // K-major / 2048 MN-major) is read wrong: the operands with every other slice zeroed.
+        for (int kk = 0; kk < kK / 16; ++kk) {
+          Operands z = o;
+          for (int m = 0; m < kM; ++m)
+            for (int k = 0; k < kK; ++k)
+              if (k / 16 != kk) z.a[m * kK + k] = 0;
+          for (int k = 0; k < kK; ++k)
+            if (k / 16 != kk)
+              for (int n = 0; n < kN; ++n) z.b[k * kN + n] = 0;
+          const double ez = rel_of(run, kernel_config(a_mn, b_mn), z, product(z));
+          std::printf("[ wgmma    ]   k16 slice %d alone (descriptor starts A +%d, B +%d bytes): %.3e%s\n", kk,
+                      kk * (a_mn ? 2048 : 32), kk * (b_mn ? 2048 : 32), ez, ez <= 1e-5 ? " ok" : " WRONG");
+        }
       }
     }
 }
