@@ -353,13 +353,16 @@ TEST_F(CudaGroupedTc, Throughput) {
   // rows_out shapes) in bf16, as the bf16 backend passes them (staged by cp.async); 3: also the
   // activations x in bf16 (model.moe_bf16): the forward reads both operands by cp.async, the weight
   // gradient its x.
-  const bool prev = k::grouped_gemm_tc_mma();
+  const bool prev = k::grouped_gemm_tc_mma(), prev_wg = k::grouped_gemm_tc_wgmma();
   for (const Op& o : ops)
-    for (int run = 0; run < 7; ++run) {
-      // runs 4..6: tc 1..3 with the WMMA tile product (grouped_gemm_tc_set_mma(false)), to compare.
-      const bool wmma = run > 3;
-      const int tc = wmma ? run - 3 : run;
+    for (int run = 0; run < 10; ++run) {
+      // runs 4..6: tc 1..3 with the WMMA tile product (grouped_gemm_tc_set_mma(false)), to compare;
+      // runs 7..9: with the wgmma kernels (where gt::wgmma_tests_on()), the same operand mixes.
+      const bool wmma = run > 3 && run < 7, wgmma = run > 6;
+      const int tc = wgmma ? run - 6 : wmma ? run - 3 : run;
+      if (wgmma && !gt::wgmma_tests_on()) continue;
       k::grouped_gemm_tc_set_mma(!wmma);
+      k::grouped_gemm_tc_set_wgmma(wgmma);
       if (tc == 2 && !o.rows_out) continue;
       if (tc == 3 && o.name[0] == 'd') continue;  // the data gradient reads no x
       auto launch = [&] {
@@ -389,8 +392,8 @@ TEST_F(CudaGroupedTc, Throughput) {
       float ms = 0;
       cudaEventElapsedTime(&ms, t0, t1);
       const char* kind = tc == 3 ? "bf16 (x+W bf16)" : tc == 2 ? "bf16 (W bf16)" : tc ? "bf16" : "fp32";
-      std::printf("[ thruput  ] %s %-15s %-4s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, kind,
-                  wmma ? "wmma" : tc ? "mma" : "", E, total, d, f, ms / reps,
+      std::printf("[ thruput  ] %s %-15s %-5s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, kind,
+                  wgmma ? "wgmma" : wmma ? "wmma" : tc ? "mma" : "", E, total, d, f, ms / reps,
                   flops * reps / (ms * 1e-3) / 1e12);
     }
   k::grouped_gemm_tc_set_mma(prev);
@@ -404,7 +407,6 @@ TEST_F(CudaGroupedTc, Throughput) {
   }
   DeviceBuffer<uint16_t> Y16(y16.size());
   Y16.upload(y16);
-  const bool prev_wg = k::grouped_gemm_tc_wgmma();
   for (const Op& o : ops)
     for (bool wgmma : {false, true}) {
       if (wgmma && !gt::wgmma_tests_on()) continue;
