@@ -133,14 +133,22 @@ log "grouped GEMM wgmma: $([ $WG_OK = 1 ] && echo "tests passed, MoE benches wit
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
   log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
-  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaWgmma.*:CudaAttnBf16.*-*Throughput*:*LargeShapesWmma*:*WgmmaLargeShapes*'
-  # The wgmma tests in it only where they passed in 2b (LADDER_TEST_WGMMA=0 leaves them out).
-  LADDER_TEST_WGMMA=$WG_OK timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
+  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaAttnBf16.*-*Throughput*:*LargeShapesWmma*'
+  # Without the wgmma tests (LADDER_TEST_WGMMA=0: the 120 s were sized without them); they get a
+  # memcheck of their own below where they passed in 2b.
+  LADDER_TEST_WGMMA=0 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
     >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
   LADDER_TEST_WGMMA=0 timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
     --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaGroupedTc.BothShapes' >>"$OUT/sanitizer.log" 2>&1
   SAN_RC="$SAN_RC/$?"
+  # The wgmma kernels: both staging paths (BothShapes' third tile product: registers; WgmmaBothShapes:
+  # cp.async) and the self-test.
+  if [ $WG_OK = 1 ]; then
+    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
+      --gtest_filter='CudaWgmma.*:CudaGroupedTc.BothShapes:CudaGroupedTc.WgmmaBothShapes' >>"$OUT/sanitizer.log" 2>&1
+    SAN_RC="$SAN_RC/wgmma $?"
+  fi
   tail -n 3 "$OUT/sanitizer.log"
 fi
 
