@@ -16,10 +16,11 @@
 // In the thread mode, ThreadSanitizer sees the barriers (a mutex for the arrivals, a futex sleep) and so
 // reports shared-memory races between them the way racecheck would. WMMA fragments hold the whole
 // 16x16 tile and the collective operations are done by lane 0 of the warp (other lanes' fragments
-// are unused); mma.sync and ldmatrix (mma_ptx.cuh) follow the PTX ISA's per-lane layouts; cp.async
-// copies land when waited for.
-// What it cannot show: whether the hardware's layouts are the documented ones (CudaMmaPtx checks
-// that on a GPU), the device memory model, timing, warp scheduling, or device numerics of MMA and
+// are unused); mma.sync and ldmatrix (mma_ptx.cuh) follow the PTX ISA's per-lane layouts; wgmma
+// (wgmma_ptx.cuh) is computed by each thread at issue from the shared-memory descriptors, its
+// asynchrony checked at wgmma.wait_group (emu::ptx_wgmma); cp.async copies land when waited for.
+// What it cannot show: whether the hardware's layouts are the documented ones (CudaMmaPtx and
+// CudaWgmma check that on a GPU), the device memory model, timing, warp scheduling, or device numerics of MMA and
 // of the SFU intrinsics (__expf maps to std::exp).
 #pragma once
 #include <algorithm>
