@@ -20,7 +20,7 @@ files=("$@")
 command -v nvcc >/dev/null || { echo "ptxas-regs.sh: nvcc not found (CUDA toolkit not installed)" >&2; exit 1; }
 obj=$(mktemp /tmp/ptxas-regs.XXXXXX.o)
 trap 'rm -f "$obj"' EXIT
-printf '%-72s %5s %7s %7s %7s\n' "kernel (sm_$arch)" regs "spill-st" "spill-ld" "st-smem"
+printf '%-72s %5s %7s %7s %7s\n' "kernel (sm_$arch; *wgmma*.cu: sm_90a)" regs "spill-st" "spill-ld" "st-smem"
 for f in "${files[@]}"; do
   [ -f "$f" ] || { echo "ptxas-regs.sh: $f: no such file" >&2; exit 1; }
   a=$arch
