@@ -2,7 +2,8 @@
 # The GPU session's one script (an H200 with 16 cores; docs/cuda.md): builds for sm_90, runs the
 # GPU tests, runs the micro-benchmark and the model benchmarks (dense and MoE presets at d=1024 and
 # d=2048, configs/gpu/), writes logs under $OUT and prints a short table last.
-# Budget: under 8 minutes (each step has its own timeout).
+# Budget: under 8 minutes (each step has its own timeout). At most 8 files under $OUT come back:
+# env, build, tests, wgmma, sanitizer, bench, models and profile logs.
 #
 # Build: on the GPU machine (-DCMAKE_CUDA_ARCHITECTURES=90, -j16) when its image has this
 # project's CPU dependencies; otherwise the prebuilt gpu-bundle/ from scripts/gpu-prepare.sh
@@ -16,7 +17,9 @@
 #                          norm_bf16 = false); the d=1024 pair with MuonH (optim.name=muonh); the d=2048
 #                          MoE with bf16 saved activations; then, while under 7 minutes, the d=1024 MoE
 #                          with the WMMA grouped GEMM (LADDER_GROUPED_MMA=0) and the d=1024 dense with
-#                          the WMMA attention (LADDER_ATTN_MMA=0)); key=value pairs go to `ladder bench --set`,
+#                          the WMMA attention (LADDER_ATTN_MMA=0); where the wgmma grouped GEMM passed its
+#                          tests, the two MoE presets with LADDER_GROUPED_WGMMA=1 after the first four);
+#                          key=value pairs go to `ladder bench --set`,
 #                          LADDER_*=value to the environment. The attention's default is the mma.sync
 #                          kernels; where they did not pass their tests in this run, every model bench
 #                          runs with LADDER_ATTN_MMA=0 (WMMA) instead
@@ -76,7 +79,9 @@ fi
 
 # ---- 2. GPU tests -------------------------------------------------------------------------------
 log "GPU tests (log: tests.log)"
-timeout 300 "$BIN/ladder_cuda_tests" --gtest_color=no >"$OUT/tests.log" 2>&1
+# The wgmma grouped GEMM's tests run apart (step 2b): a wgmma kernel that faults ends the CUDA
+# context of its process, which must not be this one (LADDER_TEST_WGMMA=0 leaves them out here).
+LADDER_TEST_WGMMA=0 timeout 300 "$BIN/ladder_cuda_tests" --gtest_color=no >"$OUT/tests.log" 2>&1
 TEST_RC=$?
 grep -E "^\[  (FAILED|PASSED)  \]" "$OUT/tests.log" | sort -u | head -n 20
 echo "skipped: $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log")"
@@ -102,18 +107,48 @@ if ! grep -q '^\[       OK \] CudaGroupedTc.BothShapes' "$OUT/tests.log" ||
   export LADDER_GROUPED_MMA=0
 fi
 log "grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "tests passed" || echo "tests not passed: model benches on WMMA (LADDER_GROUPED_MMA=0)")"
+# ---- 2b. the wgmma grouped GEMM (sm_90a, off by default: LADDER_GROUPED_WGMMA=1), in its own
+# process (log: wgmma.log): its layout self-test first (CudaWgmma.*: accumulator layout, operand
+# layouts, MN-major strides, the planted swizzle bug: the '[ wgmma    ]' lines say which fact failed),
+# then the grouped GEMM tests with wgmma as a third tile product (CudaGroupedTc.*) and on its cp.async
+# path (CudaGroupedTc.Wgmma*), and the throughput rows (mma vs wgmma). Benchmarked in the model only
+# where all of it passed: then the MoE presets run once more with it, beside the mma.sync rows.
+log "wgmma grouped GEMM tests (log: wgmma.log)"
+# Two processes, the self-test on a fresh context first: its diagnosis must not depend on what a
+# faulting grouped GEMM left behind.
+timeout 60 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='CudaWgmma.*' >"$OUT/wgmma.log" 2>&1
+WG_RC=$?
+timeout 150 "$BIN/ladder_cuda_tests" --gtest_color=no \
+  --gtest_filter='CudaGroupedTc.*-CudaGroupedTc.LargeShapes:CudaGroupedTc.LargeShapesWmma' >>"$OUT/wgmma.log" 2>&1
+WG_RC="$WG_RC/$?"
+WG_OK=0
+if [ "$WG_RC" = 0/0 ] && [ "$(grep -c '^\[       OK \] CudaWgmma\.' "$OUT/wgmma.log")" -ge 4 ] &&
+   [ "$(grep -c '^\[       OK \] CudaGroupedTc\.Wgmma' "$OUT/wgmma.log")" -ge 3 ] &&
+   ! grep -q '^\[  FAILED  \]' "$OUT/wgmma.log"; then
+  WG_OK=1
+fi
+log "grouped GEMM wgmma: $([ $WG_OK = 1 ] && echo "tests passed, MoE benches with LADDER_GROUPED_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
 
 # ---- 3. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
   log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
   f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaAttnBf16.*-*Throughput*:*LargeShapesWmma*'
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
+  # Without the wgmma tests (LADDER_TEST_WGMMA=0: the 120 s were sized without them); they get a
+  # memcheck of their own below where they passed in 2b.
+  LADDER_TEST_WGMMA=0 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
     >"$OUT/sanitizer.log" 2>&1
   SAN_RC=$?
-  timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
+  LADDER_TEST_WGMMA=0 timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
     --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaGroupedTc.BothShapes' >>"$OUT/sanitizer.log" 2>&1
   SAN_RC="$SAN_RC/$?"
+  # The wgmma kernels: both staging paths (BothShapes' third tile product: registers; WgmmaBothShapes:
+  # cp.async) and the self-test.
+  if [ $WG_OK = 1 ]; then
+    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
+      --gtest_filter='CudaWgmma.*:CudaGroupedTc.BothShapes:CudaGroupedTc.WgmmaBothShapes' >>"$OUT/sanitizer.log" 2>&1
+    SAN_RC="$SAN_RC/wgmma $?"
+  fi
   tail -n 3 "$OUT/sanitizer.log"
 fi
 
@@ -125,7 +160,11 @@ BENCH_RC=$?
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
 # precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
 log "model benchmarks (log: models.log)"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 dense-d1024:bf16:model.mlp_bf16=false,model.attn_bf16=false,model.norm_bf16=false moe-d1024:bf16:model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false dense-d2048:bf16:model.mlp_bf16=false,model.attn_bf16=false,model.norm_bf16=false dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
+WG_ROWS=""
+[ $WG_OK = 1 ] && WG_ROWS="moe-d1024:bf16:LADDER_GROUPED_WGMMA=1 moe-d2048:bf16:LADDER_GROUPED_WGMMA=1 "
+F32D=model.mlp_bf16=false,model.attn_bf16=false,model.norm_bf16=false
+F32M=model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${WG_ROWS}dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
@@ -141,6 +180,10 @@ for mp in $MODELS; do
   fi
   if [[ " ${envs[*]} " == *" LADDER_GROUPED_MMA=0 "* ]] && [ $GG_OK != 1 ]; then
     log "skipping $mp: every bench runs the WMMA grouped GEMM already"
+    continue
+  fi
+  if [[ " ${envs[*]} " == *" LADDER_GROUPED_WGMMA=1 "* ]] && [ $WG_OK != 1 ]; then
+    log "skipping $mp: the wgmma grouped GEMM did not pass its tests here"
     continue
   fi
   [ $(($(date +%s) - T0)) -lt 420 ] || { log "skipping $mp: over 7 minutes"; continue; }
@@ -196,8 +239,12 @@ echo "largest relative error per op (vs the CPU kernels):"
 grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
   op = $5; for (i = 6; i <= NF && $i !~ /^[0-9.]+e[-+][0-9]+$/; ++i) if ($i !~ /=|[0-9]x[0-9]/) op = op " " $i;
   v = $i + 0; if (!(op in mx) || v > mx[op]) mx[op] = v } END { for (o in mx) printf "  %-26s %.2e\n", o, mx[o] }' | sort
+echo "grouped GEMM wgmma (sm_90a): exit $WG_RC, $([ $WG_OK = 1 ] && echo "CudaWgmma + CudaGroupedTc with wgmma passed" || echo "not passed or skipped: see wgmma.log ('[ wgmma    ]' lines name the layout fact at fault)")"
+grep -E '^\[  (FAILED|SKIPPED) \] Cuda|^\[ wgmma    \]' "$OUT/wgmma.log" | sort -u | head -n 16 | sed 's/^/  /'
+grep '^\[ rel err  \] wgmma' "$OUT/wgmma.log" | sed 's/^\[ rel err  \] /  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
+grep '^\[ thruput  \].*wgmma' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'
 echo "benchmark: exit $BENCH_RC"
 sed -n '/^| what/,$p' "$OUT/bench.log"
 [ "$BENCH_RC" = 0 ] || tail -n 5 "$OUT/bench.log"

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -34,20 +35,47 @@
 
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/grouped_gemm_wgmma.cuh"
 
 namespace ladder::grouped_tc {
 
-// f() once with each tile product of grouped_gemm_tc.cu selected (mma.sync, then WMMA), in a
-// SCOPED_TRACE that names it; the previous selection is restored.
+// Whether the tests run the wgmma kernels (grouped_gemm_wgmma.cu): where the device runs them
+// (grouped_gemm_wgmma_available: sm_90a code on an sm_90 device, or the host emulation), unless
+// LADDER_TEST_WGMMA=0. scripts/gpu-check.sh sets that for its main test run and runs the wgmma tests
+// in a process of their own, so that a wgmma kernel faulting on a device (which ends the CUDA
+// context) cannot take every other test down with it.
+inline bool wgmma_tests_on() {
+  const char* e = std::getenv("LADDER_TEST_WGMMA");
+  return cuda::k::grouped_gemm_wgmma_available() && !(e && std::strcmp(e, "0") == 0);
+}
+
+// f() once with each tile product selected: grouped_gemm_tc.cu's mma.sync, then its WMMA, then,
+// where wgmma_tests_on(), grouped_gemm_wgmma.cu's wgmma; in a SCOPED_TRACE that names it. The
+// previous selections are restored.
 template <class F>
-void for_both_tile_products(F&& f) {
-  const bool prev = cuda::k::grouped_gemm_tc_mma();
-  for (bool mma : {true, false}) {
-    SCOPED_TRACE(mma ? "mma.sync" : "wmma");
-    cuda::k::grouped_gemm_tc_set_mma(mma);
+void for_each_tile_product(F&& f) {
+  const bool prev = cuda::k::grouped_gemm_tc_mma(), prev_wg = cuda::k::grouped_gemm_tc_wgmma();
+  for (const char* impl : {"mma.sync", "wmma", "wgmma"}) {
+    const bool wgmma = impl[1] == 'g';
+    if (wgmma && !wgmma_tests_on()) continue;
+    SCOPED_TRACE(impl);
+    cuda::k::grouped_gemm_tc_set_mma(impl[0] == 'm');
+    cuda::k::grouped_gemm_tc_set_wgmma(wgmma);
     f();
   }
   cuda::k::grouped_gemm_tc_set_mma(prev);
+  cuda::k::grouped_gemm_tc_set_wgmma(prev_wg);
+}
+
+// f() with the wgmma implementation selected (grouped_gemm_tc_set_wgmma(true); the previous
+// selection restored), in a SCOPED_TRACE.
+template <class F>
+void with_wgmma(F&& f) {
+  const bool prev = cuda::k::grouped_gemm_tc_wgmma();
+  SCOPED_TRACE("wgmma");
+  cuda::k::grouped_gemm_tc_set_wgmma(true);
+  f();
+  cuda::k::grouped_gemm_tc_set_wgmma(prev);
 }
 
 constexpr double kTcInputs = 1e-2;
@@ -255,6 +283,34 @@ inline std::vector<Case> cases(bool quick) {
     v.push_back({false, false, 2, 200, 260, 0, 0, 1.f, 0.5f, 100});
   }
   return v;
+}
+
+// A case's operands as the tensor-core kernels stage by cp.async: their bf16 rounding (so the
+// references above hold unchanged), each row block repacked with ld rounded up to a multiple of 8
+// elements and B's expert stride too, from the start of a fresh (16-byte aligned) buffer. (The
+// cases' own operands are fp32, mostly misaligned: the register path.)
+struct Bf16Operands {
+  std::vector<uint16_t> A, B;
+  int lda = 0, ldb = 0;
+  size_t sB = 0;
+};
+inline Bf16Operands wgmma_operands(const Case& c, const Problem& p) {
+  auto pack = [](const float* src, int blocks, int rows, int ld, size_t stride, int& ld8, size_t& stride8) {
+    ld8 = (ld + 7) / 8 * 8;
+    stride8 = (size_t(rows) * ld8 + 7) / 8 * 8;
+    std::vector<uint16_t> v(stride8 * size_t(std::max(blocks, 1)) + 8, 0);
+    for (int e = 0; e < blocks; ++e)
+      for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < ld; ++j) v[e * stride8 + size_t(r) * ld8 + j] = cpu::bf16_bits(src[e * stride + size_t(r) * ld + j]);
+    return v;
+  };
+  const int s = p.shift, total = p.off[c.E];
+  Bf16Operands o;
+  size_t unused = 0;
+  o.A = pack(p.A.data() + s, 1, total, p.lda, 0, o.lda, unused);
+  if (c.rows_out) o.B = pack(p.B.data() + s, c.E, c.transB ? c.N : c.K, p.ldb, p.sB, o.ldb, o.sB);
+  else o.B = pack(p.B.data() + s, 1, total, p.ldb, 0, o.ldb, unused);
+  return o;
 }
 
 // A bf16-output run (c_bf16) against the fp32-output run `ref` of the same case (beta 0): every

@@ -4,8 +4,10 @@
 // GPU). Both shapes, both transB, alpha/beta, beta 0 on a poisoned C, empty experts, skewed loads,
 // odd sizes, misaligned pointers, C outside the output untouched, two runs bitwise identical; plus a
 // throughput print (no assertion) at an MoE-like size against the fp32 kernel of moe_ops.cu. The
-// correctness tests run for both implementations of the tile product (grouped_gemm_tc_set_mma:
-// mma.sync with ldmatrix, the default, and WMMA); the throughput prints both.
+// correctness tests run for each implementation of the tile product (mma.sync with ldmatrix, the
+// default; WMMA; and, on an sm_90 device, the wgmma kernels of grouped_gemm_wgmma.cu: grouped_tc_cases.h's
+// for_each_tile_product), plus CudaGroupedTc.Wgmma* on the wgmma kernels' cp.async path (bf16
+// operands) and at MoE sizes; the throughput prints them side by side.
 // Without a GPU each test calls GTEST_SKIP() with "no CUDA device: GPU test skipped (<reason>)".
 #include <gtest/gtest.h>
 
@@ -24,6 +26,7 @@
 #include "backend/cuda/device_memory.h"
 #include "cuda_fixture.h"
 #include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/grouped_gemm_wgmma.cuh"
 #include "backend/cuda/moe_ops.cuh"
 #include "grouped_tc_cases.h"
 
@@ -55,10 +58,11 @@ class CudaGroupedTc : public test::CudaFixture {
     C.resize(p.C.size());
   }
 
-  // f() with each tile product selected in turn (grouped_tc_cases.h).
+  // f() with each tile product selected in turn (mma.sync, WMMA, wgmma where available:
+  // grouped_tc_cases.h).
   template <class F>
-  static void for_both(F&& f) {
-    gt::for_both_tile_products(f);
+  static void for_each(F&& f) {
+    gt::for_each_tile_product(f);
   }
 
   // Larger MoE-like problems (many row tiles, reductions over hundreds of steps), both shapes, with
@@ -78,11 +82,35 @@ class CudaGroupedTc : public test::CudaFixture {
     k::grouped_gemm_tc_set_mma(prev);
   }
 
+  // The case through grouped_gemm_tc_ex with its operands as the wgmma kernels take them
+  // (grouped_tc_cases.h's wgmma_operands: bf16, aligned for cp.async) and wgmma selected; C fp32, or
+  // bf16 bits (c16).
+  template <class T>
+  static void run_wgmma(const gt::Case& c, const gt::Problem& p, std::vector<T>& C, bool c16, int sms) {
+    const gt::Bf16Operands o = gt::wgmma_operands(c, p);
+    auto d_off = up(p.off);
+    auto d_A = up(o.A), d_B = up(o.B);
+    auto d_C = up(C);
+    DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(c.E));
+    const int s = p.shift;
+    ASSERT_EQ(k::grouped_gemm_tc_ex(c.rows_out, c.transB, c.E, d_off.data(), c.M, c.N, c.K, c.alpha, d_A.data(), true,
+                                    o.lda, d_B.data(), true, o.ldb, o.sB, c.beta, d_C.data() + s, c16, p.ldc, p.sC,
+                                    scratch.data(), sms, nullptr),
+              cudaSuccess);
+    cuda::device_synchronize();
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    C = d_C.download();
+    C.resize(p.C.size());
+  }
+  // Skips where the wgmma kernels cannot run (no sm_90 device or no sm_90a code in the build) or
+  // LADDER_TEST_WGMMA=0 (grouped_tc_cases.h's wgmma_tests_on).
+  static bool wgmma_skip() { return !gt::wgmma_tests_on(); }
+
   static inline int sms_ = 0;
 };
 
 TEST_F(CudaGroupedTc, BothShapes) {
-  for_both([&] {
+  for_each([&] {
     for (const auto& c : gt::cases(false))
       gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
   });
@@ -93,7 +121,7 @@ TEST_F(CudaGroupedTc, LargeShapesWmma) { large_shapes(false); }
 
 // The rows_out grid only sets which block takes which tile: different grids give the same bits.
 TEST_F(CudaGroupedTc, GridIndependent) {
-  for_both([&] {
+  for_each([&] {
     const gt::Case c{true, false, 9, 0, 300, 200, 1, 1.f, 0.5f, 200, 1};
     const gt::Problem p = gt::make_problem(c, rng_);
     std::vector<float> a = p.C, b = p.C, d = p.C;
@@ -111,7 +139,7 @@ TEST_F(CudaGroupedTc, GridIndependent) {
 // emulated twin: CudaEmuGroupedTc.Bf16OutputIsTheFp32OutputRounded). With beta != 0 a bf16 C is
 // refused (cudaErrorInvalidValue), nothing launched.
 TEST_F(CudaGroupedTc, Bf16OutputIsTheFp32OutputRounded) {
-  for_both([&] {
+  for_each([&] {
     int ran = 0;
     for (const auto& c : gt::cases(false)) {
       if (c.beta != 0.f) continue;
@@ -155,7 +183,7 @@ TEST_F(CudaGroupedTc, Bf16OutputIsTheFp32OutputRounded) {
 }
 
 TEST_F(CudaGroupedTc, AllExpertsEmpty) {
-  for_both([&] {
+  for_each([&] {
     const int E = 5, M = 20, N = 30;
     const std::vector<int32_t> off(E + 1, 0);
     auto d_off = up(off);
@@ -179,6 +207,62 @@ TEST_F(CudaGroupedTc, AllExpertsEmpty) {
                                  d_R.data(), N, 0, scratch.data(), sms_, nullptr),
               cudaSuccess);
     EXPECT_EQ(d_R.download(), std::vector<float>(C.begin(), C.begin() + 7));
+  });
+}
+
+// The wgmma implementation (grouped_gemm_wgmma.cu, selected by grouped_gemm_tc_set_wgmma), beyond
+// the tests above (which run it on the cases' own operands: fp32, through registers): every case
+// with its operands in bf16 aligned for cp.async (grouped_tc_cases.h's wgmma_operands), against the
+// same references and bounds; MoE-sized shapes; a bf16 C (the rounding of the fp32 output, bitwise)
+// and grid independence. Read after CudaWgmma.* (the layout facts); skipped where no sm_90a code
+// can run.
+TEST_F(CudaGroupedTc, WgmmaBothShapes) {
+  if (wgmma_skip()) GTEST_SKIP() << "wgmma kernels not run here (no sm_90a code for this device, or LADDER_TEST_WGMMA=0)";
+  gt::with_wgmma([&] {
+    for (const auto& c : gt::cases(false))
+      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run_wgmma(c, p, C, false, sms_); });
+  });
+}
+
+// MoE sizes on the wgmma kernels, both staging paths: fp32 operands (registers) and bf16 ones
+// aligned for cp.async.
+TEST_F(CudaGroupedTc, WgmmaLargeShapes) {
+  if (wgmma_skip()) GTEST_SKIP() << "wgmma kernels not run here (no sm_90a code for this device, or LADDER_TEST_WGMMA=0)";
+  const gt::Case cases[] = {
+      {true, true, 16, 0, 1000, 777, 0, 1.f, 0.f, 600},
+      {true, false, 16, 0, 512, 1024, 1, 1.f, 1.f, 600, 1},
+      {false, false, 16, 768, 520, 0, 0, 1.f, 1.f, 600},
+      {false, false, 4, 300, 260, 0, 0, 1.f, 0.f, 2000, 0, true},
+  };
+  gt::with_wgmma([&] {
+    for (const auto& c : cases) {
+      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run(c, p, C, sms_); });
+      gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { run_wgmma(c, p, C, false, sms_); });
+    }
+  });
+}
+
+TEST_F(CudaGroupedTc, WgmmaBf16OutputAndGrid) {
+  if (wgmma_skip()) GTEST_SKIP() << "wgmma kernels not run here (no sm_90a code for this device, or LADDER_TEST_WGMMA=0)";
+  gt::with_wgmma([&] {
+    int ran = 0;
+    for (const auto& c : gt::cases(false)) {
+      if (c.beta != 0.f) continue;
+      SCOPED_TRACE(c.name());
+      const gt::Problem p = gt::make_problem(c, rng_);
+      std::vector<float> ref(p.C.size()), other(p.C.size());
+      std::memset(ref.data(), 0xFF, ref.size() * sizeof(float));
+      std::memset(other.data(), 0xFF, other.size() * sizeof(float));
+      run_wgmma(c, p, ref, false, sms_);
+      run_wgmma(c, p, other, false, 3);
+      if (HasFatalFailure()) return;
+      EXPECT_EQ(std::memcmp(ref.data(), other.data(), ref.size() * sizeof(float)), 0) << "grid-dependent bits";
+      std::vector<uint16_t> got(p.C.size(), 0xFFFF);
+      run_wgmma(c, p, got, true, sms_);
+      if (HasFatalFailure()) return;
+      ran += gt::check_bf16_output(c, p, got, ref);
+    }
+    EXPECT_GE(ran, 4);
   });
 }
 
@@ -269,13 +353,16 @@ TEST_F(CudaGroupedTc, Throughput) {
   // rows_out shapes) in bf16, as the bf16 backend passes them (staged by cp.async); 3: also the
   // activations x in bf16 (model.moe_bf16): the forward reads both operands by cp.async, the weight
   // gradient its x.
-  const bool prev = k::grouped_gemm_tc_mma();
+  const bool prev = k::grouped_gemm_tc_mma(), prev_wg = k::grouped_gemm_tc_wgmma();
   for (const Op& o : ops)
-    for (int run = 0; run < 7; ++run) {
-      // runs 4..6: tc 1..3 with the WMMA tile product (grouped_gemm_tc_set_mma(false)), to compare.
-      const bool wmma = run > 3;
-      const int tc = wmma ? run - 3 : run;
+    for (int run = 0; run < 10; ++run) {
+      // runs 4..6: tc 1..3 with the WMMA tile product (grouped_gemm_tc_set_mma(false)), to compare;
+      // runs 7..9: with the wgmma kernels (where gt::wgmma_tests_on()), the same operand mixes.
+      const bool wmma = run > 3 && run < 7, wgmma = run > 6;
+      const int tc = wgmma ? run - 6 : wmma ? run - 3 : run;
+      if (wgmma && !gt::wgmma_tests_on()) continue;
       k::grouped_gemm_tc_set_mma(!wmma);
+      k::grouped_gemm_tc_set_wgmma(wgmma);
       if (tc == 2 && !o.rows_out) continue;
       if (tc == 3 && o.name[0] == 'd') continue;  // the data gradient reads no x
       auto launch = [&] {
@@ -305,11 +392,44 @@ TEST_F(CudaGroupedTc, Throughput) {
       float ms = 0;
       cudaEventElapsedTime(&ms, t0, t1);
       const char* kind = tc == 3 ? "bf16 (x+W bf16)" : tc == 2 ? "bf16 (W bf16)" : tc ? "bf16" : "fp32";
-      std::printf("[ thruput  ] %s %-15s %-4s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, kind,
-                  wmma ? "wmma" : tc ? "mma" : "", E, total, d, f, ms / reps,
+      std::printf("[ thruput  ] %s %-15s %-5s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, kind,
+                  wgmma ? "wgmma" : wmma ? "wmma" : tc ? "mma" : "", E, total, d, f, ms / reps,
                   flops * reps / (ms * 1e-3) / 1e12);
     }
   k::grouped_gemm_tc_set_mma(prev);
+  // Both operands bf16 (the wgmma kernels' calls): y = x W^T, dx = dy W, dW = dy^T x with x, dy and
+  // W in bf16, the mma.sync kernels vs the wgmma ones (where an sm_90a device runs them).
+  std::vector<uint16_t> y16(size_t(total) * f);
+  {
+    std::vector<float> y(size_t(total) * f);
+    for (auto& v : y) v = u(rng_);
+    for (size_t i = 0; i < y.size(); ++i) y16[i] = cpu::bf16_bits(y[i]);
+  }
+  DeviceBuffer<uint16_t> Y16(y16.size());
+  Y16.upload(y16);
+  for (const Op& o : ops)
+    for (bool wgmma : {false, true}) {
+      if (wgmma && !gt::wgmma_tests_on()) continue;
+      k::grouped_gemm_tc_set_wgmma(wgmma);
+      const void* A = o.name[0] == 'f' ? static_cast<const void*>(X16.data()) : Y16.data();
+      const void* B = o.rows_out ? static_cast<const void*>(W16.data()) : X16.data();
+      auto launch = [&] {
+        return k::grouped_gemm_tc_ex(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, A, true, o.lda, B, true,
+                                     o.ldb, o.sB, 0.f, o.C, false, o.ldc, o.sC, scratch.data(), sms_, nullptr);
+      };
+      ASSERT_EQ(launch(), cudaSuccess);  // warm-up
+      const int reps = 10;
+      cudaEventRecord(t0, nullptr);
+      for (int r = 0; r < reps; ++r) ASSERT_EQ(launch(), cudaSuccess);
+      cudaEventRecord(t1, nullptr);
+      cuda::device_synchronize();
+      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, t0, t1);
+      std::printf("[ thruput  ] %s %-15s %-5s E=%d rows=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n", o.name, "bf16 (all bf16)",
+                  wgmma ? "wgmma" : "mma", E, total, d, f, ms / reps, flops * reps / (ms * 1e-3) / 1e12);
+    }
+  k::grouped_gemm_tc_set_wgmma(prev_wg);
   cudaEventDestroy(t0);
   cudaEventDestroy(t1);
 }

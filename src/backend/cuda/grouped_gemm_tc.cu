@@ -8,6 +8,9 @@
 // (the register-resident attention built on them ran 1.3-1.7x its WMMA version on an H200). The
 // previous WMMA implementation (nvcuda::wmma 16x16x16, no layout assumed) stays selectable for a
 // same-run comparison: grouped_gemm_tc_set_mma(false) or LADDER_GROUPED_MMA=0 (MmaCore / WmmaCore).
+// On Hopper a third implementation, on wgmma (grouped_gemm_wgmma.cu, sm_90a only), takes every call
+// instead when selected (grouped_gemm_tc_set_wgmma(true) or LADDER_GROUPED_WGMMA=1; off by default)
+// and the device runs it; the tile ids, epilogue and staging rules are shared (grouped_gemm_common.cuh).
 //
 // Tile product. A block of 256 threads (8 warps) computes a 128 x 128 fp32 output tile
 //      C_tile[x_a, x_b] = alpha * sum_t opA(x_a, t) opB(t, x_b) + beta * C_tile
@@ -68,6 +71,8 @@
 #include <type_traits>
 
 #include "backend/cuda/grouped_gemm_tc.cuh"
+#include "backend/cuda/grouped_gemm_common.cuh"
+#include "backend/cuda/grouped_gemm_wgmma.cuh"
 #include "backend/cuda/device_common.cuh"
 #include "backend/cuda/moe_ops.cuh"
 #include "backend/cuda/mma_ptx.cuh"
@@ -78,9 +83,15 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 namespace wmma = nvcuda::wmma;
+using gg::advance;
+using gg::async_ok;
+using gg::aligned4;
+using gg::kBX;
+using gg::Operand;
+using gg::Out;
+using gg::write_strip;
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kBX = 128;          // tile extent in both output dimensions (rows and columns)
 constexpr int kBK = 32;           // reduction step
 constexpr int kWM = 64, kWN = 32;  // warp block: 2 x 4 warps cover 128 x 128
 constexpr int kFM = kWM / 16, kFN = kWN / 16;
@@ -110,55 +121,6 @@ static_assert(kBX * kBK == 2 * 8 * kThreads, "or, with cp.async, 2 chunks of 8 b
 
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-// An operand: element (x, t) at p[x * ld + t] (t-contiguous) or p[t * ld + x]; x < xlim valid;
-// p is const float* or, when b16, const bf16*. `vec`: p is aligned to 4 elements (16 bytes fp32,
-// 8 bytes bf16) and ld % 4 == 0, so every group of 4 starting at a multiple of 4 is.
-struct Operand {
-  const void* p;
-  size_t ld;
-  int xlim;
-  bool vec;
-  bool b16;
-};
-
-// The output: fp32, or bf16 (c16: rounded to nearest even; beta is 0 then, C never read).
-struct Out {
-  void* p;
-  bool c16;
-};
-
-// p advanced by n elements of the operand's type.
-__device__ __forceinline__ const void* advance(const void* p, bool b16, size_t n) {
-  return static_cast<const char*>(p) + n * (b16 ? sizeof(bf16) : sizeof(float));
-}
-
-// The first `nv` (0..4) of 4 consecutive elements from element `off` of op into v (the rest stay 0);
-// one vector load when all 4 are valid and op.vec.
-__device__ __forceinline__ void load4(float (&v)[4], const Operand& op, size_t off, int nv) {
-  if (op.b16) {
-    const bf16* p = static_cast<const bf16*>(op.p) + off;
-    if (op.vec && nv == 4) {
-      const Bf16x4 u = *reinterpret_cast<const Bf16x4*>(p);
-      v[0] = __bfloat162float(u.lo.x), v[1] = __bfloat162float(u.lo.y);
-      v[2] = __bfloat162float(u.hi.x), v[3] = __bfloat162float(u.hi.y);
-    } else {
-#pragma unroll  // static indices: v stays in registers
-      for (int i = 0; i < 4; ++i)
-        if (i < nv) v[i] = __bfloat162float(p[i]);
-    }
-  } else {
-    const float* p = static_cast<const float*>(op.p) + off;
-    if (op.vec && nv == 4) {
-      const float4 f = *reinterpret_cast<const float4*>(p);
-      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-    } else {
-#pragma unroll  // static indices: v stays in registers
-      for (int i = 0; i < 4; ++i)
-        if (i < nv) v[i] = p[i];
-    }
-  }
-}
-
 // Thread `tid`'s q-th group of 4: t-contiguous groups walk t fastest (a warp reads 4 rows x 128
 // bytes), x-contiguous ones x (a warp reads 512 contiguous bytes of one t).
 template <bool TC>
@@ -178,14 +140,7 @@ __device__ __forceinline__ void load_regs(float (&r)[4][4], const Operand& op, i
   for (int q = 0; q < 4; ++q) {
     int x, t;
     group_coords<TC>(threadIdx.x + q * kThreads, x, t);
-    const int tt = t0 + t;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (x < op.xlim && tt < tlim) {
-      if (TC) load4(v, op, size_t(x) * op.ld + tt, min(4, tlim - tt));
-      else load4(v, op, size_t(tt) * op.ld + x, min(4, op.xlim - x));
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r[q][i] = v[i];
+    gg::load_group4<TC>(r[q], op, x, t0 + t, tlim);
   }
 }
 
@@ -224,45 +179,16 @@ __device__ __forceinline__ void chunk_coords(int g, int& x, int& t) {
 // outside it as zeros, by plain stores.
 template <bool TC>
 __device__ __forceinline__ void copy_async(bf16* s, const Operand& op, int t0, int tlim) {
-  const bf16* p = static_cast<const bf16*>(op.p);
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     int x, t;
     chunk_coords<TC>(threadIdx.x + q * kThreads, x, t);
-    const int tt = t0 + t;
-    bf16* d = TC ? s + x * kLdT + t : s + t * kLdX + x;
-    const bf16* src = TC ? p + size_t(x) * op.ld + tt : p + size_t(tt) * op.ld + x;
-    const int nv = TC ? (x < op.xlim ? tlim - tt : 0) : (tt < tlim ? op.xlim - x : 0);
-    if (nv >= 8) {
-      __pipeline_memcpy_async(d, src, 16);
-    } else {  // the rare chunk at or past the edge: its valid elements (nv may be <= 0), zeros after
-      for (int i = 0; i < 8; ++i) d[i] = i < nv ? src[i] : __float2bfloat16_rn(0.f);
-    }
+    gg::copy_chunk8<TC>(TC ? s + x * kLdT + t : s + t * kLdX + x, op, x, t0 + t, tlim);
   }
 }
 
 __device__ __forceinline__ bf16* slot(unsigned char* smem, int stage, int operand) {
   return reinterpret_cast<bf16*>(smem + (size_t(stage) * 2 + operand) * kOperand);
-}
-
-// Epilogue: a warp's staged 16 x 32 strip (rows m0.., columns n0.. of the tile, [16][ld] fp32) to
-// C, lane = column, 128 contiguous bytes per row: C = alpha * acc (+ beta * C, read only when
-// beta != 0; c16: rounded to nearest even).
-__device__ __forceinline__ void write_strip(const float* stg, int ld, int m0, int n0, int lane, float alpha, float beta,
-                                            Out C, size_t ldc, int mlim, int nlim) {
-  const int n = n0 + lane;
-  if (n >= nlim) return;
-  for (int r = 0; r < 16; ++r) {
-    const int m = m0 + r;
-    if (m >= mlim) break;
-    const float v = alpha * stg[r * ld + lane];
-    if (C.c16) {
-      static_cast<bf16*>(C.p)[size_t(m) * ldc + n] = __float2bfloat16_rn(v);
-    } else {
-      float* c = static_cast<float*>(C.p) + size_t(m) * ldc + n;
-      *c = beta == 0.f ? v : v + beta * *c;  // beta 0: C is not read (it may hold NaN)
-    }
-  }
 }
 
 // The warp's share of the tile product, one implementation per struct: acc, zero(), step() (one
@@ -458,16 +384,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int tilesN = (N + kBX - 1) / kBX;
   const int64_t total = int64_t(tile_start[E]) * tilesN;
   for (int64_t id = blockIdx.x; id < total; id += gridDim.x) {
-    const int g = int(id / tilesN), nt = int(id % tilesN);
-    const int e = expert_of_row_tile(tile_start, E, g);
-    const int row0 = offsets[e] + (g - tile_start[e]) * kBX;
-    const int rows = min(offsets[e + 1] - row0, kBX);
-    const int n0 = nt * kBX;
-    const size_t b0 = size_t(e) * strideB + (TRANSB ? size_t(n0) * ldb : size_t(n0));
-    const Operand a{advance(A, a16, size_t(row0) * lda), size_t(lda), rows, vecA, a16};
-    const Operand b{advance(B, b16, b0), size_t(ldb), N - n0, vecB, b16};
-    const Out out{const_cast<void*>(advance(C, c16, size_t(row0) * ldc + n0)), c16};
-    tile_product<MMA, true, TRANSB, A_ASYNC, B_ASYNC>(smem, a, b, K, alpha, beta, out, size_t(ldc), rows, N - n0);
+    const gg::Tile t = gg::rows_tile(id, tilesN, offsets, tile_start, E, TRANSB, N, K, A, a16, lda, vecA, B, b16, ldb,
+                                     strideB, vecB, C, c16, ldc);
+    tile_product<MMA, true, TRANSB, A_ASYNC, B_ASYNC>(smem, t.a, t.b, t.tlim, alpha, beta, t.out, size_t(ldc), t.mlim,
+                                                      t.nlim);
   }
 }
 
@@ -477,25 +397,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
                     const void* B, bool b16, int ldb, bool vecB, float beta, void* C, bool c16, int ldc,
                     size_t strideC) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int tilesM = (M + kBX - 1) / kBX, tilesN = (N + kBX - 1) / kBX;
-  const int64_t per_e = int64_t(tilesM) * tilesN;
-  const int e = int(blockIdx.x / per_e);
-  const int64_t rem = blockIdx.x % per_e;
-  const int m0 = int(rem / tilesN) * kBX, n0 = int(rem % tilesN) * kBX;
-  const int r0 = offsets[e];
-  const int rows = max(0, offsets[e + 1] - r0);
-  if (rows == 0 && beta == 1.f) return;  // C_e = 1 * C_e: nothing to write (block-uniform exit)
-  const Operand a{advance(A, a16, size_t(r0) * lda + m0), size_t(lda), M - m0, vecA, a16};
-  const Operand b{advance(B, b16, size_t(r0) * ldb + n0), size_t(ldb), N - n0, vecB, b16};
-  const Out out{const_cast<void*>(advance(C, c16, size_t(e) * strideC + size_t(m0) * ldc + n0)), c16};
-  tile_product<MMA, false, false, A_ASYNC, B_ASYNC>(smem, a, b, rows, alpha, beta, out, size_t(ldc), M - m0, N - n0);
-}
-
-// Four elements' worth of alignment: 16 bytes for fp32, 8 for bf16.
-bool aligned4(const void* p, bool b16) { return (reinterpret_cast<uintptr_t>(p) & (b16 ? 7u : 15u)) == 0; }
-// cp.async staging: bf16, 16-byte aligned, and every row (and expert, `stride`) start too.
-bool async_ok(const void* p, bool b16, size_t ld, size_t stride) {
-  return b16 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0 && ld % 8 == 0 && stride % 8 == 0;
+  const gg::Tile t = gg::wgrad_tile(blockIdx.x, offsets, M, N, A, a16, lda, vecA, B, b16, ldb, vecB, C, c16, ldc,
+                                    strideC);
+  if (t.tlim == 0 && beta == 1.f) return;  // C_e = 1 * C_e: nothing to write (block-uniform exit)
+  tile_product<MMA, false, false, A_ASYNC, B_ASYNC>(smem, t.a, t.b, t.tlim, alpha, beta, t.out, size_t(ldc), t.mlim,
+                                                    t.nlim);
 }
 
 // The instantiation for the implementation and the operands' staging paths, chosen at launch
@@ -527,11 +433,34 @@ bool& use_mma() {
   return mma;
 }
 
+// grouped_gemm_tc_set_wgmma; starts from LADDER_GROUPED_WGMMA (off unless "1").
+bool& use_wgmma() {
+  static bool on = [] {
+    const char* e = std::getenv("LADDER_GROUPED_WGMMA");
+    return e && std::strcmp(e, "1") == 0;
+  }();
+  return on;
+}
 
 }  // namespace
 
 bool grouped_gemm_tc_mma() { return use_mma(); }
 void grouped_gemm_tc_set_mma(bool mma) { use_mma() = mma; }
+bool grouped_gemm_tc_wgmma() { return use_wgmma(); }
+void grouped_gemm_tc_set_wgmma(bool wgmma) { use_wgmma() = wgmma; }
+
+#ifndef LADDER_WGMMA
+// This build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90): grouped_gemm_wgmma.cu is not
+// compiled, and these stand in for it.
+bool grouped_gemm_wgmma_available() { return false; }
+cudaError_t grouped_gemm_wgmma(bool, bool, int, const int32_t*, int, int, int, float, const void*, bool, int, const void*,
+                               bool, int, size_t, float, void*, bool, int, size_t, int32_t*, int, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+cudaError_t wgmma_selftest(float*, const uint16_t*, const uint16_t*, const WgmmaSelftest&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+#endif
 
 size_t grouped_gemm_tc_scratch_ints(int E) { return size_t(E > 0 ? E : 0) + 1; }
 
@@ -549,6 +478,10 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
                                int sm_count, cudaStream_t st) {
   if (E <= 0 || N <= 0) return cudaSuccess;
   if (c_bf16 && beta != 0.f) return cudaErrorInvalidValue;
+  // The wgmma kernels where selected and the device runs them (grouped_gemm_tc.cuh).
+  if (use_wgmma() && grouped_gemm_wgmma_available())
+    return grouped_gemm_wgmma(rows_out, transB, E, offsets, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, strideB,
+                              beta, C, c_bf16, ldc, strideC, tile_scratch, sm_count, st);
   const bool mma = use_mma();
   const bool vecA = aligned4(A, a_bf16) && lda % 4 == 0;
   const bool vecB = aligned4(B, b_bf16) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);
@@ -564,8 +497,8 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
                                           strideB, vecB, beta, C, c_bf16, ldc);
   } else {
     if (M <= 0) return cudaSuccess;
-    const int64_t blocks = int64_t(E) * ((M + kBX - 1) / kBX) * ((N + kBX - 1) / kBX);
-    if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+    const int64_t blocks = gg::wgrad_blocks(E, M, N);
+    if (blocks < 0) return cudaErrorInvalidConfiguration;
     const auto kernel = wgrad_kernel(mma, async_ok(A, a_bf16, size_t(lda), 0), async_ok(B, b_bf16, size_t(ldb), 0));
     if (const cudaError_t e = allow_smem(kernel, kSmem); e != cudaSuccess) return e;
     kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb, vecB,

@@ -34,6 +34,13 @@ namespace ladder::cuda::k {
 bool grouped_gemm_tc_mma();
 void grouped_gemm_tc_set_mma(bool mma);
 
+// The wgmma (Hopper sm_90a) implementation, grouped_gemm_wgmma.cu: off by default; starts from
+// LADDER_GROUPED_WGMMA (1 = on). When on, every call runs it where the device and build have
+// sm_90a code (grouped_gemm_wgmma_available); elsewhere the mma.sync / WMMA kernels run as before.
+// Same contract and bounds; its bits may differ from theirs. Not thread-safe: set it before launching.
+bool grouped_gemm_tc_wgmma();
+void grouped_gemm_tc_set_wgmma(bool wgmma);
+
 size_t grouped_gemm_tc_scratch_ints(int E);
 cudaError_t grouped_gemm_tc(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
                             float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB, float beta,

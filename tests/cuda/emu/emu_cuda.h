@@ -16,10 +16,11 @@
 // In the thread mode, ThreadSanitizer sees the barriers (a mutex for the arrivals, a futex sleep) and so
 // reports shared-memory races between them the way racecheck would. WMMA fragments hold the whole
 // 16x16 tile and the collective operations are done by lane 0 of the warp (other lanes' fragments
-// are unused); mma.sync and ldmatrix (mma_ptx.cuh) follow the PTX ISA's per-lane layouts; cp.async
-// copies land when waited for.
-// What it cannot show: whether the hardware's layouts are the documented ones (CudaMmaPtx checks
-// that on a GPU), the device memory model, timing, warp scheduling, or device numerics of MMA and
+// are unused); mma.sync and ldmatrix (mma_ptx.cuh) follow the PTX ISA's per-lane layouts; wgmma
+// (wgmma_ptx.cuh) is computed by each thread at issue from the shared-memory descriptors, its
+// asynchrony checked at wgmma.wait_group (emu::ptx_wgmma); cp.async copies land when waited for.
+// What it cannot show: whether the hardware's layouts are the documented ones (CudaMmaPtx and
+// CudaWgmma check that on a GPU), the device memory model, timing, warp scheduling, or device numerics of MMA and
 // of the SFU intrinsics (__expf maps to std::exp).
 #pragma once
 #include <algorithm>
@@ -534,16 +535,29 @@ struct AsyncCopies {
   std::vector<AsyncCopy> open;                    // issued since the last __pipeline_commit
 };
 
+// wgmma.mma_async (see emu::ptx_wgmma): per thread, the operations of its open and committed groups,
+// each with the shared-memory bytes it read at issue, compared again when the group is waited for.
+struct WgmmaRead {
+  uint32_t off;  // byte offset in the dynamic shared memory
+  uint16_t bits;
+};
+struct WgmmaGroups {
+  std::vector<std::vector<WgmmaRead>> committed;  // oldest group first
+  std::vector<WgmmaRead> open;                    // issued since the last commit
+  bool fenced = false;                            // wgmma.fence since the last wait_group
+};
+
 constexpr size_t kWarpAllBytes = 32;  // the largest value a lane publishes to warp_all (mma.sync: 6 words)
 
 struct Block {
   explicit Block(unsigned threads)
-      : all(int(threads)), async(threads), wide(2 * size_t(threads) * kWarpAllBytes) {
+      : all(int(threads)), async(threads), wgmma(threads), wide(2 * size_t(threads) * kWarpAllBytes) {
     for (unsigned w = 0; w < threads / 32; ++w) warp.push_back(std::make_unique<Barrier>(32));
   }
   Barrier all;
   std::vector<std::unique_ptr<Barrier>> warp;
   std::vector<AsyncCopies> async;  // per thread: its cp.async copies not yet waited for
+  std::vector<WgmmaGroups> wgmma;  // per thread: its wgmma groups not yet waited for
   std::vector<unsigned char> wide;  // [2 buffers][threads][kWarpAllBytes]: warp_all's slots (shuffles, mma, ldmatrix)
   // Static __shared__ arrays, one heap block each, keyed by their declaration's address.
   std::mutex shared_m;
@@ -763,6 +777,122 @@ inline void ptx_ldmatrix(uint32_t* r, int n, bool trans, const void* row) {
 }
 }  // namespace emu
 
+// ---- wgmma (src/backend/cuda/wgmma_ptx.cuh) ---------------------------------------------------------
+// wgmma.mma_async m64nNk16 .f32.bf16.bf16 with both operands in shared memory, from the PTX ISA's
+// text as wgmma_ptx.cuh states it (descriptor fields, 128-byte swizzle, K-major and MN-major
+// canonical layouts, the m64nN accumulator fragments). Each thread computes its own accumulators
+// eagerly at issue (with A and B in shared memory they depend on nothing else), reading each
+// operand element where the descriptor says it is: so no warpgroup collective is needed, and a
+// kernel whose layout, swizzle or descriptor disagrees with the text gets wrong results here. The
+// asynchrony is checked instead of modelled: each thread records the shared bytes its MMAs read,
+// and when wgmma.wait_group retires their group compares them with shared memory again; a
+// difference means the kernel overwrote an operand while the MMA reading it could still be in
+// flight on the device. Also checked: a wgmma.fence since the last wait_group before an MMA (the
+// accumulators were touched), the 128-byte swizzle only, base offset 0 with the start address in the
+// first row of its 1024-byte pattern, K-major k16 slices inside one 128-byte row, operand bytes
+// inside the dynamic shared memory, and no group left unwaited at kernel exit. Not checked:
+// fence.proxy.async (a no-op here), and an accumulator read before its wait (the value is final).
+// Sums: fp32, in k order onto the accumulator (the device's adder order is unknown).
+namespace emu {
+inline std::atomic<uint64_t> g_wgmma_ops{0};         // wgmma.mma_async issued (tests: the path ran)
+inline std::atomic<uint64_t> g_wgmma_violations{0};  // rule violations counted when !g_wgmma_die
+inline bool g_wgmma_die = true;                      // tests of the checks themselves set it false
+inline void wgmma_violation(const char* what) {
+  if (g_wgmma_die) die(what);
+  g_wgmma_violations.fetch_add(1, std::memory_order_relaxed);
+}
+inline uint32_t shared_address(const void* p) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  EMU_ASSERT(g_smem && c >= g_smem && c <= g_smem + g_smem_bytes, "shared address of a pointer outside the block's dynamic shared memory");
+  return uint32_t(c - g_smem);
+}
+// Byte offset (in the dynamic shared memory) of element (mn, k) of a k16 operand slice.
+inline uint32_t wgmma_offset(uint64_t desc, bool mn_major, int mn, int k) {
+  const uint32_t start = uint32_t(desc & 0x3FFFu) << 4, lbo = uint32_t((desc >> 16) & 0x3FFFu) << 4,
+                 sbo = uint32_t((desc >> 32) & 0x3FFFu) << 4;
+  EMU_ASSERT((desc >> 62) == 1, "wgmma descriptor: only the 128-byte swizzle (mode 1) is emulated");
+  EMU_ASSERT(((desc >> 49) & 7u) == 0, "wgmma descriptor: only base offset 0 is emulated");
+  EMU_ASSERT(((start >> 7) & 7u) == 0,
+             "wgmma descriptor: with the 128-byte swizzle and base offset 0 the start address must lie in the "
+             "first row of a 1024-byte-aligned pattern");
+  uint32_t logical;
+  if (mn_major) {
+    EMU_ASSERT(start % 128 == 0, "wgmma MN-major operand: the start address must be a row start");
+    logical = start + uint32_t(mn / 64) * lbo + uint32_t(k / 8) * sbo + uint32_t(k % 8) * 128 + uint32_t(mn % 64) * 2;
+  } else {
+    EMU_ASSERT(start % 128 + 32 <= 128, "wgmma K-major operand: a k16 slice must lie inside one 128-byte row");
+    logical = start + uint32_t(mn / 8) * sbo + uint32_t(mn % 8) * 128 + uint32_t(k) * 2;
+  }
+  const uint32_t phys = logical ^ (((logical >> 7) & 7u) << 4);
+  EMU_ASSERT(size_t(phys) + 2 <= g_smem_bytes, "wgmma operand element outside the block's dynamic shared memory");
+  return phys;
+}
+inline uint16_t smem_bits(uint32_t off) {
+  uint16_t v;
+  std::memcpy(&v, g_smem + off, 2);
+  return v;
+}
+inline void ptx_wgmma_fence() { g_block->wgmma[t_tid].fenced = true; }
+inline void ptx_wgmma_commit() {
+  WgmmaGroups& w = g_block->wgmma[t_tid];
+  w.committed.push_back(std::move(w.open));
+  w.open.clear();
+}
+inline void ptx_wgmma_wait(int pending) {
+  WgmmaGroups& w = g_block->wgmma[t_tid];
+  while (w.committed.size() > size_t(pending)) {
+    for (const WgmmaRead& r : w.committed.front())
+      if (smem_bits(r.off) != r.bits) {
+        std::fprintf(stderr, "emu_cuda: thread %u: shared byte offset %u changed under an in-flight wgmma\n", t_tid,
+                     r.off);
+        wgmma_violation("a wgmma operand in shared memory was overwritten before wgmma.wait_group retired the MMA");
+        break;
+      }
+    w.committed.erase(w.committed.begin());
+  }
+  w.fenced = false;
+}
+// d (n/2 fp32: this thread's fragment) += A (64 x 16) * B (16 x n); ta / tb: MN-major operand.
+inline void ptx_wgmma(float* d, int n, uint64_t da, uint64_t db, bool ta, bool tb) {
+  EMU_ASSERT(size_t(blockDim.x) * blockDim.y * blockDim.z % 128 == 0, "wgmma needs whole warpgroups (128 threads)");
+  WgmmaGroups& w = g_block->wgmma[t_tid];
+  if (!w.fenced) wgmma_violation("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group");
+  g_wgmma_ops.fetch_add(1, std::memory_order_relaxed);
+  const int wt = int(t_tid % 128), warp = wt / 32, g = (wt % 32) / 4, t = wt % 4;
+  float a[2][16];
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t off = wgmma_offset(da, ta, 16 * warp + g + 8 * h, k);
+      const uint16_t bits = smem_bits(off);
+      w.open.push_back({off, bits});
+      a[h][k] = __bfloat162float(__nv_bfloat16{bits});
+    }
+  for (int j = 0; j < n / 8; ++j)
+    for (int c = 0; c < 2; ++c) {
+      const int col = 8 * j + 2 * t + c;
+      float b[16];
+      for (int k = 0; k < 16; ++k) {
+        const uint32_t off = wgmma_offset(db, tb, col, k);
+        const uint16_t bits = smem_bits(off);
+        w.open.push_back({off, bits});
+        b[k] = __bfloat162float(__nv_bfloat16{bits});
+      }
+      for (int h = 0; h < 2; ++h) {
+        float acc = d[4 * j + 2 * h + c];
+        for (int k = 0; k < 16; ++k) acc += a[h][k] * b[k];
+        d[4 * j + 2 * h + c] = acc;
+      }
+    }
+}
+inline void wgmma_check_drained() {
+  WgmmaGroups& w = g_block->wgmma[t_tid];
+  if (!w.open.empty() || !w.committed.empty()) {
+    std::fprintf(stderr, "emu_cuda: thread %u returned with wgmma groups never waited for\n", t_tid);
+    die("wgmma operations outstanding at kernel exit (missing wgmma.commit_group / wgmma.wait_group)");
+  }
+}
+}  // namespace emu
+
 // ---- launches ----------------------------------------------------------------------------------
 namespace emu {
 
@@ -843,6 +973,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
         t_warp_parity = 0;
         kernel(args...);  // each thread its own copies of the parameters
         async_check_drained();
+        wgmma_check_drained();
         cur->all.drop();
         cur->warp[t / 32]->drop();
         if (finished.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
@@ -902,6 +1033,7 @@ void launch(bool grid_stride, dim3 grid, dim3 block, size_t smem, void (*kernel)
   auto run_thread = [&](unsigned t) {
     kernel(args...);  // each thread its own copies of the parameters
     async_check_drained();
+    wgmma_check_drained();
     g_block->all.drop();
     g_block->warp[t / 32]->drop();
   };

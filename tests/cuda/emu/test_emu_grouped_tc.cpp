@@ -5,8 +5,9 @@
 // WMMA multiplies the bf16 fragments in fp32 like the device (its internal summation order aside), so
 // this checks everything but the device's timing and memory model: tile mapping from device-side
 // offsets, staging, zero padding of partial tiles, layouts, epilogue, alpha/beta, determinism.
-// Every test runs for both implementations of the tile product (grouped_gemm_tc_set_mma: mma.sync
-// with ldmatrix, the default, and WMMA), each against the same references.
+// Every test runs for each implementation of the tile product (grouped_tc_cases.h's
+// for_each_tile_product: mma.sync with ldmatrix, the default; WMMA; and the wgmma kernels of
+// grouped_gemm_wgmma.cu on emu_cuda.h's wgmma), each against the same references.
 // EMU_SEED=N repeats a run's inputs; EMU_QUICK=1 (sanitizer builds) drops the costlier shapes.
 #include <gtest/gtest.h>
 
@@ -52,16 +53,17 @@ class CudaEmuGroupedTc : public ::testing::Test {
               cudaSuccess);
     EXPECT_EQ(::emu::g_async_copies.load(), copies) << "fp32 operands go through registers, never cp.async";
   }
-  // f() with each tile product selected in turn (grouped_tc_cases.h).
+  // f() with each tile product selected in turn (mma.sync, WMMA, wgmma where available:
+  // grouped_tc_cases.h).
   template <class F>
-  static void for_both(F&& f) {
-    gt::for_both_tile_products(f);
+  static void for_each(F&& f) {
+    gt::for_each_tile_product(f);
   }
   std::mt19937_64 rng_;
 };
 
 TEST_F(CudaEmuGroupedTc, BothShapes) {
-  for_both([&] {
+  for_each([&] {
     int i = 0;
     for (const auto& c : gt::cases(quick()))  // the grid varies from case to case: 2, 4 or 6 blocks
       gt::run_case(c, rng_, [&](const gt::Problem& p, std::vector<float>& C) { launch(c, p, C, 1 + i++ % 3); });
@@ -70,7 +72,7 @@ TEST_F(CudaEmuGroupedTc, BothShapes) {
 
 // The rows_out grid only sets which block takes which tile: 1, 3 and 64 blocks give the same bits.
 TEST_F(CudaEmuGroupedTc, GridIndependent) {
-  for_both([&] {
+  for_each([&] {
     for (const gt::Case& c : {gt::Case{true, false, 5, 0, 150, 40, 1, 1.f, 0.5f, 45, 1},
                               gt::Case{true, true, 4, 0, 64, 33, 0, -1.f, 0.f, 60}}) {
       SCOPED_TRACE(c.name());
@@ -92,7 +94,7 @@ TEST_F(CudaEmuGroupedTc, GridIndependent) {
 // same way; every case (aligned and misaligned, both shapes), A, B or both in bf16. A bf16 operand
 // aligned to 8 elements is staged by cp.async instead of through registers: the same bits.
 TEST_F(CudaEmuGroupedTc, Bf16OperandsGiveTheFp32OperandsBits) {
-  for_both([&] {
+  for_each([&] {
     auto bits = [](const std::vector<float>& v) {
       std::vector<uint16_t> b(v.size());
       for (size_t i = 0; i < v.size(); ++i) b[i] = cpu::bf16_bits(v[i]);
@@ -131,7 +133,7 @@ TEST_F(CudaEmuGroupedTc, Bf16OperandsGiveTheFp32OperandsBits) {
 // differs); C outside the output keeps its (poisoned) bits. Every case with beta 0, both shapes.
 // With beta != 0 a bf16 C is refused (cudaErrorInvalidValue), nothing launched.
 TEST_F(CudaEmuGroupedTc, Bf16OutputIsTheFp32OutputRounded) {
-  for_both([&] {
+  for_each([&] {
     int i = 0, ran = 0;
     for (const auto& c : gt::cases(quick())) {
       if (c.beta != 0.f) continue;
@@ -168,7 +170,7 @@ TEST_F(CudaEmuGroupedTc, Bf16OutputIsTheFp32OutputRounded) {
 }
 
 TEST_F(CudaEmuGroupedTc, AllExpertsEmpty) {
-  for_both([&] {
+  for_each([&] {
     const int E = 5, M = 20, N = 30;
     const std::vector<int32_t> off(E + 1, 0);
     std::uniform_real_distribution<float> d(-1.f, 1.f);
