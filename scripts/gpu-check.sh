@@ -46,15 +46,16 @@ BIN=""
 if [ "${GPU_CHECK_BUILD:-1}" != 0 ] && command -v nvcc >/dev/null && command -v cmake >/dev/null; then
   gen=""
   command -v ninja >/dev/null && gen="-G Ninja"
-  log "building for sm_90 on the device (log: build.log)"
+  # The build log goes into env.log: $OUT may bring back 8 files, and the call tees console.log too.
+  log "building for sm_90 on the device (log: env.log)"
   if timeout 60 cmake -S . -B build-gpu $gen -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DLADDER_TESTS=ON >"$OUT/build.log" 2>&1 &&
-    timeout 300 cmake --build build-gpu -j 16 --target ladder_cuda_tests ladder_cuda_bench ladder >>"$OUT/build.log" 2>&1; then
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DLADDER_TESTS=ON >>"$OUT/env.log" 2>&1 &&
+    timeout 300 cmake --build build-gpu -j 16 --target ladder_cuda_tests ladder_cuda_bench ladder >>"$OUT/env.log" 2>&1; then
     BIN=build-gpu
     log "built on the device"
   else
-    log "device build failed (last lines of build.log follow); falling back to gpu-bundle/"
-    tail -n 4 "$OUT/build.log"
+    log "device build failed (last lines of env.log follow); falling back to gpu-bundle/"
+    tail -n 4 "$OUT/env.log"
   fi
 fi
 if [ -z "$BIN" ]; then
