@@ -19,7 +19,8 @@
 #                          d=1024 pair in tf32; then the d=2048 MoE with bf16 saved activations, the
 #                          d=1024 dense with model.mlp_bf16 alone and the d=1024 MoE with model.moe_bf16
 #                          alone, while under 7 minutes; where the wgmma grouped GEMM passed its tests,
-#                          the two MoE presets with LADDER_GROUPED_WGMMA=1 after the first four); key=value pairs go to `ladder bench --set`,
+#                          the two MoE presets with LADDER_GROUPED_WGMMA=1 after the first four, and where the
+#                          wgmma attention passed, dense-d2048 and moe-d1024 with LADDER_ATTN_WGMMA=1); key=value pairs go to `ladder bench --set`,
 #                          LADDER_*=value to the environment. The attention's default is the mma.sync
 #                          kernels; where they did not pass their tests in this run, every model bench
 #                          runs with LADDER_ATTN_MMA=0 (WMMA) instead
@@ -129,6 +130,20 @@ if [ "$WG_RC" = 0/0 ] && [ "$(grep -c '^\[       OK \] CudaWgmma\.' "$OUT/wgmma.
 fi
 log "grouped GEMM wgmma: $([ $WG_OK = 1 ] && echo "tests passed, MoE benches with LADDER_GROUPED_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
 
+# ---- 2c. the wgmma attention forward (sm_90a, off by default: LADDER_ATTN_WGMMA=1), in its own
+# process too (log appended to wgmma.log): CudaAttentionWgmma.* (the mma.sync attention's cases with
+# the wgmma forward, against the CPU and the mma.sync forward, and the planted swizzle bug). Only
+# where all of it passed do the model benches add dense-d2048 and moe-d1024 with LADDER_ATTN_WGMMA=1.
+log "wgmma attention tests (log: wgmma.log)"
+echo "=== CudaAttentionWgmma" >>"$OUT/wgmma.log"
+timeout 90 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='CudaAttentionWgmma.*' >>"$OUT/wgmma.log" 2>&1
+AW_RC=$?
+AW_OK=0
+if [ $AW_RC = 0 ] && [ "$(sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -c '^\[       OK \] CudaAttentionWgmma\.')" -ge 5 ]; then
+  AW_OK=1
+fi
+log "attention wgmma: $([ $AW_OK = 1 ] && echo "tests passed, dense-d2048 / moe-d1024 benches with LADDER_ATTN_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
+
 # ---- 3. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
@@ -154,7 +169,7 @@ fi
 
 # ---- 4. micro-benchmark -------------------------------------------------------------------------------
 log "benchmark (log: bench.log)"
-LADDER_BENCH_ATTN_MMA=$MMA_OK timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
+LADDER_BENCH_ATTN_MMA=$MMA_OK LADDER_BENCH_ATTN_WGMMA=$AW_OK timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
@@ -162,6 +177,7 @@ BENCH_RC=$?
 log "model benchmarks (log: models.log)"
 WG_ROWS=""
 [ $WG_OK = 1 ] && WG_ROWS="moe-d1024:bf16:LADDER_GROUPED_WGMMA=1 moe-d2048:bf16:LADDER_GROUPED_WGMMA=1 "
+[ $AW_OK = 1 ] && WG_ROWS="${WG_ROWS}dense-d2048:bf16:LADDER_ATTN_WGMMA=1 moe-d1024:bf16:LADDER_ATTN_WGMMA=1 "
 MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${WG_ROWS}dense-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_ATTN_MMA=0 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true moe-d1024:bf16:model.moe_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d2048:bf16:model.mlp_bf16=true,model.attn_bf16=true,model.norm_bf16=true dense-d1024:tf32 moe-d1024:tf32 moe-d2048:bf16:model.saved_activations=bf16 dense-d1024:bf16:model.mlp_bf16=true moe-d1024:bf16:model.moe_bf16=true}
 : >"$OUT/models.log"
 MODEL_ROWS=""
@@ -178,6 +194,10 @@ for mp in $MODELS; do
   fi
   if [[ " ${envs[*]} " == *" LADDER_GROUPED_MMA=0 "* ]] && [ $GG_OK != 1 ]; then
     log "skipping $mp: every bench runs the WMMA grouped GEMM already"
+    continue
+  fi
+  if [[ " ${envs[*]} " == *" LADDER_ATTN_WGMMA=1 "* ]] && [ $AW_OK != 1 ]; then
+    log "skipping $mp: the wgmma attention did not pass its tests here"
     continue
   fi
   if [[ " ${envs[*]} " == *" LADDER_GROUPED_WGMMA=1 "* ]] && [ $WG_OK != 1 ]; then
@@ -240,6 +260,9 @@ grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
 echo "grouped GEMM wgmma (sm_90a): exit $WG_RC, $([ $WG_OK = 1 ] && echo "CudaWgmma + CudaGroupedTc with wgmma passed" || echo "not passed or skipped: see wgmma.log ('[ wgmma    ]' lines name the layout fact at fault)")"
 grep -E '^\[  (FAILED|SKIPPED) \] Cuda|^\[ wgmma    \]' "$OUT/wgmma.log" | sort -u | head -n 16 | sed 's/^/  /'
 grep '^\[ rel err  \] wgmma' "$OUT/wgmma.log" | sed 's/^\[ rel err  \] /  /'
+echo "attention wgmma forward (sm_90a): exit $AW_RC, $([ $AW_OK = 1 ] && echo "CudaAttentionWgmma passed" || echo "not passed or skipped: see wgmma.log")"
+sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -E '^\[  (FAILED|SKIPPED) \] Cuda' | sort -u | head -n 8 | sed 's/^/  /'
+sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '^\[ rel err  \] attn_wgmma fwd o .*vs mma' | sed 's/^\[ rel err  \] /  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
 grep '^\[ thruput  \].*wgmma' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -36,6 +37,7 @@
 
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/attention_tc.cuh"
+#include "backend/cuda/attention_wgmma.cuh"
 #include "backend/cuda/cuda_backend.h"
 #include "cuda_fixture.h"
 #include "backend/cuda/cuda_check.h"
@@ -295,6 +297,84 @@ class CudaAttentionMma : public CudaAttentionTc {
 TEST_F(CudaAttentionMma, MatchesCpuAcrossShapes) { across_shapes(); }
 TEST_F(CudaAttentionMma, SharpSoftmax) { sharp_softmax(); }
 TEST_F(CudaAttentionMma, UnalignedInputs) { unaligned_inputs(); }
+
+// The wgmma forward (attention_wgmma.cuh, sm_90a; LADDER_ATTN_WGMMA=1) with the mma.sync backward,
+// on the same cases and bounds; skipped visibly where the device or the build has no sm_90a code.
+class CudaAttentionWgmma : public CudaAttentionTc {
+ protected:
+  CudaAttentionWgmma() {
+    want_ = cuda::k::AttnTcKernels{true, true, true};
+    tag_ = "attn_wgmma";
+  }
+  void SetUp() override {
+    CudaAttentionTc::SetUp();
+    if (IsSkipped()) return;
+    if (!cuda::k::attention_wgmma_available())
+      GTEST_SKIP() << "attention wgmma kernels not available (no sm_90a code in this build, or not an sm_90 device)";
+    // LADDER_TEST_WGMMA=0: gpu-check's main test run, where a faulting wgmma kernel (which ends the
+    // CUDA context) must not take the other tests down; they run in a process of their own.
+    const char* e = std::getenv("LADDER_TEST_WGMMA");
+    if (e && std::string(e) == "0") GTEST_SKIP() << "LADDER_TEST_WGMMA=0: the wgmma tests run in a process of their own";
+  }
+  // o and lse of the forward launcher on fresh inputs, with the kernels `which`.
+  struct Fwd {
+    std::vector<float> o, lse;
+  };
+  Fwd forward(const AttnShape& s, const std::vector<float>& q, const std::vector<float>& k,
+              const std::vector<float>& v, cuda::k::AttnTcKernels which) {
+    cuda::k::attention_tc_set_kernels(which);
+    const size_t nq = q.size(), nl = size_t(s.B) * s.H * s.S;
+    auto d_q = up(q), d_k = up(k), d_v = up(v);
+    auto d_o = poisoned(nq), d_lse = poisoned(nl);
+    LADDER_CUDA_CHECK(cuda::k::attention_tc_forward(d_o.data(), d_lse.data(), d_q.data(), d_k.data(), d_v.data(), s,
+                                                    st()));
+    Fwd r{down(d_o, nq), down(d_lse, nl)};
+    cuda::k::attention_tc_set_kernels(want_);
+    return r;
+  }
+};
+
+TEST_F(CudaAttentionWgmma, MatchesCpuAcrossShapes) { across_shapes(); }
+TEST_F(CudaAttentionWgmma, SharpSoftmax) { sharp_softmax(); }
+TEST_F(CudaAttentionWgmma, UnalignedInputs) { unaligned_inputs(); }
+
+// wgmma against mma.sync on the same inputs: the same rounding points, so they differ only by the
+// order of the fp32 sums inside the MMAs (far below kTcRounded; a layout or mask error is of order 1).
+TEST_F(CudaAttentionWgmma, MatchesMmaSync) {
+  for (int hd : {64, 128}) {
+    const AttnShape s{2, 200, 4, 2, hd, hd == 64 ? 0 : 70, 1.0 / std::sqrt(double(hd))};
+    SCOPED_TRACE(fmt::format("hd={} W={}", hd, s.window));
+    const size_t nq = size_t(s.B) * s.S * s.H * hd, nk = size_t(s.B) * s.S * s.KV * hd;
+    auto q = randv(nq, -2.f, 2.f), k = randv(nk, -2.f, 2.f), v = randv(nk);
+    const Fwd w = forward(s, q, k, v, want_);
+    const Fwd m = forward(s, q, k, v, cuda::k::AttnTcKernels{true, true, false});
+    check(w.o, m.o, 1e-4, tag_ + " fwd o vs mma.sync hd=" + std::to_string(hd));
+    check(w.lse, m.lse, 1e-5, tag_ + " fwd lse vs mma.sync hd=" + std::to_string(hd));
+  }
+}
+
+// The planted bug: tiles staged without the 128-byte swizzle the descriptors declare. The results
+// must then be far off (the tests can see a layout error, and the wgmma kernel is the one that ran).
+TEST_F(CudaAttentionWgmma, PlantedLayoutBugFails) {
+  for (int hd : {64, 128}) {
+    const AttnShape s{1, 130, 2, 2, hd, 0, 1.0 / std::sqrt(double(hd))};
+    const size_t nq = size_t(s.B) * s.S * s.H * hd;
+    auto q = randv(nq, -2.f, 2.f), k = randv(nq, -2.f, 2.f), v = randv(nq);
+    cuda::k::attention_wgmma_plant_layout_bug(true);
+    const Fwd w = forward(s, q, k, v, want_);
+    cuda::k::attention_wgmma_plant_layout_bug(false);
+    std::vector<float> o(nq), lse(size_t(s.H) * s.S);
+    cpu::attention_forward<float>(o.data(), lse.data(), q.data(), k.data(), v.data(), s);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < nq; ++i) {
+      num += (double(w.o[i]) - o[i]) * (double(w.o[i]) - o[i]);
+      den += double(o[i]) * o[i];
+    }
+    EXPECT_GT(std::sqrt(num / den), 0.1) << "hd " << hd
+                                         << ": unswizzled tiles gave the right o: the swizzle (or the wgmma path) "
+                                            "is not what the kernel reads";
+  }
+}
 
 }  // namespace
 }  // namespace ladder

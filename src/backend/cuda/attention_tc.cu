@@ -48,6 +48,7 @@
 #include "backend/cuda/attention_tc.cuh"
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/attention_mma.cuh"
+#include "backend/cuda/attention_wgmma.cuh"
 #include "backend/cuda/device_common.cuh"
 
 namespace ladder::cuda::k {
@@ -631,6 +632,9 @@ AttnTcKernels& kernels() {
     const bool wmma = v == "0" || v == "wmma";
     r.mma_fwd = !wmma && v != "bwd";
     r.mma_bwd = !wmma && v != "fwd";
+    // LADDER_ATTN_WGMMA=1: the wgmma forward (attention_wgmma.cuh) where the device runs it.
+    const char* w = std::getenv("LADDER_ATTN_WGMMA");
+    r.wgmma_fwd = w && std::string(w) == "1";
     return r;
   }();
   return k;
@@ -640,6 +644,7 @@ template <class E>
 cudaError_t forward(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
   if (!shape_ok(s)) return cudaErrorInvalidValue;
+  if (kernels().wgmma_fwd && attention_wgmma_available()) return attention_wgmma_forward(o, lse, q, k, v, s, st);
   if (kernels().mma_fwd) return attention_mma_forward(o, lse, q, k, v, s, st);
   return s.hd == 64 ? fwd<64>(o, lse, q, k, v, s, st) : fwd<128>(o, lse, q, k, v, s, st);
 }
@@ -659,6 +664,17 @@ cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E
 }
 
 }  // namespace
+
+#ifndef LADDER_WGMMA
+// This build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90): attention_wgmma_fwd.cu is not
+// compiled, and the launchers above keep to the mma.sync / WMMA kernels.
+bool attention_wgmma_available() { return false; }
+void attention_wgmma_plant_layout_bug(bool) {}
+template <class E, class EO>
+cudaError_t attention_wgmma_forward(EO*, float*, const E*, const E*, const E*, const AttnShape&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+#endif
 
 AttnTcKernels attention_tc_kernels() { return kernels(); }
 void attention_tc_set_kernels(AttnTcKernels k) { kernels() = k; }
@@ -701,6 +717,8 @@ cudaError_t attention_tc_backward_bf16(float* dq, float* dk, float* dv, const fl
 
 cudaError_t attention_tc_forward_in16(float* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                       const AttnShape& s, cudaStream_t st) {
+  if (kernels().wgmma_fwd && attention_wgmma_available())
+    return attention_wgmma_forward(o, lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
   if (!kernels().mma_fwd) return cudaErrorNotSupported;
   return attention_mma_forward(o, lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
 }

@@ -1,0 +1,28 @@
+// The attention forward on Hopper's warpgroup MMA (attention_wgmma_fwd.cu, sm_90a only), behind
+// attention_tc.cu's forward launchers when selected (AttnTcKernels::wgmma_fwd, LADDER_ATTN_WGMMA=1;
+// off by default) and attention_wgmma_available(): the contract, masking, rounding points and
+// determinism of the mma.sync forward (attention_mma.cuh), which runs wherever this one does not.
+// Where the build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90) attention_tc.cu defines
+// these as "not available" / cudaErrorNotSupported. Included by attention_tc.cu and the tests.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "backend/cpu/kernels.h"
+
+namespace ladder::cuda::k {
+
+// Whether the sm_90a kernels can run here: the build has them and the current device loads them
+// (compute capability 9.0). Asked once per process.
+bool attention_wgmma_available();
+
+// attention_mma_forward's contract and instantiations ((E, EO) = (float, float), (bf16, bf16),
+// (bf16, float)); shapes already checked. cudaErrorNotSupported where not available.
+template <class E, class EO>
+cudaError_t attention_wgmma_forward(EO* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
+                                    cudaStream_t st);
+
+// Tests only: stage the tiles without the 128-byte swizzle the descriptors declare (a planted bug
+// that must make the results wrong: the tests show they can see a layout error). Not thread-safe.
+void attention_wgmma_plant_layout_bug(bool on);
+
+}  // namespace ladder::cuda::k
