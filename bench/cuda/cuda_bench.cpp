@@ -204,14 +204,14 @@ int main(int argc, char** argv) {
       const k::AttnTcKernels saved = k::attention_tc_kernels();
       const char* env_mma = std::getenv("LADDER_BENCH_ATTN_MMA");
       const bool with_mma = env_mma && std::string(env_mma) == "1";
-      // Then the wgmma forward (with the mma.sync backward: rows "... wgmma ..."), with
-      // LADDER_BENCH_ATTN_WGMMA=1 (gpu-check: once CudaAttentionWgmma.* passed) where it is available.
+      // Then the wgmma kernels (rows "... wgmma ..."), with LADDER_BENCH_ATTN_WGMMA=1 (gpu-check: once
+      // CudaAttentionWgmma.* passed) where they are available.
       const char* env_wg = std::getenv("LADDER_BENCH_ATTN_WGMMA");
       const bool with_wg = env_wg && std::string(env_wg) == "1" && k::attention_wgmma_available();
-      for (const int family : {0, 1, 2}) {  // WMMA, mma.sync, wgmma forward
+      for (const int family : {0, 1, 2}) {  // WMMA, mma.sync, wgmma
         const bool mma = family > 0, wg = family == 2;
         if ((mma && !with_mma) || (wg && !with_wg)) break;
-        k::attention_tc_set_kernels(k::AttnTcKernels{mma, mma, wg});
+        k::attention_tc_set_kernels(k::AttnTcKernels{mma, mma, wg, wg});
         for (const bool in16 : {false, true}) {
           const std::function<void()> f = in16 ? std::function<void()>(fwd16) : std::function<void()>(fwd);
           const std::function<void()> g = in16 ? std::function<void()>(bwd16) : std::function<void()>(bwd);

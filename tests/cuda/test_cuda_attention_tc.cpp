@@ -298,12 +298,12 @@ TEST_F(CudaAttentionMma, MatchesCpuAcrossShapes) { across_shapes(); }
 TEST_F(CudaAttentionMma, SharpSoftmax) { sharp_softmax(); }
 TEST_F(CudaAttentionMma, UnalignedInputs) { unaligned_inputs(); }
 
-// The wgmma forward (attention_wgmma.cuh, sm_90a; LADDER_ATTN_WGMMA=1) with the mma.sync backward,
-// on the same cases and bounds; skipped visibly where the device or the build has no sm_90a code.
+// The wgmma kernels (attention_wgmma.cuh, sm_90a; LADDER_ATTN_WGMMA=1) on the same cases and bounds;
+// skipped visibly where the device or the build has no sm_90a code.
 class CudaAttentionWgmma : public CudaAttentionTc {
  protected:
   CudaAttentionWgmma() {
-    want_ = cuda::k::AttnTcKernels{true, true, true};
+    want_ = cuda::k::AttnTcKernels{true, true, true, true};
     tag_ = "attn_wgmma";
   }
   void SetUp() override {
@@ -316,21 +316,31 @@ class CudaAttentionWgmma : public CudaAttentionTc {
     const char* e = std::getenv("LADDER_TEST_WGMMA");
     if (e && std::string(e) == "0") GTEST_SKIP() << "LADDER_TEST_WGMMA=0: the wgmma tests run in a process of their own";
   }
-  // o and lse of the forward launcher on fresh inputs, with the kernels `which`.
-  struct Fwd {
-    std::vector<float> o, lse;
-  };
-  Fwd forward(const AttnShape& s, const std::vector<float>& q, const std::vector<float>& k,
-              const std::vector<float>& v, cuda::k::AttnTcKernels which) {
+  // The launchers' o, lse, dq, dk, dv on the given inputs with the kernels `which` (the backward on
+  // `which`'s own forward results).
+  Ref launch(const AttnShape& s, const std::vector<float>& q, const std::vector<float>& k,
+             const std::vector<float>& v, const std::vector<float>& dout, cuda::k::AttnTcKernels which) {
     cuda::k::attention_tc_set_kernels(which);
-    const size_t nq = q.size(), nl = size_t(s.B) * s.H * s.S;
-    auto d_q = up(q), d_k = up(k), d_v = up(v);
-    auto d_o = poisoned(nq), d_lse = poisoned(nl);
+    const size_t nq = q.size(), nk = k.size(), nl = size_t(s.B) * s.H * s.S;
+    auto d_q = up(q), d_k = up(k), d_v = up(v), d_dout = up(dout);
+    auto d_o = poisoned(nq), d_lse = poisoned(nl), d_dq = poisoned(nq), d_dk = poisoned(nk), d_dv = poisoned(nk);
+    DeviceBuffer<float> scratch(std::max<size_t>(1, cuda::k::attention_tc_backward_scratch_floats(s)));
     LADDER_CUDA_CHECK(cuda::k::attention_tc_forward(d_o.data(), d_lse.data(), d_q.data(), d_k.data(), d_v.data(), s,
                                                     st()));
-    Fwd r{down(d_o, nq), down(d_lse, nl)};
+    LADDER_CUDA_CHECK(cuda::k::attention_tc_backward(d_dq.data(), d_dk.data(), d_dv.data(), d_dout.data(), d_q.data(),
+                                                     d_k.data(), d_v.data(), d_o.data(), d_lse.data(), s,
+                                                     scratch.data(), st()));
+    Ref r{down(d_o, nq), down(d_lse, nl), down(d_dq, nq), down(d_dk, nk), down(d_dv, nk)};
     cuda::k::attention_tc_set_kernels(want_);
     return r;
+  }
+  static double rel(const std::vector<float>& a, const std::vector<float>& b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+      den += double(b[i]) * b[i];
+    }
+    return std::sqrt(num / den);
   }
 };
 
@@ -343,36 +353,38 @@ TEST_F(CudaAttentionWgmma, UnalignedInputs) { unaligned_inputs(); }
 TEST_F(CudaAttentionWgmma, MatchesMmaSync) {
   for (int hd : {64, 128}) {
     const AttnShape s{2, 200, 4, 2, hd, hd == 64 ? 0 : 70, 1.0 / std::sqrt(double(hd))};
-    SCOPED_TRACE(fmt::format("hd={} W={}", hd, s.window));
+    const std::string what = fmt::format(" vs mma.sync hd={} W={}", hd, s.window);
     const size_t nq = size_t(s.B) * s.S * s.H * hd, nk = size_t(s.B) * s.S * s.KV * hd;
-    auto q = randv(nq, -2.f, 2.f), k = randv(nk, -2.f, 2.f), v = randv(nk);
-    const Fwd w = forward(s, q, k, v, want_);
-    const Fwd m = forward(s, q, k, v, cuda::k::AttnTcKernels{true, true, false});
-    check(w.o, m.o, 1e-4, tag_ + " fwd o vs mma.sync hd=" + std::to_string(hd));
-    check(w.lse, m.lse, 1e-5, tag_ + " fwd lse vs mma.sync hd=" + std::to_string(hd));
+    auto q = randv(nq, -2.f, 2.f), k = randv(nk, -2.f, 2.f), v = randv(nk), dout = randv(nq);
+    const Ref w = launch(s, q, k, v, dout, want_);
+    const Ref m = launch(s, q, k, v, dout, cuda::k::AttnTcKernels{true, true, false, false});
+    check(w.o, m.o, 1e-4, tag_ + " fwd o" + what);
+    check(w.lse, m.lse, 1e-5, tag_ + " fwd lse" + what);
+    check(w.dq, m.dq, 1e-3, tag_ + " bwd dq" + what);
+    check(w.dk, m.dk, 1e-3, tag_ + " bwd dk" + what);
+    check(w.dv, m.dv, 1e-3, tag_ + " bwd dv" + what);
   }
 }
 
-// The planted bug: tiles staged without the 128-byte swizzle the descriptors declare. The results
-// must then be far off (the tests can see a layout error, and the wgmma kernel is the one that ran).
+// The planted bug: tiles staged without the 128-byte swizzle the descriptors declare, in the forward
+// (the mma.sync backward then runs on its wrong o and lse) and in the backward alone. The results
+// must be far off: the tests can see a layout error, and the wgmma kernels are the ones that ran.
 TEST_F(CudaAttentionWgmma, PlantedLayoutBugFails) {
   for (int hd : {64, 128}) {
     const AttnShape s{1, 130, 2, 2, hd, 0, 1.0 / std::sqrt(double(hd))};
     const size_t nq = size_t(s.B) * s.S * s.H * hd;
-    auto q = randv(nq, -2.f, 2.f), k = randv(nq, -2.f, 2.f), v = randv(nq);
+    auto q = randv(nq, -2.f, 2.f), k = randv(nq, -2.f, 2.f), v = randv(nq), dout = randv(nq);
+    const Ref good = launch(s, q, k, v, dout, want_);
     cuda::k::attention_wgmma_plant_layout_bug(true);
-    const Fwd w = forward(s, q, k, v, want_);
+    const Ref f = launch(s, q, k, v, dout, cuda::k::AttnTcKernels{true, true, true, false});
+    const Ref b = launch(s, q, k, v, dout, cuda::k::AttnTcKernels{true, true, false, true});
     cuda::k::attention_wgmma_plant_layout_bug(false);
-    std::vector<float> o(nq), lse(size_t(s.H) * s.S);
-    cpu::attention_forward<float>(o.data(), lse.data(), q.data(), k.data(), v.data(), s);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < nq; ++i) {
-      num += (double(w.o[i]) - o[i]) * (double(w.o[i]) - o[i]);
-      den += double(o[i]) * o[i];
-    }
-    EXPECT_GT(std::sqrt(num / den), 0.1) << "hd " << hd
-                                         << ": unswizzled tiles gave the right o: the swizzle (or the wgmma path) "
-                                            "is not what the kernel reads";
+    const char* msg = ": unswizzled tiles gave the right result: the swizzle (or the wgmma path) is not what the "
+                      "kernel reads";
+    EXPECT_GT(rel(f.o, good.o), 0.1) << "hd " << hd << " forward" << msg;
+    EXPECT_GT(rel(b.dq, good.dq), 0.1) << "hd " << hd << " backward dq" << msg;
+    EXPECT_GT(rel(b.dk, good.dk), 0.1) << "hd " << hd << " backward dk" << msg;
+    EXPECT_GT(rel(b.dv, good.dv), 0.1) << "hd " << hd << " backward dv" << msg;
   }
 }
 

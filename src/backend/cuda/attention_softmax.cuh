@@ -1,10 +1,10 @@
-// The per-warp online softmax of the register-resident attention forwards (attention_mma_fwd.cu on
-// mma.sync, attention_wgmma_fwd.cu on wgmma): both hold a 16-row x 64-key score tile and the O rows
-// in the m16n8 accumulator layout (mma_ptx.cuh; wgmma_attn_ptx.cuh: the m64nN accumulators of warp
-// w are the same tiles for rows 16w..16w+15), so the masking, the statistics and the epilogue are
-// one piece of code and the two kernels round at the same points. Lane (g, t) holds, of n8 tile n,
-// rows ia, ib (C rows g, g + 8) and columns k0 + 8n + 2t, + 1. The masking rule and the -inf
-// conventions are attention_mma_fwd.cu's header's.
+// The per-warp online softmax and the epilogues of the register-resident attention kernels
+// (attention_mma_*.cu on mma.sync, attention_wgmma_*.cu on wgmma): both hold 16-row score tiles and
+// the O (or gradient) rows in the m16n8 accumulator layout (mma_ptx.cuh; wgmma_attn_ptx.cuh: the
+// m64nN accumulators of warp w are the same tiles for rows 16w..16w+15), so the masking, the
+// statistics and the epilogues are one piece of code and the kernels round at the same points.
+// Lane (g, t) holds, of n8 tile n, rows ia, ib (C rows g, g + 8) and columns k0 + 8n + 2t, + 1. The
+// masking rule and the -inf conventions are attention_mma_fwd.cu's header's.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -93,6 +93,24 @@ __device__ __forceinline__ void store_rows(EO* o, float* lse, const float (&oacc
   for (int n = 0; n < HD / 8; ++n) {
     if (ia < S) store2(oa + 8 * n, oacc[n][0] * inv_a, oacc[n][1] * inv_a, ovec);
     if (ib < S) store2(ob + 8 * n, oacc[n][2] * inv_b, oacc[n][3] * inv_b, ovec);
+  }
+}
+
+// The backward kernels' epilogue (mma.sync and wgmma): the warp's 16 x HD gradient accumulator (the
+// lane's rows ra, rb: its g and g + 8) times `mul` to rows ra, rb of head `head` of a [B*S, nh*HD]
+// fp32 tensor (rows at or past S skipped). vec: the base is 8-byte aligned (float2 stores).
+template <int HD>
+__device__ __forceinline__ void store_grad_rows(float* dst, const float (&acc)[HD / 8][4], float mul, int b, int S,
+                                                int nh, int head, int ra, int rb, int t, bool vec) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = half ? rb : ra;
+    if (row >= S) continue;
+    float* p = dst + ((size_t(b) * S + row) * nh + head) * HD + 2 * t;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      store2(p + n * 8, acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul, vec);
+    }
   }
 }
 

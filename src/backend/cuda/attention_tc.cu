@@ -632,9 +632,12 @@ AttnTcKernels& kernels() {
     const bool wmma = v == "0" || v == "wmma";
     r.mma_fwd = !wmma && v != "bwd";
     r.mma_bwd = !wmma && v != "fwd";
-    // LADDER_ATTN_WGMMA=1: the wgmma forward (attention_wgmma.cuh) where the device runs it.
-    const char* w = std::getenv("LADDER_ATTN_WGMMA");
-    r.wgmma_fwd = w && std::string(w) == "1";
+    // LADDER_ATTN_WGMMA: 1 = the wgmma forward and backward (attention_wgmma.cuh) where the device
+    // runs them; fwd / bwd = only that one; unset or anything else: neither.
+    const char* e2 = std::getenv("LADDER_ATTN_WGMMA");
+    const std::string w = e2 ? e2 : "";
+    r.wgmma_fwd = w == "1" || w == "fwd";
+    r.wgmma_bwd = w == "1" || w == "bwd";
     return r;
   }();
   return k;
@@ -658,6 +661,8 @@ cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E
   const size_t rows = size_t(s.B) * s.S * s.H;
   const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
   tc_bwd_dot_kernel<EO><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
+  if (kernels().wgmma_bwd && attention_wgmma_available())
+    return attention_wgmma_backward(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
   if (kernels().mma_bwd) return attention_mma_backward(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
   return s.hd == 64 ? bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st)
                     : bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
@@ -670,8 +675,14 @@ cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E
 // compiled, and the launchers above keep to the mma.sync / WMMA kernels.
 bool attention_wgmma_available() { return false; }
 void attention_wgmma_plant_layout_bug(bool) {}
+bool attention_wgmma_layout_bug_planted() { return false; }
 template <class E, class EO>
 cudaError_t attention_wgmma_forward(EO*, float*, const E*, const E*, const E*, const AttnShape&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+template <class E>
+cudaError_t attention_wgmma_backward(float*, float*, float*, const float*, const E*, const E*, const E*, const float*,
+                                     const float*, const AttnShape&, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 #endif
@@ -726,7 +737,7 @@ cudaError_t attention_tc_forward_in16(float* o, float* lse, const uint16_t* q, c
 cudaError_t attention_tc_backward_in16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                                        const uint16_t* k, const uint16_t* v, const float* o, const float* lse,
                                        const AttnShape& s, float* scratch, cudaStream_t st) {
-  if (!kernels().mma_bwd) return cudaErrorNotSupported;
+  if (!kernels().mma_bwd && !(kernels().wgmma_bwd && attention_wgmma_available())) return cudaErrorNotSupported;
   return backward(dq, dk, dv, dout, as_bf16(q), as_bf16(k), as_bf16(v), o, lse, s, scratch, st);  // D from fp32 o
 }
 

@@ -1,7 +1,8 @@
-// The attention forward on Hopper's warpgroup MMA (attention_wgmma_fwd.cu, sm_90a only), behind
-// attention_tc.cu's forward launchers when selected (AttnTcKernels::wgmma_fwd, LADDER_ATTN_WGMMA=1;
-// off by default) and attention_wgmma_available(): the contract, masking, rounding points and
-// determinism of the mma.sync forward (attention_mma.cuh), which runs wherever this one does not.
+// The attention on Hopper's warpgroup MMA (attention_wgmma_fwd.cu, attention_wgmma_bwd.cu, sm_90a
+// only), behind attention_tc.cu's launchers when selected (AttnTcKernels::wgmma_fwd / wgmma_bwd,
+// LADDER_ATTN_WGMMA=1; off by default) and attention_wgmma_available(): the contract, masking,
+// rounding points and determinism of the mma.sync kernels (attention_mma.cuh), which run wherever
+// these do not.
 // Where the build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90) attention_tc.cu defines
 // these as "not available" / cudaErrorNotSupported. Included by attention_tc.cu and the tests.
 #pragma once
@@ -21,8 +22,17 @@ template <class E, class EO>
 cudaError_t attention_wgmma_forward(EO* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
                                     cudaStream_t st);
 
+// attention_mma_backward's contract (D = rowsum(bf16(dO) * O) already computed; dq, dk, dv
+// overwritten; deterministic), E = float or bf16 (attention_wgmma_bwd.cu). cudaErrorNotSupported
+// where not available.
+template <class E>
+cudaError_t attention_wgmma_backward(float* dq, float* dk, float* dv, const float* dout, const E* q, const E* k,
+                                     const E* v, const float* lse, const float* D, const cpu::AttnShape& s,
+                                     cudaStream_t st);
+
 // Tests only: stage the tiles without the 128-byte swizzle the descriptors declare (a planted bug
 // that must make the results wrong: the tests show they can see a layout error). Not thread-safe.
 void attention_wgmma_plant_layout_bug(bool on);
+bool attention_wgmma_layout_bug_planted();
 
 }  // namespace ladder::cuda::k

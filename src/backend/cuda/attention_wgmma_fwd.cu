@@ -39,6 +39,7 @@
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/attention_softmax.cuh"
 #include "backend/cuda/attention_wgmma.cuh"
+#include "backend/cuda/attention_wgmma_tiles.cuh"
 #include "backend/cuda/device_common.cuh"
 #include "backend/cuda/mma_ptx.cuh"
 #include "backend/cuda/wgmma_attn_ptx.cuh"
@@ -56,15 +57,17 @@ using cpu::AttnShape;
 using bf16 = __nv_bfloat16;
 using attn::key_lo;
 using attn::kRows;
-
-constexpr int kThreads = 128;  // one warpgroup: 64 query rows
+using attn::kmajor_desc;
+using attn::stage_swizzled;
+using attn::mnmajor_desc;
+using attn::kWgThreads;
+constexpr int kThreads = kWgThreads;  // one warpgroup: 64 query rows
 
 template <int HD>
 struct WgFwdTiles {
-  static constexpr int kTile = kRows * HD * 2;  // one 64-row bf16 tile: HD / 64 blocks of 8 KiB
+  static constexpr int kTile = attn::WgTile<HD>::kBytes;
   static constexpr int kQ = 0, kK = kTile, kV = 3 * kTile;  // byte offsets: Q, K[2], V[2]
   static constexpr size_t kBytes = 5 * size_t(kTile);
-  static_assert(kTile % wg::kPattern == 0, "every tile starts on a swizzle pattern");
 };
 
 // Blocks per SM for __launch_bounds__: shared memory allows 5 (hd 64) and 2 (hd 128) on sm_90.
@@ -73,52 +76,6 @@ constexpr int kWgFwdBlocks = HD == 64 ? 4 : 2;
 static_assert(attn::blocks_per_sm(WgFwdTiles<64>::kBytes, 228) >= kWgFwdBlocks<64> &&
                   attn::blocks_per_sm(WgFwdTiles<128>::kBytes, 228) >= kWgFwdBlocks<128>,
               "sm_90: shared memory allows the blocks per SM the register caps are chosen for");
-
-// Byte offset of element (row r, column c) of a tile: column block c / 64, then the swizzled row.
-// `swz` false: the planted layout bug (attention_wgmma_plant_layout_bug), rows unswizzled.
-__device__ __forceinline__ uint32_t tile_offset(int r, int c, bool swz) {
-  const uint32_t off = uint32_t(c / 64) * wg::kMnLboBytes + uint32_t(r) * wg::kRowBytes + uint32_t(c % 64) * 2u;
-  return swz ? wg::swizzle128(off) : off;
-}
-
-// Rows [r0, r0 + 64) of head `head` of a [B*S, nh*HD] tensor into the tile at `dst` (rows at or past
-// S: zeros), as attn::stage_tile stages them (fp32 rounded to nearest even, bf16 copied; cp.async
-// where `async`), in 16-byte chunks: the swizzle keeps a chunk's 8 elements together.
-template <int HD, class E>
-__device__ __forceinline__ void stage_swizzled(unsigned char* dst, const E* src, int b, int S, int nh, int head,
-                                               int r0, bool vec, bool async, bool swz) {
-  constexpr int C8 = HD / 8, kPerThread = kRows * C8 / kThreads;
-  static_assert(kThreads % C8 == 0, "a thread's chunk column is the same on every row");
-  const E* p = src + ((size_t(b) * S + min(r0, S - 1)) * nh + head) * HD;  // rows past S: never read
-  const size_t ld = size_t(nh) * HD;
-  const int n = S - r0, c = (threadIdx.x % C8) * 8;
-#pragma unroll
-  for (int x = 0; x < kPerThread; ++x) {
-    const int r = threadIdx.x / C8 + x * (kThreads / C8);
-    unsigned char* d = dst + tile_offset(r, c, swz);
-    if (r >= n) {
-      *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);  // all-zero bits: bf16 zeros
-      continue;
-    }
-    const E* s = p + r * ld + c;
-    if constexpr (std::is_same_v<E, bf16>) {
-      if (async) {
-        __pipeline_memcpy_async(d, s, 16);
-        continue;
-      }
-    }
-    attn::stage4(reinterpret_cast<bf16*>(d), s, vec);
-    attn::stage4(reinterpret_cast<bf16*>(d) + 4, s + 4, vec);
-  }
-}
-
-// Descriptors of k16 slice kk: a K-major operand (Q, K: rows of hd) and the MN-major V.
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile, int kk) {
-  return wg::make_desc(tile + uint32_t(kk / 4) * wg::kMnLboBytes + uint32_t(kk % 4) * 32u, 16u, wg::kSboBytes);
-}
-__device__ __forceinline__ uint64_t vmn_desc(uint32_t tile, int kk) {
-  return wg::make_desc(tile + uint32_t(kk) * 16u * wg::kRowBytes, wg::kMnLboBytes, wg::kSboBytes);
-}
 
 template <int HD, class E, class EO>
 __global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD>)
@@ -190,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD>)
     wg::wgmma_fence();
     wg::fence_acc(oacc);
 #pragma unroll
-    for (int kk = 0; kk < kPv; ++kk) wg::rs<HD, true>(oacc, pa[kk], vmn_desc(vs, kk));
+    for (int kk = 0; kk < kPv; ++kk) wg::rs<HD, true>(oacc, pa[kk], mnmajor_desc(vs, kk));
     wg::wgmma_commit();
     wg::wgmma_wait<0>();
     wg::fence_acc(oacc);
@@ -228,6 +185,7 @@ bool attention_wgmma_available() {
 }
 
 void attention_wgmma_plant_layout_bug(bool on) { g_plant_layout_bug = on; }
+bool attention_wgmma_layout_bug_planted() { return g_plant_layout_bug; }
 
 template <class E, class EO>
 cudaError_t attention_wgmma_forward(EO* o, float* lse, const E* q, const E* k, const E* v, const cpu::AttnShape& s,
