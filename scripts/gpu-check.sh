@@ -130,16 +130,17 @@ if [ "$WG_RC" = 0/0 ] && [ "$(grep -c '^\[       OK \] CudaWgmma\.' "$OUT/wgmma.
 fi
 log "grouped GEMM wgmma: $([ $WG_OK = 1 ] && echo "tests passed, MoE benches with LADDER_GROUPED_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
 
-# ---- 2c. the wgmma attention forward (sm_90a, off by default: LADDER_ATTN_WGMMA=1), in its own
-# process too (log appended to wgmma.log): CudaAttentionWgmma.* (the mma.sync attention's cases with
-# the wgmma forward, against the CPU and the mma.sync forward, and the planted swizzle bug). Only
+# ---- 2c. the wgmma attention (sm_90a, off by default: LADDER_ATTN_WGMMA=1), in its own process too
+# (log appended to wgmma.log): CudaAttentionWgmma.* (the mma.sync attention's cases with the wgmma
+# forward and backward, against the CPU and the mma.sync kernels, the register-A layout self-test and
+# the planted swizzle bug). Only
 # where all of it passed do the model benches add dense-d2048 and moe-d1024 with LADDER_ATTN_WGMMA=1.
 log "wgmma attention tests (log: wgmma.log)"
 echo "=== CudaAttentionWgmma" >>"$OUT/wgmma.log"
 timeout 90 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='CudaAttentionWgmma.*' >>"$OUT/wgmma.log" 2>&1
 AW_RC=$?
 AW_OK=0
-if [ $AW_RC = 0 ] && [ "$(sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -c '^\[       OK \] CudaAttentionWgmma\.')" -ge 5 ]; then
+if [ $AW_RC = 0 ] && [ "$(sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -c '^\[       OK \] CudaAttentionWgmma\.')" -ge 6 ]; then
   AW_OK=1
 fi
 log "attention wgmma: $([ $AW_OK = 1 ] && echo "tests passed, dense-d2048 / moe-d1024 benches with LADDER_ATTN_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
@@ -260,9 +261,9 @@ grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
 echo "grouped GEMM wgmma (sm_90a): exit $WG_RC, $([ $WG_OK = 1 ] && echo "CudaWgmma + CudaGroupedTc with wgmma passed" || echo "not passed or skipped: see wgmma.log ('[ wgmma    ]' lines name the layout fact at fault)")"
 grep -E '^\[  (FAILED|SKIPPED) \] Cuda|^\[ wgmma    \]' "$OUT/wgmma.log" | sort -u | head -n 16 | sed 's/^/  /'
 grep '^\[ rel err  \] wgmma' "$OUT/wgmma.log" | sed 's/^\[ rel err  \] /  /'
-echo "attention wgmma forward (sm_90a): exit $AW_RC, $([ $AW_OK = 1 ] && echo "CudaAttentionWgmma passed" || echo "not passed or skipped: see wgmma.log")"
-sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -E '^\[  (FAILED|SKIPPED) \] Cuda' | sort -u | head -n 8 | sed 's/^/  /'
-sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '^\[ rel err  \] attn_wgmma fwd o .*vs mma' | sed 's/^\[ rel err  \] /  /'
+echo "attention wgmma (sm_90a): exit $AW_RC, $([ $AW_OK = 1 ] && echo "CudaAttentionWgmma passed" || echo "not passed or skipped: see wgmma.log")"
+sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -E '^\[  (FAILED|SKIPPED) \] Cuda|\[ wgmma    \] register A' | sort -u | head -n 8 | sed 's/^/  /'
+sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '^\[ rel err  \] attn_wgmma .* vs mma' | sed 's/^\[ rel err  \] /  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
 grep '^\[ thruput  \].*wgmma' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'

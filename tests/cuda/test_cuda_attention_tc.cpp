@@ -366,6 +366,49 @@ TEST_F(CudaAttentionWgmma, MatchesMmaSync) {
   }
 }
 
+// The register-A wgmma the kernels' P V, dV, dK and dQ products use (wgmma_attn_ptx.cuh): one
+// m64n64k16 with A loaded in the stated register fragment layout, B read K-major and MN-major from
+// an attention tile, against a CPU product. Small integers: every sum is exact, so any difference
+// is a layout error, and the message says which reading of the layout the device follows.
+TEST_F(CudaAttentionWgmma, RegisterAFragmentLayout) {
+  std::vector<uint16_t> a(64 * 16), b(16 * 64);
+  std::vector<float> af(a.size()), bf(b.size());
+  auto ri = randi(a.size() + b.size(), 9);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = cpu::bf16_bits(af[i] = float(ri[i] - 4));
+  for (size_t i = 0; i < b.size(); ++i) b[i] = cpu::bf16_bits(bf[i] = float(ri[a.size() + i] - 4));
+  std::vector<float> want(64 * 64, 0.f);
+  for (int r = 0; r < 64; ++r)
+    for (int c = 0; c < 64; ++c)
+      for (int k = 0; k < 16; ++k) want[r * 64 + c] += af[r * 16 + k] * bf[k * 64 + c];
+  auto d_a = up(a), d_b = up(b);
+  auto run = [&](bool b_kmajor, bool swap) {
+    auto d = poisoned(64 * 64);
+    LADDER_CUDA_CHECK(cuda::k::wgmma_rs_selftest(d.data(), d_a.data(), d_b.data(), b_kmajor, swap, st()));
+    return down(d, 64 * 64);
+  };
+  for (const bool b_kmajor : {true, false}) {
+    const char* form = b_kmajor ? "B K-major" : "B MN-major";
+    const std::vector<float> got = run(b_kmajor, false);
+    size_t bad = 0;
+    while (bad < got.size() && got[bad] == want[bad]) ++bad;
+    if (bad == got.size()) {
+      // The planted bug: the other reading of the layout must give wrong results.
+      EXPECT_NE(run(b_kmajor, true), want) << form << ": a1 and a2 exchanged gave the right D: the test cannot "
+                                                      "tell the register A layout";
+      continue;
+    }
+    if (run(b_kmajor, true) == want) {
+      ADD_FAILURE() << "[ wgmma    ] register A (" << form << "): the device reads a1 as (row g, k 2t + 8) and a2 as "
+                    << "(row g + 8, k 2t), not mma.sync's order: pack_a's use in the wgmma kernels is wrong";
+    } else {
+      ADD_FAILURE() << "[ wgmma    ] register A (" << form << "): D[" << bad / 64 << "][" << bad % 64 << "] = "
+                    << got[bad] << ", want " << want[bad]
+                    << " (neither reading of the register A layout; if CudaWgmma.* failed too, the B operand's "
+                    << "shared-memory layout is at fault)";
+    }
+  }
+}
+
 // The planted bug: tiles staged without the 128-byte swizzle the descriptors declare, in the forward
 // (the mma.sync backward then runs on its wrong o and lse) and in the backward alone. The results
 // must be far off: the tests can see a layout error, and the wgmma kernels are the ones that ran.

@@ -676,6 +676,9 @@ cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E
 bool attention_wgmma_available() { return false; }
 void attention_wgmma_plant_layout_bug(bool) {}
 bool attention_wgmma_layout_bug_planted() { return false; }
+cudaError_t wgmma_rs_selftest(float*, const uint16_t*, const uint16_t*, bool, bool, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
 template <class E, class EO>
 cudaError_t attention_wgmma_forward(EO*, float*, const E*, const E*, const E*, const AttnShape&, cudaStream_t) {
   return cudaErrorNotSupported;

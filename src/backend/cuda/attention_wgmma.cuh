@@ -30,6 +30,14 @@ cudaError_t attention_wgmma_backward(float* dq, float* dk, float* dv, const floa
                                      const E* v, const float* lse, const float* D, const cpu::AttnShape& s,
                                      cudaStream_t st);
 
+// The register-A wgmma's layout self-test (tests/cuda/test_cuda_attention_tc.cpp): one warpgroup,
+// D [64][64] fp32 (row-major, device) = A [64][16] * B [16][64] (bf16 bits, row-major, device) by
+// one wgmma m64n64k16 with A from registers, loaded in the fragment layout wgmma_attn_ptx.cuh states
+// (`swap_a12`: a1 and a2 exchanged, the other plausible reading: the tests expect it to fail), B
+// staged as an attention tile and read K-major (`b_kmajor`: tile rows are n) or MN-major (rows k).
+cudaError_t wgmma_rs_selftest(float* d, const uint16_t* a, const uint16_t* b, bool b_kmajor, bool swap_a12,
+                              cudaStream_t st);
+
 // Tests only: stage the tiles without the 128-byte swizzle the descriptors declare (a planted bug
 // that must make the results wrong: the tests show they can see a layout error). Not thread-safe.
 void attention_wgmma_plant_layout_bug(bool on);

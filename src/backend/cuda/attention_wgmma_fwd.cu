@@ -157,6 +157,40 @@ __global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD>)
   attn::store_rows<HD>(o, lse, oacc, l, m, b, S, H, h, ia, ib, t, ovec);
 }
 
+__global__ void __launch_bounds__(kThreads, 1)
+    wg_rs_selftest_kernel(float* d, const uint16_t* a, const uint16_t* b, bool b_kmajor, bool swap_a12) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t s0 = wg::smem_addr(smem);
+  for (int i = threadIdx.x; i < 16 * 64; i += kThreads) {  // B (k, n) into the tile
+    const int kk = i / 64, n = i % 64;
+    const uint32_t off = b_kmajor ? attn::tile_offset(n, kk, true) : attn::tile_offset(kk, n, true);
+    *reinterpret_cast<uint16_t*>(smem + off) = b[i];
+  }
+  wg::fence_proxy_async();
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = 16 * warp + g;
+  auto pair = [&](int r, int c) { return uint32_t(a[r * 16 + c]) | (uint32_t(a[r * 16 + c + 1]) << 16); };
+  uint32_t fa[4] = {pair(r0, 2 * t), pair(r0 + 8, 2 * t), pair(r0, 2 * t + 8), pair(r0 + 8, 2 * t + 8)};
+  if (swap_a12) {
+    const uint32_t x = fa[1];
+    fa[1] = fa[2];
+    fa[2] = x;
+  }
+  float acc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  wg::wgmma_fence();
+  wg::fence_acc(acc);
+  if (b_kmajor) wg::rs<64, false>(acc, fa, kmajor_desc(s0, 0));
+  else wg::rs<64, true>(acc, fa, mnmajor_desc(s0, 0));
+  wg::wgmma_commit();
+  wg::wgmma_wait<0>();
+  wg::fence_acc(acc);
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[(r0 + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)] = acc[j][e];
+}
+
 bool g_plant_layout_bug = false;
 
 template <int HD, class E, class EO>
@@ -182,6 +216,13 @@ bool attention_wgmma_available() {
     return e == cudaSuccess;
   }();
   return ok;
+}
+
+cudaError_t wgmma_rs_selftest(float* d, const uint16_t* a, const uint16_t* b, bool b_kmajor, bool swap_a12,
+                              cudaStream_t st) {
+  if (!attention_wgmma_available()) return cudaErrorNotSupported;
+  wg_rs_selftest_kernel<<<1, kThreads, attn::WgTile<64>::kBytes, st>>>(d, a, b, b_kmajor, swap_a12);
+  return cudaGetLastError();
 }
 
 void attention_wgmma_plant_layout_bug(bool on) { g_plant_layout_bug = on; }
