@@ -67,11 +67,15 @@ struct WgBwdTiles {
   static constexpr size_t kBytes = 6 * size_t(kTile) + 4 * kRows * sizeof(float);
 };
 // Blocks per SM for __launch_bounds__ (shared memory allows 4 at hd 64, 2 at hd 128 on sm_90).
+// ptxas (CUDA 13.0, sm_90a, no spills; bf16 / fp32 inputs; scripts/ptxas-regs.sh): dK/dV 168 / 168
+// at hd 64 (3 blocks: cap 168; 179 uncapped), 254 / 240 at hd 128 (2 blocks: the dK, dV
+// accumulators alone are 128); dQ 150 / 154 at hd 64 (3 blocks), 176 / 168 at hd 128 (2 blocks).
 template <int HD>
-constexpr int kWgDkdvBlocks = 2;
+constexpr int kWgDkdvBlocks = HD == 64 ? 3 : 2;
 template <int HD>
 constexpr int kWgDqBlocks = HD == 64 ? 3 : 2;
-static_assert(attn::blocks_per_sm(WgBwdTiles<64>::kBytes, 228) >= kWgDqBlocks<64> &&
+static_assert(attn::blocks_per_sm(WgBwdTiles<64>::kBytes, 228) >= kWgDkdvBlocks<64> &&
+                  attn::blocks_per_sm(WgBwdTiles<64>::kBytes, 228) >= kWgDqBlocks<64> &&
                   attn::blocks_per_sm(WgBwdTiles<128>::kBytes, 228) >= kWgDqBlocks<128> &&
                   attn::blocks_per_sm(WgBwdTiles<128>::kBytes, 228) >= kWgDkdvBlocks<128>,
               "sm_90: shared memory allows the blocks per SM the register caps are chosen for");
