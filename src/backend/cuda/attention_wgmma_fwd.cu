@@ -18,15 +18,17 @@
 // mma.sync kernel a warp whose rows see none of a tile's keys does not skip it: the mask gives it
 // P = 0 and corr = 1, the identity update, and the results are the same.
 //
-// Shared memory: Q, and two buffers each of K and V, every tile in one layout: the 128-byte swizzle
+// Shared memory: Q, two K buffers and two (hd 64) or one (hd 128) V buffers (WgFwdTiles), every tile
+// in one layout: the 128-byte swizzle
 // of wgmma_ptx.cuh, 64-column blocks of [64 rows][128 bytes] (hd 64: one block, 8 KiB; hd 128: two,
 // 16 KiB), so K-major reads of Q and K (k16 slice kk at block kk / 4, byte 32 (kk % 4) of the row)
 // and MN-major reads of V (k16 slice kk at row 16 kk; SBO = 8 rows, LBO = the next 64-column block,
 // wgmma_layout.h's constants, so whatever CudaWgmma.MnMajorStrideRoles finds applies here too) see
-// the same bytes. 40 KiB (hd 64) and 80 KiB (hd 128) per block.
-// Pipeline: the next key tile's K and V are issued (cp.async for aligned bf16; fp32 and unaligned
-// bf16 go through registers, synchronously) right after the barrier that publishes the current
-// one, into the other buffers, and land while the warpgroup computes; one barrier per key tile.
+// the same bytes. 40 KiB (hd 64) and 64 KiB (hd 128) per block.
+// Pipeline: the next key tile's K (and V at hd 64) is issued (cp.async for aligned bf16; fp32 and
+// unaligned bf16 go through registers, synchronously) right after the barrier that publishes the
+// current one, into the other buffers, and lands while the warpgroup computes; one barrier per key
+// tile at hd 64, two at hd 128 (the tile's own V, issued at the top, published before P V).
 // Each MMA batch is waited for (wgmma.wait_group 0) before its results are used, so no operand
 // buffer is overwritten under an MMA in flight.
 #include <cuda_bf16.h>
@@ -66,22 +68,29 @@ constexpr int kThreads = kWgThreads;  // one warpgroup: 64 query rows
 template <int HD>
 struct WgFwdTiles {
   static constexpr int kTile = attn::WgTile<HD>::kBytes;
-  static constexpr int kQ = 0, kK = kTile, kV = 3 * kTile;  // byte offsets: Q, K[2], V[2]
-  static constexpr size_t kBytes = 5 * size_t(kTile);
+  // V buffers: two at hd 64 (the next tile's V loads during the whole iteration, one barrier per
+  // tile: 40 KiB, registers bind at 4 blocks per SM anyway); one at hd 128, so that the block takes
+  // 64 KiB and sm_90 holds 3 blocks, as the registers allow (two would take 80 KiB: 2 blocks): the
+  // tile's V is then issued at the top of its own iteration, once the previous P V has retired, and
+  // lands during S = Q K^T and the softmax (a second barrier publishes it), as in the mma.sync kernel.
+  static constexpr int kVBufs = HD == 64 ? 2 : 1;
+  static constexpr int kQ = 0, kK = kTile, kV = 3 * kTile;  // byte offsets: Q, K[2], V[kVBufs]
+  static constexpr size_t kBytes = size_t(3 + kVBufs) * kTile;
 };
 
-// Blocks per SM for __launch_bounds__: shared memory allows 5 (hd 64) and 2 (hd 128) on sm_90.
-// ptxas (CUDA 13.0, sm_90a, no spills; bf16 / fp32 inputs): 125 / 121 registers at hd 64 (4
-// blocks: cap 128), 162 / 183 at hd 128 (2 blocks, bound by the 80 KiB of shared memory: a third
-// would need it under 75 KiB, e.g. one V buffer loaded after P V as the mma.sync kernel does).
-template <int HD>
-constexpr int kWgFwdBlocks = HD == 64 ? 4 : 2;
-static_assert(attn::blocks_per_sm(WgFwdTiles<64>::kBytes, 228) >= kWgFwdBlocks<64> &&
-                  attn::blocks_per_sm(WgFwdTiles<128>::kBytes, 228) >= kWgFwdBlocks<128>,
+// Blocks per SM for __launch_bounds__: shared memory allows 5 (hd 64) and 3 (hd 128) on sm_90.
+// ptxas (CUDA 13.0, sm_90a; scripts/ptxas-regs.sh): hd 64, 4 blocks (cap 128): 125 registers (bf16
+// inputs), 121 (fp32); hd 128, bf16 inputs (the model's: in16 and attn_bf16), 3 blocks (cap 168):
+// 168, no spills; fp32 inputs (rounded while staged, through registers) spill 8 bytes at that cap,
+// so they keep 2 blocks (183 registers).
+template <int HD, class E>
+constexpr int kWgFwdBlocks = HD == 64 ? 4 : std::is_same_v<E, float> ? 2 : 3;
+static_assert(attn::blocks_per_sm(WgFwdTiles<64>::kBytes, 228) >= kWgFwdBlocks<64, bf16> &&
+                  attn::blocks_per_sm(WgFwdTiles<128>::kBytes, 228) >= kWgFwdBlocks<128, bf16>,
               "sm_90: shared memory allows the blocks per SM the register caps are chosen for");
 
 template <int HD, class E, class EO>
-__global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD>)
+__global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD, E>)
     wg_fwd_kernel(EO* o, float* lse, const E* q, const E* k, const E* v, AttnShape sh, bool vec, bool async,
                   bool ovec, bool swz) {
   using T = WgFwdTiles<HD>;
@@ -101,10 +110,10 @@ __global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD>)
   const int w_first = i0 + warp * 16;
   const int i_last = min(S, i0 + kRows) - 1;
 
-  // Prologue: Q and the first K and V tiles, one commit group.
+  // Prologue: Q and the first K tile (and V tile, with two V buffers), one commit group.
   stage_swizzled<HD>(smem + T::kQ, q, b, S, H, h, i0, vec, async, swz);
   stage_swizzled<HD>(smem + T::kK, k, b, S, KV, kvh, k_first, vec, async, swz);
-  stage_swizzled<HD>(smem + T::kV, v, b, S, KV, kvh, k_first, vec, async, swz);
+  if constexpr (T::kVBufs == 2) stage_swizzled<HD>(smem + T::kV, v, b, S, KV, kvh, k_first, vec, async, swz);
   __pipeline_commit();
 
   float oacc[HD / 8][4];  // O: the m64nHD accumulators (rows ia, ib; hd columns 8n + 2t, + 1)
@@ -118,12 +127,17 @@ __global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD>)
     __pipeline_wait_prior(0);  // this thread's copies of this tile have landed ...
     wg::fence_proxy_async();   // ... and with its plain stores are visible to the tensor cores ...
     __syncthreads();           // ... everyone's; and every MMA of the previous tile has retired
+    if constexpr (T::kVBufs == 1) {  // this tile's V into the one V buffer (the previous P V is done)
+      stage_swizzled<HD>(smem + T::kV, v, b, S, KV, kvh, k0, vec, async, swz);
+      __pipeline_commit();
+    }
     if (k0 + kRows <= i_last) {  // the next tile into the other buffers (last read by the previous tile)
       stage_swizzled<HD>(smem + T::kK + (buf ^ 1) * T::kTile, k, b, S, KV, kvh, k0 + kRows, vec, async, swz);
-      stage_swizzled<HD>(smem + T::kV + (buf ^ 1) * T::kTile, v, b, S, KV, kvh, k0 + kRows, vec, async, swz);
+      if constexpr (T::kVBufs == 2)
+        stage_swizzled<HD>(smem + T::kV + (buf ^ 1) * T::kTile, v, b, S, KV, kvh, k0 + kRows, vec, async, swz);
     }
-    __pipeline_commit();
-    const uint32_t ks = s0 + T::kK + buf * T::kTile, vs = s0 + T::kV + buf * T::kTile;
+    __pipeline_commit();  // (empty after the last tile)
+    const uint32_t ks = s0 + T::kK + buf * T::kTile, vs = s0 + T::kV + (T::kVBufs == 2 ? buf : 0) * T::kTile;
 
     // S = Q K^T (unscaled, fp32).
     float sacc[kRows / 8][4];
@@ -147,6 +161,11 @@ __global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD>)
     uint32_t pa[kPv][4];
 #pragma unroll
     for (int kk = 0; kk < kPv; ++kk) pack_a(pa[kk], sacc[2 * kk], sacc[2 * kk + 1]);
+    if constexpr (T::kVBufs == 1) {
+      __pipeline_wait_prior(1);  // this thread's V copies have landed (the next K's may be in flight) ...
+      wg::fence_proxy_async();
+      __syncthreads();  // ... and everyone's: the V tile is published
+    }
     wg::wgmma_fence();
     wg::fence_acc(oacc);
 #pragma unroll
