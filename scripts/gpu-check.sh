@@ -18,7 +18,9 @@
 #                          MoE with bf16 saved activations; then, while under 7 minutes, the d=1024 MoE
 #                          with the WMMA grouped GEMM (LADDER_GROUPED_MMA=0) and the d=1024 dense with
 #                          the WMMA attention (LADDER_ATTN_MMA=0); where the wgmma grouped GEMM passed its
-#                          tests, the two MoE presets with LADDER_GROUPED_WGMMA=1 after the first four);
+#                          tests, the two MoE presets with LADDER_GROUPED_WGMMA=1 after the first four, and
+#                          where the wgmma attention passed, dense d=2048 and MoE d=1024 with
+#                          LADDER_ATTN_WGMMA=1);
 #                          key=value pairs go to `ladder bench --set`,
 #                          LADDER_*=value to the environment. The attention's default is the mma.sync
 #                          kernels; where they did not pass their tests in this run, every model bench
@@ -130,6 +132,21 @@ if [ "$WG_RC" = 0/0 ] && [ "$(grep -c '^\[       OK \] CudaWgmma\.' "$OUT/wgmma.
 fi
 log "grouped GEMM wgmma: $([ $WG_OK = 1 ] && echo "tests passed, MoE benches with LADDER_GROUPED_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
 
+# ---- 2c. the wgmma attention (sm_90a, off by default: LADDER_ATTN_WGMMA=1), in its own process too
+# (log appended to wgmma.log): CudaAttentionWgmma.* (the mma.sync attention's cases with the wgmma
+# forward and backward, against the CPU and the mma.sync kernels, the register-A layout self-test and
+# the planted swizzle bug). Only
+# where all of it passed do the model benches add dense-d2048 and moe-d1024 with LADDER_ATTN_WGMMA=1.
+log "wgmma attention tests (log: wgmma.log)"
+echo "=== CudaAttentionWgmma" >>"$OUT/wgmma.log"
+timeout 90 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='CudaAttentionWgmma.*' >>"$OUT/wgmma.log" 2>&1
+AW_RC=$?
+AW_OK=0
+if [ $AW_RC = 0 ] && [ "$(sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -c '^\[       OK \] CudaAttentionWgmma\.')" -ge 6 ]; then
+  AW_OK=1
+fi
+log "attention wgmma: $([ $AW_OK = 1 ] && echo "tests passed, dense-d2048 / moe-d1024 benches with LADDER_ATTN_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
+
 # ---- 3. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
 SAN_RC=skipped
 if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
@@ -150,12 +167,17 @@ if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/nu
       --gtest_filter='CudaWgmma.*:CudaGroupedTc.BothShapes:CudaGroupedTc.WgmmaBothShapes' >>"$OUT/sanitizer.log" 2>&1
     SAN_RC="$SAN_RC/wgmma $?"
   fi
+  if [ $AW_OK = 1 ]; then
+    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
+      --gtest_filter='CudaAttentionWgmma.UnalignedInputs:CudaAttentionWgmma.RegisterAFragmentLayout' >>"$OUT/sanitizer.log" 2>&1
+    SAN_RC="$SAN_RC/attn-wgmma $?"
+  fi
   tail -n 3 "$OUT/sanitizer.log"
 fi
 
 # ---- 4. micro-benchmark -------------------------------------------------------------------------------
 log "benchmark (log: bench.log)"
-LADDER_BENCH_ATTN_MMA=$MMA_OK timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
+LADDER_BENCH_ATTN_MMA=$MMA_OK LADDER_BENCH_ATTN_WGMMA=$AW_OK timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 
 # ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
@@ -163,6 +185,9 @@ BENCH_RC=$?
 log "model benchmarks (log: models.log)"
 WG_ROWS=""
 [ $WG_OK = 1 ] && WG_ROWS="moe-d1024:bf16:LADDER_GROUPED_WGMMA=1 moe-d2048:bf16:LADDER_GROUPED_WGMMA=1 "
+[ $AW_OK = 1 ] && WG_ROWS="${WG_ROWS}dense-d2048:bf16:LADDER_ATTN_WGMMA=1 moe-d1024:bf16:LADDER_ATTN_WGMMA=1 "
+# Both wgmma paths together: the MoE step the goal is about, with every kernel the next step needs.
+[ $WG_OK = 1 ] && [ $AW_OK = 1 ] && WG_ROWS="${WG_ROWS}moe-d1024:bf16:LADDER_GROUPED_WGMMA=1,LADDER_ATTN_WGMMA=1 "
 F32D=model.mlp_bf16=false,model.attn_bf16=false,model.norm_bf16=false
 F32M=model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false
 MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${WG_ROWS}dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
@@ -181,6 +206,10 @@ for mp in $MODELS; do
   fi
   if [[ " ${envs[*]} " == *" LADDER_GROUPED_MMA=0 "* ]] && [ $GG_OK != 1 ]; then
     log "skipping $mp: every bench runs the WMMA grouped GEMM already"
+    continue
+  fi
+  if [[ " ${envs[*]} " == *" LADDER_ATTN_WGMMA=1 "* ]] && [ $AW_OK != 1 ]; then
+    log "skipping $mp: the wgmma attention did not pass its tests here"
     continue
   fi
   if [[ " ${envs[*]} " == *" LADDER_GROUPED_WGMMA=1 "* ]] && [ $WG_OK != 1 ]; then
@@ -243,6 +272,9 @@ grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
 echo "grouped GEMM wgmma (sm_90a): exit $WG_RC, $([ $WG_OK = 1 ] && echo "CudaWgmma + CudaGroupedTc with wgmma passed" || echo "not passed or skipped: see wgmma.log ('[ wgmma    ]' lines name the layout fact at fault)")"
 grep -E '^\[  (FAILED|SKIPPED) \] Cuda|^\[ wgmma    \]' "$OUT/wgmma.log" | sort -u | head -n 16 | sed 's/^/  /'
 grep '^\[ rel err  \] wgmma' "$OUT/wgmma.log" | sed 's/^\[ rel err  \] /  /'
+echo "attention wgmma (sm_90a): exit $AW_RC, $([ $AW_OK = 1 ] && echo "CudaAttentionWgmma passed" || echo "not passed or skipped: see wgmma.log")"
+sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -E '^\[  (FAILED|SKIPPED) \] Cuda|\[ wgmma    \] register A' | sort -u | head -n 8 | sed 's/^/  /'
+sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '^\[ rel err  \] attn_wgmma .* vs mma' | sed 's/^\[ rel err  \] /  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
 grep '^\[ thruput  \].*wgmma' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'

@@ -16,7 +16,8 @@ if [ "${1:-}" = "--arch" ]; then
 fi
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(src/backend/cuda/attention_tc.cu src/backend/cuda/attention_mma_fwd.cu src/backend/cuda/attention_mma_bwd.cu
-                              src/backend/cuda/grouped_gemm_tc.cu src/backend/cuda/grouped_gemm_wgmma.cu)
+                              src/backend/cuda/grouped_gemm_tc.cu src/backend/cuda/grouped_gemm_wgmma.cu
+                              src/backend/cuda/attention_wgmma_fwd.cu src/backend/cuda/attention_wgmma_bwd.cu)
 command -v nvcc >/dev/null || { echo "ptxas-regs.sh: nvcc not found (CUDA toolkit not installed)" >&2; exit 1; }
 obj=$(mktemp /tmp/ptxas-regs.XXXXXX.o)
 trap 'rm -f "$obj"' EXIT

@@ -23,6 +23,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/attention_tc.cuh"
+#include "backend/cuda/attention_wgmma.cuh"
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/lt_gemm.h"
 
@@ -228,9 +229,14 @@ int main(int argc, char** argv) {
       const k::AttnTcKernels saved = k::attention_tc_kernels();
       const char* env_mma = std::getenv("LADDER_BENCH_ATTN_MMA");
       const bool with_mma = env_mma && std::string(env_mma) == "1";
-      for (const bool mma : {false, true}) {
-        if (mma && !with_mma) break;
-        k::attention_tc_set_kernels(k::AttnTcKernels{mma, mma});
+      // Then the wgmma kernels (rows "... wgmma ..."), with LADDER_BENCH_ATTN_WGMMA=1 (gpu-check: once
+      // CudaAttentionWgmma.* passed) where they are available.
+      const char* env_wg = std::getenv("LADDER_BENCH_ATTN_WGMMA");
+      const bool with_wg = env_wg && std::string(env_wg) == "1" && k::attention_wgmma_available();
+      for (const int family : {0, 1, 2}) {  // WMMA, mma.sync, wgmma
+        const bool mma = family > 0, wg = family == 2;
+        if ((mma && !with_mma) || (wg && !with_wg)) break;
+        k::attention_tc_set_kernels(k::AttnTcKernels{mma, mma, wg, wg});
         for (const bool in16 : {false, true}) {
           const std::function<void()> f = in16 ? std::function<void()>(fwd16) : std::function<void()>(fwd);
           const std::function<void()> g = in16 ? std::function<void()>(bwd16) : std::function<void()>(bwd);
@@ -241,7 +247,7 @@ int main(int argc, char** argv) {
             f();
             g();
           });
-          const std::string fam = mma ? "mma" : "tc", ty = in16 ? "in16" : "bf16";
+          const std::string fam = wg ? "wgmma" : mma ? "mma" : "tc", ty = in16 ? "in16" : "bf16";
           const struct {
             std::string what;
             double ms, flop;

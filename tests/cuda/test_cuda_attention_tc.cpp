@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -36,6 +37,7 @@
 
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/attention_tc.cuh"
+#include "backend/cuda/attention_wgmma.cuh"
 #include "backend/cuda/cuda_backend.h"
 #include "cuda_fixture.h"
 #include "backend/cuda/cuda_check.h"
@@ -295,6 +297,139 @@ class CudaAttentionMma : public CudaAttentionTc {
 TEST_F(CudaAttentionMma, MatchesCpuAcrossShapes) { across_shapes(); }
 TEST_F(CudaAttentionMma, SharpSoftmax) { sharp_softmax(); }
 TEST_F(CudaAttentionMma, UnalignedInputs) { unaligned_inputs(); }
+
+// The wgmma kernels (attention_wgmma.cuh, sm_90a; LADDER_ATTN_WGMMA=1) on the same cases and bounds;
+// skipped visibly where the device or the build has no sm_90a code.
+class CudaAttentionWgmma : public CudaAttentionTc {
+ protected:
+  CudaAttentionWgmma() {
+    want_ = cuda::k::AttnTcKernels{true, true, true, true};
+    tag_ = "attn_wgmma";
+  }
+  void SetUp() override {
+    CudaAttentionTc::SetUp();
+    if (IsSkipped()) return;
+    if (!cuda::k::attention_wgmma_available())
+      GTEST_SKIP() << "attention wgmma kernels not available (no sm_90a code in this build, or not an sm_90 device)";
+    // LADDER_TEST_WGMMA=0: gpu-check's main test run, where a faulting wgmma kernel (which ends the
+    // CUDA context) must not take the other tests down; they run in a process of their own.
+    const char* e = std::getenv("LADDER_TEST_WGMMA");
+    if (e && std::string(e) == "0") GTEST_SKIP() << "LADDER_TEST_WGMMA=0: the wgmma tests run in a process of their own";
+  }
+  // The launchers' o, lse, dq, dk, dv on the given inputs with the kernels `which` (the backward on
+  // `which`'s own forward results).
+  Ref launch(const AttnShape& s, const std::vector<float>& q, const std::vector<float>& k,
+             const std::vector<float>& v, const std::vector<float>& dout, cuda::k::AttnTcKernels which) {
+    cuda::k::attention_tc_set_kernels(which);
+    const size_t nq = q.size(), nk = k.size(), nl = size_t(s.B) * s.H * s.S;
+    auto d_q = up(q), d_k = up(k), d_v = up(v), d_dout = up(dout);
+    auto d_o = poisoned(nq), d_lse = poisoned(nl), d_dq = poisoned(nq), d_dk = poisoned(nk), d_dv = poisoned(nk);
+    DeviceBuffer<float> scratch(std::max<size_t>(1, cuda::k::attention_tc_backward_scratch_floats(s)));
+    LADDER_CUDA_CHECK(cuda::k::attention_tc_forward(d_o.data(), d_lse.data(), d_q.data(), d_k.data(), d_v.data(), s,
+                                                    st()));
+    LADDER_CUDA_CHECK(cuda::k::attention_tc_backward(d_dq.data(), d_dk.data(), d_dv.data(), d_dout.data(), d_q.data(),
+                                                     d_k.data(), d_v.data(), d_o.data(), d_lse.data(), s,
+                                                     scratch.data(), st()));
+    Ref r{down(d_o, nq), down(d_lse, nl), down(d_dq, nq), down(d_dk, nk), down(d_dv, nk)};
+    cuda::k::attention_tc_set_kernels(want_);
+    return r;
+  }
+  static double rel(const std::vector<float>& a, const std::vector<float>& b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+      den += double(b[i]) * b[i];
+    }
+    return std::sqrt(num / den);
+  }
+};
+
+TEST_F(CudaAttentionWgmma, MatchesCpuAcrossShapes) { across_shapes(); }
+TEST_F(CudaAttentionWgmma, SharpSoftmax) { sharp_softmax(); }
+TEST_F(CudaAttentionWgmma, UnalignedInputs) { unaligned_inputs(); }
+
+// wgmma against mma.sync on the same inputs: the same rounding points, so they differ only by the
+// order of the fp32 sums inside the MMAs (far below kTcRounded; a layout or mask error is of order 1).
+TEST_F(CudaAttentionWgmma, MatchesMmaSync) {
+  for (int hd : {64, 128}) {
+    const AttnShape s{2, 200, 4, 2, hd, hd == 64 ? 0 : 70, 1.0 / std::sqrt(double(hd))};
+    const std::string what = fmt::format(" vs mma.sync hd={} W={}", hd, s.window);
+    const size_t nq = size_t(s.B) * s.S * s.H * hd, nk = size_t(s.B) * s.S * s.KV * hd;
+    auto q = randv(nq, -2.f, 2.f), k = randv(nk, -2.f, 2.f), v = randv(nk), dout = randv(nq);
+    const Ref w = launch(s, q, k, v, dout, want_);
+    const Ref m = launch(s, q, k, v, dout, cuda::k::AttnTcKernels{true, true, false, false});
+    check(w.o, m.o, 1e-4, tag_ + " fwd o" + what);
+    check(w.lse, m.lse, 1e-5, tag_ + " fwd lse" + what);
+    check(w.dq, m.dq, 1e-3, tag_ + " bwd dq" + what);
+    check(w.dk, m.dk, 1e-3, tag_ + " bwd dk" + what);
+    check(w.dv, m.dv, 1e-3, tag_ + " bwd dv" + what);
+  }
+}
+
+// The register-A wgmma the kernels' P V, dV, dK and dQ products use (wgmma_attn_ptx.cuh): one
+// m64n64k16 with A loaded in the stated register fragment layout, B read K-major and MN-major from
+// an attention tile, against a CPU product. Small integers: every sum is exact, so any difference
+// is a layout error, and the message says which reading of the layout the device follows.
+TEST_F(CudaAttentionWgmma, RegisterAFragmentLayout) {
+  std::vector<uint16_t> a(64 * 16), b(16 * 64);
+  std::vector<float> af(a.size()), bf(b.size());
+  auto ri = randi(a.size() + b.size(), 9);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = cpu::bf16_bits(af[i] = float(ri[i] - 4));
+  for (size_t i = 0; i < b.size(); ++i) b[i] = cpu::bf16_bits(bf[i] = float(ri[a.size() + i] - 4));
+  std::vector<float> want(64 * 64, 0.f);
+  for (int r = 0; r < 64; ++r)
+    for (int c = 0; c < 64; ++c)
+      for (int k = 0; k < 16; ++k) want[r * 64 + c] += af[r * 16 + k] * bf[k * 64 + c];
+  auto d_a = up(a), d_b = up(b);
+  auto run = [&](bool b_kmajor, bool swap) {
+    auto d = poisoned(64 * 64);
+    LADDER_CUDA_CHECK(cuda::k::wgmma_rs_selftest(d.data(), d_a.data(), d_b.data(), b_kmajor, swap, st()));
+    return down(d, 64 * 64);
+  };
+  for (const bool b_kmajor : {true, false}) {
+    const char* form = b_kmajor ? "B K-major" : "B MN-major";
+    const std::vector<float> got = run(b_kmajor, false);
+    size_t bad = 0;
+    while (bad < got.size() && got[bad] == want[bad]) ++bad;
+    if (bad == got.size()) {
+      // The planted bug: the other reading of the layout must give wrong results.
+      EXPECT_NE(run(b_kmajor, true), want) << form << ": a1 and a2 exchanged gave the right D: the test cannot "
+                                                      "tell the register A layout";
+      continue;
+    }
+    if (run(b_kmajor, true) == want) {
+      ADD_FAILURE() << "[ wgmma    ] register A (" << form << "): the device reads a1 as (row g, k 2t + 8) and a2 as "
+                    << "(row g + 8, k 2t), not mma.sync's order: pack_a's use in the wgmma kernels is wrong";
+    } else {
+      ADD_FAILURE() << "[ wgmma    ] register A (" << form << "): D[" << bad / 64 << "][" << bad % 64 << "] = "
+                    << got[bad] << ", want " << want[bad]
+                    << " (neither reading of the register A layout; if CudaWgmma.* failed too, the B operand's "
+                    << "shared-memory layout is at fault)";
+    }
+  }
+}
+
+// The planted bug: tiles staged without the 128-byte swizzle the descriptors declare, in the forward
+// (the mma.sync backward then runs on its wrong o and lse) and in the backward alone. The results
+// must be far off: the tests can see a layout error, and the wgmma kernels are the ones that ran.
+TEST_F(CudaAttentionWgmma, PlantedLayoutBugFails) {
+  for (int hd : {64, 128}) {
+    const AttnShape s{1, 130, 2, 2, hd, 0, 1.0 / std::sqrt(double(hd))};
+    const size_t nq = size_t(s.B) * s.S * s.H * hd;
+    auto q = randv(nq, -2.f, 2.f), k = randv(nq, -2.f, 2.f), v = randv(nq), dout = randv(nq);
+    const Ref good = launch(s, q, k, v, dout, want_);
+    cuda::k::attention_wgmma_plant_layout_bug(true);
+    const Ref f = launch(s, q, k, v, dout, cuda::k::AttnTcKernels{true, true, true, false});
+    const Ref b = launch(s, q, k, v, dout, cuda::k::AttnTcKernels{true, true, false, true});
+    cuda::k::attention_wgmma_plant_layout_bug(false);
+    const char* msg = ": unswizzled tiles gave the right result: the swizzle (or the wgmma path) is not what the "
+                      "kernel reads";
+    EXPECT_GT(rel(f.o, good.o), 0.1) << "hd " << hd << " forward" << msg;
+    EXPECT_GT(rel(b.dq, good.dq), 0.1) << "hd " << hd << " backward dq" << msg;
+    EXPECT_GT(rel(b.dk, good.dk), 0.1) << "hd " << hd << " backward dk" << msg;
+    EXPECT_GT(rel(b.dv, good.dv), 0.1) << "hd " << hd << " backward dv" << msg;
+  }
+}
 
 }  // namespace
 }  // namespace ladder

@@ -47,6 +47,7 @@
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/attention_mma.cuh"
+#include "backend/cuda/attention_softmax.cuh"
 #include "backend/cuda/mma_ptx.cuh"
 
 namespace ladder::cuda::k {
@@ -104,24 +105,6 @@ __device__ __forceinline__ void mma_abt(float (&c)[C / 8][4], const bf16* a, con
       uint32_t fb[4];
       ldmatrix_x4(fb, frag_b_nk(bt, kLd, n0 + n * 16, kk * 16, lane));
       mma2(c[2 * n], c[2 * n + 1], fa, fb);
-    }
-  }
-}
-
-// The warp's 16 x HD accumulator (rows r and r + 8 of the lane: its g and g + 8) times `mul` to rows
-// `ra`, `rb` of head `head` of a [B*S, nh*HD] fp32 tensor (rows at or past S skipped). vec: the base
-// is 8-byte aligned (float2 stores).
-template <int HD>
-__device__ __forceinline__ void store_rows(float* dst, const float (&acc)[HD / 8][4], float mul, int b, int S, int nh,
-                                           int head, int ra, int rb, int t, bool vec) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = half ? rb : ra;
-    if (row >= S) continue;
-    float* p = dst + ((size_t(b) * S + row) * nh + head) * HD + 2 * t;
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-      attn::store2(p + n * 8, acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul, vec);
     }
   }
 }
@@ -213,8 +196,8 @@ __global__ void __launch_bounds__(kThreads, BwdCfg<HD>::kMinKV)
     }
   }
   __pipeline_wait_prior(0);  // (nothing is in flight: the last group is empty)
-  store_rows<HD>(dk, dka, scale, b, S, KV, g, ja, jb, tq, vec_out);
-  store_rows<HD>(dv, dva, 1.f, b, S, KV, g, ja, jb, tq, vec_out);
+  attn::store_grad_rows<HD>(dk, dka, scale, b, S, KV, g, ja, jb, tq, vec_out);
+  attn::store_grad_rows<HD>(dv, dva, 1.f, b, S, KV, g, ja, jb, tq, vec_out);
 }
 
 // dQ. Grid (query tiles, H, B), the late tiles (most keys) first; the block owns query rows
@@ -293,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, BwdCfg<HD>::kMinQ)
     mma_ab_acc<HD, C, kLd>(dqa, dp, Ks, c0, lane);  // dQ += dS K   (scale applied at the store)
   }
   __pipeline_wait_prior(0);  // (nothing is in flight: the last group is empty)
-  store_rows<HD>(dq, dqa, scale, b, S, H, h, ia, ib, tq, vec_out);
+  attn::store_grad_rows<HD>(dq, dqa, scale, b, S, H, h, ia, ib, tq, vec_out);
 }
 
 template <int HD, class E>

@@ -53,6 +53,7 @@
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/attention_mma.cuh"
+#include "backend/cuda/attention_softmax.cuh"
 #include "backend/cuda/device_common.cuh"
 #include "backend/cuda/mma_ptx.cuh"
 
@@ -99,8 +100,6 @@ static_assert(blocks_per_sm(MmaFwdTiles<64>::kBytes, 228) >= kMmaFwdBlocks<64> &
 static_assert(blocks_per_sm(MmaFwdTiles<64>::kBytes, 164) >= kMmaFwdBlocks<64> &&
                   blocks_per_sm(MmaFwdTiles<128>::kBytes, 164) >= kMmaFwdBlocks<128>,
               "sm_80: the same");
-
-using attn::store2;
 
 // EO: o's type (E, or float with bf16 inputs: attention_tc_forward_in16).
 template <int HD, class E, class EO>
@@ -199,51 +198,10 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
     }
 
     if (active) {
-      // Scale and mask; the rows' maxima over the tile (the lane's 16 values per row, then the quad).
-      float mt[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int n = 0; n < kSn; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = e < 2 ? ia : ib, j = k0 + 8 * n + 2 * t + (e & 1);
-          const float x = (full || (i < S && j < S && visible(i, j, W))) ? scale * sacc[n][e] : -INFINITY;
-          sacc[n][e] = x;
-          mt[e / 2] = fmaxf(mt[e / 2], x);
-        }
-      }
+      // P = exp(scale S - m) in place, l and m updated; O's rows rescaled (attention_softmax.cuh).
       float corr[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
-        mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
-        const float mnew = fmaxf(m[r], mt[r]);
-        // corr = 1: nothing visible to this row yet (P row = 0, state unchanged). corr = 0 while m is
-        // -inf: the O row and l are still zeros.
-        corr[r] = mnew == -INFINITY ? 1.f : m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
-        m[r] = mnew;
-      }
-      // P = exp(s - m) (0 where masked, and on rows with nothing visible yet), its sum into l (fp32,
-      // before rounding), and the rescale of O's rows.
-      float psum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int n = 0; n < kSn; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float mr = m[e / 2];
-          const float p = mr == -INFINITY ? 0.f : expf(sacc[n][e] - mr);  // masked: exp(-inf) = 0
-          sacc[n][e] = p;
-          psum[e / 2] += p;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + psum[r];
-#pragma unroll
-      for (int n = 0; n < kOn; ++n) {
-        oacc[n][0] *= corr[0];
-        oacc[n][1] *= corr[0];
-        oacc[n][2] *= corr[1];
-        oacc[n][3] *= corr[1];
-      }
+      attn::online_softmax(sacc, m, l, corr, ia, ib, k0, t, S, W, scale, full);
+      attn::rescale_rows(oacc, corr);
     }
 
     __pipeline_wait_prior(1);  // this thread's V copies have landed (the next K's may be in flight)
@@ -259,23 +217,8 @@ __global__ void __launch_bounds__(kThreads, kMmaFwdBlocks<HD>)
     }
   }
 
-  // Epilogue: l over the quad (the same bits in its four lanes), o = O / l, lse = m + log(l).
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  const float inv_a = 1.f / l[0], inv_b = 1.f / l[1];  // rows past S: l = 0, inf, never stored
-  // Rows past S are never stored; their pointers are formed from row 0 so as not to point past o.
-  EO* oa = o + ((size_t(b) * S + (ia < S ? ia : 0)) * H + h) * HD + 2 * t;
-  EO* ob = o + ((size_t(b) * S + (ib < S ? ib : 0)) * H + h) * HD + 2 * t;
-  if (t == 0 && ia < S) lse[(size_t(b) * H + h) * S + ia] = m[0] + logf(l[0]);
-  if (t == 0 && ib < S) lse[(size_t(b) * H + h) * S + ib] = m[1] + logf(l[1]);
-#pragma unroll
-  for (int n = 0; n < kOn; ++n) {
-    if (ia < S) store2(oa + 8 * n, oacc[n][0] * inv_a, oacc[n][1] * inv_a, ovec);
-    if (ib < S) store2(ob + 8 * n, oacc[n][2] * inv_b, oacc[n][3] * inv_b, ovec);
-  }
+  // Epilogue: o = O / l, lse = m + log(l) (attention_softmax.cuh).
+  attn::store_rows<HD>(o, lse, oacc, l, m, b, S, H, h, ia, ib, t, ovec);
 }
 
 template <int HD, class E, class EO>

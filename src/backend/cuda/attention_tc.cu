@@ -48,6 +48,7 @@
 #include "backend/cuda/attention_tc.cuh"
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/attention_mma.cuh"
+#include "backend/cuda/attention_wgmma.cuh"
 #include "backend/cuda/device_common.cuh"
 
 namespace ladder::cuda::k {
@@ -631,6 +632,12 @@ AttnTcKernels& kernels() {
     const bool wmma = v == "0" || v == "wmma";
     r.mma_fwd = !wmma && v != "bwd";
     r.mma_bwd = !wmma && v != "fwd";
+    // LADDER_ATTN_WGMMA: 1 = the wgmma forward and backward (attention_wgmma.cuh) where the device
+    // runs them; fwd / bwd = only that one; unset or anything else: neither.
+    const char* e2 = std::getenv("LADDER_ATTN_WGMMA");
+    const std::string w = e2 ? e2 : "";
+    r.wgmma_fwd = w == "1" || w == "fwd";
+    r.wgmma_bwd = w == "1" || w == "bwd";
     return r;
   }();
   return k;
@@ -640,6 +647,7 @@ template <class E>
 cudaError_t forward(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
   if (!shape_ok(s)) return cudaErrorInvalidValue;
+  if (kernels().wgmma_fwd && attention_wgmma_available()) return attention_wgmma_forward(o, lse, q, k, v, s, st);
   if (kernels().mma_fwd) return attention_mma_forward(o, lse, q, k, v, s, st);
   return s.hd == 64 ? fwd<64>(o, lse, q, k, v, s, st) : fwd<128>(o, lse, q, k, v, s, st);
 }
@@ -653,12 +661,34 @@ cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E
   const size_t rows = size_t(s.B) * s.S * s.H;
   const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
   tc_bwd_dot_kernel<EO><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
+  if (kernels().wgmma_bwd && attention_wgmma_available())
+    return attention_wgmma_backward(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
   if (kernels().mma_bwd) return attention_mma_backward(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
   return s.hd == 64 ? bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st)
                     : bwd<128>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
 }
 
 }  // namespace
+
+#ifndef LADDER_WGMMA
+// This build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90): attention_wgmma_fwd.cu is not
+// compiled, and the launchers above keep to the mma.sync / WMMA kernels.
+bool attention_wgmma_available() { return false; }
+void attention_wgmma_plant_layout_bug(bool) {}
+bool attention_wgmma_layout_bug_planted() { return false; }
+cudaError_t wgmma_rs_selftest(float*, const uint16_t*, const uint16_t*, bool, bool, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+template <class E, class EO>
+cudaError_t attention_wgmma_forward(EO*, float*, const E*, const E*, const E*, const AttnShape&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+template <class E>
+cudaError_t attention_wgmma_backward(float*, float*, float*, const float*, const E*, const E*, const E*, const float*,
+                                     const float*, const AttnShape&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+#endif
 
 AttnTcKernels attention_tc_kernels() { return kernels(); }
 void attention_tc_set_kernels(AttnTcKernels k) { kernels() = k; }
@@ -701,6 +731,8 @@ cudaError_t attention_tc_backward_bf16(float* dq, float* dk, float* dv, const fl
 
 cudaError_t attention_tc_forward_in16(float* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                       const AttnShape& s, cudaStream_t st) {
+  if (kernels().wgmma_fwd && attention_wgmma_available())
+    return attention_wgmma_forward(o, lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
   if (!kernels().mma_fwd) return cudaErrorNotSupported;
   return attention_mma_forward(o, lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
 }
@@ -708,7 +740,7 @@ cudaError_t attention_tc_forward_in16(float* o, float* lse, const uint16_t* q, c
 cudaError_t attention_tc_backward_in16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                                        const uint16_t* k, const uint16_t* v, const float* o, const float* lse,
                                        const AttnShape& s, float* scratch, cudaStream_t st) {
-  if (!kernels().mma_bwd) return cudaErrorNotSupported;
+  if (!kernels().mma_bwd && !(kernels().wgmma_bwd && attention_wgmma_available())) return cudaErrorNotSupported;
   return backward(dq, dk, dv, dout, as_bf16(q), as_bf16(k), as_bf16(v), o, lse, s, scratch, st);  // D from fp32 o
 }
 

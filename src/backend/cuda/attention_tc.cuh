@@ -32,9 +32,13 @@ bool attention_tc_supported(const cpu::AttnShape& s);
 // docs/cuda.md "Measured runs"), or the WMMA kernels of attention_tc.cu, for the forward and the
 // backward separately. The starting value comes from the environment LADDER_ATTN_MMA: unset, 1 or
 // all = both mma.sync; 0 or wmma = both WMMA; fwd / bwd = only that one mma.sync.
+// wgmma_fwd / wgmma_bwd (LADDER_ATTN_WGMMA=1, or fwd / bwd for one; off by default): the kernels on
+// Hopper's wgmma (sm_90a) where the build has that code and the device runs it (attention_wgmma.cuh),
+// ahead of mma.sync / WMMA, which run wherever they do not; also behind the in16 entry points.
 // Not thread-safe: set it before launching.
 struct AttnTcKernels {
   bool mma_fwd = true, mma_bwd = true;
+  bool wgmma_fwd = false, wgmma_bwd = false;
 };
 AttnTcKernels attention_tc_kernels();
 void attention_tc_set_kernels(AttnTcKernels k);
@@ -59,8 +63,9 @@ cudaError_t attention_tc_backward_bf16(float* dq, float* dk, float* dv, const fl
                                        const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
                                        const cpu::AttnShape& s, float* scratch, cudaStream_t st);
 
-// fp32 activations under bf16 precision, mma.sync kernels only (attention_tc_kernels().mma_fwd /
-// .mma_bwd; else cudaErrorNotSupported): q, k, v already rounded to bf16 by the caller
+// fp32 activations under bf16 precision, mma.sync or wgmma kernels only (attention_tc_kernels()
+// .mma_fwd / .wgmma_fwd, .mma_bwd / .wgmma_bwd; else cudaErrorNotSupported): q, k, v already
+// rounded to bf16 by the caller
 // (k::f32_to_bf16, round to nearest even, as the fp32 launchers round them while staging), o fp32.
 // So these give bitwise the fp32 launchers' results on the fp32 inputs, with the bf16 instantiation's
 // staging: cp.async copies where aligned, which overlap the math (the fp32 staging goes through

@@ -892,6 +892,7 @@ inline void wgmma_check_drained() {
   }
 }
 }  // namespace emu
+#include "emu_wgmma_rs.h"  // wgmma with A from registers (the attention kernels)
 
 // ---- launches ----------------------------------------------------------------------------------
 namespace emu {
