@@ -40,10 +40,6 @@
 #include "backend/cuda/mma_ptx.cuh"
 #include "backend/cuda/wgmma_attn_ptx.cuh"
 
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(LADDER_CUDA_EMULATION)
-#error "attention_wgmma_bwd.cu needs the sm_90a target: -gencode=arch=compute_90a,code=sm_90a (CMakeLists.txt)"
-#endif
-
 namespace ladder::cuda::k {
 
 namespace {

@@ -48,10 +48,6 @@
 #include "backend/cuda/moe_ops.cuh"
 #include "backend/cuda/wgmma_ptx.cuh"
 
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(LADDER_CUDA_EMULATION)
-#error "grouped_gemm_wgmma.cu needs the sm_90a target: -gencode=arch=compute_90a,code=sm_90a (CMakeLists.txt)"
-#endif
-
 namespace ladder::cuda::k {
 
 namespace {

@@ -34,6 +34,12 @@
 
 #include "backend/cuda/wgmma_layout.h"
 
+// Every file with wgmma code includes this header: it must be compiled for the arch-specific
+// target (CMakeLists.txt's sm_90a object library), since sm_80 and plain sm_90 have no wgmma.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(LADDER_CUDA_EMULATION)
+#error "wgmma code needs the sm_90a target: -gencode=arch=compute_90a,code=sm_90a (CMakeLists.txt)"
+#endif
+
 namespace ladder::cuda::k::wg {
 
 #ifdef LADDER_CUDA_EMULATION

@@ -852,21 +852,20 @@ inline void ptx_wgmma_wait(int pending) {
   }
   w.fenced = false;
 }
-// d (n/2 fp32: this thread's fragment) += A (64 x 16) * B (16 x n); ta / tb: MN-major operand.
-inline void ptx_wgmma(float* d, int n, uint64_t da, uint64_t db, bool ta, bool tb) {
+// The checks and bookkeeping every wgmma.mma_async form does at issue; returns the thread's groups.
+inline WgmmaGroups& wgmma_issue() {
   EMU_ASSERT(size_t(blockDim.x) * blockDim.y * blockDim.z % 128 == 0, "wgmma needs whole warpgroups (128 threads)");
   WgmmaGroups& w = g_block->wgmma[t_tid];
   if (!w.fenced) wgmma_violation("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group");
   g_wgmma_ops.fetch_add(1, std::memory_order_relaxed);
-  const int wt = int(t_tid % 128), warp = wt / 32, g = (wt % 32) / 4, t = wt % 4;
-  float a[2][16];
-  for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 16; ++k) {
-      const uint32_t off = wgmma_offset(da, ta, 16 * warp + g + 8 * h, k);
-      const uint16_t bits = smem_bits(off);
-      w.open.push_back({off, bits});
-      a[h][k] = __bfloat162float(__nv_bfloat16{bits});
-    }
+  return w;
+}
+// d (this thread's fragment: columns 8 j + 2 t + c of rows g (h = 0) and g + 8 (h = 1)) += a * B,
+// a the thread's two rows of A (16 k each), B (16 x n) read by descriptor db (tb: MN-major), each
+// read recorded in w.open for the in-flight overwrite check at wait_group. Shared by the
+// shared-memory-A form below and the register-A form (emu_wgmma_rs.h).
+inline void wgmma_accumulate(float* d, int n, const float (&a)[2][16], uint64_t db, bool tb, WgmmaGroups& w) {
+  const int t = int(t_tid % 4);
   for (int j = 0; j < n / 8; ++j)
     for (int c = 0; c < 2; ++c) {
       const int col = 8 * j + 2 * t + c;
@@ -883,6 +882,20 @@ inline void ptx_wgmma(float* d, int n, uint64_t da, uint64_t db, bool ta, bool t
         d[4 * j + 2 * h + c] = acc;
       }
     }
+}
+// d (n/2 fp32: this thread's fragment) += A (64 x 16) * B (16 x n); ta / tb: MN-major operand.
+inline void ptx_wgmma(float* d, int n, uint64_t da, uint64_t db, bool ta, bool tb) {
+  WgmmaGroups& w = wgmma_issue();
+  const int wt = int(t_tid % 128), warp = wt / 32, g = (wt % 32) / 4;
+  float a[2][16];
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t off = wgmma_offset(da, ta, 16 * warp + g + 8 * h, k);
+      const uint16_t bits = smem_bits(off);
+      w.open.push_back({off, bits});
+      a[h][k] = __bfloat162float(__nv_bfloat16{bits});
+    }
+  wgmma_accumulate(d, n, a, db, tb, w);
 }
 inline void wgmma_check_drained() {
   WgmmaGroups& w = g_block->wgmma[t_tid];

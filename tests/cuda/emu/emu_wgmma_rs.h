@@ -11,15 +11,12 @@
 
 namespace emu {
 inline void ptx_wgmma_rs(float* d, int n, const uint32_t (&a)[4], uint64_t db, bool tb) {
-  EMU_ASSERT(size_t(blockDim.x) * blockDim.y * blockDim.z % 128 == 0, "wgmma needs whole warpgroups (128 threads)");
-  WgmmaGroups& w = g_block->wgmma[t_tid];
-  if (!w.fenced) wgmma_violation("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group");
-  g_wgmma_ops.fetch_add(1, std::memory_order_relaxed);
+  WgmmaGroups& w = wgmma_issue();
   struct Frag {
     uint32_t a[4];
   } mine{{a[0], a[1], a[2], a[3]}}, all[32];
   warp_all(mine, all, "warpgroup-collective wgmma (A from registers)");
-  const int lane = int(t_tid % 32), g = lane / 4, t = lane % 4;
+  const int g = int(t_tid % 32) / 4;
   float A[2][16];  // this thread's rows g (h = 0) and g + 8 (h = 1), k 0..15
   for (int q = 0; q < 4; ++q) {
     const Frag& f = all[4 * g + q];  // lane (g, q) holds columns 2q, 2q + 1 and 2q + 8, 2q + 9
@@ -30,21 +27,6 @@ inline void ptx_wgmma_rs(float* d, int n, const uint32_t (&a)[4], uint64_t db, b
         A[h][2 * q + 8 * half + 1] = bf16_hi(r);
       }
   }
-  for (int j = 0; j < n / 8; ++j)
-    for (int c = 0; c < 2; ++c) {
-      const int col = 8 * j + 2 * t + c;
-      float b[16];
-      for (int k = 0; k < 16; ++k) {
-        const uint32_t off = wgmma_offset(db, tb, col, k);
-        const uint16_t bits = smem_bits(off);
-        w.open.push_back({off, bits});
-        b[k] = __bfloat162float(__nv_bfloat16{bits});
-      }
-      for (int h = 0; h < 2; ++h) {
-        float acc = d[4 * j + 2 * h + c];
-        for (int k = 0; k < 16; ++k) acc += A[h][k] * b[k];
-        d[4 * j + 2 * h + c] = acc;
-      }
-    }
+  wgmma_accumulate(d, n, A, db, tb, w);
 }
 }  // namespace emu
