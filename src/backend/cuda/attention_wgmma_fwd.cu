@@ -226,13 +226,7 @@ cudaError_t launch(EO* o, float* lse, const E* q, const E* k, const E* v, const 
 }  // namespace
 
 bool attention_wgmma_available() {
-  static const bool ok = [] {
-    cudaFuncAttributes attr;
-    // No sm_90a image for this device (another architecture): an error, which is not sticky.
-    const cudaError_t e = cudaFuncGetAttributes(&attr, wg_fwd_kernel<64, bf16, bf16>);
-    cudaGetLastError();
-    return e == cudaSuccess;
-  }();
+  static const bool ok = device_runs(wg_fwd_kernel<64, bf16, bf16>);
   return ok;
 }
 

@@ -99,6 +99,17 @@ __device__ __forceinline__ void for_each_vec(size_t n, Body&& body) {
     for (size_t i = nv * V + tid; i < n; i += stride) body(i, Width<1>{});
 }
 
+// Whether the current device runs `kernel`: this binary holds an image of it for the device's
+// architecture (an arch-specific sm_90a kernel on anything but an sm_90 device has none, and
+// cudaFuncGetAttributes fails, not stickily: the error is cleared here).
+template <class Kernel>
+bool device_runs(Kernel kernel) {
+  cudaFuncAttributes attr;
+  const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+  cudaGetLastError();
+  return e == cudaSuccess;
+}
+
 // Lets `kernel` launch with `bytes` of dynamic shared memory (above the default 48 KiB needs the
 // opt-in); its error is the launcher's to return.
 template <class Kernel>

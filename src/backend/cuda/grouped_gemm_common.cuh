@@ -182,4 +182,17 @@ inline bool async_ok(const void* p, bool b16, size_t ld, size_t stride) {
   return b16 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0 && ld % 8 == 0 && stride % 8 == 0;
 }
 
+// How each operand of a grouped GEMM call can be staged, the same for every tile product: vector
+// loads of 4 (vecA / vecB) and cp.async (a_async / b_async). B's expert stride counts only in the
+// rows_out shape (B_e = B + e * strideB); in the weight-gradient shape both operands are row blocks.
+struct Staging {
+  bool vecA, vecB, a_async, b_async;
+};
+inline Staging staging(bool rows_out, const void* A, bool a_bf16, int lda, const void* B, bool b_bf16, int ldb,
+                       size_t strideB) {
+  const size_t sb = rows_out ? strideB : 0;
+  return {aligned4(A, a_bf16) && lda % 4 == 0, aligned4(B, b_bf16) && ldb % 4 == 0 && sb % 4 == 0,
+          async_ok(A, a_bf16, size_t(lda), 0), async_ok(B, b_bf16, size_t(ldb), sb)};
+}
+
 }  // namespace ladder::cuda::k::gg

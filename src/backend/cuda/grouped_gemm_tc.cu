@@ -84,8 +84,6 @@ namespace {
 using bf16 = __nv_bfloat16;
 namespace wmma = nvcuda::wmma;
 using gg::advance;
-using gg::async_ok;
-using gg::aligned4;
 using gg::kBX;
 using gg::Operand;
 using gg::Out;
@@ -483,13 +481,11 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
     return grouped_gemm_wgmma(rows_out, transB, E, offsets, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, strideB,
                               beta, C, c_bf16, ldc, strideC, tile_scratch, sm_count, st);
   const bool mma = use_mma();
-  const bool vecA = aligned4(A, a_bf16) && lda % 4 == 0;
-  const bool vecB = aligned4(B, b_bf16) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);
+  const auto [vecA, vecB, a_async, b_async] = gg::staging(rows_out, A, a_bf16, lda, B, b_bf16, ldb, strideB);
   if (rows_out) {
     if (K < 0) return cudaErrorInvalidValue;
     if (const cudaError_t e = row_tile_prefix(tile_scratch, offsets, E, kBX, st); e != cudaSuccess) return e;
     const unsigned grid = unsigned(sm_count > 0 ? sm_count : kDefaultSms) * kBlocksPerSm;
-    const bool a_async = async_ok(A, a_bf16, size_t(lda), 0), b_async = async_ok(B, b_bf16, size_t(ldb), strideB);
     const auto kernel = transB ? rows_kernel<true>(mma, a_async, b_async)
                                 : rows_kernel<false>(mma, a_async, b_async);
     if (const cudaError_t e = allow_smem(kernel, kSmem); e != cudaSuccess) return e;  // 60 KiB of stages
@@ -499,7 +495,7 @@ cudaError_t grouped_gemm_tc_ex(bool rows_out, bool transB, int E, const int32_t*
     if (M <= 0) return cudaSuccess;
     const int64_t blocks = gg::wgrad_blocks(E, M, N);
     if (blocks < 0) return cudaErrorInvalidConfiguration;
-    const auto kernel = wgrad_kernel(mma, async_ok(A, a_bf16, size_t(lda), 0), async_ok(B, b_bf16, size_t(ldb), 0));
+    const auto kernel = wgrad_kernel(mma, a_async, b_async);
     if (const cudaError_t e = allow_smem(kernel, kSmem); e != cudaSuccess) return e;
     kernel<<<unsigned(blocks), kThreads, kSmem, st>>>(offsets, M, N, alpha, A, a_bf16, lda, vecA, B, b_bf16, ldb, vecB,
                                                       beta, C, c_bf16, ldc, strideC);

@@ -326,13 +326,7 @@ __global__ void __launch_bounds__(128, 1)
 }  // namespace
 
 bool grouped_gemm_wgmma_available() {
-  static const bool ok = [] {
-    cudaFuncAttributes attr;
-    // No sm_90a image for this device (another architecture): an error, which is not sticky.
-    const cudaError_t e = cudaFuncGetAttributes(&attr, wg_rows_kernel<true, true, true>);
-    cudaGetLastError();
-    return e == cudaSuccess;
-  }();
+  static const bool ok = device_runs(wg_rows_kernel<true, true, true>);
   return ok;
 }
 
@@ -343,10 +337,7 @@ cudaError_t grouped_gemm_wgmma(bool rows_out, bool transB, int E, const int32_t*
   if (!grouped_gemm_wgmma_available()) return cudaErrorNotSupported;
   if (E <= 0 || N <= 0) return cudaSuccess;
   if (c_bf16 && beta != 0.f) return cudaErrorInvalidValue;
-  const bool vecA = gg::aligned4(A, a_bf16) && lda % 4 == 0;
-  const bool vecB = gg::aligned4(B, b_bf16) && ldb % 4 == 0 && (!rows_out || strideB % 4 == 0);
-  const bool a_async = gg::async_ok(A, a_bf16, size_t(lda), 0);
-  const bool b_async = gg::async_ok(B, b_bf16, size_t(ldb), rows_out ? strideB : 0);
+  const auto [vecA, vecB, a_async, b_async] = gg::staging(rows_out, A, a_bf16, lda, B, b_bf16, ldb, strideB);
   if (rows_out) {
     if (K < 0) return cudaErrorInvalidValue;
     if (const cudaError_t e = row_tile_prefix(tile_scratch, offsets, E, kBX, st); e != cudaSuccess) return e;
