@@ -643,11 +643,15 @@ AttnTcKernels& kernels() {
   return k;
 }
 
+// The wgmma kernels run where they are selected and the device runs them; else mma.sync / WMMA.
+bool use_wgmma_fwd() { return kernels().wgmma_fwd && attention_wgmma_available(); }
+bool use_wgmma_bwd() { return kernels().wgmma_bwd && attention_wgmma_available(); }
+
 template <class E>
 cudaError_t forward(E* o, float* lse, const E* q, const E* k, const E* v, const AttnShape& s, cudaStream_t st) {
   if (s.B <= 0 || s.S <= 0 || s.H <= 0) return cudaSuccess;
   if (!shape_ok(s)) return cudaErrorInvalidValue;
-  if (kernels().wgmma_fwd && attention_wgmma_available()) return attention_wgmma_forward(o, lse, q, k, v, s, st);
+  if (use_wgmma_fwd()) return attention_wgmma_forward(o, lse, q, k, v, s, st);
   if (kernels().mma_fwd) return attention_mma_forward(o, lse, q, k, v, s, st);
   return s.hd == 64 ? fwd<64>(o, lse, q, k, v, s, st) : fwd<128>(o, lse, q, k, v, s, st);
 }
@@ -661,7 +665,7 @@ cudaError_t backward(float* dq, float* dk, float* dv, const float* dout, const E
   const size_t rows = size_t(s.B) * s.S * s.H;
   const size_t blocks = (rows + 7) / 8;  // 8 warps per block, one row per warp
   tc_bwd_dot_kernel<EO><<<unsigned(blocks < 65536 ? blocks : 65536), 256, 0, st>>>(scratch, dout, o, s);
-  if (kernels().wgmma_bwd && attention_wgmma_available())
+  if (use_wgmma_bwd())
     return attention_wgmma_backward(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
   if (kernels().mma_bwd) return attention_mma_backward(dq, dk, dv, dout, q, k, v, lse, scratch, s, st);
   return s.hd == 64 ? bwd<64>(dq, dk, dv, dout, q, k, v, lse, scratch, s, st)
@@ -731,7 +735,7 @@ cudaError_t attention_tc_backward_bf16(float* dq, float* dk, float* dv, const fl
 
 cudaError_t attention_tc_forward_in16(float* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                       const AttnShape& s, cudaStream_t st) {
-  if (kernels().wgmma_fwd && attention_wgmma_available())
+  if (use_wgmma_fwd())
     return attention_wgmma_forward(o, lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
   if (!kernels().mma_fwd) return cudaErrorNotSupported;
   return attention_mma_forward(o, lse, as_bf16(q), as_bf16(k), as_bf16(v), s, st);
@@ -740,7 +744,7 @@ cudaError_t attention_tc_forward_in16(float* o, float* lse, const uint16_t* q, c
 cudaError_t attention_tc_backward_in16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                                        const uint16_t* k, const uint16_t* v, const float* o, const float* lse,
                                        const AttnShape& s, float* scratch, cudaStream_t st) {
-  if (!kernels().mma_bwd && !(kernels().wgmma_bwd && attention_wgmma_available())) return cudaErrorNotSupported;
+  if (!kernels().mma_bwd && !use_wgmma_bwd()) return cudaErrorNotSupported;
   return backward(dq, dk, dv, dout, as_bf16(q), as_bf16(k), as_bf16(v), o, lse, s, scratch, st);  // D from fp32 o
 }
 
