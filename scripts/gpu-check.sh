@@ -256,6 +256,10 @@ try:
         g = t["gflops"]
         print("  %-18s %5.1f%% %9.2f ms/step %7d calls %s" % (op, 100 * t["share"], t["ms_per_step"], t["calls"] // steps,
               ("%.1f TFLOP/s" % (g / 1e3)) if g > 0 else ""))
+    # The GEMM time again by shape (ForwardingBackend::gemm_shape; calls already per step).
+    for key, t in sorted(j.get("profile_shapes", {}).items(), key=lambda kv: -kv[1]["ms_per_step"])[:8]:
+        print("    %5.1f%% %8.2f ms/step %5d calls %6.1f TFLOP/s  %s" % (100 * t["share"], t["ms_per_step"], t["calls"],
+              t["gflops"] / 1e3, key))
 except Exception:
     print("%s: (failed: see profile.log)" % os.environ["PM"])' 2>/dev/null)"$'\n'
 done
@@ -285,7 +289,7 @@ echo "model benchmarks (ladder bench --device cuda, median of 4 steps; MFU = mod
 echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@ds  act MiB  dev MiB  (settings)"
 printf '%s' "$MODEL_ROWS"
 if [ -n "$PROFILE_ROWS" ]; then
-  echo "where a step's time goes (bf16, ladder bench --profile: device time per op from CUDA events, top 12):"
+  echo "where a step's time goes (bf16, ladder bench --profile: device time per op from CUDA events, top 12; then the 8 slowest GEMM shapes):"
   printf '%s' "$PROFILE_ROWS"
 fi
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

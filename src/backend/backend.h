@@ -275,6 +275,12 @@ class Backend : public MemorySpace {
   virtual double device_memory_used() const { return -1; }
   // An OpTimer on this backend's clock; nullptr where the host clock is the op's (the CPU).
   virtual std::unique_ptr<OpTimer> make_op_timer() { return nullptr; }
+  // Bytes of fp32 logits the LM head computes at once (the Transformer's rows per chunk: this over
+  // 4 V, at least 64). The CPU: 16 MiB (4 Mi logits, 128 rows at V = 32768), near what its caches
+  // keep between the head GEMM, the fused softmax-xent and the two gradient GEMMs that read it. A
+  // GPU overrides it with far more: 128-row chunks make GEMMs too thin for the tensor cores and
+  // reread the fp32 head gradient (V x d) once per chunk.
+  virtual size_t lm_head_chunk_bytes() const { return size_t(16) << 20; }
   virtual void unregister_weights(const void* base) { (void)base; }
 };
 

@@ -22,6 +22,12 @@ class ForwardingBackend : public Backend {
     (void)flops;
     f();
   }
+  // around() with the op's shape ("16384x1024x1024 bf16,bf16->bf16" for a GEMM): a decorator that
+  // tells shapes apart (ProfilingBackend: time per GEMM shape) overrides this one as well.
+  virtual void around_shape(const char* op, const std::string& shape, double flops, const std::function<void()>& f) {
+    (void)shape;
+    around(op, flops, f);
+  }
   template <class F>
   auto wrap(const char* op, double flops, F&& f) {
     if constexpr (std::is_void_v<decltype(f())>) {
@@ -32,6 +38,22 @@ class ForwardingBackend : public Backend {
       return r;
     }
   }
+  // A GEMM's shape: M x N x K, operand and output types (bf16 where the op is given bf16 bits;
+  // fp32 operands may still run as bf16 under run.precision: bf16), "+C" when it adds to C, and
+  // for a grouped GEMM the experts and the row bound.
+  static std::string gemm_shape(int M, int N, int K, bool a16, bool b16, bool d16, bool addC) {
+    auto t = [](bool b) { return b ? "bf16" : "f32"; };
+    return std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K) + " " + t(a16) + "," + t(b16) +
+           "->" + t(d16) + (addC ? "+C" : "");
+  }
+  static std::string grouped_shape(bool rows_out, bool transB, int E, int rows, int M, int N, int K, bool a16,
+                                   bool b16, bool c16, bool addC) {
+    return std::string(rows_out ? (transB ? "rows,B^T " : "rows,B ") : "wgrad ") + "E=" + std::to_string(E) +
+           (rows >= 0 ? " rows=" + std::to_string(rows) + " " : " ") + gemm_shape(M, N, K, a16, b16, c16, addC);
+  }
+  static std::string gemm_op(const char* prefix, bool ta, bool tb) {
+    return std::string(prefix) + (ta ? "T" : "N") + (tb ? "T" : "N");
+  }
 
  public:
   explicit ForwardingBackend(std::unique_ptr<Backend> inner) : b_(std::move(inner)) {}
@@ -41,30 +63,31 @@ class ForwardingBackend : public Backend {
   // ---- everything below forwards through wrap() -> around()
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) override {
-    std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
-    wrap(op.c_str(), 2.0 * M * N * K, [&] { b_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
+    around_shape(gemm_op("gemm ", ta, tb).c_str(), gemm_shape(M, N, K, false, false, false, beta != 0.f),
+                 2.0 * M * N * K, [&] { b_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   }
   void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                 const float* C, float* D, int ldc) override {
-    std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
-    wrap(op.c_str(), 2.0 * M * N * K, [&] { b_->gemm_add(ta, tb, M, N, K, alpha, A, lda, B, ldb, C, D, ldc); });
+    around_shape(gemm_op("gemm ", ta, tb).c_str(), gemm_shape(M, N, K, false, false, false, true), 2.0 * M * N * K,
+                 [&] { b_->gemm_add(ta, tb, M, N, K, alpha, A, lda, B, ldb, C, D, ldc); });
   }
   void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B, int ldb,
                 float beta, float* C, int ldc) override {
-    std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
-    wrap(op.c_str(), 2.0 * M * N * K, [&] { b_->gemm_b16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
+    around_shape(gemm_op("gemm ", ta, tb).c_str(), gemm_shape(M, N, K, false, true, false, beta != 0.f),
+                 2.0 * M * N * K, [&] { b_->gemm_b16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   }
   void gemm_ex(bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16, int lda, const void* B,
                bool b_bf16, int ldb, float beta, const float* C_in, void* D, bool d_bf16, int ldc) override {
-    std::string op = std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N");
-    wrap(op.c_str(), 2.0 * M * N * K, [&] {
+    around_shape(gemm_op("gemm ", ta, tb).c_str(),
+                 gemm_shape(M, N, K, a_bf16, b_bf16, d_bf16, beta != 0.f), 2.0 * M * N * K, [&] {
       b_->gemm_ex(ta, tb, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C_in, D, d_bf16, ldc);
     });
   }
   void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C, int ldc,
                     size_t strideC) override {
-    wrap("grouped gemm", 0, [&] {
+    around_shape("grouped gemm", grouped_shape(rows_out, transB, E, -1, M, N, K, false, false, false, beta != 0.f), 0,
+                 [&] {
       b_->grouped_gemm(rows_out, transB, E, offsets, M, N, K, alpha, A, lda, B, ldb, strideB, beta, C, ldc, strideC);
     });
   }
@@ -73,7 +96,8 @@ class ForwardingBackend : public Backend {
                        size_t strideB, float beta, void* C, bool c_bf16, int ldc, size_t strideC) override {
     // FLOPs from the row bound: exact where rows is offsets[E], as in the model (dropless MoE).
     const double flops = 2.0 * double(rows) * N * (rows_out ? K : M);
-    wrap("grouped gemm", flops, [&] {
+    around_shape("grouped gemm",
+                 grouped_shape(rows_out, transB, E, rows, M, N, K, a_bf16, b_bf16, c_bf16, beta != 0.f), flops, [&] {
       b_->grouped_gemm_ex(rows_out, transB, E, offsets, rows, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, strideB,
                           beta, C, c_bf16, ldc, strideC);
     });
@@ -135,6 +159,7 @@ class ForwardingBackend : public Backend {
   }
   double device_memory_used() const override { return b_->device_memory_used(); }
   std::unique_ptr<OpTimer> make_op_timer() override { return b_->make_op_timer(); }
+  size_t lm_head_chunk_bytes() const override { return b_->lm_head_chunk_bytes(); }
   void to_bf16(uint16_t* out, const float* in, size_t n) override {
     wrap("bf16 storage", 0, [&] { b_->to_bf16(out, in, n); });
   }

@@ -26,6 +26,9 @@ class ProfilingBackend : public ForwardingBackend {
   using ForwardingBackend::ForwardingBackend;
   // Waits for the queued work on a device (its op times are read then).
   virtual const std::map<std::string, OpTime>& times() = 0;
+  // The GEMMs again, one entry per op and shape ("gemm NT 16384x1024x1024 bf16,f32->f32"): which
+  // call of a step is slow, where times() only says which kind. Read after times().
+  virtual const std::map<std::string, OpTime>& shape_times() const = 0;
   virtual void reset() = 0;
 };
 

@@ -1,8 +1,11 @@
 // `ladder`: the one command. Verbs: data, train, sample, bench, config-doc, sweep, report.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "data/prepare.h"
@@ -153,6 +156,16 @@ int main(int argc, char** argv) {
                        t["gflops"].get<double>() > 0 ? fmt::format("{:.1f} GFLOP/s", t["gflops"].get<double>()) : "");
           fmt::print("  ops busy {:.1f}% of the steps' wall time (on a device: the rest is idle time between kernels)\n",
                      100 * j["profile_busy"].get<double>());
+          // The ten GEMM shapes that take longest.
+          std::vector<std::pair<double, std::string>> shapes;
+          for (auto& [key, t] : j["profile_shapes"].items())
+            shapes.emplace_back(t["ms_per_step"].get<double>(),
+                                fmt::format("  {:5.1f}%  {:8.2f} ms  {:4d} calls  {:>7.1f} GFLOP/s  {}",
+                                            100 * t["share"].get<double>(), t["ms_per_step"].get<double>(),
+                                            t["calls"].get<long>(), t["gflops"].get<double>(), key));
+          std::sort(shapes.rbegin(), shapes.rend());
+          if (!shapes.empty()) fmt::print("GEMM shapes (top 10 by time; per step):\n");
+          for (size_t i = 0; i < shapes.size() && i < 10; ++i) fmt::print("{}\n", shapes[i].second);
         }
         if (j.contains("torch_tokens_per_s"))
           fmt::print("PyTorch     {:.0f} tokens/s on the same model -> Ladder is {:.2f}x\n",

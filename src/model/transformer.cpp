@@ -109,7 +109,10 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
 
   // Activation plan: every saved tensor of every layer, plus backward scratch, in one arena.
   const size_t N = N_;
-  chunk_rows_ = int(std::clamp<int64_t>((4 << 20) / V, 64, N));
+  // LM head chunk: the backend's logits budget in rows, at least 64, at most the batch (std::min
+  // last: std::clamp would be undefined for a batch under 64 rows).
+  chunk_rows_ = int(std::min<int64_t>(
+      std::max<int64_t>(int64_t(be_.lm_head_chunk_bytes() / (sizeof(float) * size_t(V))), 64), int64_t(N)));
   // pack: with model.saved_activations bf16, kept as bf16 per layer (Layer::packed), computed in an
   // fp32 set shared by the layers of one kind. Not packed: the residual stream (x, mid), norm and
   // attention statistics (rstd, lse), the gate's small per-head arrays and the MoE routing.

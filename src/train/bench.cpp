@@ -133,6 +133,12 @@ nlohmann::json run_bench(const BenchOptions& opt) {
       busy += t.seconds;
     }
     j["profile"] = p;
+    // The same time split by GEMM shape (calls per step; GFLOP/s of each shape).
+    nlohmann::json ps = nlohmann::json::object();
+    for (auto& [key, t] : prof->shape_times())
+      ps[key] = {{"share", t.seconds / total}, {"ms_per_step", 1e3 * t.seconds / opt.steps},
+                 {"calls", t.calls / std::max(1, opt.steps)}, {"gflops", t.flops > 0 && t.seconds > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
+    j["profile_shapes"] = ps;
     // The ops' time over the steps' wall time. On a device the op times come from events on the
     // stream, so the rest is the device idling inside a step: gaps between kernels (the host not
     // keeping ahead, or waiting) plus the timer's own events. On the CPU: the rest is host-side

@@ -127,6 +127,10 @@ class CudaBackendImpl final : public CudaBackend {
     std::vector<Span> spans_;
   };
   std::unique_ptr<OpTimer> make_op_timer() override { return std::make_unique<StreamOpTimer>(st_); }
+  // 512 MiB of logits: 4096 rows at V = 32768, so the head's GEMMs are M = 4096 (the run-3 profile
+  // had 128-row chunks: K = 128 weight-gradient GEMMs rereading the 128 MiB fp32 head gradient 128
+  // times a step). Small next to an H200's memory, and the logits never exist whole still.
+  size_t lm_head_chunk_bytes() const override { return size_t(512) << 20; }
 
   double device_memory_used() const override {
     size_t free_b = 0, total_b = 0;
