@@ -130,7 +130,12 @@ class CudaBackendImpl final : public CudaBackend {
   // 512 MiB of logits: 4096 rows at V = 32768, so the head's GEMMs are M = 4096 (the run-3 profile
   // had 128-row chunks: K = 128 weight-gradient GEMMs rereading the 128 MiB fp32 head gradient 128
   // times a step). Small next to an H200's memory, and the logits never exist whole still.
-  size_t lm_head_chunk_bytes() const override { return size_t(512) << 20; }
+  // LADDER_HEAD_CHUNK_MIB=n sets another budget (gpu-check times 16, the CPU's, beside it).
+  size_t lm_head_chunk_bytes() const override {
+    const char* v = std::getenv("LADDER_HEAD_CHUNK_MIB");
+    const long mib = v && *v ? std::strtol(v, nullptr, 10) : 0;
+    return size_t(mib > 0 ? mib : 512) << 20;
+  }
 
   double device_memory_used() const override {
     size_t free_b = 0, total_b = 0;
