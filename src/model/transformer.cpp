@@ -110,9 +110,10 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   // Activation plan: every saved tensor of every layer, plus backward scratch, in one arena.
   const size_t N = N_;
   // LM head chunk: the backend's logits budget in rows, at least 64, at most the batch (std::min
-  // last: std::clamp would be undefined for a batch under 64 rows).
-  chunk_rows_ = int(std::min<int64_t>(
-      std::max<int64_t>(int64_t(be_.lm_head_chunk_bytes() / (sizeof(float) * size_t(V))), 64), int64_t(N)));
+  // last: std::clamp would be undefined for a batch under 64 rows), and under 2^30 logits so that
+  // kernels may index a chunk with 32-bit ints.
+  const int64_t budget_rows = int64_t(std::min(be_.lm_head_chunk_bytes() / sizeof(float), size_t(1) << 30) / size_t(V));
+  chunk_rows_ = int(std::min<int64_t>(std::max<int64_t>(budget_rows, 64), int64_t(N)));
   // pack: with model.saved_activations bf16, kept as bf16 per layer (Layer::packed), computed in an
   // fp32 set shared by the layers of one kind. Not packed: the residual stream (x, mid), norm and
   // attention statistics (rstd, lse), the gate's small per-head arrays and the MoE routing.
