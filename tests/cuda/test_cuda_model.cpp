@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "../model_test_configs.h"
 #include "../test_util.h"
 #include "backend/backend.h"
+#include "backend/forwarding_backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -246,6 +248,28 @@ TEST_F(CudaModel, DenseGqaWindowLossAndEveryGradientMatchTheCpu) { compare_model
 TEST_F(CudaModel, SwitchesLossAndEveryGradientMatchTheCpu) {
   // PKO (eod ids in the batch), XSA, head gate, GatedNorm, half-RoPE, non-parametric QK-norm, q_scale.
   compare_model(switches_config(), "switches");
+}
+
+// The LM head in several chunks on the device (the loop over row chunks, each chunk's logits, its
+// xent sums slot and its head-gradient accumulation): a CUDA backend whose head budget is 64 rows
+// against the CPU's single chunk. The device default (512 MiB) never chunks the test models.
+TEST_F(CudaModel, LmHeadInChunksMatchesTheCpu) {
+  class SmallChunks final : public ForwardingBackend {
+   public:
+    SmallChunks(std::unique_ptr<Backend> b, size_t bytes) : ForwardingBackend(std::move(b)), bytes_(bytes) {}
+    size_t lm_head_chunk_bytes() const override { return bytes_; }
+
+   private:
+    size_t bytes_;
+  };
+  Config c = moe_config();
+  c.run.batch_size = 8;  // 256 rows: four chunks of 64 on the device, one on the CPU
+  validate(c);
+  SmallChunks be(make_cuda_backend(), size_t(64) * sizeof(float) * size_t(c.model.vocab_size));
+  Transformer mg(c.model, c.run.batch_size, be), mc(c.model, c.run.batch_size, *cpu_);
+  mg.init(17);
+  mc.init(17);
+  compare_step(c, mg, mc, 1, "moe head in 4 chunks");
 }
 
 // bf16 saved activations (model.saved_activations): the CUDA model against the CPU model with the
