@@ -22,10 +22,11 @@
 //
 // Shared memory: the two held tiles (K, V or Q, dO), the two streamed tiles double-buffered (Q, dO
 // or K, V) and the row statistics (lse, D; two buffers in the dK/dV kernel): 6 tiles + 1 KiB =
-// 49 KiB (hd 64), 97 KiB (hd 128). Pipeline as the forward's: the next streamed tiles are issued
-// right after the barrier that publishes the current ones (bf16 q, k, v by cp.async where aligned;
-// the fp32 dO, and fp32 or unaligned inputs, through registers), one barrier per tile, and each MMA
-// batch is waited for before its results are used.
+// 49 KiB (hd 64), 97 KiB (hd 128), plus 1 KiB of slack to start the tiles at the first 1024-byte
+// boundary of the dynamic shared memory (wg::pattern_aligned). Pipeline as the forward's: the next
+// streamed tiles are issued right after the barrier that publishes the current ones (bf16 q, k, v
+// by cp.async where aligned; the fp32 dO, and fp32 or unaligned inputs, through registers), one
+// barrier per tile, and each MMA batch is waited for before its results are used.
 #include <cuda_bf16.h>
 #include <cuda_pipeline_primitives.h>
 
@@ -60,7 +61,7 @@ struct WgBwdTiles {
   // Held: A0, A1 (dK/dV: K, V; dQ: Q, dO). Streamed, two buffers each: B (Q; K), C (dO; V). Then
   // the row statistics: [2][lse 64, D 64] floats.
   static constexpr int kA0 = 0, kA1 = kTile, kB = 2 * kTile, kC = 4 * kTile, kStats = 6 * kTile;
-  static constexpr size_t kBytes = 6 * size_t(kTile) + 4 * kRows * sizeof(float);
+  static constexpr size_t kBytes = 6 * size_t(kTile) + 4 * kRows * sizeof(float) + wg::kPattern;  // + align slack
 };
 // Blocks per SM for __launch_bounds__ (shared memory allows 4 at hd 64, 2 at hd 128 on sm_90).
 // ptxas (CUDA 13.0, sm_90a, no spills; bf16 / fp32 inputs; scripts/ptxas-regs.sh): dK/dV 168 / 168
@@ -122,7 +123,8 @@ __global__ void __launch_bounds__(kThreads, kWgDkdvBlocks<HD>)
     wg_bwd_dkdv_kernel(float* dk, float* dv, const float* dout, const E* q, const E* k, const E* v, const float* lse,
                        const float* Dv, AttnShape sh, bool vec, bool async, bool vec_out, bool swz) {
   using T = WgBwdTiles<HD>;
-  extern __shared__ __align__(1024) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = wg::pattern_aligned(smem_raw);  // the tiles' swizzle needs a 1024-aligned base
   const uint32_t s0 = wg::smem_addr(smem);
   float* stats = reinterpret_cast<float*>(smem + T::kStats);
 
@@ -201,7 +203,8 @@ __global__ void __launch_bounds__(kThreads, kWgDqBlocks<HD>)
     wg_bwd_dq_kernel(float* dq, const float* dout, const E* q, const E* k, const E* v, const float* lse,
                      const float* Dv, AttnShape sh, bool vec, bool async, bool vec_out, bool swz) {
   using T = WgBwdTiles<HD>;
-  extern __shared__ __align__(1024) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = wg::pattern_aligned(smem_raw);  // the tiles' swizzle needs a 1024-aligned base
   const uint32_t s0 = wg::smem_addr(smem);
   float* Li = reinterpret_cast<float*>(smem + T::kStats);
   float* Di = Li + kRows;

@@ -24,7 +24,8 @@
 // 16 KiB), so K-major reads of Q and K (k16 slice kk at block kk / 4, byte 32 (kk % 4) of the row)
 // and MN-major reads of V (k16 slice kk at row 16 kk; SBO = 8 rows, LBO = the next 64-column block,
 // wgmma_layout.h's constants, so whatever CudaWgmma.MnMajorStrideRoles finds applies here too) see
-// the same bytes. 40 KiB (hd 64) and 64 KiB (hd 128) per block.
+// the same bytes. 40 KiB (hd 64) and 64 KiB (hd 128) per block, plus 1 KiB of slack: the tiles
+// start at the first 1024-byte boundary of the dynamic shared memory (wg::pattern_aligned).
 // Pipeline: the next key tile's K (and V at hd 64) is issued (cp.async for aligned bf16; fp32 and
 // unaligned bf16 go through registers, synchronously) right after the barrier that publishes the
 // current one, into the other buffers, and lands while the warpgroup computes; one barrier per key
@@ -71,7 +72,7 @@ struct WgFwdTiles {
   // lands during S = Q K^T and the softmax (a second barrier publishes it), as in the mma.sync kernel.
   static constexpr int kVBufs = HD == 64 ? 2 : 1;
   static constexpr int kQ = 0, kK = kTile, kV = 3 * kTile;  // byte offsets: Q, K[2], V[kVBufs]
-  static constexpr size_t kBytes = size_t(3 + kVBufs) * kTile;
+  static constexpr size_t kBytes = size_t(3 + kVBufs) * kTile + wg::kPattern;  // + slack to align the base
 };
 
 // Blocks per SM for __launch_bounds__: shared memory allows 5 (hd 64) and 3 (hd 128) on sm_90.
@@ -92,7 +93,8 @@ __global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD, E>)
   using T = WgFwdTiles<HD>;
   constexpr int kQk = HD / 16;    // k16 slices of Q K^T
   constexpr int kPv = kRows / 16;  // k16 slices of P V (4)
-  extern __shared__ __align__(1024) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = wg::pattern_aligned(smem_raw);  // the tiles' swizzle needs a 1024-aligned base
   const uint32_t s0 = wg::smem_addr(smem);
 
   const int S = sh.S, H = sh.H, KV = sh.KV, W = sh.window;
@@ -177,7 +179,8 @@ __global__ void __launch_bounds__(kThreads, kWgFwdBlocks<HD, E>)
 
 __global__ void __launch_bounds__(kThreads, 1)
     wg_rs_selftest_kernel(float* d, const uint16_t* a, const uint16_t* b, bool b_kmajor, bool swap_a12) {
-  extern __shared__ __align__(1024) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = wg::pattern_aligned(smem_raw);  // the tiles' swizzle needs a 1024-aligned base
   const uint32_t s0 = wg::smem_addr(smem);
   for (int i = threadIdx.x; i < 16 * 64; i += kThreads) {  // B (k, n) into the tile
     const int kk = i / 64, n = i % 64;
@@ -233,7 +236,7 @@ bool attention_wgmma_available() {
 cudaError_t wgmma_rs_selftest(float* d, const uint16_t* a, const uint16_t* b, bool b_kmajor, bool swap_a12,
                               cudaStream_t st) {
   if (!attention_wgmma_available()) return cudaErrorNotSupported;
-  wg_rs_selftest_kernel<<<1, kThreads, attn::WgTile<64>::kBytes, st>>>(d, a, b, b_kmajor, swap_a12);
+  wg_rs_selftest_kernel<<<1, kThreads, attn::WgTile<64>::kBytes + wg::kPattern, st>>>(d, a, b, b_kmajor, swap_a12);
   return cudaGetLastError();
 }
 

@@ -6,7 +6,8 @@
 // (S = Q K^T, S^T = K Q^T, dP = dO V^T, ...); read MN-major (the k16 slice kk of the rows at row
 // 16 kk; SBO = 8 rows, LBO = the next 64-column block, wgmma_layout.h's constants, so whatever
 // CudaWgmma.MnMajorStrideRoles finds applies here too) it is a B operand with K = rows and N = hd
-// (P V, dV += P^T dO, dK += dS^T Q, dQ += dS K). Every tile starts 1024-aligned.
+// (P V, dV += P^T dO, dK += dS^T Q, dQ += dS K). Every tile starts 1024-aligned (in the shared
+// window: the kernels start their tiles at wg::pattern_aligned of the dynamic shared memory).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_pipeline_primitives.h>

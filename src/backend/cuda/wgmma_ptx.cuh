@@ -96,4 +96,13 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, ui
 #undef LADDER_WG_D8
 #endif
 
+// The first 1024-byte boundary (one 128-byte-swizzle pattern) of the shared window at or after `p`:
+// base offset 0 needs every pattern to start there (PTX ISA, "Matrix Descriptor Format"), and the
+// dynamic shared memory is only guaranteed 16-byte aligned (__align__ on an extern __shared__
+// array is not honoured at run time: NVIDIA/cccl#5122), so a kernel allocates wg::kPattern bytes
+// of slack and starts its tiles here.
+__device__ __forceinline__ unsigned char* pattern_aligned(unsigned char* p) {
+  return p + ((kPattern - smem_addr(p) % kPattern) % kPattern);
+}
+
 }  // namespace ladder::cuda::k::wg

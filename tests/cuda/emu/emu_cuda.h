@@ -801,12 +801,20 @@ inline void wgmma_violation(const char* what) {
   if (g_wgmma_die) die(what);
   g_wgmma_violations.fetch_add(1, std::memory_order_relaxed);
 }
+// The shared-window address of the dynamic shared memory's first byte. The device guarantees it
+// only 16-byte alignment (an __align__ on the extern __shared__ array is not honoured at run time:
+// NVIDIA/cccl#5122), so the emulation puts it off every 1024-byte boundary (bits 4-9 nonzero): a
+// kernel that swizzles offsets from an unaligned base, instead of from the first 1024-byte
+// boundary of the window (wg::pattern_aligned), reads the wrong chunks or trips the checks below.
+constexpr uint32_t kSharedWindowBase = 0x2D0;
+static_assert(kSharedWindowBase % 16 == 0 && kSharedWindowBase % 1024 != 0, "16-aligned, off the 1024 grid");
 inline uint32_t shared_address(const void* p) {
   const auto* c = static_cast<const unsigned char*>(p);
   EMU_ASSERT(g_smem && c >= g_smem && c <= g_smem + g_smem_bytes, "shared address of a pointer outside the block's dynamic shared memory");
-  return uint32_t(c - g_smem);
+  return kSharedWindowBase + uint32_t(c - g_smem);
 }
-// Byte offset (in the dynamic shared memory) of element (mn, k) of a k16 operand slice.
+// Byte offset (in the dynamic shared memory) of element (mn, k) of a k16 operand slice; the
+// descriptor's start address and the swizzle are shared-window addresses (shared_address).
 inline uint32_t wgmma_offset(uint64_t desc, bool mn_major, int mn, int k) {
   const uint32_t start = uint32_t(desc & 0x3FFFu) << 4, lbo = uint32_t((desc >> 16) & 0x3FFFu) << 4,
                  sbo = uint32_t((desc >> 32) & 0x3FFFu) << 4;
@@ -824,8 +832,9 @@ inline uint32_t wgmma_offset(uint64_t desc, bool mn_major, int mn, int k) {
     logical = start + uint32_t(mn / 8) * sbo + uint32_t(mn % 8) * 128 + uint32_t(k) * 2;
   }
   const uint32_t phys = logical ^ (((logical >> 7) & 7u) << 4);
-  EMU_ASSERT(size_t(phys) + 2 <= g_smem_bytes, "wgmma operand element outside the block's dynamic shared memory");
-  return phys;
+  EMU_ASSERT(phys >= kSharedWindowBase && size_t(phys - kSharedWindowBase) + 2 <= g_smem_bytes,
+             "wgmma operand element outside the block's dynamic shared memory");
+  return phys - kSharedWindowBase;
 }
 inline uint16_t smem_bits(uint32_t off) {
   uint16_t v;

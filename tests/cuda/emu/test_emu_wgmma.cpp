@@ -76,14 +76,16 @@ TEST_F(CudaEmuWgmma, PlantedSwizzleBug) { wc::planted_swizzle_bug(rng_, selftest
 // The emulator's asynchrony checks, on a planted kernel: an operand overwritten between the MMA and
 // its wait_group, and an MMA without a wgmma.fence, are reported (counted here instead of dying).
 void planted_kernel(bool overwrite, bool fence) {
-  unsigned char* smem = ::emu::g_smem;
+  const uint32_t slack = (k::wg::kPattern - ::emu::shared_address(::emu::g_smem) % k::wg::kPattern) % k::wg::kPattern;
+  unsigned char* smem = ::emu::g_smem + slack;  // the first 1024-byte boundary of the shared window
   for (int i = int(threadIdx.x); i < 2 * k::wg::kTileBytes / 2; i += 128)
     reinterpret_cast<uint16_t*>(smem)[i] = cpu::bf16_bits(1.f);
   __syncthreads();
   float acc[64] = {};
+  const uint32_t s0 = ::emu::shared_address(smem);
   if (fence) ::emu::ptx_wgmma_fence();
-  ::emu::ptx_wgmma(acc, 128, k::wg::make_desc(0, 16, 1024), k::wg::make_desc(k::wg::kTileBytes, 16, 1024), false,
-                   false);
+  ::emu::ptx_wgmma(acc, 128, k::wg::make_desc(s0, 16, 1024), k::wg::make_desc(s0 + k::wg::kTileBytes, 16, 1024),
+                   false, false);
   ::emu::ptx_wgmma_commit();
   __syncthreads();
   if (overwrite && threadIdx.x == 0) reinterpret_cast<uint16_t*>(smem)[0] = cpu::bf16_bits(2.f);
@@ -96,7 +98,8 @@ TEST_F(CudaEmuWgmma, PlantedAsyncBugsAreCaught) {
   ::emu::g_wgmma_die = false;
   for (auto [overwrite, fence] : {std::pair{false, true}, std::pair{true, true}, std::pair{false, false}}) {
     const uint64_t v = ::emu::g_wgmma_violations.load();
-    ::emu::launch(false, dim3(1), dim3(128), 2 * size_t(k::wg::kTileBytes), planted_kernel, overwrite, fence);
+    ::emu::launch(false, dim3(1), dim3(128), 2 * size_t(k::wg::kTileBytes) + k::wg::kPattern, planted_kernel,
+                  overwrite, fence);
     const uint64_t n = ::emu::g_wgmma_violations.load() - v;
     // Overwrite: the threads whose MMA read element 0 (row 0 of A: warp 0, lanes 0-3).
     const uint64_t want = overwrite ? 4u : fence ? 0u : 128u;
