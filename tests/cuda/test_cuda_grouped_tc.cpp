@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device_memory.h"
+#include "backend/cuda/lt_gemm.h"
 #include "cuda_fixture.h"
 #include "backend/cuda/grouped_gemm_tc.cuh"
 #include "backend/cuda/grouped_gemm_wgmma.cuh"
@@ -430,6 +432,104 @@ TEST_F(CudaGroupedTc, Throughput) {
                   wgmma ? "wgmma" : "mma", E, total, d, f, ms / reps, flops * reps / (ms * 1e-3) / 1e12);
     }
   k::grouped_gemm_tc_set_wgmma(prev_wg);
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+}
+
+// The question behind a capacity layout for the experts (docs/cuda.md, "What is left"): how fast
+// would the same expert GEMMs run as ONE strided-batched cuBLASLt call, each expert padded to a
+// fixed capacity C of rows? At the two MoE presets' shapes (uniform load, all operands bf16, fp32
+// output): the grouped GEMM (mma.sync; wgmma where it runs) against cuBLASLt batched with C = the
+// load (perfect balance) and C = 1.25 x the load rounded up to 128 rows (the padding a dropless
+// capacity layout would carry). Rates count the real rows' FLOPs only. Printed, not asserted.
+TEST_F(CudaGroupedTc, ThroughputAgainstBatchedCublasLt) {
+  struct Shape {
+    const char* preset;
+    int E, rows_per, d, f;
+  };
+  cudaEvent_t t0, t1;
+  ASSERT_EQ(cudaEventCreate(&t0), cudaSuccess);
+  ASSERT_EQ(cudaEventCreate(&t1), cudaSuccess);
+  auto time_ms = [&](const std::function<cudaError_t()>& launch) {
+    EXPECT_EQ(launch(), cudaSuccess);  // warm-up (and the plan's first use)
+    const int reps = 10;
+    cudaEventRecord(t0, nullptr);
+    for (int r = 0; r < reps; ++r) EXPECT_EQ(launch(), cudaSuccess);
+    cudaEventRecord(t1, nullptr);
+    cuda::device_synchronize();
+    float ms = 0;
+    cudaEventElapsedTime(&ms, t0, t1);
+    return double(ms) / reps;
+  };
+  cuda::LtGemm lt(nullptr);
+  const bool prev_wg = k::grouped_gemm_tc_wgmma();
+  for (const Shape& sh : {Shape{"moe-d1024", 64, 1024, 1024, 512}, Shape{"moe-d2048", 64, 512, 2048, 1024}}) {
+    const int E = sh.E, d = sh.d, f = sh.f, total = E * sh.rows_per;
+    const int cap = (sh.rows_per * 5 / 4 + 127) / 128 * 128;  // 1.25 x the load, whole 128-row tiles
+    std::vector<int32_t> off(E + 1);
+    for (int e = 0; e <= E; ++e) off[e] = e * sh.rows_per;
+    auto d_off = up(off);
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    auto random16 = [&](size_t n) {
+      std::vector<uint16_t> h(n);
+      for (auto& x : h) x = cpu::bf16_bits(u(rng_));
+      DeviceBuffer<uint16_t> b(n);
+      b.upload(h);
+      return b;
+    };
+    // Buffers sized for the padded layout (E x cap rows); the grouped GEMM reads the first `total`.
+    DeviceBuffer<uint16_t> X16 = random16(size_t(E) * cap * d), Y16 = random16(size_t(E) * cap * f),
+                           W16 = random16(size_t(E) * f * d);
+    DeviceBuffer<float> out(size_t(E) * cap * std::max(d, f)), G(size_t(E) * f * d);
+    DeviceBuffer<int32_t> scratch(k::grouped_gemm_tc_scratch_ints(E));
+    const double flops = 2.0 * total * double(d) * f;
+    struct Op {
+      const char* name;
+      bool rows_out, transB;
+      int M, N, K, lda, ldb, ldc;
+      const uint16_t *A, *B;
+      size_t sB, sC;
+      float* C;
+    };
+    const Op ops[] = {
+        {"fwd  y = x W^T ", true, true, 0, f, d, d, d, f, X16.data(), W16.data(), size_t(f) * d, 0, out.data()},
+        {"dgrad dx = dy W", true, false, 0, d, f, f, d, d, Y16.data(), W16.data(), size_t(f) * d, 0, out.data()},
+        {"wgrad dW = dy^T x", false, false, f, d, 0, f, d, d, Y16.data(), X16.data(), 0, size_t(f) * d, G.data()},
+    };
+    for (const Op& o : ops) {
+      auto print = [&](const char* how, double ms) {
+        std::printf("[ thruput  ] experts %-7s %-17s %-26s E=%d rows/expert=%d d=%d f=%d: %.3f ms, %.1f TFLOP/s\n",
+                    sh.preset, o.name, how, E, sh.rows_per, d, f, ms, flops / (ms * 1e-3) / 1e12);
+      };
+      for (bool wgmma : {false, true}) {
+        if (wgmma && !gt::wgmma_tests_on()) continue;
+        k::grouped_gemm_tc_set_wgmma(wgmma);
+        print(wgmma ? "grouped wgmma" : "grouped mma.sync", time_ms([&] {
+                return k::grouped_gemm_tc_ex(o.rows_out, o.transB, E, d_off.data(), o.M, o.N, o.K, 1.f, o.A, true,
+                                             o.lda, o.B, true, o.ldb, o.sB, 0.f, o.C, false, o.ldc, o.sC,
+                                             scratch.data(), sms_, nullptr);
+              }));
+      }
+      k::grouped_gemm_tc_set_wgmma(prev_wg);
+      for (int C : {sh.rows_per, cap}) {
+        // Expert e's rows at e * C: x_e [C, d], dy_e [C, f]; W_e [f, d]; dW_e [f, d].
+        const double ms = time_ms([&] {
+          if (o.name[0] == 'f')
+            lt.run_batched(cuda::GemmType::BF16, false, true, C, f, d, 1.f, o.A, d, int64_t(C) * d, o.B, d,
+                           int64_t(f) * d, 0.f, o.C, f, int64_t(C) * f, E);
+          else if (o.name[0] == 'd')
+            lt.run_batched(cuda::GemmType::BF16, false, false, C, d, f, 1.f, o.A, f, int64_t(C) * f, o.B, d,
+                           int64_t(f) * d, 0.f, o.C, d, int64_t(C) * d, E);
+          else
+            lt.run_batched(cuda::GemmType::BF16, true, false, f, d, C, 1.f, o.A, f, int64_t(C) * f, o.B, d,
+                           int64_t(C) * d, 0.f, o.C, d, int64_t(f) * d, E);
+          return cudaGetLastError();
+        });
+        const std::string how = "cuBLASLt batched C=" + std::to_string(C);
+        print(how.c_str(), ms);
+      }
+    }
+  }
   cudaEventDestroy(t0);
   cudaEventDestroy(t1);
 }
