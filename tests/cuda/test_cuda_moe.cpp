@@ -259,13 +259,15 @@ TEST_F(CudaMoe, Bf16GradientOpsMatchTheirFp32FormsRounded) {
       cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
       const auto comb = randv(size_t(NK), 0.f, 1.f), dout = randv(size_t(N) * d);
       const auto y16 = round16(randv(size_t(NK) * d));
-      auto d_row = up(row), d_comb = up(comb), d_dout = up(dout);
+      auto d_row = up(row);
+      auto d_comb = up(comb), d_dout = up(dout);
       auto d_y = up(y16);
       std::vector<uint16_t> dy(size_t(NK) * d, 0xffff);
       std::vector<float> dcomb(NK, NAN);
       cpu_be->moe_combine_backward_bf16_grads(dy.data(), dcomb.data(), dout.data(), y16.data(), comb.data(),
                                               row.data(), N, K, d);
-      auto d_dy = poisoned<uint16_t>(dy.size()), d_dy32 = poisoned<float>(dy.size());
+      auto d_dy = poisoned<uint16_t>(dy.size());
+      auto d_dy32 = poisoned<float>(dy.size());
       auto d_dcomb = poisoned<float>(NK), d_dcomb32 = poisoned<float>(NK);
       be().moe_combine_backward_bf16_grads(d_dy.data(), d_dcomb.data(), d_dout.data(), d_y.data(), d_comb.data(),
                                            d_row.data(), N, K, d);
@@ -279,7 +281,8 @@ TEST_F(CudaMoe, Bf16GradientOpsMatchTheirFp32FormsRounded) {
     const std::string what = fmt::format("swiglu n={}", n);
     SCOPED_TRACE(what);
     const auto g16 = round16(randv(n, -4.f, 4.f)), u16 = round16(randv(n)), dh16 = round16(randv(n));
-    auto d_g = up(g16), d_u = up(u16), d_dh = up(dh16), d_dhw = up(widen16(dh16));
+    auto d_g = up(g16), d_u = up(u16), d_dh = up(dh16);
+    auto d_dhw = up(widen16(dh16));
     auto d_dg = poisoned<uint16_t>(n), d_du = poisoned<uint16_t>(n);
     auto d_dg32 = poisoned<float>(n), d_du32 = poisoned<float>(n);
     be().swiglu_backward_bf16_grads(d_dg.data(), d_du.data(), d_dh.data(), d_g.data(), d_u.data(), n);
