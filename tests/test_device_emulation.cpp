@@ -151,6 +151,14 @@ TEST(DeviceEmulation, AttnBf16MoeSwitchesIsBitIdenticalWithoutHostAccess) {
   c.model.saved_activations = "bf16";
   train_and_compare(c, "muonh");
 }
+// The routed experts' activation gradients in bf16 too (model.moe_bf16_grads): the bf16-gradient
+// combine backward and SwiGLU backward, and grouped GEMMs reading and writing bf16 gradients,
+// through backend ops only.
+TEST(DeviceEmulation, MoeBf16GradsMoeSwitchesIsBitIdenticalWithoutHostAccess) {
+  Config c = moe_switches_config();
+  c.model.moe_bf16 = c.model.moe_bf16_grads = true;
+  train_and_compare(c, "adamw");
+}
 TEST(DeviceEmulation, MlpBf16DenseMuonhIsBitIdenticalWithoutHostAccess) {
   Config c = dense_config();
   c.model.mlp_bf16 = true;

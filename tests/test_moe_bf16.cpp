@@ -23,6 +23,7 @@
 #include "backend/cpu/kernels.h"
 #include "bf16_model_compare.h"
 #include "core/error.h"
+#include "model/moe.h"
 #include "model/transformer.h"
 #include "model_test_configs.h"
 #include "train_side_by_side.h"
@@ -228,6 +229,177 @@ TEST(MoeBf16, ConfigRefusesAModelWithoutMoeLayers) {
   Config c = dense_config();
   c.model.moe_bf16 = true;
   expect_refused_naming(c, "model.moe_bf16");
+}
+
+// ---- model.moe_bf16_grads: the routed experts' activation gradients dy, da, dg, du in bf16 ----
+
+// The two ops it adds, on the CPU reference: the fp32 op on the widened inputs, its gradients
+// rounded to nearest even, bitwise; dcomb is the fp32-dy op's (n above the parallel threshold,
+// odd sizes, and one under a SwiGLU chunk).
+TEST(MoeBf16Ops, Bf16GradientOpsAreTheFp32OpsRounded) {
+  auto be = make_cpu_backend(0);
+  for (size_t n : {size_t(5), size_t(4096 * 9 + 7)}) {
+    const auto g16 = to_b16(random_floats(n, 1, 3.f)), u16 = to_b16(random_floats(n, 2)), dh16 = to_b16(random_floats(n, 3));
+    const auto gw = widen(g16), uw = widen(u16), dhw = widen(dh16);
+    std::vector<float> dg(n), du(n);
+    cpu::swiglu_backward<float>(dg.data(), du.data(), dhw.data(), gw.data(), uw.data(), n);
+    std::vector<uint16_t> got_g(n, 0xffff), got_u(n, 0xffff);
+    be->swiglu_backward_bf16_grads(got_g.data(), got_u.data(), dh16.data(), g16.data(), u16.data(), n);
+    EXPECT_EQ(got_g, to_b16(dg)) << n;
+    EXPECT_EQ(got_u, to_b16(du)) << n;
+  }
+  for (auto [N, K, d] : {std::tuple{7, 2, 5}, std::tuple{300, 4, 257}}) {
+    const size_t NK = size_t(N) * K;
+    const auto y16 = to_b16(random_floats(NK * d, 6, 2.f));
+    const auto comb = random_floats(NK, 7), dout = random_floats(size_t(N) * d, 8);
+    std::vector<int32_t> row(NK);
+    for (size_t j = 0; j < NK; ++j) row[j] = int32_t((j * 7919) % NK);
+    std::vector<float> dy_ref(NK * d), dc_ref(NK), dc(NK, NAN);
+    be->moe_combine_backward_bf16(dy_ref.data(), dc_ref.data(), dout.data(), y16.data(), comb.data(), row.data(), N, K,
+                                  d);
+    std::vector<uint16_t> dy(NK * d, 0xffff);
+    be->moe_combine_backward_bf16_grads(dy.data(), dc.data(), dout.data(), y16.data(), comb.data(), row.data(), N, K, d);
+    EXPECT_EQ(dy, to_b16(dy_ref)) << N << " x " << d;
+    EXPECT_EQ(0, std::memcmp(dc.data(), dc_ref.data(), NK * sizeof(float))) << N << " x " << d;
+  }
+}
+
+// The whole block's backward with bf16 gradients on the CPU backend is, bit for bit, its
+// definition written out here with the fp32 CPU kernels: dy = bf16(the combine's backward),
+// da = bf16(dy wd), dg, du = bf16(SwiGLU's backward on da), dx, the weight gradients, the shared
+// expert and the router in fp32 from those; the forward's bf16 tensors read widened. Both combine
+// modes; the gradients accumulate onto random values.
+TEST(MoeBf16Grads, BlockBackwardIsItsDefinitionBitForBit) {
+  auto be = make_cpu_backend(0);
+  for (bool normalized : {false, true}) {
+    MoeDims D;
+    D.N = 37, D.d = 24, D.E = 6, D.K = 2, D.I = 20, D.Is = 12;
+    D.normalized = normalized;
+    D.route_scale = 2.5;
+    D.bf16 = D.bf16_grads = true;
+    const int N = D.N, d = D.d, E = D.E, K = D.K, I = D.I, Is = D.Is, NK = N * K;
+    const auto router = random_floats(size_t(E) * d, 1, 0.3f), bias = random_floats(size_t(E), 2, 0.1f);
+    const auto wg = random_floats(size_t(E) * I * d, 3, 0.3f), wu = random_floats(size_t(E) * I * d, 4, 0.3f);
+    const auto wd = random_floats(size_t(E) * d * I, 5, 0.3f), sg = random_floats(size_t(Is) * d, 6, 0.3f);
+    const auto su = random_floats(size_t(Is) * d, 7, 0.3f), sd = random_floats(size_t(d) * Is, 8, 0.3f);
+    const auto h = random_floats(size_t(N) * d, 9), dout = random_floats(size_t(N) * d, 10);
+    const float z = 0.03f;
+    // Gradients start at random values (accumulated), per parameter: router wg wu wd sg su sd.
+    const size_t sizes[7] = {router.size(), wg.size(), wu.size(), wd.size(), sg.size(), su.size(), sd.size()};
+    std::vector<std::vector<float>> got, ref;
+    for (int i = 0; i < 7; ++i) got.push_back(random_floats(sizes[i], 20 + i, 1e-2f));
+    ref = got;
+    const MoeWeights<float> W{router.data(), bias.data(), wg.data(), wu.data(), wd.data(), sg.data(), su.data(), sd.data()};
+    MoeGrads<float> G{got[0].data(), got[1].data(), got[2].data(), got[3].data(), got[4].data(), got[5].data(),
+                      got[6].data()};
+    MoeActs<float> A;
+    MoeScratch<float> S;
+    std::vector<std::vector<double>> store;
+    for (auto reqs : {moe_act_requests<float>(D, A), moe_scratch_requests<float>(D, S)})
+      for (auto& [ptr, bytes] : reqs) {
+        store.emplace_back(bytes / sizeof(double) + 1, 0.0);
+        *ptr = store.back().data();
+      }
+    std::vector<float> out(size_t(N) * d, 0.f), dh(size_t(N) * d, NAN);
+    BackendOps ops{be.get()};
+    moe_forward<float>(ops, D, W, A, h.data(), out.data());
+    moe_backward<float>(ops, D, W, G, A, S, h.data(), dout.data(), dh.data(), z);
+
+    // The definition, from the forward's saved tensors (bf16 bits widened).
+    auto wide = [](const float* bits, size_t n) {
+      std::vector<float> v(n);
+      cpu::bf16_to_f32(v.data(), reinterpret_cast<const uint16_t*>(bits), n);
+      return v;
+    };
+    auto round_trip = [](std::vector<float>& v) { v = widen(to_b16(v)); };  // the bf16 stores
+    const size_t nkd = size_t(NK) * d, nki = size_t(NK) * I;
+    const auto y = wide(A.y, nkd), xs = wide(A.xs, nkd), g = wide(A.g, nki), u = wide(A.u, nki), a = wide(A.a, nki);
+    const auto sact = wide(A.sact, size_t(N) * Is);
+    std::vector<float> dy(nkd), dcomb(NK), da(nki), dg(nki), du(nki), dx(nkd), dh_ref(size_t(N) * d);
+    cpu::moe_combine_backward<float>(dy.data(), dcomb.data(), dout.data(), y.data(), A.comb, A.row, N, K, d);
+    round_trip(dy);
+    cpu::grouped_gemm<float>(true, false, E, A.offsets, 0, I, d, 1.f, dy.data(), d, wd.data(), I, size_t(d) * I, 0.f,
+                             da.data(), I, 0);
+    round_trip(da);
+    cpu::grouped_gemm<float>(false, false, E, A.offsets, d, I, 0, 1.f, dy.data(), d, a.data(), I, 0, 1.f,
+                             ref[3].data(), I, size_t(d) * I);
+    cpu::swiglu_backward<float>(dg.data(), du.data(), da.data(), g.data(), u.data(), nki);
+    round_trip(dg);
+    round_trip(du);
+    cpu::grouped_gemm<float>(true, false, E, A.offsets, 0, d, I, 1.f, dg.data(), I, wg.data(), d, size_t(I) * d, 0.f,
+                             dx.data(), d, 0);
+    cpu::grouped_gemm<float>(true, false, E, A.offsets, 0, d, I, 1.f, du.data(), I, wu.data(), d, size_t(I) * d, 1.f,
+                             dx.data(), d, 0);
+    cpu::grouped_gemm<float>(false, false, E, A.offsets, I, d, 0, 1.f, dg.data(), I, xs.data(), d, 0, 1.f,
+                             ref[1].data(), d, size_t(I) * d);
+    cpu::grouped_gemm<float>(false, false, E, A.offsets, I, d, 0, 1.f, du.data(), I, xs.data(), d, 0, 1.f,
+                             ref[2].data(), d, size_t(I) * d);
+    cpu::moe_gather_backward<float>(dh_ref.data(), dx.data(), A.row, N, K, d);
+    // The shared expert and the router: fp32 gradients, as without the option.
+    std::vector<float> dsa(size_t(N) * Is), dsg(size_t(N) * Is), dsu(size_t(N) * Is), ds(size_t(N) * E);
+    cpu::gemm<float>(false, false, N, Is, d, 1.f, dout.data(), d, sd.data(), Is, 0.f, dsa.data(), Is);
+    cpu::gemm<float>(true, false, d, Is, N, 1.f, dout.data(), d, sact.data(), Is, 1.f, ref[6].data(), Is);
+    cpu::swiglu_backward_bf16(dsg.data(), dsu.data(), dsa.data(), reinterpret_cast<const uint16_t*>(A.sgate),
+                              reinterpret_cast<const uint16_t*>(A.sup), size_t(N) * Is);
+    cpu::gemm<float>(false, false, N, d, Is, 1.f, dsg.data(), Is, sg.data(), d, 1.f, dh_ref.data(), d);
+    cpu::gemm<float>(false, false, N, d, Is, 1.f, dsu.data(), Is, su.data(), d, 1.f, dh_ref.data(), d);
+    cpu::gemm<float>(true, false, Is, d, N, 1.f, dsg.data(), Is, h.data(), d, 1.f, ref[4].data(), d);
+    cpu::gemm<float>(true, false, Is, d, N, 1.f, dsu.data(), Is, h.data(), d, 1.f, ref[5].data(), d);
+    cpu::moe_router_backward<float>(ds.data(), A.logits, A.lse, A.expert, dcomb.data(), N, E, K, normalized, 2.5, z);
+    cpu::gemm<float>(false, false, N, d, E, 1.f, ds.data(), E, router.data(), d, 1.f, dh_ref.data(), d);
+    cpu::gemm<float>(true, false, E, d, N, 1.f, ds.data(), E, h.data(), d, 1.f, ref[0].data(), d);
+
+    const std::string tag = normalized ? "normalized" : "sigmoid";
+    // The scratch holds this backward's dy, da, dg and du as bf16 bits.
+    EXPECT_EQ(wide(S.dy, nkd), dy) << tag << " dy";
+    EXPECT_EQ(wide(S.da, nki), da) << tag << " da";
+    EXPECT_EQ(wide(S.dg, nki), dg) << tag << " dg";
+    EXPECT_EQ(wide(S.du, nki), du) << tag << " du";
+    EXPECT_EQ(0, std::memcmp(dh.data(), dh_ref.data(), dh.size() * sizeof(float))) << tag << " dh";
+    const char* names[7] = {"router", "wg", "wu", "wd", "sg", "su", "sd"};
+    for (int i = 0; i < 7; ++i)
+      EXPECT_EQ(0, std::memcmp(got[size_t(i)].data(), ref[size_t(i)].data(), sizes[i] * sizeof(float)))
+          << tag << " d " << names[i];
+  }
+}
+
+// Against model.moe_bf16 with fp32 gradients: the same forward (the loss bit for bit), gradients
+// within bf16 rounding of it (1e-2 relative: each of dy, da, dg, du rounded once, 2^-9 each, a
+// wrong layout or a misread buffer is O(1)) but not equal; both the MoE model and the switches
+// model with its MoE layer first (routing in the next layers is decided by the forward, which does
+// not change here).
+TEST(MoeBf16Grads, CloseToFp32GradientsWithTheSameForward) {
+  Config sw = moe_switches_config();
+  sw.model.moe_layers = "0";
+  for (Config c : {moe_config(), sw}) {
+    c.model.moe_bf16 = true;
+    Config g = c;
+    g.model.moe_bf16_grads = true;
+    const Compared r = compare(c, g, 1e-2);
+    EXPECT_TRUE(r.loss_equal) << tag_of(c) << ": the option must not change the forward";
+    EXPECT_GT(r.grads_differ, size_t(0)) << tag_of(c) << ": is the option in effect?";
+    std::printf("[ moe bf16 grads ] %s: worst gradient rel err %.2e against fp32 gradients\n", tag_of(c),
+                r.worst_grad);
+  }
+}
+
+// Recomputation re-runs the forward only: with bf16 gradients still bit for bit.
+TEST(MoeBf16Grads, WithRecomputeBitForBit) {
+  Config c = moe_config();
+  c.model.n_layers = 4;
+  c.model.moe_bf16 = c.model.moe_bf16_grads = true;
+  expect_recompute_bit_exact(c, "moe bf16 grads");
+}
+
+TEST(MoeBf16Grads, ConfigRefusesItWithoutMoeBf16OrMoeLayers) {
+  Config c = moe_config();
+  c.model.moe_bf16_grads = true;
+  expect_refused_naming(c, "model.moe_bf16_grads");
+  Config dn = dense_config();
+  dn.model.moe_bf16_grads = true;
+  expect_refused_naming(dn, "model.moe_bf16_grads");
+  c.model.moe_bf16 = true;
+  EXPECT_NO_THROW(validate(c));
 }
 
 }  // namespace

@@ -113,6 +113,10 @@ class Backend : public MemorySpace {
   virtual void swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n) = 0;
   virtual void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
                                     size_t n) = 0;
+  // swiglu_backward_bf16 with its gradients in bf16 too (model.moe_bf16_grads): dh widened, dg and
+  // du the fp32 results rounded to nearest even.
+  virtual void swiglu_backward_bf16_grads(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g,
+                                          const uint16_t* u, size_t n) = 0;
   virtual XentSums softmax_xent(float* logits, const int32_t* targets, int N, int V, float z_coef, float grad_scale) = 0;
   virtual XentSums softmax_xent_forward(const float* logits, const int32_t* targets, int N, int V, float* losses) = 0;
   virtual void add_inplace(float* y, const float* x, size_t n) = 0;
@@ -199,6 +203,10 @@ class Backend : public MemorySpace {
                                 int d) = 0;
   virtual void moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout, const uint16_t* y,
                                          const float* comb, const int32_t* row, int N, int K, int d) = 0;
+  // moe_combine_backward_bf16 with the row gradients dy written as bf16 bits, the fp32 values rounded
+  // to nearest even (model.moe_bf16_grads); dcomb stays fp32.
+  virtual void moe_combine_backward_bf16_grads(uint16_t* dy, float* dcomb, const float* dout, const uint16_t* y,
+                                               const float* comb, const int32_t* row, int N, int K, int d) = 0;
   virtual void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) = 0;
   virtual void moe_router_backward(float* ds, const float* logits, const float* lse, const int32_t* expert,
                                    const float* dcomb, int N, int E, int K, bool normalized, double route_scale,

@@ -146,6 +146,10 @@ class ForwardingBackend : public Backend {
                             size_t n) override {
     wrap("swiglu", 0, [&] { b_->swiglu_backward_bf16(dg, du, dh, g, u, n); });
   }
+  void swiglu_backward_bf16_grads(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g, const uint16_t* u,
+                                  size_t n) override {
+    wrap("swiglu", 0, [&] { b_->swiglu_backward_bf16_grads(dg, du, dh, g, u, n); });
+  }
   XentSums softmax_xent(float* l, const int32_t* t, int N, int V, float z, float gs) override {
     return wrap("softmax_xent", 0, [&] { return b_->softmax_xent(l, t, N, V, z, gs); });
   }
@@ -339,6 +343,10 @@ class ForwardingBackend : public Backend {
   void moe_combine_backward_bf16(float* dy, float* dc, const float* dout, const uint16_t* y, const float* comb,
                                  const int32_t* row, int N, int K, int d) override {
     wrap("moe permute", 0, [&] { b_->moe_combine_backward_bf16(dy, dc, dout, y, comb, row, N, K, d); });
+  }
+  void moe_combine_backward_bf16_grads(uint16_t* dy, float* dc, const float* dout, const uint16_t* y,
+                                       const float* comb, const int32_t* row, int N, int K, int d) override {
+    wrap("moe permute", 0, [&] { b_->moe_combine_backward_bf16_grads(dy, dc, dout, y, comb, row, N, K, d); });
   }
   void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     wrap("moe permute", 0, [&] { b_->moe_gather_bf16(xs, h, slot, NK, K, d); });

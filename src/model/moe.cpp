@@ -30,9 +30,10 @@ std::vector<std::pair<void**, size_t>> moe_act_requests(const MoeDims& D, MoeAct
 template <class T>
 std::vector<std::pair<void**, size_t>> moe_scratch_requests(const MoeDims& D, MoeScratch<T>& s) {
   const size_t N = D.N, NK = size_t(D.N) * D.K, t = sizeof(T);
+  const size_t tg = D.bf16_grads ? sizeof(uint16_t) : t;  // dy, dg, du, da (D.bf16_grads: bf16 bits)
   std::vector<std::pair<void**, size_t>> r = {
-      {(void**)&s.dy, NK * D.d * t}, {(void**)&s.dg, NK * D.I * t}, {(void**)&s.du, NK * D.I * t},
-      {(void**)&s.da, NK * D.I * t}, {(void**)&s.dx, NK * D.d * t}, {(void**)&s.ds, N * D.E * t},
+      {(void**)&s.dy, NK * D.d * tg}, {(void**)&s.dg, NK * D.I * tg}, {(void**)&s.du, NK * D.I * tg},
+      {(void**)&s.da, NK * D.I * tg}, {(void**)&s.dx, NK * D.d * t},  {(void**)&s.ds, N * D.E * t},
       {(void**)&s.dcomb, NK * t}};
   if (D.Is > 0)
     r.insert(r.end(), {{(void**)&s.dsg, N * D.Is * t}, {(void**)&s.dsu, N * D.Is * t}, {(void**)&s.dsa, N * D.Is * t}});
@@ -86,20 +87,25 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
 
   // 1. Through the weighted scatter: dy_row = w_slot * dout_token; dL/dw_slot = dout_token . y_row.
   // 2. The experts, per block: down, SwiGLU, gate/up; weight gradients summed over each block.
-  //    D.bf16 (h16): y, a, g, u and xs are read as the bf16 they are; every gradient is fp32.
-  const bool h16 = D.bf16;
+  //    D.bf16 (h16): y, a, g, u and xs are read as the bf16 they are. D.bf16_grads (d16): dy, da,
+  //    dg and du are written in bf16 (each the fp32 value rounded) and read so; dx, dcomb and the
+  //    weight gradients are fp32 either way.
+  const bool h16 = D.bf16, d16 = D.bf16_grads;
   const int rows = int(NK);
-  ops.moe_combine_backward(S.dy, S.dcomb, dout, A.y, A.comb, A.row, N, K, d, h16);
-  ops.grouped_gemm(true, false, E, A.offsets, 0, I, d, T(1), S.dy, d, W.wd, I, size_t(d) * I, T(0), S.da, I, 0, rows);
+  ops.moe_combine_backward(S.dy, S.dcomb, dout, A.y, A.comb, A.row, N, K, d, h16, d16);
+  ops.grouped_gemm(true, false, E, A.offsets, 0, I, d, T(1), S.dy, d, W.wd, I, size_t(d) * I, T(0), S.da, I, 0, rows,
+                   d16, false, d16);
   ops.grouped_gemm(false, false, E, A.offsets, d, I, 0, T(1), S.dy, d, A.a, I, 0, T(1), G.wd, I, size_t(d) * I, rows,
-                   false, h16);
-  ops.swiglu_backward(S.dg, S.du, S.da, A.g, A.u, NK * I, h16);
-  ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.dg, I, W.wg, d, size_t(I) * d, T(0), S.dx, d, 0, rows);
-  ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.du, I, W.wu, d, size_t(I) * d, T(1), S.dx, d, 0, rows);
+                   d16, h16);
+  ops.swiglu_backward(S.dg, S.du, S.da, A.g, A.u, NK * I, h16, d16);
+  ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.dg, I, W.wg, d, size_t(I) * d, T(0), S.dx, d, 0, rows,
+                   d16);
+  ops.grouped_gemm(true, false, E, A.offsets, 0, d, I, T(1), S.du, I, W.wu, d, size_t(I) * d, T(1), S.dx, d, 0, rows,
+                   d16);
   ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.dg, I, A.xs, d, 0, T(1), G.wg, d, size_t(I) * d, rows,
-                   false, h16);
+                   d16, h16);
   ops.grouped_gemm(false, false, E, A.offsets, I, d, 0, T(1), S.du, I, A.xs, d, 0, T(1), G.wu, d, size_t(I) * d, rows,
-                   false, h16);
+                   d16, h16);
 
   // 3. Gather the row gradients back to their tokens (the adjoint of the forward gather).
   ops.moe_gather_backward(dh, S.dx, A.row, N, K, d);

@@ -49,8 +49,16 @@ struct MoeDims {
   // the gather rounds xs, the GEMMs read it and write gate and up rounded to bf16, SwiGLU reads
   // them and writes a in bf16, the down projection reads a and writes y in bf16, which the combine
   // and its backward read; the weight gradients read xs and a as they are; every gradient stays
-  // fp32. Only through a Backend (BackendOps): the double-precision kernels have no bf16 form.
+  // fp32 (unless bf16_grads). Only through a Backend (BackendOps): the double-precision kernels
+  // have no bf16 form.
   bool bf16 = false;
+  // model.moe_bf16_grads (needs bf16): the routed experts' activation gradients dy, da, dg and du
+  // are bf16 bits too, so that the backward's grouped GEMMs read bf16 A operands (on a GPU an fp32
+  // A is staged through registers, a bf16 one by cp.async) and the scratch is half the bytes:
+  // the combine's backward rounds dy, the down projection's data-gradient GEMM writes da in bf16,
+  // SwiGLU's backward reads it and rounds dg and du. Weight gradients, dx (back to the tokens),
+  // dcomb, the router's gradients and the shared expert's gradients stay fp32.
+  bool bf16_grads = false;
 };
 
 template <class T>
@@ -86,8 +94,8 @@ struct MoeActs {
 // Backward scratch (one set serves every block).
 template <class T>
 struct MoeScratch {
-  T* dy = nullptr;                              // [N*K, d]
-  T *dg = nullptr, *du = nullptr, *da = nullptr;  // [N*K, I]
+  T* dy = nullptr;                              // [N*K, d] (bf16 bits: D.bf16_grads)
+  T *dg = nullptr, *du = nullptr, *da = nullptr;  // [N*K, I] (bf16 bits: D.bf16_grads)
   T* dx = nullptr;                              // [N*K, d]
   T* ds = nullptr;                              // [N, E]
   T *dsg = nullptr, *dsu = nullptr, *dsa = nullptr;  // [N, Is]
@@ -120,7 +128,8 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
 
 // The ops the block runs, through the templated CPU kernels (any T). The trailing flags say which
 // tensors are bf16 bits (model.moe_bf16, MoeDims::bf16: a16 / b16 / c16 for a GEMM's A, B and
-// output, h16 for SwiGLU's tensors, x16 for the gathered rows, y16 for the expert outputs); these
+// output, h16 for SwiGLU's tensors, x16 for the gathered rows, y16 for the expert outputs;
+// model.moe_bf16_grads, MoeDims::bf16_grads: d16 for the gradients dy, dh, dg and du); these
 // kernels have no bf16 form, so here every flag must be false. `rows` bounds a grouped GEMM's
 // offsets[E] (unused here).
 template <class T>
@@ -141,8 +150,9 @@ struct KernelOps {
     LADDER_ASSERT(!h16);
     cpu::swiglu_forward<T>(h, g, u, n);
   }
-  void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n, bool h16 = false) {
-    LADDER_ASSERT(!h16);
+  void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n, bool h16 = false,
+                       bool d16 = false) {
+    LADDER_ASSERT(!h16 && !d16);
     cpu::swiglu_backward<T>(dg, du, dh, g, u, n);
   }
   void moe_route(T* lse, int32_t* ex, T* comb, const T* s, const T* bias, int N, int E, int K, bool nz, double rs) {
@@ -160,8 +170,8 @@ struct KernelOps {
     cpu::moe_combine<T>(out, y, comb, row, N, K, d);
   }
   void moe_combine_backward(T* dy, T* dcomb, const T* dout, const T* y, const T* comb, const int32_t* row, int N,
-                            int K, int d, bool y16 = false) {
-    LADDER_ASSERT(!y16);
+                            int K, int d, bool y16 = false, bool d16 = false) {
+    LADDER_ASSERT(!y16 && !d16);
     cpu::moe_combine_backward<T>(dy, dcomb, dout, y, comb, row, N, K, d);
   }
   void moe_gather_backward(T* dh, const T* dx, const int32_t* row, int N, int K, int d) {
@@ -203,9 +213,12 @@ struct BackendOps {
     if (h16) be->swiglu_forward_bf16(bits(h), bits(g), bits(u), n);
     else be->swiglu_forward(h, g, u, n);
   }
+  // d16 (bf16 dh, dg and du) only with h16 (bf16 g and u): model.moe_bf16_grads needs model.moe_bf16.
   void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n,
-                       bool h16 = false) {
-    if (h16) be->swiglu_backward_bf16(dg, du, dh, bits(g), bits(u), n);
+                       bool h16 = false, bool d16 = false) {
+    LADDER_ASSERT(h16 || !d16);
+    if (d16) be->swiglu_backward_bf16_grads(bits(dg), bits(du), bits(dh), bits(g), bits(u), n);
+    else if (h16) be->swiglu_backward_bf16(dg, du, dh, bits(g), bits(u), n);
     else be->swiglu_backward(dg, du, dh, g, u, n);
   }
   void moe_route(float* lse, int32_t* ex, float* comb, const float* s, const float* bias, int N, int E, int K,
@@ -225,8 +238,10 @@ struct BackendOps {
     else be->moe_combine(out, y, comb, row, N, K, d);
   }
   void moe_combine_backward(float* dy, float* dcomb, const float* dout, const float* y, const float* comb,
-                            const int32_t* row, int N, int K, int d, bool y16 = false) {
-    if (y16) be->moe_combine_backward_bf16(dy, dcomb, dout, bits(y), comb, row, N, K, d);
+                            const int32_t* row, int N, int K, int d, bool y16 = false, bool d16 = false) {
+    LADDER_ASSERT(y16 || !d16);  // a bf16 dy only with bf16 y, as for swiglu_backward
+    if (d16) be->moe_combine_backward_bf16_grads(bits(dy), dcomb, dout, bits(y), comb, row, N, K, d);
+    else if (y16) be->moe_combine_backward_bf16(dy, dcomb, dout, bits(y), comb, row, N, K, d);
     else be->moe_combine_backward(dy, dcomb, dout, y, comb, row, N, K, d);
   }
   void moe_gather_backward(float* dh, const float* dx, const int32_t* row, int N, int K, int d) {

@@ -248,8 +248,8 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
                            {&d_o_, N * H * hd}, {&d_gate_, N * Idense}, {&d_up_, N * Idense},
                            {&d_act_, N * Idense}});
   if (moe_index > 0) {
-    for (auto& [ptr, bytes] : moe_scratch_requests<float>(md, ms_))
-      reqs.push_back({reinterpret_cast<float**>(ptr), bytes / sizeof(float)});
+    for (auto& [ptr, bytes] : moe_scratch_requests<float>(md, ms_))  // whole floats (bf16 gradients: odd sizes)
+      reqs.push_back({reinterpret_cast<float**>(ptr), (bytes + sizeof(float) - 1) / sizeof(float)});
     moe_lse_sq_.assign(size_t(moe_index), 0.0);
     stats_lse_sq_.assign(size_t(moe_index), 0.0);
   }
@@ -346,6 +346,7 @@ MoeDims Transformer::moe_dims() const {
   D.normalized = cfg_.moe_normalized();
   D.route_scale = cfg_.moe_route_scale;
   D.bf16 = cfg_.moe_bf16;
+  D.bf16_grads = cfg_.moe_bf16_grads;
   return D;
 }
 

@@ -307,6 +307,16 @@ TEST_F(CudaModel, MoeBf16MatchesTheCpu) {
   }
 }
 
+// model.moe_bf16_grads: the routed experts' activation gradients in bf16 as well (the bf16-output
+// combine backward and SwiGLU backward, the grouped GEMMs reading bf16 gradients and writing da in
+// bf16) against the CPU reference with the same options; the same bounds as model.moe_bf16, each
+// backend rounding its own fp32 gradients.
+TEST_F(CudaModel, MoeBf16GradsMatchesTheCpu) {
+  Config c = moe_config();
+  c.model.moe_bf16 = c.model.moe_bf16_grads = true;
+  compare_model(c, "moe-bf16-grads moe", kGradTolBf16Saved, kFwdTolMlpBf16);
+}
+
 // model.attn_bf16 and model.norm_bf16: the attention block's bf16 ops (qk prep, attention, XSA,
 // head gate) and the norms' bf16 outputs read by typed GEMMs, on the fp32-GEMM CUDA backend against
 // the CPU reference with the same options: every attention switch, then every bf16 option at once

@@ -231,6 +231,73 @@ TEST_F(CudaMoe, GatherAndCombineWithBf16Rows) {
     }
 }
 
+// model.moe_bf16_grads' ops, poisoned outputs: the combine backward writing dy in bf16 is the
+// CPU's bits (one product per element, then the rounding); its dcomb is the fp32-dy op's, bitwise.
+// SwiGLU's backward with bf16 dh, dg and du is the device's fp32-gradient SwiGLU backward on the
+// widened dh, rounded, bitwise (one formula), and within one bf16 step of the CPU's (the device's
+// expf and the CPU's exp differ in the last fp32 bit, which may move a rounding).
+TEST_F(CudaMoe, Bf16GradientOpsMatchTheirFp32FormsRounded) {
+  auto cpu_be = make_cpu_backend(0);
+  auto round16 = [](const std::vector<float>& v) {
+    std::vector<uint16_t> b(v.size());
+    cpu::f32_to_bf16(b.data(), v.data(), v.size());
+    return b;
+  };
+  auto widen16 = [](const std::vector<uint16_t>& b) {
+    std::vector<float> v(b.size());
+    cpu::bf16_to_f32(v.data(), b.data(), b.size());
+    return v;
+  };
+  const int N = 131;
+  for (int K : kKs)
+    for (int d : {1, 37, 300}) {
+      const std::string what = fmt::format("K={} d={}", K, d);
+      SCOPED_TRACE(what);
+      const int NK = N * K, E = 8;
+      auto expert = skewed_experts(size_t(NK), E);
+      std::vector<int32_t> off(E + 1), row(NK), slot(NK);
+      cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+      const auto comb = randv(size_t(NK), 0.f, 1.f), dout = randv(size_t(N) * d);
+      const auto y16 = round16(randv(size_t(NK) * d));
+      auto d_row = up(row);
+      auto d_comb = up(comb), d_dout = up(dout);
+      auto d_y = up(y16);
+      std::vector<uint16_t> dy(size_t(NK) * d, 0xffff);
+      std::vector<float> dcomb(NK, NAN);
+      cpu_be->moe_combine_backward_bf16_grads(dy.data(), dcomb.data(), dout.data(), y16.data(), comb.data(),
+                                              row.data(), N, K, d);
+      auto d_dy = poisoned<uint16_t>(dy.size());
+      auto d_dy32 = poisoned<float>(dy.size());
+      auto d_dcomb = poisoned<float>(NK), d_dcomb32 = poisoned<float>(NK);
+      be().moe_combine_backward_bf16_grads(d_dy.data(), d_dcomb.data(), d_dout.data(), d_y.data(), d_comb.data(),
+                                           d_row.data(), N, K, d);
+      be().moe_combine_backward_bf16(d_dy32.data(), d_dcomb32.data(), d_dout.data(), d_y.data(), d_comb.data(),
+                                     d_row.data(), N, K, d);
+      exact(down(d_dy, dy.size()), dy, "moe_combine_backward_bf16_grads dy vs cpu " + what);
+      check(down(d_dcomb, NK), down(d_dcomb32, NK), 0.0, "moe_combine_backward_bf16_grads dcomb (exact) " + what);
+      check(down(d_dcomb, NK), dcomb, kF32, "moe_combine_backward_bf16_grads dcomb vs cpu " + what);
+    }
+  for (size_t n : {size_t(1), size_t(37), size_t(8 * 97 + 5), size_t(40000)}) {
+    const std::string what = fmt::format("swiglu n={}", n);
+    SCOPED_TRACE(what);
+    const auto g16 = round16(randv(n, -4.f, 4.f)), u16 = round16(randv(n)), dh16 = round16(randv(n));
+    auto d_g = up(g16), d_u = up(u16), d_dh = up(dh16);
+    auto d_dhw = up(widen16(dh16));
+    auto d_dg = poisoned<uint16_t>(n), d_du = poisoned<uint16_t>(n);
+    auto d_dg32 = poisoned<float>(n), d_du32 = poisoned<float>(n);
+    be().swiglu_backward_bf16_grads(d_dg.data(), d_du.data(), d_dh.data(), d_g.data(), d_u.data(), n);
+    be().swiglu_backward_bf16(d_dg32.data(), d_du32.data(), d_dhw.data(), d_g.data(), d_u.data(), n);
+    const auto dg = down(d_dg, n), du = down(d_du, n);
+    exact(dg, round16(down(d_dg32, n)), "swiglu_backward_bf16_grads dg = the fp32 form rounded " + what);
+    exact(du, round16(down(d_du32, n)), "swiglu_backward_bf16_grads du = the fp32 form rounded " + what);
+    std::vector<uint16_t> cdg(n, 0xffff), cdu(n, 0xffff);
+    cpu_be->swiglu_backward_bf16_grads(cdg.data(), cdu.data(), dh16.data(), g16.data(), u16.data(), n);
+    // One bf16 step is a relative 2^-8 of an element; over a vector far less.
+    check(widen16(dg), widen16(cdg), 1.0 / 256, "swiglu_backward_bf16_grads dg vs cpu " + what);
+    check(widen16(du), widen16(cdu), 1.0 / 256, "swiglu_backward_bf16_grads du vs cpu " + what);
+  }
+}
+
 TEST_F(CudaMoe, RouterBackwardMatchesCpu) {
   const int N = 157;
   for (int E : kEs)

@@ -145,6 +145,10 @@ class CpuBackend final : public Backend {
                             size_t n) override {
     cpu::swiglu_backward_bf16(dg, du, dh, g, u, n);
   }
+  void swiglu_backward_bf16_grads(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g, const uint16_t* u,
+                                  size_t n) override {
+    cpu::swiglu_backward_bf16(dg, du, dh, g, u, n);
+  }
   XentSums softmax_xent(float* logits, const int32_t* t, int N, int V, float z, float gs) override {
     return cpu::softmax_xent<float>(logits, t, N, V, z, gs);
   }
@@ -195,6 +199,14 @@ class CpuBackend final : public Backend {
   void moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout, const uint16_t* y, const float* comb,
                                  const int32_t* row, int N, int K, int d) override {
     cpu::moe_combine_backward<float>(dy, dcomb, dout, y, comb, row, N, K, d);
+  }
+  // model.moe_bf16_grads' reference: the fp32 row gradients into scratch, then rounded.
+  void moe_combine_backward_bf16_grads(uint16_t* dy, float* dcomb, const float* dout, const uint16_t* y,
+                                       const float* comb, const int32_t* row, int N, int K, int d) override {
+    const size_t n = size_t(N) * size_t(K) * size_t(d);
+    float* dyf = wide_out(n);
+    cpu::moe_combine_backward<float>(dyf, dcomb, dout, y, comb, row, N, K, d);
+    cpu::f32_to_bf16(dy, dyf, n);
   }
   void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     cpu::moe_gather_bf16(xs, h, slot, NK, K, d);

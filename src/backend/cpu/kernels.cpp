@@ -763,7 +763,12 @@ void swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size
   }
 }
 
-void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u, size_t n) {
+// G: the gradients' storage, float or bf16 bits. A bf16 dh is widened into a chunk buffer and bf16
+// dg / du are computed into chunk buffers and rounded, so both forms run swiglu_backward<float> on
+// the same values.
+template <class G>
+void swiglu_backward_bf16_impl(G* dg, G* du, const G* dh, const uint16_t* g, const uint16_t* u, size_t n) {
+  constexpr bool g16 = std::is_same_v<G, uint16_t>;
   const size_t chunks = (n + kSwigluChunk - 1) / kSwigluChunk;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (size_t c = 0; c < chunks; ++c) {
@@ -771,8 +776,25 @@ void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t*
     float gw[kSwigluChunk], uw[kSwigluChunk];
     bf16_to_f32(gw, g + i0, m);
     bf16_to_f32(uw, u + i0, m);
-    swiglu_backward<float>(dg + i0, du + i0, dh + i0, gw, uw, m);
+    if constexpr (g16) {
+      float dhw[kSwigluChunk], dgw[kSwigluChunk], duw[kSwigluChunk];
+      bf16_to_f32(dhw, dh + i0, m);
+      swiglu_backward<float>(dgw, duw, dhw, gw, uw, m);
+      f32_to_bf16(dg + i0, dgw, m);
+      f32_to_bf16(du + i0, duw, m);
+    } else {
+      swiglu_backward<float>(dg + i0, du + i0, dh + i0, gw, uw, m);
+    }
   }
+}
+
+void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u, size_t n) {
+  swiglu_backward_bf16_impl(dg, du, dh, g, u, n);
+}
+
+void swiglu_backward_bf16(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g, const uint16_t* u,
+                          size_t n) {
+  swiglu_backward_bf16_impl(dg, du, dh, g, u, n);
 }
 
 template <class T>

@@ -125,6 +125,10 @@ inline float bf16_value(uint16_t b) {
 // bitwise those three steps on whole arrays, without [n]-sized fp32 scratch.
 void swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n);
 void swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u, size_t n);
+// The same with dh, dg and du in bf16 as well (model.moe_bf16_grads): dh widened with g and u, dg and
+// du rounded with f32_to_bf16 from swiglu_backward<float>'s results.
+void swiglu_backward_bf16(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g, const uint16_t* u,
+                          size_t n);
 
 // AdamW on one tensor (decoupled weight decay, bias corrections passed in):
 //  m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;

@@ -399,6 +399,10 @@ class CudaBackendImpl final : public CudaBackend {
                             size_t n) override {
     check(k::swiglu_backward_bf16(dg, du, dh, g, u, n, st_), "swiglu_backward_bf16");
   }
+  void swiglu_backward_bf16_grads(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g, const uint16_t* u,
+                                  size_t n) override {
+    check(k::swiglu_backward_bf16_grads(dg, du, dh, g, u, n, st_), "swiglu_backward_bf16_grads");
+  }
 
   XentSums softmax_xent(float* logits, const int32_t* t, int N, int V, float z, float gs) override {
     softmax_xent_async(logits, t, N, V, z, gs, sums_.data());
@@ -656,6 +660,11 @@ class CudaBackendImpl final : public CudaBackend {
   void moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout, const uint16_t* y, const float* comb,
                                  const int32_t* row, int N, int K, int d) override {
     check(k::moe_combine_backward_bf16(dy, dcomb, dout, y, comb, row, N, K, d, st_), "moe_combine_backward_bf16");
+  }
+  void moe_combine_backward_bf16_grads(uint16_t* dy, float* dcomb, const float* dout, const uint16_t* y,
+                                       const float* comb, const int32_t* row, int N, int K, int d) override {
+    check(k::moe_combine_backward_bf16_grads(dy, dcomb, dout, y, comb, row, N, K, d, st_),
+          "moe_combine_backward_bf16_grads");
   }
   void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     check(k::moe_gather_bf16(xs, h, slot, NK, K, d, st_), "moe_gather_bf16");

@@ -44,6 +44,9 @@ cudaError_t swiglu_backward(float* dg, float* du, const float* dh, const float* 
 cudaError_t swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* u, size_t n, cudaStream_t st);
 cudaError_t swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
                                  size_t n, cudaStream_t st);
+// model.moe_bf16_grads: swiglu_backward_bf16 with dh, dg and du bf16 bits as well (dg / du rounded).
+cudaError_t swiglu_backward_bf16_grads(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g,
+                                       const uint16_t* u, size_t n, cudaStream_t st);
 
 // Softmax cross-entropy with z-loss, in place (see cpu::softmax_xent). Per-row (xent, lse^2) go to
 // row_sums [2N] doubles; then reduce_pairs sums them in a fixed order into sums[2] on the device.

@@ -205,16 +205,17 @@ __global__ void combine_kernel(float* out, const Y* y, const float* comb, const 
 // dcomb[j] = dout[i] . y[row[j]] (lane partials, then a fixed butterfly). The lanes keep the columns
 // c = lane + 32 m (the partials' order); U: columns per lane loaded before any is used or stored (the
 // stores to dy would otherwise keep the next column's loads from starting before them: one pair of
-// loads in flight per lane). U = 1: the reference path.
-template <class Y, int U>
-__global__ void combine_backward_kernel(float* dy, float* dcomb, const float* dout, const Y* y, const float* comb,
+// loads in flight per lane). U = 1: the reference path. DY: dy's storage, fp32, or bf16
+// (model.moe_bf16_grads: the same product rounded to nearest even as it is stored).
+template <class Y, int U, class DY = float>
+__global__ void combine_backward_kernel(DY* dy, float* dcomb, const float* dout, const Y* y, const float* comb,
                                         const int32_t* row, int64_t NK, int K, int d) {
   const int lane = threadIdx.x & 31;
   for (int64_t j = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); j < NK; j += int64_t(gridDim.x) * kWarps) {
     const float* go = dout + size_t(j / K) * d;
     const size_t r = size_t(row[j]);
     const Y* yr = y + r * d;
-    float* dyr = dy + r * d;
+    DY* dyr = dy + r * d;
     const float w = comb[j];
     float dot = 0.f;
     int c = lane;
@@ -228,13 +229,13 @@ __global__ void combine_backward_kernel(float* dy, float* dcomb, const float* do
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         dot += g[u] * yv[u];
-        dyr[c + 32 * u] = w * g[u];
+        store_rn(dyr[c + 32 * u], w * g[u]);
       }
     }
     for (; c < d; c += 32) {
       const float g = go[c];
       dot += g * widen(yr[c]);
-      dyr[c] = w * g;
+      store_rn(dyr[c], w * g);
     }
     dot = warp_sum(dot);
     if (lane == 0) dcomb[j] = dot;
@@ -757,6 +758,20 @@ cudaError_t moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout
   else
     combine_backward_kernel<__nv_bfloat16, 1><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(
         dy, dcomb, dout, as_bf16(y), comb, row, NK, K, d);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_combine_backward_bf16_grads(uint16_t* dy, float* dcomb, const float* dout, const uint16_t* y,
+                                            const float* comb, const int32_t* row, int N, int K, int d,
+                                            cudaStream_t st) {
+  const int64_t NK = int64_t(N) * K;
+  if (NK <= 0) return cudaSuccess;
+  if (!reference_paths())
+    combine_backward_kernel<__nv_bfloat16, kCombineBwdUnroll, __nv_bfloat16>
+        <<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(as_bf16(dy), dcomb, dout, as_bf16(y), comb, row, NK, K, d);
+  else
+    combine_backward_kernel<__nv_bfloat16, 1, __nv_bfloat16><<<grid_for(size_t(NK), kWarps), kThreads, 0, st>>>(
+        as_bf16(dy), dcomb, dout, as_bf16(y), comb, row, NK, K, d);
   return cudaGetLastError();
 }
 

@@ -49,6 +49,10 @@ cudaError_t moe_combine_bf16(float* out, const uint16_t* y, const float* comb, c
                              cudaStream_t st);
 cudaError_t moe_combine_backward_bf16(float* dy, float* dcomb, const float* dout, const uint16_t* y, const float* comb,
                                       const int32_t* row, int N, int K, int d, cudaStream_t st);
+// moe_combine_backward_bf16 with dy as bf16 bits (rounded to nearest even; model.moe_bf16_grads).
+cudaError_t moe_combine_backward_bf16_grads(uint16_t* dy, float* dcomb, const float* dout, const uint16_t* y,
+                                            const float* comb, const int32_t* row, int N, int K, int d,
+                                            cudaStream_t st);
 // The same with each element rounded to bf16 (nearest even): xs holds bf16 bits.
 cudaError_t moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d, cudaStream_t st);
 cudaError_t moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K, int d,

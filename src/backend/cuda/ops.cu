@@ -297,8 +297,10 @@ __global__ void swiglu_fwd_kernel(T* h, const T* g, const T* u, size_t n) {
   });
 }
 
-template <class T, int V>
-__global__ void swiglu_bwd_kernel(float* dg, float* du, const float* dh, const T* g, const T* u, size_t n) {
+// G: the storage of dh, dg and du: fp32, or bf16 (model.moe_bf16_grads: dh widened, dg and du
+// rounded as they are stored).
+template <class T, int V, class G = float>
+__global__ void swiglu_bwd_kernel(G* dg, G* du, const G* dh, const T* g, const T* u, size_t n) {
   for_each_vec<V>(n, [&](size_t i, auto w) {
     constexpr int W = decltype(w)::value;
     float gv[W], uv[W], dv[W];
@@ -630,12 +632,11 @@ cudaError_t launch_swiglu_forward(T* h, const T* g, const T* u, size_t n, cudaSt
   });
 }
 
-template <class T>
-cudaError_t launch_swiglu_backward(float* dg, float* du, const float* dh, const T* g, const T* u, size_t n,
-                                   cudaStream_t st) {
+template <class T, class G>
+cudaError_t launch_swiglu_backward(G* dg, G* du, const G* dh, const T* g, const T* u, size_t n, cudaStream_t st) {
   return launch_vec<16 / sizeof(T)>(n, vectorizable(dg, du, dh, g, u), [&](auto v, unsigned grid) {
     constexpr int V = decltype(v)::value;
-    swiglu_bwd_kernel<T, V><<<grid, kThreads, 0, st>>>(dg, du, dh, g, u, n);
+    swiglu_bwd_kernel<T, V, G><<<grid, kThreads, 0, st>>>(dg, du, dh, g, u, n);
   });
 }
 
@@ -657,6 +658,11 @@ cudaError_t swiglu_forward_bf16(uint16_t* h, const uint16_t* g, const uint16_t* 
 cudaError_t swiglu_backward_bf16(float* dg, float* du, const float* dh, const uint16_t* g, const uint16_t* u,
                                  size_t n, cudaStream_t st) {
   return launch_swiglu_backward(dg, du, dh, as_bf16(g), as_bf16(u), n, st);
+}
+
+cudaError_t swiglu_backward_bf16_grads(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g,
+                                       const uint16_t* u, size_t n, cudaStream_t st) {
+  return launch_swiglu_backward(as_bf16(dg), as_bf16(du), as_bf16(dh), as_bf16(g), as_bf16(u), n, st);
 }
 
 cudaError_t softmax_xent(float* logits, const int32_t* targets, int N, int V, float z_coef, float grad_scale,

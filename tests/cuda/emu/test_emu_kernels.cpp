@@ -692,24 +692,27 @@ TEST_F(CudaEmu, ElementwiseFastPathsMatchReferenceBitwise) {
       if (quick() && n == 64) continue;
       const std::string what = fmt("n=%zu off=%zu", n, off);
       const auto g = randv(n + off, -4.f, 4.f), u = randv(n + off), dh = randv(n + off);
-      const auto g16 = to_bf16_bits(g), u16 = to_bf16_bits(u);
+      const auto g16 = to_bf16_bits(g), u16 = to_bf16_bits(u), dh16 = to_bf16_bits(dh);
       fast_matches_reference([&] {
         auto h = poisoned(n + off), dg = poisoned(n + off), du = poisoned(n + off), dg16 = poisoned(n + off);
         auto du16 = poisoned(n + off);
-        auto h16 = poisoned<uint16_t>(n + off);
+        auto h16 = poisoned<uint16_t>(n + off), dgb = poisoned<uint16_t>(n + off), dub = poisoned<uint16_t>(n + off);
         ok(k::swiglu_forward(h.data() + off, g.data() + off, u.data() + off, n, nullptr), what);
         ok(k::swiglu_backward(dg.data() + off, du.data() + off, dh.data() + off, g.data() + off, u.data() + off, n,
                               nullptr), what);
         ok(k::swiglu_forward_bf16(h16.data() + off, g16.data() + off, u16.data() + off, n, nullptr), what);
         ok(k::swiglu_backward_bf16(dg16.data() + off, du16.data() + off, dh.data() + off, g16.data() + off,
                                    u16.data() + off, n, nullptr), what);
+        ok(k::swiglu_backward_bf16_grads(dgb.data() + off, dub.data() + off, dh16.data() + off, g16.data() + off,
+                                         u16.data() + off, n, nullptr), what);
         // In place: h over g, dg over dh.
         auto hg = g, dgh = dh;
         ok(k::swiglu_forward(hg.data() + off, hg.data() + off, u.data() + off, n, nullptr), what);
         auto dui = poisoned(n + off);
         ok(k::swiglu_backward(dgh.data() + off, dui.data() + off, dgh.data() + off, g.data() + off, u.data() + off, n,
                               nullptr), what);
-        return Bytes{raw(h), raw(dg), raw(du), raw(h16), raw(dg16), raw(du16), raw(hg), raw(dgh), raw(dui)};
+        return Bytes{raw(h), raw(dg), raw(du), raw(h16), raw(dg16), raw(du16), raw(dgb), raw(dub), raw(hg), raw(dgh),
+                     raw(dui)};
       }, "swiglu " + what);
       fast_matches_reference([&] {
         auto b = poisoned<uint16_t>(n + off);
@@ -842,6 +845,8 @@ TEST_F(CudaEmu, MoeRowFastPathsMatchReferenceBitwise) {
       auto xs16 = poisoned<uint16_t>(size_t(NK) * d);
       auto dy = poisoned(size_t(NK) * d), dc = poisoned(size_t(NK)), dy16 = poisoned(size_t(NK) * d);
       auto dc16 = poisoned(size_t(NK)), dh = poisoned(size_t(N) * d);
+      auto dyb = poisoned<uint16_t>(size_t(NK) * d);
+      auto dcb = poisoned(size_t(NK));
       ok(k::moe_gather(xs.data(), h.data(), slot.data(), NK, K, d, nullptr), what);
       ok(k::moe_gather_bf16(xs16.data(), h.data(), slot.data(), NK, K, d, nullptr), what);
       ok(k::moe_combine(out.data(), y.data(), comb.data(), row.data(), N, K, d, nullptr), what);
@@ -850,8 +855,11 @@ TEST_F(CudaEmu, MoeRowFastPathsMatchReferenceBitwise) {
                                  nullptr), what);
       ok(k::moe_combine_backward_bf16(dy16.data(), dc16.data(), dout.data(), y16.data(), comb.data(), row.data(), N,
                                       K, d, nullptr), what);
+      ok(k::moe_combine_backward_bf16_grads(dyb.data(), dcb.data(), dout.data(), y16.data(), comb.data(), row.data(),
+                                            N, K, d, nullptr), what);
       ok(k::moe_gather_backward(dh.data(), dxs.data(), row.data(), N, K, d, nullptr), what);
-      return Bytes{raw(xs), raw(xs16), raw(out), raw(out16), raw(dy), raw(dc), raw(dy16), raw(dc16), raw(dh)};
+      return Bytes{raw(xs), raw(xs16), raw(out), raw(out16), raw(dy), raw(dc), raw(dy16), raw(dc16), raw(dyb), raw(dcb),
+                   raw(dh)};
     }, what);
   }
 }

@@ -182,6 +182,22 @@ TEST_F(CudaEmu, MoeGatherCombineAndBackward) {
         exact(gdy, dy, "moe_combine_backward dy " + what);  // one product per element
         check(gdcomb, dcomb, kF32, "moe_combine_backward dcomb " + what);
 
+        // model.moe_bf16_grads: from bf16 y, dy written in bf16 is the CPU backend's bits (its
+        // reference: the fp32 op from the widened y, then rounded).
+        std::vector<uint16_t> y16(y.size()), dy16(dy.size());
+        cpu::f32_to_bf16(y16.data(), y.data(), y.size());
+        std::vector<float> dyw(dy.size()), dcw(NK);
+        cpu::moe_combine_backward<float, uint16_t>(dyw.data(), dcw.data(), dout.data(), y16.data(), comb.data(),
+                                                   row.data(), N, K, d);
+        cpu::f32_to_bf16(dy16.data(), dyw.data(), dyw.size());
+        auto gdy16 = poisoned<uint16_t>(dy.size());
+        auto gdc16 = poisoned(NK);
+        ok(k::moe_combine_backward_bf16_grads(gdy16.data(), gdc16.data(), dout.data(), y16.data(), comb.data(),
+                                              row.data(), N, K, d, nullptr),
+           what);
+        exact(gdy16, dy16, "moe_combine_backward_bf16_grads dy " + what);
+        check(gdc16, dcw, kF32, "moe_combine_backward_bf16_grads dcomb " + what);
+
         std::vector<float> dh(size_t(N) * d);
         cpu::moe_gather_backward<float>(dh.data(), dx.data(), row.data(), N, K, d);
         auto gdh = poisoned(dh.size());
