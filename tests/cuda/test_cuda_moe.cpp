@@ -54,6 +54,17 @@ class CudaMoe : public test::CudaFixture {
     for (auto& x : v) x = std::min(used - 1, int(used * std::pow(u(rng_), 3.0)));
     return v;
   }
+  // NK slots' skewed expert choices, counting-sorted by the CPU as the model sorts them: the
+  // experts' row offsets, each slot's row and each row's slot.
+  struct Sorted {
+    std::vector<int32_t> expert, off, row, slot;
+  };
+  Sorted sorted_slots(int NK, int E) {
+    Sorted s{skewed_experts(size_t(NK), E), std::vector<int32_t>(size_t(E) + 1), std::vector<int32_t>(size_t(NK)),
+             std::vector<int32_t>(size_t(NK))};
+    cpu::moe_sort(s.off.data(), s.row.data(), s.slot.data(), s.expert.data(), NK, E);
+    return s;
+  }
 
   // Exact equality, element by element (integers; float selections compared with ==).
   template <class T>
@@ -114,9 +125,7 @@ TEST_F(CudaMoe, SortIsTheCpuSortBitForBit) {
       const std::string what = fmt::format("moe_sort E={} K={}", E, K);
       SCOPED_TRACE(what);
       const int NK = N * K;
-      auto expert = skewed_experts(size_t(NK), E);  // upper experts empty, lower ones crowded
-      std::vector<int32_t> off(E + 1), row(NK), slot(NK);
-      cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+      const auto [expert, off, row, slot] = sorted_slots(NK, E);  // upper experts empty, lower ones crowded
       ASSERT_EQ(off[E], NK);
       auto d_expert = up(expert);
       auto d_off = poisoned<int32_t>(E + 1), d_row = poisoned<int32_t>(NK), d_slot = poisoned<int32_t>(NK);
@@ -149,9 +158,7 @@ TEST_F(CudaMoe, GatherCombineAndBackward) {
         const std::string what = fmt::format("E={} K={} d={}", E, K, d);
         SCOPED_TRACE(what);
         const int NK = N * K;
-        auto expert = skewed_experts(size_t(NK), E);
-        std::vector<int32_t> off(E + 1), row(NK), slot(NK);
-        cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+        const auto [expert, off, row, slot] = sorted_slots(NK, E);
         auto h = randv(size_t(N) * d), y = randv(size_t(NK) * d), comb = randv(size_t(NK), 0.f, 1.f);
         auto out0 = randv(size_t(N) * d), dout = randv(size_t(N) * d), dx = randv(size_t(NK) * d);
         auto d_row = up(row), d_slot = up(slot);
@@ -195,9 +202,7 @@ TEST_F(CudaMoe, GatherAndCombineWithBf16Rows) {
       const std::string what = fmt::format("K={} d={}", K, d);
       SCOPED_TRACE(what);
       const int NK = N * K, E = 8;
-      auto expert = skewed_experts(size_t(NK), E);
-      std::vector<int32_t> off(E + 1), row(NK), slot(NK);
-      cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+      const auto [expert, off, row, slot] = sorted_slots(NK, E);
       auto h = randv(size_t(N) * d), comb = randv(size_t(NK), 0.f, 1.f), out0 = randv(size_t(N) * d);
       auto dout = randv(size_t(N) * d);
       auto cpu_be = make_cpu_backend(0);
@@ -254,9 +259,7 @@ TEST_F(CudaMoe, Bf16GradientOpsMatchTheirFp32FormsRounded) {
       const std::string what = fmt::format("K={} d={}", K, d);
       SCOPED_TRACE(what);
       const int NK = N * K, E = 8;
-      auto expert = skewed_experts(size_t(NK), E);
-      std::vector<int32_t> off(E + 1), row(NK), slot(NK);
-      cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+      const auto [expert, off, row, slot] = sorted_slots(NK, E);
       const auto comb = randv(size_t(NK), 0.f, 1.f), dout = randv(size_t(N) * d);
       const auto y16 = round16(randv(size_t(NK) * d));
       auto d_row = up(row);
@@ -387,9 +390,7 @@ TEST_F(CudaMoe, QuantileBetaInColumnChunks) {
 TEST_F(CudaMoe, CountLoadAndPkoResets) {
   for (int E : kEs) {
     const int NK = 500;
-    auto expert = skewed_experts(size_t(NK), E);
-    std::vector<int32_t> off(E + 1), row(NK), slot(NK);
-    cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+    const auto [expert, off, row, slot] = sorted_slots(NK, E);
     std::vector<int64_t> load(E);
     for (auto& x : load) x = randint(0, 1000);
     auto d_load = up(load);
