@@ -164,6 +164,21 @@ TEST(DeviceEmulation, MlpBf16DenseMuonhIsBitIdenticalWithoutHostAccess) {
   c.model.mlp_bf16 = true;
   train_and_compare(c, "muonh");
 }
+// The dense MLP's activation gradients in bf16 too (model.mlp_bf16_grads): the bf16-output GEMM,
+// SwiGLU backward with bf16 gradients and GEMMs reading them as bf16, through backend ops only.
+TEST(DeviceEmulation, MlpBf16GradsDenseIsBitIdenticalWithoutHostAccess) {
+  Config c = dense_config();
+  c.model.mlp_bf16 = c.model.mlp_bf16_grads = true;
+  train_and_compare(c, "adamw");
+}
+// ... and on the widest model with bf16 saved activations: the gate and up weight gradients then
+// read bf16 gradients against the dense layer's packed bf16 h2.
+TEST(DeviceEmulation, MlpBf16GradsMoeSwitchesIsBitIdenticalWithoutHostAccess) {
+  Config c = moe_switches_config();
+  c.model.mlp_bf16 = c.model.mlp_bf16_grads = true;
+  c.model.saved_activations = "bf16";
+  train_and_compare(c, "adamw");
+}
 
 // Activation recomputation changes memory, never results: losses and every gradient bit for bit,
 // for dense, MoE (mixed with a dense layer) and every switch, over two micro-batches.

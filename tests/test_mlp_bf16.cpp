@@ -5,7 +5,10 @@
 // - the model with it stays close to the fp32 model (loss, every gradient, a short training run)
 //   but is not the fp32 model (the option is in effect), and keeps fewer activation bytes;
 // - it composes with bf16 saved activations (its tensors are not packed twice) and with
-//   recomputation (which stays exact).
+//   recomputation (which stays exact);
+// - model.mlp_bf16_grads (the MLP's activation gradients in bf16 too) keeps the forward bit for bit
+//   and the gradients within bf16 rounding of mlp_bf16's, with every form of h2 the weight
+//   gradients read, and recomputation stays exact.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -166,6 +169,50 @@ TEST(MlpBf16, ConfigRefusesAModelWithoutDenseLayers) {
   EXPECT_NO_THROW(validate(c));  // layer 1 is dense
   c.model.moe_layers = "all";
   expect_refused_naming(c, "model.mlp_bf16");
+}
+
+// model.mlp_bf16_grads: against model.mlp_bf16 with fp32 gradients, the same forward (the loss bit
+// for bit) and gradients within bf16 rounding of it (1e-2 relative: d(act), d(gate) and d(up) each
+// rounded once, 2^-9 each; a wrong layout or a misread buffer is O(1)) but not equal. Every way the
+// gate and up weight gradients read h2: fp32, bf16 from the norm (model.norm_bf16), the packed bf16
+// copy (saved_activations bf16); the MoE model's one dense layer too.
+TEST(MlpBf16Grads, CloseToFp32GradientsWithTheSameForward) {
+  for (Config c : {dense_config(), switches_config(), moe_config()}) {
+    c.model.mlp_bf16 = true;
+    for (const char* variant : {"plain", "norm-bf16", "saved-bf16"}) {
+      Config b = c;
+      if (std::strcmp(variant, "norm-bf16") == 0) b.model.norm_bf16 = true;
+      if (std::strcmp(variant, "saved-bf16") == 0) b.model.saved_activations = "bf16";
+      Config g = b;
+      g.model.mlp_bf16_grads = true;
+      const Compared r = compare(b, g, 1e-2);
+      EXPECT_TRUE(r.loss_equal) << tag_of(c) << " " << variant << ": the option must not change the forward";
+      EXPECT_GT(r.grads_differ, size_t(0)) << tag_of(c) << " " << variant << ": is the option in effect?";
+      std::printf("[ mlp bf16 grads ] %s %s: worst gradient rel err %.2e against fp32 gradients\n", tag_of(c),
+                  variant, r.worst_grad);
+    }
+  }
+}
+
+// Recomputation re-runs the forward only: with bf16 gradients still bit for bit.
+TEST(MlpBf16Grads, WithRecomputeBitForBit) {
+  for (Config c : {dense_config(), moe_config()}) {
+    c.model.n_layers = 4;
+    c.model.mlp_bf16 = c.model.mlp_bf16_grads = true;
+    expect_recompute_bit_exact(c, std::string("mlp bf16 grads ") + tag_of(c));
+  }
+}
+
+TEST(MlpBf16Grads, ConfigRefusesItWithoutMlpBf16OrDenseLayers) {
+  Config c = dense_config();
+  c.model.mlp_bf16_grads = true;
+  expect_refused_naming(c, "model.mlp_bf16_grads");  // without model.mlp_bf16
+  c.model.mlp_bf16 = true;
+  EXPECT_NO_THROW(validate(c));
+  Config m = moe_config();
+  m.model.mlp_bf16_grads = true;
+  m.model.moe_layers = "all";
+  expect_refused_naming(m, "model.mlp_bf16_grads");  // no dense layer
 }
 
 }  // namespace

@@ -52,6 +52,7 @@ struct ModelConfig {
   bool mlp_bf16 = false;       // dense MLP layers: gate/up/SwiGLU output computed into and stored in bf16
   bool moe_bf16 = false;       // MoE layers: the experts' gate/up/SwiGLU output likewise (routed and shared)
   bool moe_bf16_grads = false; // with moe_bf16: the routed experts' activation gradients in bf16 too
+  bool mlp_bf16_grads = false; // with mlp_bf16: the dense MLP's activation gradients in bf16 too
   bool attn_bf16 = false;      // attention block: q/k/v, their normed and rotated forms, the attention output
                                // and the XSA / gated outputs computed into and stored in bf16
   bool norm_bf16 = false;      // block norms' outputs (the attention input; the dense MLP input) written in bf16

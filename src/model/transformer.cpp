@@ -543,7 +543,23 @@ void Transformer::input_gemm(const Layer& L, const float* X, int n, const float*
 }
 
 void Transformer::wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int K, const float* A, int lda,
-                             const float* B, int ldb, float* C, int ldc) {
+                             const float* B, int ldb, float* C, int ldc, bool a_bf16) {
+  if (a_bf16) {  // A bf16 bits: the typed GEMM, B from the same place as below (bf16 or fp32)
+    const void* b = B;
+    bool b_bf16 = false;
+    if (norm_b16(L, B)) {
+      b = b16(B);
+      b_bf16 = true;
+    } else {
+      for (const auto& pk : L.packed)
+        if (pk.gemm_only && *pk.fp32 == B) {
+          b = pk.bf16;
+          b_bf16 = true;
+          break;
+        }
+    }
+    return be_.gemm_ex(ta, tb, M, N, K, 1.f, b16(A), true, lda, b, b_bf16, ldb, 1.f, nullptr, C, false, ldc);
+  }
   if (norm_b16(L, B)) return be_.gemm_b16(ta, tb, M, N, K, 1.f, A, lda, b16(B), ldb, 1.f, C, ldc);
   for (const auto& pk : L.packed)
     if (pk.gemm_only && *pk.fp32 == B) return be_.gemm_b16(ta, tb, M, N, K, 1.f, A, lda, pk.bf16, ldb, 1.f, C, ldc);
@@ -808,6 +824,18 @@ void Transformer::forward_backward_async(const int32_t* inputs, const int32_t* t
       moe_backward<float>(ops_, moe_dims(), moe_weights(L), G, L.ma, ms_, L.h2, d_res_, d_h_, z_scale);
     } else {
     // MLP: next = mid + down(silu(gate(h2)) * up(h2)); d_res holds d(next).
+    if (cfg_.mlp_bf16_grads) {
+      // model.mlp_bf16_grads (with mlp_bf16): d(act), d(gate) and d(up) in bf16 too, each the fp32
+      // value rounded (bf16 bits in the fp32-sized scratch), and read so by the GEMMs; d(h2) and
+      // the weight gradients stay fp32.
+      be_.gemm_ex(false, false, N, I, d, 1.f, d_res_, false, d, L.wd->w, false, I, 0.f, nullptr, d_act_, true, I);
+      be_.gemm_b16(true, false, d, I, N, 1.f, d_res_, d, b16(L.act), I, 1.f, L.wd->g, I);
+      be_.swiglu_backward_bf16_grads(b16(d_gate_), b16(d_up_), b16(d_act_), b16(L.gate), b16(L.up), size_t(N) * I);
+      be_.gemm_ex(false, false, N, d, I, 1.f, b16(d_gate_), true, I, L.wg->w, false, d, 0.f, nullptr, d_h_, false, d);
+      be_.gemm_ex(false, false, N, d, I, 1.f, b16(d_up_), true, I, L.wu->w, false, d, 1.f, nullptr, d_h_, false, d);
+      wgrad_gemm(L, true, false, I, d, N, d_gate_, I, L.h2, d, L.wg->g, d, true);
+      wgrad_gemm(L, true, false, I, d, N, d_up_, I, L.h2, d, L.wu->g, d, true);
+    } else {
     be_.gemm(false, false, N, I, d, 1.f, d_res_, d, L.wd->w, I, 0.f, d_act_, I);
     if (cfg_.mlp_bf16) {  // act, gate and up are bf16: read as they are; the gradients stay fp32
       be_.gemm_b16(true, false, d, I, N, 1.f, d_res_, d, b16(L.act), I, 1.f, L.wd->g, I);
@@ -820,6 +848,7 @@ void Transformer::forward_backward_async(const int32_t* inputs, const int32_t* t
     be_.gemm(false, false, N, d, I, 1.f, d_up_, I, L.wu->w, d, 1.f, d_h_, d);
     wgrad_gemm(L, true, false, I, d, N, d_gate_, I, L.h2, d, L.wg->g, d);
     wgrad_gemm(L, true, false, I, d, N, d_up_, I, L.h2, d, L.wu->g, d);
+    }
     }
     norm_backward(d_res_, d_h_, L.mid, L.ln2, L.r2, L.gn2, true);  // d_res = d(mid)
     attn_backward(L);                                              // d_h = d(h1)

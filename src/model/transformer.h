@@ -256,9 +256,10 @@ class Transformer {
   // The end of both backwards: d(h1) and the q/k/v/gate weight gradients.
   void input_projections_backward(Layer& L);
   // A weight gradient C += op(A) op(B) whose B is one of L's saved activations: from its bf16 copy
-  // when it is kept gemm_only (Backend::gemm_b16), else the fp32 tensor.
+  // when it is kept gemm_only (Backend::gemm_b16), else the fp32 tensor. a_bf16: A holds bf16 bits
+  // (model.mlp_bf16_grads' gate and up gradients), read by Backend::gemm_ex as they are.
   void wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
-                  int ldb, float* C, int ldc);
+                  int ldb, float* C, int ldc, bool a_bf16 = false);
   // Whether X is one of L's block norm outputs kept in bf16 (model.norm_bf16: h1, and h2 of a
   // dense layer); such a tensor holds bf16 bits.
   bool norm_b16(const Layer& L, const float* X) const;

@@ -121,6 +121,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
                       {"mlp_bf16", cfg.model.mlp_bf16},
                       {"moe_bf16", cfg.model.moe_bf16},
                       {"moe_bf16_grads", cfg.model.moe_bf16_grads},
+                      {"mlp_bf16_grads", cfg.model.mlp_bf16_grads},
                       {"attn_bf16", cfg.model.attn_bf16},
                       {"norm_bf16", cfg.model.norm_bf16}};
   if (prof) {

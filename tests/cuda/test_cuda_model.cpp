@@ -294,6 +294,20 @@ TEST_F(CudaModel, MlpBf16MatchesTheCpu) {
   }
 }
 
+// model.mlp_bf16_grads: the dense MLP's activation gradients in bf16 as well (the down projection's
+// data-gradient GEMM writing bf16, SwiGLU's backward with bf16 gradients, the gate and up GEMMs
+// reading them as bf16 A) against the CPU reference with the same options; with bf16 saved
+// activations on the MoE model's dense layer (the weight gradients then read h2's packed bf16 copy);
+// the same bounds as model.mlp_bf16, each backend rounding its own gradients.
+TEST_F(CudaModel, MlpBf16GradsMatchesTheCpu) {
+  for (auto [c, tag] : {std::pair{dense_config(), "dense"}, std::pair{switches_config(), "switches"},
+                        std::pair{moe_config(), "moe+saved-bf16"}}) {
+    c.model.mlp_bf16 = c.model.mlp_bf16_grads = true;
+    if (c.model.moe()) c.model.saved_activations = "bf16";
+    compare_model(c, std::string("mlp-bf16-grads ") + tag, kGradTolBf16Saved, kFwdTolMlpBf16);
+  }
+}
+
 // model.moe_bf16: the MoE experts' bf16 hidden tensors (grouped_gemm_ex with bf16 outputs and
 // operands, widened and rounded in scratch on the fp32-GEMM CUDA backend) against the CPU reference
 // with the same option, on the MoE model and on the switches model with MoE layers and bf16 saved
