@@ -21,7 +21,8 @@
 #                          tests, the two MoE presets with LADDER_GROUPED_WGMMA=1 after the first four, and
 #                          where the wgmma attention passed, dense d=2048 and MoE d=1024 with
 #                          LADDER_ATTN_WGMMA=1); then the two MoE presets with bf16 expert gradients
-#                          (model.moe_bf16_grads=true), and the d=1024 pair with the CPU's 128-row LM
+#                          (model.moe_bf16_grads=true), the d=1024 dense with bf16 MLP gradients
+#                          (model.mlp_bf16_grads=true), and the d=1024 pair with the CPU's 128-row LM
 #                          head chunks (LADDER_HEAD_CHUNK_MIB=16) against the GPU's 4096 rows;
 #                          key=value pairs go to `ladder bench --set`,
 #                          LADDER_*=value to the environment. The attention's default is the mma.sync
@@ -192,7 +193,7 @@ WG_ROWS=""
 [ $WG_OK = 1 ] && [ $AW_OK = 1 ] && WG_ROWS="${WG_ROWS}moe-d1024:bf16:LADDER_GROUPED_WGMMA=1,LADDER_ATTN_WGMMA=1 "
 F32D=model.mlp_bf16=false,model.attn_bf16=false,model.norm_bf16=false
 F32M=model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do

@@ -544,25 +544,15 @@ void Transformer::input_gemm(const Layer& L, const float* X, int n, const float*
 
 void Transformer::wgrad_gemm(const Layer& L, bool ta, bool tb, int M, int N, int K, const float* A, int lda,
                              const float* B, int ldb, float* C, int ldc, bool a_bf16) {
-  if (a_bf16) {  // A bf16 bits: the typed GEMM, B from the same place as below (bf16 or fp32)
-    const void* b = B;
-    bool b_bf16 = false;
-    if (norm_b16(L, B)) {
-      b = b16(B);
-      b_bf16 = true;
-    } else {
-      for (const auto& pk : L.packed)
-        if (pk.gemm_only && *pk.fp32 == B) {
-          b = pk.bf16;
-          b_bf16 = true;
-          break;
-        }
-    }
-    return be_.gemm_ex(ta, tb, M, N, K, 1.f, b16(A), true, lda, b, b_bf16, ldb, 1.f, nullptr, C, false, ldc);
-  }
-  if (norm_b16(L, B)) return be_.gemm_b16(ta, tb, M, N, K, 1.f, A, lda, b16(B), ldb, 1.f, C, ldc);
+  // B as the GEMM reads it: the norm's bf16 output (norm_bf16), the layer's packed bf16 copy
+  // (saved_activations bf16), or the fp32 tensor.
+  const uint16_t* b_16 = norm_b16(L, B) ? b16(B) : nullptr;
   for (const auto& pk : L.packed)
-    if (pk.gemm_only && *pk.fp32 == B) return be_.gemm_b16(ta, tb, M, N, K, 1.f, A, lda, pk.bf16, ldb, 1.f, C, ldc);
+    if (!b_16 && pk.gemm_only && *pk.fp32 == B) b_16 = pk.bf16;
+  if (a_bf16)  // A bf16 bits (model.mlp_bf16_grads): the typed GEMM
+    return be_.gemm_ex(ta, tb, M, N, K, 1.f, b16(A), true, lda, b_16 ? static_cast<const void*>(b_16) : B,
+                       b_16 != nullptr, ldb, 1.f, nullptr, C, false, ldc);
+  if (b_16) return be_.gemm_b16(ta, tb, M, N, K, 1.f, A, lda, b_16, ldb, 1.f, C, ldc);
   be_.gemm(ta, tb, M, N, K, 1.f, A, lda, B, ldb, 1.f, C, ldc);
 }
 
