@@ -229,18 +229,13 @@ __device__ void tile_product(unsigned char* stages, const gg::Tile& tl, float al
     gg::write_strip(stg + 32 * c, kLdS, m0, 32 * c, lane, alpha, beta, tl.out, ldc, tl.mlim, tl.nlim);
 }
 
-// The stages: the dynamic buffer from its first 1024-byte boundary in the shared window.
-__device__ __forceinline__ unsigned char* aligned_stages(unsigned char* smem) {
-  return smem + ((wg::kPattern - wg::smem_addr(smem) % wg::kPattern) % wg::kPattern);
-}
-
 template <bool TRANSB, bool A_ASYNC, bool B_ASYNC>
 __global__ void __launch_bounds__(kThreads, 1)
     wg_rows_kernel(const int32_t* offsets, const int32_t* tile_start, int E, int N, int K, float alpha, const void* A,
                    bool a16, int lda, bool vecA, const void* B, bool b16, int ldb, size_t strideB, bool vecB,
                    float beta, void* C, bool c16, int ldc) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  unsigned char* stages = aligned_stages(smem);
+  unsigned char* stages = wg::pattern_aligned(smem);
   const int tilesN = (N + kBX - 1) / kBX;
   const int64_t total = int64_t(tile_start[E]) * tilesN;
   for (int64_t id = blockIdx.x; id < total; id += gridDim.x) {
@@ -256,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const void* B, bool b16, int ldb, bool vecB, float beta, void* C, bool c16, int ldc,
                     size_t strideC) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  unsigned char* stages = aligned_stages(smem);
+  unsigned char* stages = wg::pattern_aligned(smem);
   const gg::Tile t =
       gg::wgrad_tile(blockIdx.x, offsets, M, N, A, a16, lda, vecA, B, b16, ldb, vecB, C, c16, ldc, strideC);
   if (t.tlim == 0 && beta == 1.f) return;  // C_e = 1 * C_e: nothing to write (block-uniform exit)
@@ -287,7 +282,7 @@ template <bool A_MN, bool B_MN>
 __global__ void __launch_bounds__(128, 1)
     wgmma_selftest_kernel(float* d, const uint16_t* a, const uint16_t* b, WgmmaSelftest cfg) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  unsigned char* sa = aligned_stages(smem);
+  unsigned char* sa = wg::pattern_aligned(smem);
   unsigned char* sb = sa + wg::kTileBytes;
   // A: x = m (64), t = k (64); B: x = n (128), t = k (64). Plain stores, then the proxy fence.
   for (int i = threadIdx.x; i < 64 * 64; i += 128) {
