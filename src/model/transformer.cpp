@@ -813,32 +813,26 @@ void Transformer::forward_backward_async(const int32_t* inputs, const int32_t* t
                         L.su ? L.su->g : nullptr, L.sd ? L.sd->g : nullptr};
       moe_backward<float>(ops_, moe_dims(), moe_weights(L), G, L.ma, ms_, L.h2, d_res_, d_h_, z_scale);
     } else {
-    // MLP: next = mid + down(silu(gate(h2)) * up(h2)); d_res holds d(next).
-    if (cfg_.mlp_bf16_grads) {
-      // model.mlp_bf16_grads (with mlp_bf16): d(act), d(gate) and d(up) in bf16 too, each the fp32
-      // value rounded (bf16 bits in the fp32-sized scratch), and read so by the GEMMs; d(h2) and
-      // the weight gradients stay fp32.
-      be_.gemm_ex(false, false, N, I, d, 1.f, d_res_, false, d, L.wd->w, false, I, 0.f, nullptr, d_act_, true, I);
+    // MLP: next = mid + down(silu(gate(h2)) * up(h2)); d_res holds d(next). model.mlp_bf16_grads
+    // (g16, with mlp_bf16): d(act), d(gate) and d(up) in bf16 too (bits in the fp32-sized scratch),
+    // each the fp32 value rounded, and read so by the GEMMs; d(h2) and the weight gradients stay
+    // fp32. (gemm_ex with every operand fp32 is gemm.)
+    const bool g16 = cfg_.mlp_bf16_grads;
+    be_.gemm_ex(false, false, N, I, d, 1.f, d_res_, false, d, L.wd->w, false, I, 0.f, nullptr, d_act_, g16, I);
+    if (cfg_.mlp_bf16) {  // act, gate and up are bf16: read as they are
       be_.gemm_b16(true, false, d, I, N, 1.f, d_res_, d, b16(L.act), I, 1.f, L.wd->g, I);
-      be_.swiglu_backward_bf16_grads(b16(d_gate_), b16(d_up_), b16(d_act_), b16(L.gate), b16(L.up), size_t(N) * I);
-      be_.gemm_ex(false, false, N, d, I, 1.f, b16(d_gate_), true, I, L.wg->w, false, d, 0.f, nullptr, d_h_, false, d);
-      be_.gemm_ex(false, false, N, d, I, 1.f, b16(d_up_), true, I, L.wu->w, false, d, 1.f, nullptr, d_h_, false, d);
-      wgrad_gemm(L, true, false, I, d, N, d_gate_, I, L.h2, d, L.wg->g, d, true);
-      wgrad_gemm(L, true, false, I, d, N, d_up_, I, L.h2, d, L.wu->g, d, true);
-    } else {
-    be_.gemm(false, false, N, I, d, 1.f, d_res_, d, L.wd->w, I, 0.f, d_act_, I);
-    if (cfg_.mlp_bf16) {  // act, gate and up are bf16: read as they are; the gradients stay fp32
-      be_.gemm_b16(true, false, d, I, N, 1.f, d_res_, d, b16(L.act), I, 1.f, L.wd->g, I);
-      be_.swiglu_backward_bf16(d_gate_, d_up_, d_act_, b16(L.gate), b16(L.up), size_t(N) * I);
+      if (g16)
+        be_.swiglu_backward_bf16_grads(b16(d_gate_), b16(d_up_), b16(d_act_), b16(L.gate), b16(L.up), size_t(N) * I);
+      else
+        be_.swiglu_backward_bf16(d_gate_, d_up_, d_act_, b16(L.gate), b16(L.up), size_t(N) * I);
     } else {
       wgrad_gemm(L, true, false, d, I, N, d_res_, d, L.act, I, L.wd->g, I);
       be_.swiglu_backward(d_gate_, d_up_, d_act_, L.gate, L.up, size_t(N) * I);
     }
-    be_.gemm(false, false, N, d, I, 1.f, d_gate_, I, L.wg->w, d, 0.f, d_h_, d);
-    be_.gemm(false, false, N, d, I, 1.f, d_up_, I, L.wu->w, d, 1.f, d_h_, d);
-    wgrad_gemm(L, true, false, I, d, N, d_gate_, I, L.h2, d, L.wg->g, d);
-    wgrad_gemm(L, true, false, I, d, N, d_up_, I, L.h2, d, L.wu->g, d);
-    }
+    be_.gemm_ex(false, false, N, d, I, 1.f, d_gate_, g16, I, L.wg->w, false, d, 0.f, nullptr, d_h_, false, d);
+    be_.gemm_ex(false, false, N, d, I, 1.f, d_up_, g16, I, L.wu->w, false, d, 1.f, nullptr, d_h_, false, d);
+    wgrad_gemm(L, true, false, I, d, N, d_gate_, I, L.h2, d, L.wg->g, d, g16);
+    wgrad_gemm(L, true, false, I, d, N, d_up_, I, L.h2, d, L.wu->g, d, g16);
     }
     norm_backward(d_res_, d_h_, L.mid, L.ln2, L.r2, L.gn2, true);  // d_res = d(mid)
     attn_backward(L);                                              // d_h = d(h1)
