@@ -259,9 +259,9 @@ try:
         g = t["gflops"]
         print("  %-18s %5.1f%% %9.2f ms/step %7d calls %s" % (op, 100 * t["share"], t["ms_per_step"], t["calls"] // steps,
               ("%.1f TFLOP/s" % (g / 1e3)) if g > 0 else ""))
-    # The GEMM time again by shape (ForwardingBackend::gemm_shape; calls already per step).
+    # The GEMM time again by shape (ForwardingBackend::gemm_shape).
     for key, t in sorted(j.get("profile_shapes", {}).items(), key=lambda kv: -kv[1]["ms_per_step"])[:8]:
-        print("    %5.1f%% %8.2f ms/step %5d calls %6.1f TFLOP/s  %s" % (100 * t["share"], t["ms_per_step"], t["calls"],
+        print("    %5.1f%% %8.2f ms/step %5d calls %6.1f TFLOP/s  %s" % (100 * t["share"], t["ms_per_step"], t["calls"] // steps,
               t["gflops"] / 1e3, key))
 except Exception:
     print("%s: (failed: see profile.log)" % os.environ["PM"])' 2>/dev/null)"$'\n'

@@ -51,9 +51,7 @@ class ForwardingBackend : public Backend {
     return std::string(rows_out ? (transB ? "rows,B^T " : "rows,B ") : "wgrad ") + "E=" + std::to_string(E) +
            (rows >= 0 ? " rows=" + std::to_string(rows) + " " : " ") + gemm_shape(M, N, K, a16, b16, c16, addC);
   }
-  static std::string gemm_op(const char* prefix, bool ta, bool tb) {
-    return std::string(prefix) + (ta ? "T" : "N") + (tb ? "T" : "N");
-  }
+  static std::string gemm_op(bool ta, bool tb) { return std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N"); }
 
  public:
   explicit ForwardingBackend(std::unique_ptr<Backend> inner) : b_(std::move(inner)) {}
@@ -63,22 +61,22 @@ class ForwardingBackend : public Backend {
   // ---- everything below forwards through wrap() -> around()
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc) override {
-    around_shape(gemm_op("gemm ", ta, tb).c_str(), gemm_shape(M, N, K, false, false, false, beta != 0.f),
+    around_shape(gemm_op(ta, tb).c_str(), gemm_shape(M, N, K, false, false, false, beta != 0.f),
                  2.0 * M * N * K, [&] { b_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   }
   void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                 const float* C, float* D, int ldc) override {
-    around_shape(gemm_op("gemm ", ta, tb).c_str(), gemm_shape(M, N, K, false, false, false, true), 2.0 * M * N * K,
+    around_shape(gemm_op(ta, tb).c_str(), gemm_shape(M, N, K, false, false, false, true), 2.0 * M * N * K,
                  [&] { b_->gemm_add(ta, tb, M, N, K, alpha, A, lda, B, ldb, C, D, ldc); });
   }
   void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B, int ldb,
                 float beta, float* C, int ldc) override {
-    around_shape(gemm_op("gemm ", ta, tb).c_str(), gemm_shape(M, N, K, false, true, false, beta != 0.f),
+    around_shape(gemm_op(ta, tb).c_str(), gemm_shape(M, N, K, false, true, false, beta != 0.f),
                  2.0 * M * N * K, [&] { b_->gemm_b16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   }
   void gemm_ex(bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16, int lda, const void* B,
                bool b_bf16, int ldb, float beta, const float* C_in, void* D, bool d_bf16, int ldc) override {
-    around_shape(gemm_op("gemm ", ta, tb).c_str(),
+    around_shape(gemm_op(ta, tb).c_str(),
                  gemm_shape(M, N, K, a_bf16, b_bf16, d_bf16, beta != 0.f), 2.0 * M * N * K, [&] {
       b_->gemm_ex(ta, tb, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C_in, D, d_bf16, ldc);
     });

@@ -162,7 +162,8 @@ int main(int argc, char** argv) {
             shapes.emplace_back(t["ms_per_step"].get<double>(),
                                 fmt::format("  {:5.1f}%  {:8.2f} ms  {:4d} calls  {:>7.1f} GFLOP/s  {}",
                                             100 * t["share"].get<double>(), t["ms_per_step"].get<double>(),
-                                            t["calls"].get<long>(), t["gflops"].get<double>(), key));
+                                            t["calls"].get<long>() / std::max(1, j["steps_timed"].get<int>()),
+                                            t["gflops"].get<double>(), key));
           std::sort(shapes.rbegin(), shapes.rend());
           if (!shapes.empty()) fmt::print("GEMM shapes (top 10 by time; per step):\n");
           for (size_t i = 0; i < shapes.size() && i < 10; ++i) fmt::print("{}\n", shapes[i].second);

@@ -127,19 +127,22 @@ nlohmann::json run_bench(const BenchOptions& opt) {
   if (prof) {
     double total = 0;
     for (auto& t : times) total += t;
-    nlohmann::json p = nlohmann::json::object();
+    // One entry per op (and again per GEMM shape): its share of the timed steps, ms per step, calls
+    // over all timed steps and, for GEMMs, GFLOP/s.
+    auto entry = [&](const OpTime& t) {
+      return nlohmann::json{{"share", t.seconds / total},
+                            {"ms_per_step", 1e3 * t.seconds / opt.steps},
+                            {"calls", t.calls},
+                            {"gflops", t.flops > 0 && t.seconds > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
+    };
+    nlohmann::json p = nlohmann::json::object(), ps = nlohmann::json::object();
     double busy = 0;
     for (auto& [op, t] : prof->times()) {
-      p[op] = {{"share", t.seconds / total}, {"ms_per_step", 1e3 * t.seconds / opt.steps}, {"calls", t.calls},
-               {"gflops", t.flops > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
+      p[op] = entry(t);
       busy += t.seconds;
     }
     j["profile"] = p;
-    // The same time split by GEMM shape (calls per step; GFLOP/s of each shape).
-    nlohmann::json ps = nlohmann::json::object();
-    for (auto& [key, t] : prof->shape_times())
-      ps[key] = {{"share", t.seconds / total}, {"ms_per_step", 1e3 * t.seconds / opt.steps},
-                 {"calls", t.calls / std::max(1, opt.steps)}, {"gflops", t.flops > 0 && t.seconds > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
+    for (auto& [key, t] : prof->shape_times()) ps[key] = entry(t);
     j["profile_shapes"] = ps;
     // The ops' time over the steps' wall time. On a device the op times come from events on the
     // stream, so the rest is the device idling inside a step: gaps between kernels (the host not
