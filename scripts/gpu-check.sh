@@ -24,6 +24,11 @@
 #                          (model.moe_bf16_grads=true), the d=1024 dense with bf16 MLP gradients
 #                          (model.mlp_bf16_grads=true), and the d=1024 pair with the CPU's 128-row LM
 #                          head chunks (LADDER_HEAD_CHUNK_MIB=16) against the GPU's 4096 rows;
+#                          and, right after the four presets, the MoE capacity layout
+#                          (model.moe_capacity=1.0 on both MoE presets, with bf16 gradients, and 1.25),
+#                          and the d=1024 pair with 4 micro-batches per optimizer step
+#                          (run.grad_accum=4: 64k tokens a step instead of 16k, still far under the
+#                          millions of a real run, so the optimizer's fixed cost is amortized);
 #                          key=value pairs go to `ladder bench --set`,
 #                          LADDER_*=value to the environment. The attention's default is the mma.sync
 #                          kernels; where they did not pass their tests in this run, every model bench
@@ -193,7 +198,10 @@ WG_ROWS=""
 [ $WG_OK = 1 ] && [ $AW_OK = 1 ] && WG_ROWS="${WG_ROWS}moe-d1024:bf16:LADDER_GROUPED_WGMMA=1,LADDER_ATTN_WGMMA=1 "
 F32D=model.mlp_bf16=false,model.attn_bf16=false,model.norm_bf16=false
 F32M=model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
+# The capacity layout (model.moe_capacity, session 10): the expert GEMMs as strided-batched cuBLASLt
+# calls at C = 1.0 x the mean load, right after the presets: it is the MoE lever a run decides first.
+CAP=model.moe_capacity=1.0
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.25 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
@@ -242,11 +250,15 @@ done
 # backend's stream, Backend::make_op_timer; no host wait per op) of the bf16 MoE at d=1024 and the
 # bf16 dense at d=2048 (the presets the MFU goals are furthest from / closest to).
 PROFILE_ROWS=""
-for pm in moe-d1024 dense-d2048; do
+# The third: the MoE with the capacity layout, where its batched GEMMs show apart ("batched gemm").
+for pm in moe-d1024 dense-d2048 moe-d1024:$CAP; do
   [ "${GPU_CHECK_PROFILE:-1}" != 0 ] && [ $(($(date +%s) - T0)) -lt 420 ] || break
+  IFS=: read -r pp pset <<<"$pm"
+  psets=(--set run.precision=bf16)
+  [ -n "$pset" ] && psets+=(--set "$pset")
   log "profiled bench: $pm bf16 (log: profile.log)"
-  # One log for both (the device tool brings back at most 8 files from $OUT).
-  timeout 90 "$BIN/ladder" bench --config "configs/gpu/$pm.yaml" --device cuda --set run.precision=bf16 \
+  # One log for all (the device tool brings back at most 8 files from $OUT).
+  timeout 90 "$BIN/ladder" bench --config "configs/gpu/$pp.yaml" --device cuda "${psets[@]}" \
     --steps 2 --profile --json >"$OUT/profile-run.tmp" 2>&1
   { echo "=== $pm"; cat "$OUT/profile-run.tmp"; } >>"$OUT/profile.log"
   PROFILE_ROWS="$PROFILE_ROWS$(tail -n 1 "$OUT/profile-run.tmp" | PM=$pm python3 -c 'import json,os,sys

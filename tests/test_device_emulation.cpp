@@ -159,6 +159,14 @@ TEST(DeviceEmulation, MoeBf16GradsMoeSwitchesIsBitIdenticalWithoutHostAccess) {
   c.model.moe_bf16 = c.model.moe_bf16_grads = true;
   train_and_compare(c, "adamw");
 }
+// The capacity layout (model.moe_capacity 0.5: overflow rows in every step) with bf16 experts and
+// gradients: the row maps, zero padding and batched GEMMs through backend ops only.
+TEST(DeviceEmulation, MoeCapacityBf16IsBitIdenticalWithoutHostAccess) {
+  Config c = moe_switches_config();
+  c.model.moe_capacity = 0.5;
+  c.model.moe_bf16 = c.model.moe_bf16_grads = true;
+  train_and_compare(c, "adamw");
+}
 TEST(DeviceEmulation, MlpBf16DenseMuonhIsBitIdenticalWithoutHostAccess) {
   Config c = dense_config();
   c.model.mlp_bf16 = true;

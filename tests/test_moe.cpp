@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <vector>
@@ -91,6 +92,7 @@ struct Block {
 struct FdCase {
   bool normalized;
   int Is;
+  int C = 0;  // capacity layout's rows per expert (0: sorted layout)
 };
 class MoeFiniteDiff : public ::testing::TestWithParam<FdCase> {};
 
@@ -105,6 +107,7 @@ TEST_P(MoeFiniteDiff, WholeBlockGradientsMatchCentralDifferences) {
   D.Is = GetParam().Is;
   D.normalized = GetParam().normalized;
   D.route_scale = 2.5;
+  D.C = GetParam().C;
   Block<double> b(D, 100);
   auto h = randn<double>(size_t(D.N) * D.d, 7);
   const auto R = randn<double>(size_t(D.N) * D.d, 8);
@@ -166,7 +169,82 @@ TEST_P(MoeFiniteDiff, WholeBlockGradientsMatchCentralDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(CombineModes, MoeFiniteDiff,
-                         ::testing::Values(FdCase{false, 3}, FdCase{true, 3}, FdCase{true, 0}));
+                         ::testing::Values(FdCase{false, 3}, FdCase{true, 3}, FdCase{true, 0},
+                                           // capacity layout: 14 rows over 5 experts, C = 2 pads some
+                                           // experts and overflows others; C = 7 = N never overflows
+                                           FdCase{false, 3, 2}, FdCase{true, 3, 7}));
+
+// The capacity layout is the sorted layout's computation (the same sums, the rows of an expert
+// split at C): output, dh and every gradient within fp32 rounding, and its padding and unused rows
+// reach nothing even when every activation and scratch array starts as NaN (the gather writes the
+// padding rows of xs as zeros, moe_zero_rows those of dy; without either, 0 * NaN poisons the
+// weight gradients).
+TEST(Moe, CapacityLayoutIsTheSortedLayoutAndItsPaddingReachesNothing) {
+  MoeDims D;
+  D.N = 40;
+  D.d = 12;
+  D.E = 6;
+  D.K = 2;
+  D.I = 8;
+  D.Is = 5;
+  D.normalized = true;
+  D.route_scale = 2.5;
+  auto h = randn<float>(size_t(D.N) * D.d, 31);
+  const auto dout = randn<float>(size_t(D.N) * D.d, 32);
+  struct Run {
+    std::vector<float> out, dh, gr, gg, gu, gd, gsg, gsu, gsd;
+  };
+  int padded = 0, overflowed = 0;  // experts, over the capacity runs
+  auto run = [&](int C) {
+    MoeDims Dc = D;
+    Dc.C = C;
+    Block<float> b(Dc, 77);
+    for (auto& v : b.store) std::memset(v.data(), 0xff, v.size() * sizeof(double));  // NaN floats, -1 ints
+    Run r;
+    b.forward(h.data(), r.out);
+    r.gr.assign(b.router.size(), 0.f);
+    r.gg.assign(b.wg.size(), 0.f);
+    r.gu.assign(b.wu.size(), 0.f);
+    r.gd.assign(b.wd.size(), 0.f);
+    r.gsg.assign(b.sg.size(), 0.f);
+    r.gsu.assign(b.su.size(), 0.f);
+    r.gsd.assign(b.sd.size(), 0.f);
+    r.dh.assign(h.size(), 0.f);
+    MoeGrads<float> G{r.gr.data(), r.gg.data(), r.gu.data(), r.gd.data(), r.gsg.data(), r.gsu.data(), r.gsd.data()};
+    KernelOps<float> ops;
+    moe_backward<float>(ops, Dc, b.weights(), G, b.a, b.s, h.data(), dout.data(), r.dh.data(), 0.01f);
+    for (int e = 0; C > 0 && e < D.E; ++e) {  // does this data pad and overflow?
+      const int load = b.a.offsets[e + 1] - b.a.offsets[e];
+      padded += load < C;
+      overflowed += load > C;
+    }
+    return r;
+  };
+  const Run ref = run(0);
+  for (int C : {8, 16, 40}) {  // mean load 13.3: overflow and padding; C = N: padding only
+    const Run got = run(C);
+    auto near = [&](const char* what, const std::vector<float>& a, const std::vector<float>& b) {
+      ASSERT_EQ(a.size(), b.size());
+      double worst = 0, scale = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(a[i])) << what << " C " << C << " at " << i;
+        worst = std::max(worst, double(std::fabs(a[i] - b[i])));
+        scale = std::max(scale, double(std::fabs(b[i])));
+      }
+      EXPECT_GT(scale, 0) << what;
+      EXPECT_LT(worst, 1e-5 * scale) << what << " C " << C;
+    };
+    near("out", got.out, ref.out);
+    near("dh", got.dh, ref.dh);
+    near("router", got.gr, ref.gr);
+    near("experts.gate_proj", got.gg, ref.gg);
+    near("experts.up_proj", got.gu, ref.gu);
+    near("experts.down_proj", got.gd, ref.gd);
+    near("shared.down_proj", got.gsd, ref.gsd);
+  }
+  EXPECT_GT(padded, 0) << "the test data never pads an expert";
+  EXPECT_GT(overflowed, 0) << "the test data never overflows an expert";
+}
 
 // Dropless: every token reaches exactly K distinct experts, which are the top K of the biased
 // scores; each expert's block holds exactly the rows routed to it, in token order.

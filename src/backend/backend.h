@@ -74,6 +74,14 @@ class Backend : public MemorySpace {
   virtual void gemm_ex(bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16, int lda,
                        const void* B, bool b_bf16, int ldb, float beta, const float* C_in, void* D, bool d_bf16,
                        int ldc) = 0;
+  // `count` GEMMs of one shape over stacked operands (one strided-batched launch on a GPU): product
+  // i is gemm_ex on A + i * (ta ? K : M) * lda, B + i * (tb ? N : K) * ldb and C + i * M * ldc,
+  // i.e. each operand is `count` matrices stored one after another with their leading dimension.
+  // Types and rules as gemm_ex (a bf16 C takes beta 0). For the MoE capacity layout
+  // (model.moe_capacity): every expert's first C rows at e * C, so the expert GEMMs are batches.
+  virtual void batched_gemm_ex(int count, bool ta, bool tb, int M, int N, int K, float alpha, const void* A,
+                               bool a_bf16, int lda, const void* B, bool b_bf16, int ldb, float beta, void* C,
+                               bool c_bf16, int ldc) = 0;
   // Grouped GEMM over per-expert row blocks (see cpu::grouped_gemm for the two shapes).
   virtual void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K,
                             float alpha, const float* A, int lda, const float* B, int ldb, size_t strideB,
@@ -192,6 +200,17 @@ class Backend : public MemorySpace {
   virtual void moe_route(float* lse, int32_t* expert, float* comb, const float* logits, const float* bias, int N,
                          int E, int K, bool normalized, double route_scale) = 0;
   virtual void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E) = 0;
+  // The capacity layout of the sorted rows (model.moe_capacity; cpu::moe_capacity has the contract):
+  // row OVERWRITTEN with each slot's row in it, cslot [R] with each row's slot or -1, ov [E+1] the
+  // overflow blocks' offsets. All in backend memory, like moe_sort's.
+  virtual void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot,
+                            int NK, int E, int C, int R) = 0;
+  // Zero the rows q < rows of x (cols elements each, packed; fp32, or bf16 bits when bf16) whose
+  // cslot[q] is negative: the capacity layout's padding rows of a gradient the combine's backward
+  // does not write.
+  virtual void moe_zero_rows(void* x, bool bf16, const int32_t* cslot, int rows, int cols) = 0;
+  // moe_gather / moe_gather_bf16 write NK rows; a row whose slot is negative is zeros (the capacity
+  // layout's padding and unused rows).
   virtual void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) = 0;
   virtual void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) = 0;
   virtual void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K,

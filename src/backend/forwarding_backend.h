@@ -52,6 +52,8 @@ class ForwardingBackend : public Backend {
            (rows >= 0 ? " rows=" + std::to_string(rows) + " " : " ") + gemm_shape(M, N, K, a16, b16, c16, addC);
   }
   static std::string gemm_op(bool ta, bool tb) { return std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N"); }
+  // The capacity layout's expert GEMMs, apart from the model's other GEMMs in a profile.
+  static std::string batched_op(bool ta, bool tb) { return "batched " + gemm_op(ta, tb); }
 
  public:
   explicit ForwardingBackend(std::unique_ptr<Backend> inner) : b_(std::move(inner)) {}
@@ -79,6 +81,15 @@ class ForwardingBackend : public Backend {
     around_shape(gemm_op(ta, tb).c_str(),
                  gemm_shape(M, N, K, a_bf16, b_bf16, d_bf16, beta != 0.f), 2.0 * M * N * K, [&] {
       b_->gemm_ex(ta, tb, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C_in, D, d_bf16, ldc);
+    });
+  }
+  void batched_gemm_ex(int count, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16,
+                       int lda, const void* B, bool b_bf16, int ldb, float beta, void* C, bool c_bf16,
+                       int ldc) override {
+    around_shape(batched_op(ta, tb).c_str(),
+                 std::string("x") + std::to_string(count) + " " + gemm_shape(M, N, K, a_bf16, b_bf16, c_bf16, beta != 0.f),
+                 2.0 * count * M * N * K, [&] {
+      b_->batched_gemm_ex(count, ta, tb, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, c_bf16, ldc);
     });
   }
   void grouped_gemm(bool rows_out, bool transB, int E, const int32_t* offsets, int M, int N, int K, float alpha,
@@ -323,6 +334,13 @@ class ForwardingBackend : public Backend {
   }
   void moe_sort(int32_t* off, int32_t* row, int32_t* slot, const int32_t* ex, int NK, int E) override {
     wrap("moe routing", 0, [&] { b_->moe_sort(off, row, slot, ex, NK, E); });
+  }
+  void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot, int NK,
+                    int E, int C, int R) override {
+    wrap("moe routing", 0, [&] { b_->moe_capacity(row, cslot, ov, offsets, slot, NK, E, C, R); });
+  }
+  void moe_zero_rows(void* x, bool bf16, const int32_t* cslot, int rows, int cols) override {
+    wrap("moe permute", 0, [&] { b_->moe_zero_rows(x, bf16, cslot, rows, cols); });
   }
   void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     wrap("moe permute", 0, [&] { b_->moe_gather(xs, h, slot, NK, K, d); });

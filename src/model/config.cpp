@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <cstdlib>
 #include <functional>
+#include <cmath>
 #include <algorithm>
 #include <map>
 #include <sstream>
@@ -66,6 +67,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, saved_activations, "storage of the activations the backward reads: fp32, or bf16 (half the memory; the residual stream, norm statistics and MoE routing stay fp32; the forward and the loss are unchanged, gradients see bf16-rounded activations)"),
       LADDER_FIELD(model, moe_bf16, "MoE layers' experts in bf16, as model.mlp_bf16 does for dense MLPs: the gathered expert rows are rounded to bf16, the routed experts' gate and up projections are written by the grouped GEMM in bf16 (rounded fp32 accumulation), SwiGLU computes in fp32 from them into bf16, and the down projection and its weight gradient read that; the shared expert likewise; the expert outputs are written in bf16 and read so by the combine; routing and every gradient stay fp32. Halves the memory of the gathered rows and expert outputs [tokens * top_k, d] and the [tokens * top_k, expert_ff] tensors of every MoE layer; under run.precision bf16 the grouped GEMMs write and read the bf16 tensors directly (on cuda with fp32 or tf32 GEMMs they are widened and rounded in scratch); the loss changes by bf16 rounding (docs/cuda.md)"),
       LADDER_FIELD(model, moe_bf16_grads, "with model.moe_bf16: the routed experts' activation gradients in bf16 as well, as mixed-precision training keeps activation gradients: the gradient of the expert outputs (the combine's backward), of the SwiGLU output (the down projection's data-gradient GEMM) and of gate and up (SwiGLU's backward) are each rounded to bf16 and read so by the backward's grouped GEMMs, which on cuda then read their A operand as bf16 (under run.precision bf16 directly, by cp.async). Weight gradients, the gradient back to the tokens, the combine weights' and router's gradients and the shared expert's gradients stay fp32. Halves the MoE backward scratch of those four tensors; the gradients change by bf16 rounding"),
+      LADDER_FIELD(model, moe_capacity, "MoE experts in a capacity layout: 0 = off (each expert's rows contiguous in routing order, every expert GEMM a grouped GEMM); f > 0 = each expert's first C rows, C = f x the mean load (tokens x top_k / experts) rounded up to a multiple of 8, at rows e*C of the expert tensors, padded with zero rows when an expert has fewer, so every expert GEMM is one strided-batched GEMM (cuBLASLt on cuda) plus a grouped GEMM over the rows past C. Still dropless: nothing is dropped, the results are the same sums in another order. Costs the padding's FLOPs and up to about twice the experts' activation memory (room for the most overflow there can be); a speed option for GPUs (docs/cuda.md)"),
       LADDER_FIELD(model, mlp_bf16, "dense MLP layers (not MoE) in bf16: the gate and up projections are written by the GEMM in bf16 (rounded fp32 accumulation), SwiGLU reads them in bf16, computes in fp32 and writes its output in bf16, which the down projection and its weight gradient read; the backward's gradients stay fp32. Halves the memory of the three [tokens, d_ff] tensors per dense layer (on cuda with fp32 or tf32 GEMMs the widen/round passes keep three fp32 [tokens, d_ff] scratch buffers, about two layers of that saving; with bf16 GEMMs none); the loss changes by bf16 rounding (first slice of the bf16 activation path, docs/cuda.md)"),
       LADDER_FIELD(model, mlp_bf16_grads, "with model.mlp_bf16: the dense MLP's activation gradients in bf16 as well, as model.moe_bf16_grads does for the MoE experts: the gradient of the SwiGLU output (the down projection's data-gradient GEMM, written in bf16) and of gate and up (SwiGLU's backward) are each rounded to bf16 and read so by the gate and up projections' data- and weight-gradient GEMMs (under run.precision bf16 without a cast). The gradient of the MLP input, the weight gradients and the residual stream's gradient stay fp32. Halves the SwiGLU backward's traffic; the gradients change by bf16 rounding"),
       LADDER_FIELD(model, attn_bf16, "the attention block's activations in bf16, as model.mlp_bf16 does for dense MLPs: the q, k and v projections are written by the GEMM in bf16 (rounded fp32 accumulation); the PKO shift + QK-norm + RoPE op, attention, XSA and the per-head gate read bf16, compute in fp32 and write bf16; o_proj and its weight gradient read that; norm statistics, the attention lse, the gate factors and every gradient stay fp32. Halves the memory of the block's [tokens, heads * head_dim] tensors (q, k, v, the attention inputs and output, the XSA and gated outputs); under run.precision bf16 the GEMMs and the tensor-core attention read and write them directly; the loss changes by bf16 rounding (docs/cuda.md)"),
@@ -243,6 +245,8 @@ void validate_moe(const Config& c, const std::string& where) {
       fail("{}: model.moe_balance is 'quantile' but model.moe_experts is 0 (no MoE block to balance)", where);
     if (m.router_z_loss > 0)
       fail("{}: model.router_z_loss is {} but model.moe_experts is 0 (no router)", where, m.router_z_loss);
+    if (m.moe_capacity != 0)
+      fail("{}: model.moe_capacity is {} but model.moe_experts is 0 (no experts to lay out)", where, m.moe_capacity);
     return;
   }
   if (m.moe_top_k < 1) fail("{}: model.moe_top_k must be >= 1, got {}", where, m.moe_top_k);
@@ -255,12 +259,22 @@ void validate_moe(const Config& c, const std::string& where) {
     fail("{}: model.moe_expert_ff ({}) x model.d_model ({}) x model.moe_experts ({}) does not fit one expert tensor "
          "(< 2^31 elements)", where, m.expert_ff(), m.d_model, m.moe_experts);
   if (!(m.moe_route_scale > 0)) fail("{}: model.moe_route_scale must be > 0, got {}", where, m.moe_route_scale);
+  if (!(m.moe_capacity >= 0 && m.moe_capacity <= 1e6))
+    fail("{}: model.moe_capacity must be 0 (off) or a factor of the mean expert load > 0, got {}", where,
+         m.moe_capacity);
   auto mask = moe_layer_mask(m, where);
   if (std::find(mask.begin(), mask.end(), true) == mask.end())
     fail("{}: model.moe_layers '{}' selects no layer", where, m.moe_layers);
 }
 
 }  // namespace
+
+int ModelConfig::expert_capacity(int64_t tokens) const {
+  if (moe_capacity <= 0 || !moe() || tokens <= 0) return 0;
+  const double mean = double(tokens) * moe_top_k / moe_experts;
+  const int64_t c = (std::max<int64_t>(1, int64_t(std::ceil(moe_capacity * mean))) + 7) / 8 * 8;
+  return int(std::min(c, tokens));
+}
 
 bool ModelConfig::is_moe_layer(int l) const {
   if (!moe()) return false;

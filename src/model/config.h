@@ -52,6 +52,7 @@ struct ModelConfig {
   bool mlp_bf16 = false;       // dense MLP layers: gate/up/SwiGLU output computed into and stored in bf16
   bool moe_bf16 = false;       // MoE layers: the experts' gate/up/SwiGLU output likewise (routed and shared)
   bool moe_bf16_grads = false; // with moe_bf16: the routed experts' activation gradients in bf16 too
+  double moe_capacity = 0.0;   // > 0: capacity layout, C = this x the mean expert load rows per expert; 0 = sorted
   bool mlp_bf16_grads = false; // with mlp_bf16: the dense MLP's activation gradients in bf16 too
   bool attn_bf16 = false;      // attention block: q/k/v, their normed and rotated forms, the attention output
                                // and the XSA / gated outputs computed into and stored in bf16
@@ -61,6 +62,10 @@ struct ModelConfig {
   int hd() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
   int ff() const { return d_ff > 0 ? d_ff : 4 * d_model; }
   bool moe() const { return moe_experts > 0; }
+  // model.moe_capacity's rows per expert for a micro-batch of `tokens`: moe_capacity x the mean load
+  // tokens * top_k / experts, rounded up to a multiple of 8 (16-byte rows of bf16 matrices), at most
+  // `tokens` (no expert takes a token twice, so more would only pad); 0 when off.
+  int expert_capacity(int64_t tokens) const;
   int expert_ff() const { return moe_expert_ff > 0 ? moe_expert_ff : (d_model / 2 + 127) / 128 * 128; }
   int shared_ff() const { return !moe_shared_expert ? 0 : moe_shared_ff > 0 ? moe_shared_ff : d_model; }
   bool moe_normalized() const { return moe_combine == "normalized"; }

@@ -59,7 +59,18 @@ struct MoeDims {
   // SwiGLU's backward reads it and rounds dg and du. Weight gradients, dx (back to the tokens),
   // dcomb, the router's gradients and the shared expert's gradients stay fp32.
   bool bf16_grads = false;
+  // model.moe_capacity: the capacity layout. C > 0 rows per expert: expert e's first C rows sit at
+  // rows [e*C, e*C + C) of the expert tensors (zero rows pad an expert with fewer), so each expert
+  // GEMM is one strided batch of E products of C rows (cuBLASLt's batched GEMM on a GPU, at
+  // library speed), and the rows past C, if any, follow from row E*C in a grouped GEMM's blocks
+  // (cpu::moe_capacity). Still dropless: the same sums in another row order. 0: the sorted layout,
+  // every expert's rows contiguous, all of them in grouped GEMMs.
+  int C = 0;
 };
+
+// The rows of the expert tensors (xs, g, u, a, y and their gradients): N*K, or with a capacity
+// layout E*C plus the most overflow there can be (cpu::moe_capacity_rows).
+inline int64_t moe_rows(const MoeDims& D) { return cpu::moe_capacity_rows(D.N, D.K, D.E, D.C); }
 
 template <class T>
 struct MoeWeights {
@@ -84,19 +95,24 @@ struct MoeActs {
   T* comb = nullptr;           // [N*K] combine weight of each slot
   int32_t* row = nullptr;      // [N*K] slot -> row in the expert-sorted order
   int32_t* slot = nullptr;     // [N*K] row -> slot (token = slot / K)
-  int32_t* offsets = nullptr;  // [E+1] expert e owns rows [offsets[e], offsets[e+1])
-  T* xs = nullptr;             // [N*K, d] input rows in expert-sorted order (bf16 bits: D.bf16)
-  T *g = nullptr, *u = nullptr, *a = nullptr;  // [N*K, I] gate, up, silu(gate)*up (bf16 bits: D.bf16)
-  T* y = nullptr;              // [N*K, d] expert outputs, unweighted (bf16 bits: D.bf16)
+  int32_t* offsets = nullptr;  // [E+1] expert e owns rows [offsets[e], offsets[e+1]) (sorted order)
+  // Capacity layout (D.C > 0; else nullptr, and the row arrays below are in sorted order): row is
+  // then slot -> row of the capacity layout, cslot [R] its inverse (-1: a padding or unused row),
+  // ov [E+1] the overflow blocks' offsets from row E*C. R = moe_rows(D) rows below.
+  int32_t* cslot = nullptr;
+  int32_t* ov = nullptr;
+  T* xs = nullptr;             // [R, d] input rows in expert order (bf16 bits: D.bf16)
+  T *g = nullptr, *u = nullptr, *a = nullptr;  // [R, I] gate, up, silu(gate)*up (bf16 bits: D.bf16)
+  T* y = nullptr;              // [R, d] expert outputs, unweighted (bf16 bits: D.bf16)
   T *sgate = nullptr, *sup = nullptr, *sact = nullptr;  // [N, Is] shared expert (bf16 bits: D.bf16)
 };
 
 // Backward scratch (one set serves every block).
 template <class T>
 struct MoeScratch {
-  T* dy = nullptr;                              // [N*K, d] (bf16 bits: D.bf16_grads)
-  T *dg = nullptr, *du = nullptr, *da = nullptr;  // [N*K, I] (bf16 bits: D.bf16_grads)
-  T* dx = nullptr;                              // [N*K, d]
+  T* dy = nullptr;                              // [R, d] (bf16 bits: D.bf16_grads)
+  T *dg = nullptr, *du = nullptr, *da = nullptr;  // [R, I] (bf16 bits: D.bf16_grads)
+  T* dx = nullptr;                              // [R, d]
   T* ds = nullptr;                              // [N, E]
   T *dsg = nullptr, *dsu = nullptr, *dsa = nullptr;  // [N, Is]
   T* dcomb = nullptr;                           // [N*K]
@@ -139,6 +155,13 @@ struct KernelOps {
     LADDER_ASSERT(!a16 && !b16 && !c16);
     cpu::gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
+  void batched_gemm(int count, bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B,
+                    int ldb, T beta, T* C, int ldc, bool a16 = false, bool b16 = false, bool c16 = false) {
+    LADDER_ASSERT(!a16 && !b16 && !c16);
+    for (int i = 0; i < count; ++i)
+      cpu::gemm<T>(ta, tb, M, N, K, alpha, A + size_t(i) * (ta ? K : M) * lda, lda,
+                   B + size_t(i) * (tb ? N : K) * ldb, ldb, beta, C + size_t(i) * M * ldc, ldc);
+  }
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* off, int M, int N, int K, T alpha, const T* A,
                     int lda, const T* B, int ldb, size_t sB, T beta, T* C, int ldc, size_t sC, int rows = 0,
                     bool a16 = false, bool b16 = false, bool c16 = false) {
@@ -160,6 +183,14 @@ struct KernelOps {
   }
   void moe_sort(int32_t* off, int32_t* row, int32_t* slot, const int32_t* ex, int NK, int E) {
     cpu::moe_sort(off, row, slot, ex, NK, E);
+  }
+  void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* off, const int32_t* slot, int NK,
+                    int E, int C, int R) {
+    cpu::moe_capacity(row, cslot, ov, off, slot, NK, E, C, R);
+  }
+  void moe_zero_rows(T* x, const int32_t* cslot, int rows, int cols, bool x16 = false) {
+    LADDER_ASSERT(!x16);
+    cpu::moe_zero_rows(x, sizeof(T), cslot, rows, cols);
   }
   void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d, bool x16 = false) {
     LADDER_ASSERT(!x16);
@@ -200,6 +231,11 @@ struct BackendOps {
     else
       be->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
+  void batched_gemm(int count, bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
+                    const float* B, int ldb, float beta, float* C, int ldc, bool a16 = false, bool b16 = false,
+                    bool c16 = false) {
+    be->batched_gemm_ex(count, ta, tb, M, N, K, alpha, A, a16, lda, B, b16, ldb, beta, C, c16, ldc);
+  }
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* off, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t sB, float beta, float* C, int ldc,
                     size_t sC, int rows = 0, bool a16 = false, bool b16 = false, bool c16 = false) {
@@ -227,6 +263,13 @@ struct BackendOps {
   }
   void moe_sort(int32_t* off, int32_t* row, int32_t* slot, const int32_t* ex, int NK, int E) {
     be->moe_sort(off, row, slot, ex, NK, E);
+  }
+  void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* off, const int32_t* slot, int NK,
+                    int E, int C, int R) {
+    be->moe_capacity(row, cslot, ov, off, slot, NK, E, C, R);
+  }
+  void moe_zero_rows(float* x, const int32_t* cslot, int rows, int cols, bool x16 = false) {
+    be->moe_zero_rows(x, x16, cslot, rows, cols);
   }
   void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d, bool x16 = false) {
     if (x16) be->moe_gather_bf16(bits(xs), h, slot, NK, K, d);

@@ -347,6 +347,7 @@ MoeDims Transformer::moe_dims() const {
   D.route_scale = cfg_.moe_route_scale;
   D.bf16 = cfg_.moe_bf16;
   D.bf16_grads = cfg_.moe_bf16_grads;
+  D.C = cfg_.expert_capacity(N_);
   return D;
 }
 

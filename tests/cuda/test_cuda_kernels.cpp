@@ -312,6 +312,121 @@ TEST_F(CudaKernels, GemmExBf16OutputDropsAStaleCast) {
   check(dY2.download(), ref, 1e-2, "bf16 cast after a bf16-output GEMM wrote into X");
 }
 
+// batched_gemm_ex (the MoE capacity layout's expert GEMMs: one strided-batched cuBLASLt GEMM over
+// stacked operands): every transpose, every mix of fp32 / bf16 A, B and C, beta 0 (C poisoned) and
+// 1 (fp32 C only), count 1 and 3, on the fp32 backend (bf16 operands widened, a bf16 C rounded from
+// the fp32 batch) and the bf16 one (stacked casts, cuBLASLt's strides in the leading dimension it
+// reads), against the CPU backend's loop of gemm_ex. Padded leading dimensions, bf16 operands at an
+// odd element offset; every padding column of the stacked C must keep its initial bytes. Bounds as
+// GemmExTypedOperandsMatchTheCpu: kF32 for fp32 results of fp32 GEMMs, 1e-2 where anything is bf16.
+class CudaGemm : public test::CudaFixture {};
+
+TEST_F(CudaGemm, BatchedGemmExMatchesTheCpu) {
+  cuda::CudaOptions o;
+  o.bf16 = true;
+  auto bf = cuda::make_backend(o);
+  auto cpu = make_cpu_backend(1);
+  const int M = 21, N = 13, K = 18, pad = 3;
+  for (cuda::CudaBackend* b : {&be(), bf.get()})
+    for (int count : {1, 3})
+      for (int mask = 0; mask < 16; ++mask) {
+        const bool a16 = mask & 1, b16 = mask & 2, c16 = mask & 4, beta1 = mask & 8;
+        if (c16 && beta1) continue;  // a bf16 C takes beta 0
+        const float beta = beta1 ? 1.f : 0.f;
+        for (int t = 0; t < 4; ++t) {
+          const bool ta = t & 1, tb = t & 2;
+          const int lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
+          const size_t na = size_t(count) * (ta ? K : M) * lda, nb = size_t(count) * (tb ? N : K) * ldb;
+          const size_t nc = size_t(count) * M * ldc;
+          auto A = randv(na), B = randv(nb), C = randv(nc);
+          std::vector<uint16_t> A16(na), B16(nb), C16(nc);
+          cpu::f32_to_bf16(A16.data(), A.data(), na);
+          cpu::f32_to_bf16(B16.data(), B.data(), nb);
+          cpu::f32_to_bf16(C16.data(), C.data(), nc);
+          auto dA = up(A), dB = up(B);
+          auto dA16 = up(A16, 1), dB16 = up(B16, 1);  // odd offsets
+          const void* ha = a16 ? static_cast<const void*>(A16.data()) : A.data();
+          const void* hb = b16 ? static_cast<const void*>(B16.data()) : B.data();
+          const void* da = a16 ? static_cast<const void*>(dA16.data() + 1) : dA.data();
+          const void* db = b16 ? static_cast<const void*>(dB16.data() + 1) : dB.data();
+          const std::string what =
+              fmt::format("batched_gemm_ex {} count={} a16={} b16={} c16={} beta={} ta={} tb={}",
+                          b->bf16() ? "bf16" : "fp32", count, int(a16), int(b16), int(c16), beta, int(ta), int(tb));
+          SCOPED_TRACE(what);
+          const double tol = b->bf16() || c16 ? 1e-2 : kF32;
+          std::vector<float> g, r;
+          size_t pad_written = 0;
+          if (c16) {
+            // beta 0: C is never read; the GPU's starts poisoned, the padding must stay poisoned.
+            auto dC = poisoned<uint16_t>(nc);
+            std::vector<uint16_t> ref(nc, 0xffff);
+            b->batched_gemm_ex(count, ta, tb, M, N, K, 0.5f, da, a16, lda, db, b16, ldb, 0.f, dC.data(), true, ldc);
+            cpu->batched_gemm_ex(count, ta, tb, M, N, K, 0.5f, ha, a16, lda, hb, b16, ldb, 0.f, ref.data(), true, ldc);
+            const auto got = down(dC, nc);
+            for (size_t i = 0; i < size_t(count) * M; ++i) {
+              for (int j = 0; j < N; ++j)
+                g.push_back(cpu::bf16_value(got[i * ldc + j])), r.push_back(cpu::bf16_value(ref[i * ldc + j]));
+              for (int j = N; j < ldc; ++j) pad_written += got[i * ldc + j] != 0xffff;
+            }
+          } else {
+            // beta 1: C accumulates from random values; beta 0: poisoned on the GPU (never read),
+            // zeros on the CPU.
+            auto dC = beta1 ? up(C) : poisoned(nc);
+            const std::vector<float> init = beta1 ? C : down(dC, nc);
+            std::vector<float> ref = beta1 ? C : std::vector<float>(nc, 0.f);
+            b->batched_gemm_ex(count, ta, tb, M, N, K, 0.5f, da, a16, lda, db, b16, ldb, beta, dC.data(), false, ldc);
+            cpu->batched_gemm_ex(count, ta, tb, M, N, K, 0.5f, ha, a16, lda, hb, b16, ldb, beta, ref.data(), false,
+                                 ldc);
+            const auto got = down(dC, nc);
+            for (size_t i = 0; i < size_t(count) * M; ++i) {
+              for (int j = 0; j < N; ++j) g.push_back(got[i * ldc + j]), r.push_back(ref[i * ldc + j]);
+              for (int j = N; j < ldc; ++j)
+                pad_written += std::memcmp(&got[i * ldc + j], &init[i * ldc + j], sizeof(float)) != 0;
+            }
+          }
+          EXPECT_EQ(pad_written, 0u) << what << ": padding columns written";
+          check(g, r, tol, what);
+        }
+      }
+}
+
+// bf16 GEMMs: a batched GEMM's output is the whole stack, so a cached cast of memory under any of
+// its matrices is stale afterwards, not only under the first. X (cached as A) lies under matrix 1
+// of a two-matrix fp32 output whose operands are bf16 (read as they are, so X's cast stays in the
+// cache and only the overlap check can drop it); the next GEMM reading X must see the new X.
+TEST_F(CudaGemm, BatchedGemmOutputDropsAStaleCast) {
+  cuda::CudaOptions o;
+  o.bf16 = true;
+  auto bf = cuda::make_backend(o);
+  const int M = 32, N = 40, K = 48;
+  auto W = randv(size_t(N) * K), buf = randv(size_t(M) * N + size_t(M) * K);
+  std::vector<uint16_t> Z16(size_t(2) * M * K), V16(size_t(2) * N * K);
+  {
+    const auto z = randv(Z16.size()), v = randv(V16.size());
+    cpu::f32_to_bf16(Z16.data(), z.data(), z.size());
+    cpu::f32_to_bf16(V16.data(), v.data(), v.size());
+  }
+  // Everything allocated (and written from outside the backend) before the first GEMM: an
+  // allocation or upload in between would drop the cast by itself (device-memory epoch).
+  auto dW = up(W), dBuf = up(buf), dX0 = up(randv(size_t(std::max(M, N)) * K));
+  auto dZ16 = up(Z16), dV16 = up(V16);
+  DeviceBuffer<float> dY(size_t(M) * N), dY2(size_t(M) * N);
+  float* dX = dBuf.data() + size_t(M) * N;  // X [M, K]: its first M*N floats are matrix 1 of the output
+  bf->gemm(false, true, M, N, K, 1.f, dX0.data(), K, dX0.data(), K, 0.f, dY.data(), N);  // grows the cast scratch
+  bf->gemm(false, true, M, N, K, 1.f, dX, K, dW.data(), K, 0.f, dY.data(), N);          // X cached as A
+  bf->batched_gemm_ex(2, false, true, M, N, K, 1.f, dZ16.data(), true, K, dV16.data(), true, K, 0.f, dBuf.data(),
+                      false, N);
+  const uint64_t r0 = bf->bf16_cast_reuses();
+  bf->gemm(false, true, M, N, K, 1.f, dX, K, dW.data(), K, 0.f, dY2.data(), N);
+  EXPECT_EQ(bf->bf16_cast_reuses(), r0 + 1) << "X's cast reused after a batched GEMM wrote over it (or W's not)";
+  bf->synchronize();
+  const auto all = dBuf.download();  // the new X (a download leaves the epoch alone)
+  const std::vector<float> X(all.begin() + long(M) * N, all.end());
+  std::vector<float> ref(size_t(M) * N);
+  cpu::gemm<float>(false, true, M, N, K, 1.f, X.data(), K, W.data(), K, 0.f, ref.data(), N);
+  check(dY2.download(), ref, 1e-2, "bf16 cast after a batched GEMM wrote into X");
+}
+
 // bf16 GEMMs reuse an operand's cast for the next GEMMs reading it, until anything else runs or a
 // GEMM writes over it. Each case changes X between two GEMMs in one of the ways that must drop the
 // cast (an op, a copy, an upload, a GEMM writing into X) and checks the second result against the

@@ -66,6 +66,27 @@ class CudaMoe : public test::CudaFixture {
     return s;
   }
 
+  // N tokens' K distinct experts each (an expert takes a token at most once, as the router picks,
+  // so cpu::moe_capacity_rows' bound holds), skewed as skewed_experts: low experts far more often,
+  // the upper ones never (E > 2K). Counting-sorted by the CPU as sorted_slots.
+  Sorted distinct_sorted(int N, int K, int E) {
+    std::uniform_real_distribution<double> u(0, 1);
+    const int used = std::max(K, E / 2 + 1);
+    const int NK = N * K;
+    Sorted s{std::vector<int32_t>(size_t(NK)), std::vector<int32_t>(size_t(E) + 1), std::vector<int32_t>(size_t(NK)),
+             std::vector<int32_t>(size_t(NK))};
+    for (int i = 0; i < N; ++i)
+      for (int k = 0; k < K; ++k) {
+        const auto first = s.expert.begin() + size_t(i) * K, last = first + k;
+        int e;
+        do e = std::min(used - 1, int(used * std::pow(u(rng_), 3.0)));
+        while (std::find(first, last, e) != last);
+        s.expert[size_t(i) * K + k] = e;
+      }
+    cpu::moe_sort(s.off.data(), s.row.data(), s.slot.data(), s.expert.data(), NK, E);
+    return s;
+  }
+
   // Exact equality, element by element (integers; float selections compared with ==).
   template <class T>
   static void exact(const std::vector<T>& gpu, const std::vector<T>& cpu, const std::string& what) {
@@ -658,6 +679,127 @@ TEST_F(CudaMoe, GroupedGemmExBf16OutputRejectsBetaAndPadding) {
   const std::vector<uint16_t> after = C.download();
   EXPECT_TRUE(std::all_of(after.begin(), after.end(), [](uint16_t v) { return v == 0xFFFF; }))
       << "a refused call wrote its output";
+}
+
+// ---------------------------------------------------------------------------------------------
+// The capacity layout (model.moe_capacity): moe_capacity's maps, moe_zero_rows, and the gathers'
+// zero rows for negative slots, against the CPU kernels bit for bit.
+
+// The CPU's capacity layout of a sorted routing: row (slot -> layout row), cslot [R], ov [E+1].
+struct Capacity {
+  std::vector<int32_t> row, cslot, ov;
+};
+Capacity cpu_capacity(const std::vector<int32_t>& off, const std::vector<int32_t>& slot, int NK, int E, int C,
+                      int R) {
+  Capacity c{std::vector<int32_t>(size_t(NK)), std::vector<int32_t>(size_t(R)), std::vector<int32_t>(size_t(E) + 1)};
+  cpu::moe_capacity(c.row.data(), c.cslot.data(), c.ov.data(), off.data(), slot.data(), NK, E, C, R);
+  return c;
+}
+
+// Every map of the layout, bit for bit, over E in {8, 64, 65}, K in {1, 2, 4}, C from 1 (nearly
+// everything overflows) to N (no overflow: every expert padded), R the model's bound and R with
+// spare rows (their cslot must be -1 too). row and the maps start poisoned (-1 is a valid cslot
+// value, so cslot is poisoned with 0x7F bytes instead).
+TEST_F(CudaMoe, CapacityLayoutMatchesTheCpu) {
+  const int N = 131;
+  bool saw_overflow = false, saw_padding = false, saw_no_overflow = false;
+  for (int E : kEs)
+    for (int K : kKs)
+      for (int C : {1, 8, std::max(1, N * K / E), N})
+        for (int spare : {0, 7}) {
+          const int NK = N * K;
+          const int R = int(cpu::moe_capacity_rows(N, K, E, C)) + spare;
+          const std::string what = fmt::format("moe_capacity E={} K={} C={} R={}", E, K, C, R);
+          SCOPED_TRACE(what);
+          const Sorted s = distinct_sorted(N, K, E);
+          const Capacity ref = cpu_capacity(s.off, s.slot, NK, E, C, R);
+          saw_overflow |= ref.ov[E] > 0;
+          saw_no_overflow |= ref.ov[E] == 0;
+          saw_padding |= std::count(ref.cslot.begin(), ref.cslot.begin() + size_t(E) * C, -1) > 0;
+          auto d_off = up(s.off), d_slot = up(s.slot);
+          auto d_row = poisoned<int32_t>(NK), d_ov = poisoned<int32_t>(E + 1);
+          auto d_cslot = up(std::vector<int32_t>(size_t(R), 0x7F7F7F7F));
+          be().moe_capacity(d_row.data(), d_cslot.data(), d_ov.data(), d_off.data(), d_slot.data(), NK, E, C, R);
+          exact(down(d_ov, E + 1), ref.ov, what + " ov");
+          exact(down(d_row, NK), ref.row, what + " row");
+          exact(down(d_cslot, R), ref.cslot, what + " cslot");
+        }
+  EXPECT_TRUE(saw_overflow && saw_padding && saw_no_overflow) << "the cases miss overflow, padding or neither";
+  // No slots: ov all 0, every cslot -1, row untouched (it has no element).
+  const int E = 8, C = 4, R = 40;
+  auto d_off = up(std::vector<int32_t>(E + 1, 0));
+  auto d_ov = poisoned<int32_t>(E + 1), d_cslot = up(std::vector<int32_t>(R, 5));
+  be().moe_capacity(nullptr, d_cslot.data(), d_ov.data(), d_off.data(), nullptr, 0, E, C, R);
+  exact(down(d_ov, E + 1), std::vector<int32_t>(E + 1, 0), "moe_capacity NK=0 ov");
+  exact(down(d_cslot, R), std::vector<int32_t>(R, -1), "moe_capacity NK=0 cslot");
+  // C < 1, or fewer rows than E*C: one ladder::Error line before anything runs.
+  EXPECT_THROW(be().moe_capacity(nullptr, d_cslot.data(), d_ov.data(), d_off.data(), nullptr, 0, E, 0, R), Error);
+  EXPECT_THROW(be().moe_capacity(nullptr, d_cslot.data(), d_ov.data(), d_off.data(), nullptr, 0, E, 6, R), Error);
+}
+
+// moe_zero_rows: the rows q < rows with cslot[q] < 0 become zeros, every other byte (rows with a
+// slot, rows past `rows`) is left as it was; fp32 and bf16, aligned (vector path) and at an odd
+// element offset (scalar path), against cpu::moe_zero_rows byte for byte.
+TEST_F(CudaMoe, ZeroRowsMatchesTheCpu) {
+  std::bernoulli_distribution pad(0.3);
+  for (bool bf16 : {false, true})
+    for (int cols : {1, 37, 64, 300})
+      for (size_t offset : {size_t(0), size_t(1)}) {
+        const int total = 97, rows = 90;  // rows 90..96 are outside: never zeroed
+        const std::string what = fmt::format("moe_zero_rows bf16={} cols={} offset={}", bf16, cols, offset);
+        SCOPED_TRACE(what);
+        std::vector<int32_t> cslot(static_cast<size_t>(total));
+        for (auto& c : cslot) c = pad(rng_) ? -1 - int(rng_() % 3) : int(rng_() % 1000);
+        cslot[0] = -1;
+        cslot[total - 1] = -1;
+        auto d_cslot = up(cslot);
+        const size_t n = size_t(total) * cols;
+        if (bf16) {
+          const std::vector<uint16_t> x = bf16_of(randv(n));
+          std::vector<uint16_t> ref = x;
+          cpu::moe_zero_rows(ref.data(), sizeof(uint16_t), cslot.data(), rows, cols);
+          auto d_x = up(x, offset);
+          be().moe_zero_rows(d_x.data() + offset, true, d_cslot.data(), rows, cols);
+          exact(down(d_x, n, offset), ref, what);
+        } else {
+          const std::vector<float> x = randv(n);
+          std::vector<float> ref = x;
+          cpu::moe_zero_rows(ref.data(), sizeof(float), cslot.data(), rows, cols);
+          auto d_x = up(x, offset);
+          be().moe_zero_rows(d_x.data() + offset, false, d_cslot.data(), rows, cols);
+          exact(down(d_x, n, offset), ref, what);
+        }
+      }
+}
+
+// moe_gather / moe_gather_bf16 through a capacity layout's cslot (the model's call): rows with a
+// slot are the token's row (bf16: rounded), padding and unused rows zeros, on poisoned outputs,
+// against the CPU backend's gathers bit for bit; d = 300 takes the vector path, 37 the scalar one.
+TEST_F(CudaMoe, GatherWritesZerosForNegativeSlots) {
+  auto cpu_be = make_cpu_backend(0);
+  const int N = 61;
+  for (int K : {1, 2})
+    for (int d : {1, 37, 300}) {
+      const int E = 8, C = 8, NK = N * K, R = int(cpu::moe_capacity_rows(N, K, E, C));
+      const std::string what = fmt::format("K={} d={} R={}", K, d, R);
+      SCOPED_TRACE(what);
+      const Sorted s = distinct_sorted(N, K, E);
+      const Capacity cap = cpu_capacity(s.off, s.slot, NK, E, C, R);
+      ASSERT_GT(std::count(cap.cslot.begin(), cap.cslot.end(), -1), 0) << "no negative slot: the test proves nothing";
+      const auto h = randv(size_t(N) * d);
+      auto d_h = up(h);
+      auto d_cslot = up(cap.cslot);
+      std::vector<float> xs(size_t(R) * d);
+      cpu_be->moe_gather(xs.data(), h.data(), cap.cslot.data(), R, K, d);
+      auto d_xs = poisoned<float>(xs.size());
+      be().moe_gather(d_xs.data(), d_h.data(), d_cslot.data(), R, K, d);
+      exact(down(d_xs, xs.size()), xs, "moe_gather " + what);
+      std::vector<uint16_t> xs16(size_t(R) * d);
+      cpu_be->moe_gather_bf16(xs16.data(), h.data(), cap.cslot.data(), R, K, d);
+      auto d_xs16 = poisoned<uint16_t>(xs16.size());
+      be().moe_gather_bf16(d_xs16.data(), d_h.data(), d_cslot.data(), R, K, d);
+      exact(down(d_xs16, xs16.size()), xs16, "moe_gather_bf16 " + what);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

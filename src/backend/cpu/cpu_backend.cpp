@@ -71,6 +71,18 @@ class CpuBackend final : public Backend {
     if (ldc == N) return cpu::f32_to_bf16(d, df, size_t(M) * size_t(N));
     for (int i = 0; i < M; ++i) cpu::f32_to_bf16(d + size_t(i) * ldc, df + size_t(i) * N, size_t(N));
   }
+  // One gemm_ex per matrix of the stacks: the reference of a strided batch.
+  void batched_gemm_ex(int count, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16,
+                       int lda, const void* B, bool b_bf16, int ldb, float beta, void* C, bool c_bf16,
+                       int ldc) override {
+    auto at = [](const void* X, bool b16, size_t elems) {
+      return static_cast<const char*>(X) + elems * (b16 ? sizeof(uint16_t) : sizeof(float));
+    };
+    const size_t sa = size_t(ta ? K : M) * size_t(lda), sb = size_t(tb ? N : K) * size_t(ldb), sc = size_t(M) * size_t(ldc);
+    for (int i = 0; i < count; ++i)
+      gemm_ex(ta, tb, M, N, K, alpha, at(A, a_bf16, i * sa), a_bf16, lda, at(B, b_bf16, i * sb), b_bf16, ldb, beta,
+              nullptr, const_cast<char*>(at(C, c_bf16, i * sc)), c_bf16, ldc);
+  }
   void grouped_gemm(bool rows_out, bool tb, int E, const int32_t* offsets, int M, int N, int K, float alpha,
                     const float* A, int lda, const float* B, int ldb, size_t strideB, float beta, float* C,
                     int ldc, size_t strideC) override {
@@ -182,6 +194,13 @@ class CpuBackend final : public Backend {
   void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E) override {
     cpu::moe_sort(offsets, row, slot, expert, NK, E);
   }
+  void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot, int NK,
+                    int E, int C, int R) override {
+    cpu::moe_capacity(row, cslot, ov, offsets, slot, NK, E, C, R);
+  }
+  void moe_zero_rows(void* x, bool bf16, const int32_t* cslot, int rows, int cols) override {
+    cpu::moe_zero_rows(x, bf16 ? sizeof(uint16_t) : sizeof(float), cslot, rows, cols);
+  }
   void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     cpu::moe_gather<float>(xs, h, slot, NK, K, d);
   }
@@ -203,10 +222,15 @@ class CpuBackend final : public Backend {
   // model.moe_bf16_grads' reference: the fp32 row gradients into scratch, then rounded.
   void moe_combine_backward_bf16_grads(uint16_t* dy, float* dcomb, const float* dout, const uint16_t* y,
                                        const float* comb, const int32_t* row, int N, int K, int d) override {
-    const size_t n = size_t(N) * size_t(K) * size_t(d);
-    float* dyf = wide_out(n);
+    // The fp32 rows in scratch, then each slot's row rounded: the rows are wherever `row` puts
+    // them (a capacity layout's reach past N*K), and only those are written.
+    const size_t NK = size_t(N) * size_t(K);
+    int32_t rows = 0;
+    for (size_t j = 0; j < NK; ++j) rows = std::max(rows, row[j] + 1);
+    float* dyf = wide_out(size_t(rows) * size_t(d));
     cpu::moe_combine_backward<float>(dyf, dcomb, dout, y, comb, row, N, K, d);
-    cpu::f32_to_bf16(dy, dyf, n);
+    for (size_t j = 0; j < NK; ++j)
+      cpu::f32_to_bf16(dy + size_t(row[j]) * d, dyf + size_t(row[j]) * d, size_t(d));
   }
   void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     cpu::moe_gather_bf16(xs, h, slot, NK, K, d);

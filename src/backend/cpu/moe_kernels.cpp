@@ -81,17 +81,52 @@ void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expe
   offsets[0] = 0;
 }
 
+void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot, int NK,
+                  int E, int C, int R) {
+  LADDER_ASSERT(C >= 1 && offsets[E] == NK);
+  ov[0] = 0;
+  for (int e = 0; e < E; ++e) ov[e + 1] = ov[e] + std::max(0, offsets[e + 1] - offsets[e] - C);
+  LADDER_ASSERT(int64_t(E) * C + ov[E] <= R);
+  std::fill(cslot, cslot + R, -1);
+  for (int e = 0; e < E; ++e)
+    for (int p = offsets[e]; p < offsets[e + 1]; ++p) {
+      const int r = p - offsets[e];
+      const int q = r < C ? e * C + r : E * C + ov[e] + (r - C);
+      row[slot[p]] = q;
+      cslot[q] = slot[p];
+    }
+}
+
+int64_t moe_capacity_rows(int N, int K, int E, int C) {
+  const int64_t NK = int64_t(N) * K;
+  if (C <= 0) return NK;
+  return int64_t(E) * C + std::max<int64_t>(0, NK - int64_t(K) * std::min(C, N));
+}
+
+void moe_zero_rows(void* x, size_t elem_bytes, const int32_t* cslot, int rows, int cols) {
+  const size_t row_bytes = elem_bytes * size_t(cols);
+  for (int q = 0; q < rows; ++q)
+    if (cslot[q] < 0) std::memset(static_cast<char*>(x) + size_t(q) * row_bytes, 0, row_bytes);
+}
+
 template <class T>
 void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d) {
 #pragma omp parallel for schedule(static) if (size_t(NK) * d >= kParMin)
-  for (int r = 0; r < NK; ++r) std::memcpy(xs + size_t(r) * d, h + size_t(slot[r] / K) * d, sizeof(T) * d);
+  for (int r = 0; r < NK; ++r) {
+    if (slot[r] < 0) std::memset(xs + size_t(r) * d, 0, sizeof(T) * d);
+    else std::memcpy(xs + size_t(r) * d, h + size_t(slot[r] / K) * d, sizeof(T) * d);
+  }
 }
 
 void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
 #pragma omp parallel for schedule(static) if (size_t(NK) * d >= kParMin)
   for (int r = 0; r < NK; ++r) {
-    const float* src = h + size_t(slot[r] / K) * d;
     uint16_t* dst = xs + size_t(r) * d;
+    if (slot[r] < 0) {
+      std::memset(dst, 0, sizeof(uint16_t) * d);
+      continue;
+    }
+    const float* src = h + size_t(slot[r] / K) * d;
     for (int c = 0; c < d; ++c) dst[c] = bf16_bits(src[c]);
   }
 }

@@ -23,7 +23,27 @@ void moe_route(T* lse, int32_t* expert, T* comb, const T* logits, const T* bias,
 // in slot order. Integers: every backend gives the same answer bit for bit.
 void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E);
 
-// xs[r] = h[slot[r] / K] (rows of d).
+// The capacity layout of moe_sort's rows (model.moe_capacity): expert e's r-th row (sorted row
+// offsets[e] + r) moves to q = e*C + r while r < C, and past that to E*C + ov[e] + (r - C), where
+// ov [E+1] is the exclusive prefix sum of the overflows max(0, load_e - C) (ov[E]: all of them).
+// So rows [e*C, e*C + C) are expert e's first C rows, padded when it has fewer, and rows from E*C
+// are the rest, expert by expert (grouped GEMM blocks at the offsets ov, relative to row E*C).
+// row [NK] OVERWRITTEN with each slot's q (slot -> row, as moe_sort's); cslot [R] gets each q's
+// slot and -1 for the padding rows and every row from E*C + ov[E] to R. R >= E*C + ov[E]
+// (moe_capacity_rows gives the bound). C >= 1.
+void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot, int NK,
+                  int E, int C, int R);
+
+// The rows a capacity layout of N tokens, K slots each, E experts, C rows per expert can need:
+// E*C + the most overflow, NK - K*min(C, N). (An expert takes each token at most once, load_e <= N,
+// and min(l, C) >= l * min(C, N) / N for 0 <= l <= N, so the rows within capacity sum to at least
+// K*min(C, N).) C = 0 (no capacity layout): NK.
+int64_t moe_capacity_rows(int N, int K, int E, int C);
+
+// Zero the rows q < rows (cols elements of elem_bytes each, packed) whose cslot[q] < 0.
+void moe_zero_rows(void* x, size_t elem_bytes, const int32_t* cslot, int rows, int cols);
+
+// xs[r] = h[slot[r] / K] (rows of d); zeros where slot[r] < 0 (the capacity layout's unused rows).
 template <class T>
 void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d);
 

@@ -221,24 +221,49 @@ class CudaBackendImpl final : public CudaBackend {
   void gemm_ex(bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16, int lda, const void* B,
                bool b_bf16, int ldb, float beta, const float* C_in, void* D, bool d_bf16, int ldc) override {
     if (d_bf16 && (beta != 0.f || C_in)) fail("gemm_ex: a bf16 output takes no addend (beta 0, no C_in)");
-    auto f32 = [](const void* X, bool b16) { return b16 ? nullptr : static_cast<const float*>(X); };
-    auto b16 = [](const void* X, bool b16) { return b16 ? static_cast<const uint16_t*>(X) : nullptr; };
     float* Df = d_bf16 ? nullptr : static_cast<float*>(D);
-    gemm_into(ta, tb, M, N, K, alpha, f32(A, a_bf16), b16(A, a_bf16), lda, f32(B, b_bf16), b16(B, b_bf16), ldb, beta,
-              C_in ? C_in : Df, Df, d_bf16 ? static_cast<uint16_t*>(D) : nullptr, ldc);
+    gemm_into(ta, tb, M, N, K, alpha, f32_of(A, a_bf16), b16_of(A, a_bf16), lda, f32_of(B, b_bf16), b16_of(B, b_bf16),
+              ldb, beta, C_in ? C_in : Df, Df, d_bf16 ? static_cast<uint16_t*>(D) : nullptr, ldc);
+  }
+  // One strided-batched cuBLASLt GEMM (the MoE capacity layout's expert GEMMs): gemm_into over the
+  // stacks, count products in one launch.
+  void batched_gemm_ex(int count, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16,
+                       int lda, const void* B, bool b_bf16, int ldb, float beta, void* C, bool c_bf16,
+                       int ldc) override {
+    if (count < 0) fail("batched_gemm_ex: {} products", count);
+    if (c_bf16 && beta != 0.f) fail("batched_gemm_ex: a bf16 output takes no addend (beta 0)");
+    if (count == 0) return;
+    float* Cf = c_bf16 ? nullptr : static_cast<float*>(C);
+    gemm_into(ta, tb, M, N, K, alpha, f32_of(A, a_bf16), b16_of(A, a_bf16), lda, f32_of(B, b_bf16), b16_of(B, b_bf16),
+              ldb, beta, Cf, Cf, c_bf16 ? static_cast<uint16_t*>(C) : nullptr, ldc, count);
+  }
+  static const float* f32_of(const void* X, bool b16) { return b16 ? nullptr : static_cast<const float*>(X); }
+  static const uint16_t* b16_of(const void* X, bool b16) { return b16 ? static_cast<const uint16_t*>(X) : nullptr; }
+  // count * rows as an int (the stacked operands of a batched GEMM are one matrix of that many rows).
+  static int stacked_rows(int rows, int count) {
+    const int64_t r = int64_t(rows) * count;
+    if (r > int64_t(std::numeric_limits<int>::max())) fail("batched gemm: {} x {} rows do not fit an int", count, rows);
+    return int(r);
   }
   // D = alpha op(A) op(B) + beta C_in (C_in may be C): every GEMM entry point. A and B are each
   // fp32 (A, B) or bf16 bits (A16, B16), the other nullptr; the output is fp32 C, or bf16 C16 (then
-  // C and C_in are nullptr and beta is 0).
+  // C and C_in are nullptr and beta is 0). count > 1: that many products over stacked operands
+  // (batched_gemm_ex; then C_in is C), matrix i at i * rows * ld of each (rows: op's stored rows,
+  // ta ? K : M for A, tb ? N : K for B, M for C). A stack is one matrix of count * rows rows with the
+  // same leading dimension, so the casts, widenings, mirror lookups and the cast cache below treat
+  // it as that, and cuBLASLt runs it as a strided batch (count == 1: its plain plan, as before).
   void gemm_into(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, const uint16_t* A16, int lda,
                  const float* B, const uint16_t* B16, int ldb, float beta, const float* C_in, float* C,
-                 uint16_t* C16, int ldc) {
+                 uint16_t* C16, int ldc, int count = 1) {
     if (C16 && (M <= 0 || N <= 0)) return;
+    const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+    const int Mc = stacked_rows(M, count);  // the output's rows, all products
+    const int64_t sc = int64_t(M) * ldc;    // output stride
     if (C16 && K <= 0) {  // an empty sum: bf16 zeros (cuBLASLt does not take k = 0)
       touch(C16);
-      for (int i = 0; i < (ldc == N ? 1 : M); ++i)
+      for (int i = 0; i < (ldc == N ? 1 : Mc); ++i)
         LADDER_CUDA_CHECK(cudaMemsetAsync(C16 + size_t(i) * ldc, 0,
-                                          (ldc == N ? size_t(M) * size_t(N) : size_t(N)) * sizeof(uint16_t), st_));
+                                          (ldc == N ? size_t(Mc) * size_t(N) : size_t(N)) * sizeof(uint16_t), st_));
       return post("gemm");
     }
     if (opt_.bf16 && M > 0 && N > 0 && K > 0) {
@@ -247,7 +272,6 @@ class CudaBackendImpl final : public CudaBackend {
       // other fp32 operand is cast into packed scratch (one pass), which the next GEMMs reuse while
       // nothing else has run (CastCache below); a bf16 operand is read as it is.
       const InGemm in_gemm(*this);
-      const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
       auto operand = [&](const float* X, int rows, int cols, int ld, CastCache& cache, const char* what,
                          int& ld_out) -> const uint16_t* {
         if (const uint16_t* m = mirrored(X, size_t(rows - 1) * ld + cols)) {
@@ -265,19 +289,25 @@ class CudaBackendImpl final : public CudaBackend {
         return cache.bf16.data();
       };
       int la = 0, lb = 0;
-      const uint16_t* a = A16 ? (la = lda, A16) : operand(A, ar, ac, lda, cast_a_, "gemm (bf16 cast of A)", la);
-      const uint16_t* b = B16 ? (lb = ldb, B16) : operand(B, br, bc, ldb, cast_b_, "gemm (bf16 cast of B)", lb);
+      const uint16_t* a = A16 ? (la = lda, A16)
+                              : operand(A, stacked_rows(ar, count), ac, lda, cast_a_, "gemm (bf16 cast of A)", la);
+      const uint16_t* b = B16 ? (lb = ldb, B16)
+                              : operand(B, stacked_rows(br, count), bc, ldb, cast_b_, "gemm (bf16 cast of B)", lb);
+      // Strides of the stacks as read: the leading dimension actually used (a packed cast's is cols).
+      const int64_t sa = int64_t(ar) * la, sb = int64_t(br) * lb;
       // This GEMM writes C (or C16): a cached cast of memory it overlaps is stale now, and so is a
       // weight mirror it writes into (touch; inside the GEMM it does not count as another op).
       void* out = C16 ? static_cast<void*>(C16) : static_cast<void*>(C);
       touch(out);
       if (C16)
-        gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, 0.f, C16, ldc, /*c_bf16=*/true);
+        gemm_->run_batched(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, sa, b, lb, sb, 0.f, C16, ldc, sc, count,
+                           /*c_bf16=*/true);
       else
-        gemm_->run(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, b, lb, beta, C, ldc, false, C_in);
+        gemm_->run_batched(GemmType::BF16, ta, tb, M, N, K, alpha, a, la, sa, b, lb, sb, beta, C, ldc, sc, count,
+                           false, C_in);
       const size_t es = C16 ? sizeof(uint16_t) : sizeof(float);
       const char* c0 = static_cast<const char*>(out);
-      const char* c1 = c0 + (size_t(M - 1) * ldc + N) * es;
+      const char* c1 = c0 + (size_t(Mc - 1) * ldc + N) * es;  // the whole stacked output
       cast_a_.forget_if_overlaps(c0, c1);
       cast_b_.forget_if_overlaps(c0, c1);
       post("gemm");
@@ -292,23 +322,26 @@ class CudaBackendImpl final : public CudaBackend {
       return static_cast<const float*>(buf.data());
     };
     if (M > 0 && N > 0 && K > 0) {
-      if (A16) A = widen(A16, ta ? K : M, ta ? M : K, lda, a_wide_, "gemm (bf16 A widened)");
-      if (B16) B = widen(B16, tb ? N : K, tb ? K : N, ldb, b_wide_, "gemm (bf16 B widened)");
+      if (A16) A = widen(A16, stacked_rows(ar, count), ac, lda, a_wide_, "gemm (bf16 A widened)");
+      if (B16) B = widen(B16, stacked_rows(br, count), bc, ldb, b_wide_, "gemm (bf16 B widened)");
     }
+    const int64_t sa = int64_t(ar) * lda, sb = int64_t(br) * ldb;
     const GemmType type = opt_.tf32 ? GemmType::TF32 : GemmType::F32;
     if (C16) {
-      d_wide_.reserve(size_t(M) * size_t(N), "gemm (fp32 result of a bf16 output)");
-      gemm_->run(type, ta, tb, M, N, K, alpha, A, lda, B, ldb, 0.f, d_wide_.data(), N);
+      d_wide_.reserve(size_t(Mc) * size_t(N), "gemm (fp32 result of a bf16 output)");
+      gemm_->run_batched(type, ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, 0.f, d_wide_.data(), N,
+                         int64_t(M) * N, count);
       post("gemm");
       touch(C16);
-      if (ldc == N) return check(k::f32_to_bf16(C16, d_wide_.data(), size_t(M) * size_t(N), st_), "gemm (bf16 output)");
-      for (int i = 0; i < M; ++i)
+      if (ldc == N)
+        return check(k::f32_to_bf16(C16, d_wide_.data(), size_t(Mc) * size_t(N), st_), "gemm (bf16 output)");
+      for (int i = 0; i < Mc; ++i)
         check(k::f32_to_bf16(C16 + size_t(i) * ldc, d_wide_.data() + size_t(i) * N, size_t(N), st_),
               "gemm (bf16 output)");
       return;
     }
     touch(C);
-    gemm_->run(type, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, false, C_in);
+    gemm_->run_batched(type, ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, count, false, C_in);
     post("gemm");
   }
 
@@ -642,6 +675,15 @@ class CudaBackendImpl final : public CudaBackend {
     moe_scratch_.reserve(k::moe_sort_scratch_bytes(NK, E), "moe sort scratch");
     check(k::moe_sort(offsets, row, slot, expert, NK, E, moe_scratch_.data(), moe_scratch_.bytes(), st_),
           "moe_sort");
+  }
+  void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot, int NK,
+                    int E, int C, int R) override {
+    if (C < 1 || E < 0 || R < 0 || (NK > 0 && E == 0) || int64_t(E) * C > R)
+      fail("moe_capacity: {} slots over {} experts of capacity {} in {} rows", NK, E, C, R);
+    check(k::moe_capacity(row, cslot, ov, offsets, slot, NK, E, C, R, st_), "moe_capacity");
+  }
+  void moe_zero_rows(void* x, bool bf16, const int32_t* cslot, int rows, int cols) override {
+    check(k::moe_zero_rows(x, bf16, cslot, rows, cols, st_), "moe_zero_rows");
   }
   void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) override {
     check(k::moe_gather(xs, h, slot, NK, K, d, st_), "moe_gather");

@@ -167,11 +167,20 @@ __global__ void router_backward_kernel(float* ds_out, const float* logits, const
 // aligned (the launchers check); 1 = the scalar reference path. Each column keeps its own arithmetic
 // and order (k order in the sums), so the result does not depend on V.
 
+// A negative slot (the capacity layout's padding and unused rows, cslot) writes a zero row: the
+// branch is on the block's row, so it never splits a warp, and a valid slot's row is copied by the
+// same loads and stores as before.
 template <int V, class TO>
 __global__ void gather_kernel(TO* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
   for (int r = blockIdx.x; r < NK; r += gridDim.x) {
-    const float* src = h + size_t(slot[r] / K) * d;
+    const int s = slot[r];
     TO* dst = xs + size_t(r) * d;
+    if (s < 0) {
+      const float z[V] = {};
+      for (int c = threadIdx.x * V; c < d; c += blockDim.x * V) store_vec<V>(dst + c, z);
+      continue;
+    }
+    const float* src = h + size_t(s / K) * d;
     for (int c = threadIdx.x * V; c < d; c += blockDim.x * V) {
       float v[V];
       load_vec<V>(src + c, v);
@@ -261,6 +270,18 @@ __global__ void gather_backward_kernel(float* dh, const float* dx, const int32_t
   }
 }
 
+// The capacity layout's padding rows of a gradient: zero row q where cslot[q] < 0, one block per
+// row (the rows with a slot are left alone, one load each). V as the gather's.
+template <int V, class T>
+__global__ void zero_rows_kernel(T* x, const int32_t* cslot, int rows, int cols) {
+  for (int q = blockIdx.x; q < rows; q += gridDim.x) {
+    if (cslot[q] >= 0) continue;
+    T* dst = x + size_t(q) * cols;
+    const float z[V] = {};
+    for (int c = threadIdx.x * V; c < cols; c += blockDim.x * V) store_vec<V>(dst + c, z);
+  }
+}
+
 constexpr int kCombineBwdUnroll = 8;
 
 // The row kernels' vector width for rows of d columns: 4 when d allows it and every pointer is
@@ -294,6 +315,48 @@ __global__ void offsets_from_sorted_kernel(int32_t* offsets, const uint32_t* sor
       if (sorted[mid] < uint32_t(e)) lo = mid + 1; else hi = mid;
     }
     offsets[e] = lo;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Capacity layout (cpu::moe_capacity, bit for bit: integers only, each output written once).
+//
+// ov [E+1]: the exclusive prefix of the overflows max(0, load_e - C), one warp in chunks of 32
+// experts (a shuffle scan per chunk, the chunk totals carried in every lane). E is a layer's
+// experts (a few hundred at most): one warp is plenty, and it keeps the routing on the device.
+__global__ void capacity_overflow_kernel(int32_t* ov, const int32_t* offsets, int E, int C) {
+  const int lane = threadIdx.x;
+  if (lane == 0) ov[0] = 0;
+  int carry = 0;
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane;
+    int v = e < E ? max(0, offsets[e + 1] - offsets[e] - C) : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += t;
+    }
+    if (e < E) ov[e + 1] = carry + v;
+    carry += __shfl_sync(0xffffffffu, v, 31);
+  }
+}
+
+// One thread per sorted position p: its expert e (the last with offsets[e] <= p, by binary search:
+// empty experts share their offset with the next one), its rank r = p - offsets[e] in the expert,
+// and its row q in the layout: e*C + r within capacity, else E*C + ov[e] + (r - C). row[slot[p]] = q
+// and cslot[q] = slot[p]; every cslot entry not written stays -1 (the launcher's memset). Slots are
+// a permutation, so no two threads write one element. q < R holds whenever R is
+// cpu::moe_capacity_rows' bound; the cslot store is guarded anyway, so a wrong R cannot write past
+// the array (the CPU asserts it).
+__global__ void capacity_rows_kernel(int32_t* row, int32_t* cslot, const int32_t* ov, const int32_t* offsets,
+                                     const int32_t* slot, int NK, int E, int C, int R) {
+  for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < NK; p += gridDim.x * blockDim.x) {
+    const int e = expert_of_row_tile(offsets, E, p);
+    const int r = p - offsets[e];
+    const int64_t q = r < C ? int64_t(e) * C + r : int64_t(E) * C + ov[e] + (r - C);
+    const int s = slot[p];
+    row[s] = int32_t(q);
+    if (q < R) cslot[q] = s;
   }
 }
 
@@ -702,6 +765,37 @@ cudaError_t moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_
   if (err != cudaSuccess) return err;
   invert_perm_kernel<<<grid_for(size_t(NK)), kThreads, 0, st>>>(row, slot, NK);
   offsets_from_sorted_kernel<<<grid_for(size_t(E) + 1), kThreads, 0, st>>>(offsets, keys_sorted, NK, E);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot,
+                         int NK, int E, int C, int R, cudaStream_t st) {
+  if (C < 1 || E < 0 || R < 0 || NK < 0 || (NK > 0 && E == 0)) return cudaErrorInvalidValue;
+  if (R > 0) {
+    const cudaError_t err = cudaMemsetAsync(cslot, 0xFF, sizeof(int32_t) * size_t(R), st);  // -1 everywhere
+    if (err != cudaSuccess) return err;
+  }
+  capacity_overflow_kernel<<<1, 32, 0, st>>>(ov, offsets, E, C);
+  if (NK > 0)
+    capacity_rows_kernel<<<grid_for(size_t(NK)), kThreads, 0, st>>>(row, cslot, ov, offsets, slot, NK, E, C, R);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_zero_rows(void* x, bool bf16, const int32_t* cslot, int rows, int cols, cudaStream_t st) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  if (bf16) {
+    __nv_bfloat16* xb = static_cast<__nv_bfloat16*>(x);
+    if (rows_vectorizable(cols, xb))
+      zero_rows_kernel<4, __nv_bfloat16><<<grid_for(size_t(rows), 1), kThreads, 0, st>>>(xb, cslot, rows, cols);
+    else
+      zero_rows_kernel<1, __nv_bfloat16><<<grid_for(size_t(rows), 1), kThreads, 0, st>>>(xb, cslot, rows, cols);
+  } else {
+    float* xf = static_cast<float*>(x);
+    if (rows_vectorizable(cols, xf))
+      zero_rows_kernel<4, float><<<grid_for(size_t(rows), 1), kThreads, 0, st>>>(xf, cslot, rows, cols);
+    else
+      zero_rows_kernel<1, float><<<grid_for(size_t(rows), 1), kThreads, 0, st>>>(xf, cslot, rows, cols);
+  }
   return cudaGetLastError();
 }
 

@@ -43,11 +43,13 @@ GRID_STRIDE = {
     "optim_ops.cu": ["muon_momentum_kernel", "scale_by_inv_norm_kernel", "ns_poly_init_kernel", "axpy_kernel",
                      "scale_to_radius_kernel", "scale_by_device_factor_kernel", "batch_ns_poly_init_kernel"],
     # moe_ops.cu: not listed, on purpose: radix_select_kernel (one block per column),
-    # row_tile_prefix_kernel (one block), grouped_wgrad_kernel (one block per tile, no stride).
+    # row_tile_prefix_kernel (one block), grouped_wgrad_kernel (one block per tile, no stride),
+    # capacity_overflow_kernel (one warp).
     "moe_ops.cu": ["route_kernel", "balance_values_kernel", "router_backward_kernel", "gather_kernel",
                    "combine_kernel", "combine_backward_kernel", "gather_backward_kernel", "iota_kernel",
                    "invert_perm_kernel", "offsets_from_sorted_kernel", "transpose_keys_kernel",
-                   "grouped_rows_kernel", "count_load_kernel", "pko_resets_kernel"],
+                   "grouped_rows_kernel", "count_load_kernel", "pko_resets_kernel", "capacity_rows_kernel",
+                   "zero_rows_kernel"],
     "attention_tc.cu": ["tc_bwd_dot_kernel"],
 }
 

@@ -840,6 +840,21 @@ TEST_F(CudaEmu, MoeRowFastPathsMatchReferenceBitwise) {
     const auto h = randv(size_t(N) * d), y = randv(size_t(NK) * d), comb = randv(size_t(NK), 0.f, 1.f);
     const auto out0 = randv(size_t(N) * d), dout = randv(size_t(N) * d), dxs = randv(size_t(NK) * d);
     const auto y16 = to_bf16_bits(y);
+    // The capacity layout's gather (model.moe_capacity): slots with negative ones (zero rows) mixed in.
+    std::vector<int32_t> cslot;
+    for (int j = 0; j < NK; ++j) cslot.insert(cslot.end(), {slot[j], -1});
+    const int R = int(cslot.size());
+    fast_matches_reference([&] {
+      auto xc = poisoned(size_t(R) * d);
+      auto xc16 = poisoned<uint16_t>(size_t(R) * d);
+      ok(k::moe_gather(xc.data(), h.data(), cslot.data(), R, K, d, nullptr), what);
+      ok(k::moe_gather_bf16(xc16.data(), h.data(), cslot.data(), R, K, d, nullptr), what);
+      auto zr = dxs;  // and the padding rows of a gradient zeroed (moe_zero_rows), fp32 and bf16
+      auto zr16 = to_bf16_bits(dxs);
+      ok(k::moe_zero_rows(zr.data(), false, cslot.data(), NK, d, nullptr), what);
+      ok(k::moe_zero_rows(zr16.data(), true, cslot.data(), NK, d, nullptr), what);
+      return Bytes{raw(xc), raw(xc16), raw(zr), raw(zr16)};
+    }, what + " negative slots");
     fast_matches_reference([&] {
       auto xs = poisoned(size_t(NK) * d), out = out0, out16 = out0;
       auto xs16 = poisoned<uint16_t>(size_t(NK) * d);

@@ -1,0 +1,156 @@
+// model.moe_capacity: the MoE experts in a capacity layout (each expert's first C rows at e*C, the
+// rest after E*C), so that the expert GEMMs are strided batches. What must hold:
+// - cpu::moe_capacity moves every sorted row where its contract says, pads with -1, and the row
+//   bound moe_capacity_rows is never exceeded (and is reached by the worst loads);
+// - ModelConfig::expert_capacity is the documented rounding, and bad values are clear errors;
+// - the model with it is the model without it up to fp32 summation order (two micro-batches of
+//   gradients, 20 AdamW steps), in fp32 and with the bf16 experts.
+// The block-level check with NaN-poisoned buffers and the finite differences in double are in
+// test_moe.cpp; the device's kernels in tests/cuda (CudaMoe.Capacity*, CudaModel.MoeCapacity*).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backend/cpu/moe_kernels.h"
+#include "bf16_model_compare.h"
+#include "core/error.h"
+#include "model/config.h"
+#include "model_test_configs.h"
+#include "train_side_by_side.h"
+
+namespace ladder {
+namespace {
+
+using namespace test;
+
+// K distinct experts per token. kind 0: uniform; 1: every token on experts 0..K-1 (the most
+// overflow there can be); 2: skewed (expert e drawn with weight 1 / (e + 1)).
+std::vector<int32_t> pick_experts(int N, int K, int E, int kind, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<double> w(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) w[size_t(e)] = kind == 2 ? 1.0 / (e + 1) : 1.0;
+  std::vector<int32_t> ex(size_t(N) * K);
+  for (int i = 0; i < N; ++i) {
+    std::vector<double> wi = w;
+    for (int k = 0; k < K; ++k) {
+      int e = k;
+      if (kind != 1) {
+        std::discrete_distribution<int> pick(wi.begin(), wi.end());
+        e = pick(rng);
+      }
+      wi[size_t(e)] = 0;
+      ex[size_t(i) * K + k] = e;
+    }
+  }
+  return ex;
+}
+
+TEST(MoeCapacity, LayoutMovesEverySortedRowAndPadsTheRest) {
+  for (int kind = 0; kind < 3; ++kind)
+    for (auto [N, K, E] : {std::tuple{50, 2, 6}, std::tuple{97, 4, 16}, std::tuple{8, 1, 3}})
+      for (int C : {1, 8, 16, 33, N}) {
+        const std::string tag = "kind " + std::to_string(kind) + " N " + std::to_string(N) + " K " +
+                                std::to_string(K) + " E " + std::to_string(E) + " C " + std::to_string(C);
+        const int NK = N * K;
+        const auto expert = pick_experts(N, K, E, kind, uint32_t(N + C + kind));
+        std::vector<int32_t> off(static_cast<size_t>(E) + 1), row(static_cast<size_t>(NK)), slot(static_cast<size_t>(NK));
+        cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+        const int64_t R = cpu::moe_capacity_rows(N, K, E, C);
+        std::vector<int32_t> crow = row, cslot(size_t(R), 7), ov(size_t(E) + 1, 7);
+        cpu::moe_capacity(crow.data(), cslot.data(), ov.data(), off.data(), slot.data(), NK, E, C, int(R));
+        ASSERT_EQ(ov[0], 0) << tag;
+        for (int e = 0; e < E; ++e) ASSERT_EQ(ov[size_t(e) + 1] - ov[size_t(e)], std::max(0, off[e + 1] - off[e] - C)) << tag;
+        ASSERT_LE(int64_t(E) * C + ov[size_t(E)], R) << tag;
+        if (kind == 1 && C < N) {
+          EXPECT_EQ(int64_t(E) * C + ov[size_t(E)], R) << tag << ": the bound is the worst case";
+        }
+        int used = 0;
+        for (int64_t q = 0; q < R; ++q) used += cslot[size_t(q)] >= 0;
+        ASSERT_EQ(used, NK) << tag << ": every other row is -1";
+        for (int s = 0; s < NK; ++s) {
+          const int e = expert[size_t(s)], r = row[size_t(s)] - off[size_t(e)];
+          const int q = r < C ? e * C + r : E * C + ov[size_t(e)] + (r - C);
+          ASSERT_EQ(crow[size_t(s)], q) << tag << " slot " << s;
+          ASSERT_EQ(cslot[size_t(q)], s) << tag << " row " << q;
+        }
+      }
+}
+
+TEST(MoeCapacity, CapacityIsTheFactorOfTheMeanLoadRoundedUpTo8AndAtMostTheTokens) {
+  ModelConfig m;
+  m.moe_experts = 64;
+  m.moe_top_k = 4;
+  EXPECT_EQ(m.expert_capacity(16384), 0) << "off by default";
+  m.moe_capacity = 1.0;
+  EXPECT_EQ(m.expert_capacity(16384), 1024);   // the GPU preset: mean load 1024
+  m.moe_capacity = 1.1;
+  EXPECT_EQ(m.expert_capacity(16384), 1128);   // 1126.4 -> 1127 -> 1128
+  m.moe_capacity = 0.001;
+  EXPECT_EQ(m.expert_capacity(16384), 8);      // at least one row, rounded up
+  m.moe_capacity = 1000;
+  EXPECT_EQ(m.expert_capacity(16384), 16384);  // never more than the tokens
+  m.moe_experts = 0;
+  EXPECT_EQ(m.expert_capacity(16384), 0) << "no experts, no layout";
+}
+
+std::string error_of(const Config& c) {
+  try {
+    validate(c);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(MoeCapacity, BadValuesAreOneClearErrorNamingTheField) {
+  Config c = moe_config();
+  for (double v : {-1.0, std::nan(""), 1e9}) {
+    c.model.moe_capacity = v;
+    const std::string e = error_of(c);
+    EXPECT_NE(e.find("model.moe_capacity"), std::string::npos) << v << ": " << e;
+  }
+  Config d = dense_config();
+  d.model.moe_capacity = 1.0;
+  const std::string e = error_of(d);
+  EXPECT_NE(e.find("model.moe_capacity"), std::string::npos) << e;
+  EXPECT_NE(e.find("moe_experts is 0"), std::string::npos) << e;
+}
+
+// moe_config: 64 tokens, E 8, K 2, mean load 16. 0.5: C 8, overflow in both MoE layers; 1.0: C 16;
+// 100: C = 64 = the tokens, padding only. Also with bf16 saved activations (the expert rows packed
+// per layer) and with recomputation (the layout built again in the backward).
+TEST(MoeCapacity, ModelIsTheSortedLayoutsUpToSummationOrder) {
+  for (const char* mode : {"fp32", "bf16", "saved-bf16", "recompute"})
+    for (double f : {0.5, 1.0, 100.0}) {
+      SCOPED_TRACE(std::string(mode) + " capacity " + std::to_string(f));
+      const bool bf16 = std::string(mode) == "bf16";
+      Config c = moe_config();
+      c.model.moe_bf16 = c.model.moe_bf16_grads = bf16;
+      if (std::string(mode) == "saved-bf16") c.model.saved_activations = "bf16";
+      c.model.recompute = std::string(mode) == "recompute";
+      Config k = c;
+      k.model.moe_capacity = f;
+      // The same sums in another order (an expert's rows in two parts; rows of GEMMs of another
+      // height). fp32: about 1e-7 relative to 1e-5 in the first layers' gradients; bf16 roundings
+      // (bf16 gradients, bf16 saved activations) turn such last-bit differences into bf16 steps.
+      const double tol = bf16 ? 1e-2 : std::string(mode) == "saved-bf16" ? 2e-4 : 1e-5;
+      const Compared r = compare(c, k, tol);
+      std::printf("[ capacity ] %-10s f %5.1f: loss rel %.1e, worst gradient rel %.1e\n", mode, f, r.loss_rel,
+                  r.worst_grad);
+      EXPECT_LT(r.loss_rel, bf16 ? 1e-3 : 1e-6) << "bf16 " << bf16 << " capacity " << f;
+    }
+}
+
+TEST(MoeCapacity, TrainingFollowsTheSortedLayout) {
+  const LossCurves lc = twenty_adamw_steps(moe_config(), [](Config& h) { h.model.moe_capacity = 0.5; });
+  EXPECT_LT(lc.worst_rel(), 1e-4);
+}
+
+}  // namespace
+}  // namespace ladder
