@@ -94,6 +94,10 @@ struct FdCase {
   int Is;
   int C = 0;  // capacity layout's rows per expert (0: sorted layout)
 };
+// Test names from the fields (gtest would print the struct's bytes, padding included).
+void PrintTo(const FdCase& c, std::ostream* os) {
+  *os << (c.normalized ? "normalized" : "sigmoid") << " Is " << c.Is << " C " << c.C;
+}
 class MoeFiniteDiff : public ::testing::TestWithParam<FdCase> {};
 
 // L = sum(out * R) + zc * sum_i lse_i^2; every input and parameter against central differences.

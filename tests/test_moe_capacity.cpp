@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cpu/moe_kernels.h"
 #include "bf16_model_compare.h"
 #include "core/error.h"
@@ -62,17 +63,23 @@ TEST(MoeCapacity, LayoutMovesEverySortedRowAndPadsTheRest) {
         std::vector<int32_t> off(static_cast<size_t>(E) + 1), row(static_cast<size_t>(NK)), slot(static_cast<size_t>(NK));
         cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
         const int64_t R = cpu::moe_capacity_rows(N, K, E, C);
-        std::vector<int32_t> crow = row, cslot(size_t(R), 7), ov(size_t(E) + 1, 7);
+        std::vector<int32_t> crow = row, cslot(size_t(R), 7), ov(size_t(E) + 2, 7);
         cpu::moe_capacity(crow.data(), cslot.data(), ov.data(), off.data(), slot.data(), NK, E, C, int(R));
         ASSERT_EQ(ov[0], 0) << tag;
         for (int e = 0; e < E; ++e) ASSERT_EQ(ov[size_t(e) + 1] - ov[size_t(e)], std::max(0, off[e + 1] - off[e] - C)) << tag;
-        ASSERT_LE(int64_t(E) * C + ov[size_t(E)], R) << tag;
+        const int in_use = E * C + ov[size_t(E)];
+        ASSERT_EQ(ov[size_t(E) + 1], in_use) << tag;
+        ASSERT_LE(in_use, R) << tag;
         if (kind == 1 && C < N) {
-          EXPECT_EQ(int64_t(E) * C + ov[size_t(E)], R) << tag << ": the bound is the worst case";
+          EXPECT_EQ(in_use, R) << tag << ": the bound is the worst case";
         }
-        int used = 0;
-        for (int64_t q = 0; q < R; ++q) used += cslot[size_t(q)] >= 0;
-        ASSERT_EQ(used, NK) << tag << ": every other row is -1";
+        int with_slot = 0;
+        for (int64_t q = 0; q < R; ++q) {
+          with_slot += cslot[size_t(q)] >= 0;
+          if (q >= in_use) ASSERT_EQ(cslot[size_t(q)], -2) << tag << ": unused row " << q;
+          if (q < E * C && cslot[size_t(q)] < 0) ASSERT_EQ(cslot[size_t(q)], -1) << tag << ": padding row " << q;
+        }
+        ASSERT_EQ(with_slot, NK) << tag << ": every other row is -1 or -2";
         for (int s = 0; s < NK; ++s) {
           const int e = expert[size_t(s)], r = row[size_t(s)] - off[size_t(e)];
           const int q = r < C ? e * C + r : E * C + ov[size_t(e)] + (r - C);
@@ -80,6 +87,66 @@ TEST(MoeCapacity, LayoutMovesEverySortedRowAndPadsTheRest) {
           ASSERT_EQ(cslot[size_t(q)], s) << tag << " row " << q;
         }
       }
+}
+
+// The gather and SwiGLU on a layout touch only its rows in use: the gather zeroes the padding rows
+// and skips the unused ones, swiglu_*_rows computes the first ov[E+1] rows (the plain ops' values,
+// bitwise) and leaves the rest. On the CPU backend, fp32 and bf16.
+TEST(MoeCapacity, GatherAndSwigluTouchOnlyTheRowsInUse) {
+  auto be = make_cpu_backend(0);
+  const int N = 40, K = 2, E = 6, C = 8, d = 5, I = 3, NK = N * K;
+  const auto expert = pick_experts(N, K, E, 2, 3);  // skewed: padding and overflow
+  std::vector<int32_t> off(static_cast<size_t>(E) + 1), row(static_cast<size_t>(NK)), slot(static_cast<size_t>(NK));
+  cpu::moe_sort(off.data(), row.data(), slot.data(), expert.data(), NK, E);
+  const int R = int(cpu::moe_capacity_rows(N, K, E, C));
+  std::vector<int32_t> cslot(static_cast<size_t>(R)), ov(static_cast<size_t>(E) + 2);
+  cpu::moe_capacity(row.data(), cslot.data(), ov.data(), off.data(), slot.data(), NK, E, C, R);
+  const int used = ov[static_cast<size_t>(E) + 1];
+  ASSERT_LT(used, R) << "no unused rows: the test would be empty";
+  ASSERT_GT(used, E * C) << "no overflow rows";
+  const auto h = random_floats(size_t(N) * d, 4);
+  const float poison = 1234.5f;
+  std::vector<float> xs(size_t(R) * d, poison);
+  be->moe_gather(xs.data(), h.data(), cslot.data(), R, K, d);
+  for (int q = 0; q < R; ++q)
+    for (int c = 0; c < d; ++c) {
+      const float want = cslot[size_t(q)] >= 0 ? h[size_t(cslot[size_t(q)] / K) * d + c]
+                         : cslot[size_t(q)] == -1 ? 0.f : poison;
+      ASSERT_EQ(xs[size_t(q) * d + c], want) << "row " << q;
+    }
+  for (bool b16 : {false, true}) {
+    const size_t n = size_t(R) * I, n_used = size_t(used) * I;
+    auto g = random_floats(n, 5), u = random_floats(n, 6), dh = random_floats(n, 7);
+    if (b16) g = widen(to_b16(g)), u = widen(to_b16(u)), dh = widen(to_b16(dh));
+    // Expected: the plain ops over the rows in use.
+    std::vector<float> a_ref(n_used), dg_ref(n_used), du_ref(n_used);
+    be->swiglu_forward(a_ref.data(), g.data(), u.data(), n_used);
+    be->swiglu_backward(dg_ref.data(), du_ref.data(), dh.data(), g.data(), u.data(), n_used);
+    std::vector<float> a(n, poison), dg(n, poison), du(n, poison);
+    if (!b16) {
+      be->swiglu_forward_rows(a.data(), g.data(), u.data(), false, R, I, &ov[size_t(E) + 1]);
+      be->swiglu_backward_rows(dg.data(), du.data(), dh.data(), g.data(), u.data(), false, false, R, I,
+                               &ov[size_t(E) + 1]);
+    } else {  // bf16 tensors and gradients: the reference rounded
+      const auto g16 = to_b16(g), u16 = to_b16(u), dh16 = to_b16(dh);
+      std::vector<uint16_t> a16(n, 0x7fc1), dg16(n, 0x7fc1), du16(n, 0x7fc1);
+      be->swiglu_forward_rows(a16.data(), g16.data(), u16.data(), true, R, I, &ov[size_t(E) + 1]);
+      be->swiglu_backward_rows(dg16.data(), du16.data(), dh16.data(), g16.data(), u16.data(), true, true, R, I,
+                               &ov[size_t(E) + 1]);
+      for (size_t i = n_used; i < n; ++i)
+        ASSERT_TRUE(a16[i] == 0x7fc1 && dg16[i] == 0x7fc1 && du16[i] == 0x7fc1) << "bf16 unused element " << i;
+      a16.resize(n_used), dg16.resize(n_used), du16.resize(n_used);
+      EXPECT_EQ(a16, to_b16(a_ref));
+      EXPECT_EQ(dg16, to_b16(dg_ref));
+      EXPECT_EQ(du16, to_b16(du_ref));
+      continue;
+    }
+    for (size_t i = n_used; i < n; ++i) ASSERT_TRUE(a[i] == poison && dg[i] == poison && du[i] == poison) << i;
+    a.resize(n_used), dg.resize(n_used), du.resize(n_used);
+    EXPECT_EQ(a, a_ref);
+    EXPECT_EQ(dg, dg_ref);
+    EXPECT_EQ(du, du_ref);
+  }
 }
 
 TEST(MoeCapacity, CapacityIsTheFactorOfTheMeanLoadRoundedUpTo8AndAtMostTheTokens) {

@@ -114,6 +114,16 @@ class Backend : public MemorySpace {
   virtual void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                                   const float* k, const float* v, const float* o, const float* lse,
                                   const AttnShape& s) = 0;
+  // SwiGLU over the rows in use of [rows, cols] tensors: the first min(rows, *rows_used) rows, the
+  // count in backend memory (the capacity layout's, cpu::moe_capacity), the rest not touched.
+  // swiglu_forward / swiglu_forward_bf16 (h16: g, u and h bf16 bits) and swiglu_backward /
+  // swiglu_backward_bf16 / swiglu_backward_bf16_grads (d16: dh, dg and du bf16 bits too, needs h16)
+  // on those elements. A device sizes its launch by `rows` and reads the count there, so nothing
+  // waits for the host.
+  virtual void swiglu_forward_rows(void* h, const void* g, const void* u, bool h16, int64_t rows, int cols,
+                                   const int32_t* rows_used) = 0;
+  virtual void swiglu_backward_rows(void* dg, void* du, const void* dh, const void* g, const void* u, bool h16,
+                                    bool d16, int64_t rows, int cols, const int32_t* rows_used) = 0;
   virtual void swiglu_forward(float* h, const float* g, const float* u, size_t n) = 0;
   virtual void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) = 0;
   // SwiGLU on bf16 gate / up (model.mlp_bf16): swiglu_forward / swiglu_backward on their widened
@@ -201,16 +211,17 @@ class Backend : public MemorySpace {
                          int E, int K, bool normalized, double route_scale) = 0;
   virtual void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E) = 0;
   // The capacity layout of the sorted rows (model.moe_capacity; cpu::moe_capacity has the contract):
-  // row OVERWRITTEN with each slot's row in it, cslot [R] with each row's slot or -1, ov [E+1] the
-  // overflow blocks' offsets. All in backend memory, like moe_sort's.
+  // row OVERWRITTEN with each slot's row in it, cslot [R] with each row's slot, -1 (padding) or -2
+  // (unused), ov [E+2] the overflow blocks' offsets and, last, the rows in use. All in backend
+  // memory, like moe_sort's.
   virtual void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot,
                             int NK, int E, int C, int R) = 0;
   // Zero the rows q < rows of x (cols elements each, packed; fp32, or bf16 bits when bf16) whose
   // cslot[q] is negative: the capacity layout's padding rows of a gradient the combine's backward
   // does not write.
   virtual void moe_zero_rows(void* x, bool bf16, const int32_t* cslot, int rows, int cols) = 0;
-  // moe_gather / moe_gather_bf16 write NK rows; a row whose slot is negative is zeros (the capacity
-  // layout's padding and unused rows).
+  // moe_gather / moe_gather_bf16 write NK rows; a row whose slot is -1 is zeros (the capacity
+  // layout's padding), one whose slot is below -1 is left as it is (its unused rows).
   virtual void moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d) = 0;
   virtual void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, int K, int d) = 0;
   virtual void moe_combine(float* out, const float* y, const float* comb, const int32_t* row, int N, int K,

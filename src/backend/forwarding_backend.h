@@ -142,6 +142,14 @@ class ForwardingBackend : public Backend {
                           const float* v, const float* o, const float* lse, const AttnShape& s) override {
     wrap("attention bwd", 0, [&] { b_->attention_backward(dq, dk, dv, d, q, k, v, o, lse, s); });
   }
+  void swiglu_forward_rows(void* h, const void* g, const void* u, bool h16, int64_t rows, int cols,
+                           const int32_t* used) override {
+    wrap("swiglu", 0, [&] { b_->swiglu_forward_rows(h, g, u, h16, rows, cols, used); });
+  }
+  void swiglu_backward_rows(void* dg, void* du, const void* dh, const void* g, const void* u, bool h16, bool d16,
+                            int64_t rows, int cols, const int32_t* used) override {
+    wrap("swiglu", 0, [&] { b_->swiglu_backward_rows(dg, du, dh, g, u, h16, d16, rows, cols, used); });
+  }
   void swiglu_forward(float* h, const float* g, const float* u, size_t n) override {
     wrap("swiglu", 0, [&] { b_->swiglu_forward(h, g, u, n); });
   }

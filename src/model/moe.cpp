@@ -22,7 +22,7 @@ std::vector<std::pair<void**, size_t>> moe_act_requests(const MoeDims& D, MoeAct
       {(void**)&a.offsets, size_t(D.E + 1) * i4},                        {(void**)&a.xs, R * D.d * th},
       {(void**)&a.g, R * D.I * th},     {(void**)&a.u, R * D.I * th},    {(void**)&a.a, R * D.I * th},
       {(void**)&a.y, R * D.d * th}};
-  if (D.C > 0) r.insert(r.end(), {{(void**)&a.cslot, R * i4}, {(void**)&a.ov, size_t(D.E + 1) * i4}});
+  if (D.C > 0) r.insert(r.end(), {{(void**)&a.cslot, R * i4}, {(void**)&a.ov, size_t(D.E + 2) * i4}});
   if (D.Is > 0)
     r.insert(r.end(),
              {{(void**)&a.sgate, N * D.Is * th}, {(void**)&a.sup, N * D.Is * th}, {(void**)&a.sact, N * D.Is * th}});
@@ -109,8 +109,8 @@ void moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>&
   // written as bf16 by the GEMM, SwiGLU computes in fp32 from them into bf16, down reads that and
   // writes y in bf16, which the combine reads.
   // With a capacity layout (D.C), the rows move to it first: row and cslot are its maps, the
-  // gather writes zeros in the padding and unused rows, and the elementwise ops run over all R
-  // rows (the unused ones are never read); the combine reads the rows through row as before.
+  // gather writes zeros in the padding rows and skips the unused ones, and SwiGLU runs over the
+  // rows in use (a count on the device); the combine reads the rows through row as before.
   const bool h16 = D.bf16;
   const int R = int(moe_rows(D));
   if (D.C > 0) ops.moe_capacity(A.row, A.cslot, A.ov, A.offsets, A.slot, int(NK), E, D.C, R);
@@ -118,7 +118,8 @@ void moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>&
   ops.moe_gather(A.xs, h, D.C > 0 ? A.cslot : A.slot, R, K, d, h16);
   X.rows(true, I, d, A.xs, W.wg, T(0), A.g, h16, h16);
   X.rows(true, I, d, A.xs, W.wu, T(0), A.u, h16, h16);
-  ops.swiglu_forward(A.a, A.g, A.u, size_t(R) * I, h16);
+  if (D.C > 0) ops.swiglu_forward_rows(A.a, A.g, A.u, R, I, A.ov + E + 1, h16);
+  else ops.swiglu_forward(A.a, A.g, A.u, NK * I, h16);
   X.rows(true, d, I, A.a, W.wd, T(0), A.y, h16, h16);
   ops.moe_combine(out, A.y, A.comb, A.row, N, K, d, h16);
 
@@ -150,7 +151,8 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
   if (D.C > 0) ops.moe_zero_rows(S.dy, A.cslot, E * D.C, d, d16);
   X.rows(false, I, d, S.dy, W.wd, T(0), S.da, d16, d16);
   X.wgrad(d, I, S.dy, A.a, G.wd, d16, h16);
-  ops.swiglu_backward(S.dg, S.du, S.da, A.g, A.u, size_t(R) * I, h16, d16);
+  if (D.C > 0) ops.swiglu_backward_rows(S.dg, S.du, S.da, A.g, A.u, R, I, A.ov + E + 1, h16, d16);
+  else ops.swiglu_backward(S.dg, S.du, S.da, A.g, A.u, size_t(N) * K * I, h16, d16);
   X.rows(false, d, I, S.dg, W.wg, T(0), S.dx, d16, false);
   X.rows(false, d, I, S.du, W.wu, T(1), S.dx, d16, false);
   X.wgrad(I, d, S.dg, A.xs, G.wg, d16, h16);

@@ -25,6 +25,7 @@
 //   model.layers.N.mlp.shared_expert.{gate,up}_proj.weight [I_s, d] (Role::SharedExpert)
 //   model.layers.N.mlp.shared_expert.down_proj.weight    [d, I_s]
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -97,8 +98,9 @@ struct MoeActs {
   int32_t* slot = nullptr;     // [N*K] row -> slot (token = slot / K)
   int32_t* offsets = nullptr;  // [E+1] expert e owns rows [offsets[e], offsets[e+1]) (sorted order)
   // Capacity layout (D.C > 0; else nullptr, and the row arrays below are in sorted order): row is
-  // then slot -> row of the capacity layout, cslot [R] its inverse (-1: a padding or unused row),
-  // ov [E+1] the overflow blocks' offsets from row E*C. R = moe_rows(D) rows below.
+  // then slot -> row of the capacity layout, cslot [R] its inverse (-1: a padding row, -2: unused),
+  // ov [E+2] the overflow blocks' offsets from row E*C and, last, the rows in use. R = moe_rows(D)
+  // rows below, of which the gather and SwiGLU touch only those in use.
   int32_t* cslot = nullptr;
   int32_t* ov = nullptr;
   T* xs = nullptr;             // [R, d] input rows in expert order (bf16 bits: D.bf16)
@@ -178,6 +180,15 @@ struct KernelOps {
     LADDER_ASSERT(!h16 && !d16);
     cpu::swiglu_backward<T>(dg, du, dh, g, u, n);
   }
+  // The *_rows forms: the first min(rows, *used) rows of cols (host memory here).
+  void swiglu_forward_rows(T* h, const T* g, const T* u, int64_t rows, int cols, const int32_t* used,
+                           bool h16 = false) {
+    swiglu_forward(h, g, u, size_t(std::clamp<int64_t>(*used, 0, rows)) * cols, h16);
+  }
+  void swiglu_backward_rows(T* dg, T* du, const T* dh, const T* g, const T* u, int64_t rows, int cols,
+                            const int32_t* used, bool h16 = false, bool d16 = false) {
+    swiglu_backward(dg, du, dh, g, u, size_t(std::clamp<int64_t>(*used, 0, rows)) * cols, h16, d16);
+  }
   void moe_route(T* lse, int32_t* ex, T* comb, const T* s, const T* bias, int N, int E, int K, bool nz, double rs) {
     cpu::moe_route<T>(lse, ex, comb, s, bias, N, E, K, nz, rs);
   }
@@ -256,6 +267,15 @@ struct BackendOps {
     if (d16) be->swiglu_backward_bf16_grads(bits(dg), bits(du), bits(dh), bits(g), bits(u), n);
     else if (h16) be->swiglu_backward_bf16(dg, du, dh, bits(g), bits(u), n);
     else be->swiglu_backward(dg, du, dh, g, u, n);
+  }
+  void swiglu_forward_rows(float* h, const float* g, const float* u, int64_t rows, int cols, const int32_t* used,
+                           bool h16 = false) {
+    be->swiglu_forward_rows(h, g, u, h16, rows, cols, used);
+  }
+  void swiglu_backward_rows(float* dg, float* du, const float* dh, const float* g, const float* u, int64_t rows,
+                            int cols, const int32_t* used, bool h16 = false, bool d16 = false) {
+    LADDER_ASSERT(h16 || !d16);
+    be->swiglu_backward_rows(dg, du, dh, g, u, h16, d16, rows, cols, used);
   }
   void moe_route(float* lse, int32_t* ex, float* comb, const float* s, const float* bias, int N, int E, int K,
                  bool nz, double rs) {

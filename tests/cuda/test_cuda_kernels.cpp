@@ -755,6 +755,115 @@ TEST_F(CudaKernels, SwigluBf16MatchesTheCpu) {
   check(down(d_du, n), du, kF32, "swiglu_backward_bf16 du");
 }
 
+// swiglu_forward_rows / swiglu_backward_rows (the MoE capacity layout's SwiGLU over its rows in use,
+// the count in device memory) in each storage: fp32; bf16 g, u and h (h16); bf16 gradients too
+// (h16 + d16). Counts below, at and above `rows` (clamped), 0 and negative (nothing): the first
+// min(rows, max(used, 0)) rows are bitwise the device's plain op on those elements, within the plain
+// ops' tolerances of the CPU backend's swiglu_*_rows (SwigluForwardBackward, SwigluBf16MatchesTheCpu,
+// CudaMoe.Bf16GradientOpsMatchTheirFp32FormsRounded: expf and the CPU's exp differ by ulps), and
+// every byte past them keeps its poison. cols 37 aligned: the vector path with scalar tails, at an
+// odd element offset the scalar path; cols 64: vectors only.
+TEST_F(CudaKernels, SwigluRowsMatchTheCpu) {
+  auto cpu = make_cpu_backend(1);
+  const int rows = 53;
+  auto bytes_of = [](const std::vector<float>& v, bool b16) {  // fp32, or bf16 bits rounded
+    std::vector<uint8_t> b(v.size() * (b16 ? 2 : 4));
+    if (b16) {
+      std::vector<uint16_t> h(v.size());
+      cpu::f32_to_bf16(h.data(), v.data(), v.size());
+      std::memcpy(b.data(), h.data(), b.size());
+    } else {
+      std::memcpy(b.data(), v.data(), b.size());
+    }
+    return b;
+  };
+  auto widen = [](const std::vector<uint8_t>& b, size_t n, bool b16) {  // the first n elements as fp32
+    std::vector<float> v(n);
+    if (b16) {
+      std::vector<uint16_t> h(n);
+      std::memcpy(h.data(), b.data(), n * 2);
+      cpu::bf16_to_f32(v.data(), h.data(), n);
+    } else {
+      std::memcpy(v.data(), b.data(), n * 4);
+    }
+    return v;
+  };
+  auto untouched = [](const std::vector<uint8_t>& b, size_t from, const std::string& what) {
+    const size_t bad = size_t(std::count_if(b.begin() + long(from), b.end(), [](uint8_t x) { return x != 0xFF; }));
+    EXPECT_EQ(bad, 0u) << what << ": bytes past the rows in use written";
+  };
+  struct Flags {
+    bool h16, d16;
+  };
+  for (const Flags f : {Flags{false, false}, Flags{true, false}, Flags{true, true}})
+    for (auto [cols, off] : {std::pair{37, 0}, std::pair{37, 1}, std::pair{64, 0}})
+      for (int used : {20, rows, rows + 27, 0, -3}) {
+        const std::string what = fmt::format("h16={} d16={} cols={} off={} used={}", f.h16, f.d16, cols, off, used);
+        SCOPED_TRACE(what);
+        const size_t n = size_t(rows) * cols, m = size_t(std::clamp(used, 0, rows)) * cols;
+        const size_t eh = f.h16 ? 2 : 4, ed = f.d16 ? 2 : 4;  // bytes per element: g, u, h; dh, dg, du
+        const auto g = bytes_of(randv(n, -4.f, 4.f), f.h16), u = bytes_of(randv(n), f.h16);
+        const auto dh = bytes_of(randv(n), f.d16);
+        auto d_g = up(g, off * eh), d_u = up(u, off * eh), d_dh = up(dh, off * ed);
+        auto d_used = up(std::vector<int32_t>{used});
+        const void* G = d_g.data() + off * eh;
+        const void* U = d_u.data() + off * eh;
+        const void* DH = d_dh.data() + off * ed;
+        // The rows ops and, into their own poisoned outputs, the plain ops on the first m elements.
+        auto d_h = poisoned<uint8_t>((n + off) * eh), d_hp = poisoned<uint8_t>((n + off) * eh);
+        auto d_dg = poisoned<uint8_t>((n + off) * ed), d_du = poisoned<uint8_t>((n + off) * ed);
+        auto d_dgp = poisoned<uint8_t>((n + off) * ed), d_dup = poisoned<uint8_t>((n + off) * ed);
+        uint8_t *H = d_h.data() + off * eh, *HP = d_hp.data() + off * eh;
+        uint8_t *DG = d_dg.data() + off * ed, *DU = d_du.data() + off * ed;
+        uint8_t *DGP = d_dgp.data() + off * ed, *DUP = d_dup.data() + off * ed;
+        be().swiglu_forward_rows(H, G, U, f.h16, rows, cols, d_used.data());
+        be().swiglu_backward_rows(DG, DU, DH, G, U, f.h16, f.d16, rows, cols, d_used.data());
+        auto b16 = [](const void* p) { return static_cast<const uint16_t*>(p); };
+        auto f32 = [](const void* p) { return static_cast<const float*>(p); };
+        if (f.h16) {
+          be().swiglu_forward_bf16(reinterpret_cast<uint16_t*>(HP), b16(G), b16(U), m);
+          if (f.d16)
+            be().swiglu_backward_bf16_grads(reinterpret_cast<uint16_t*>(DGP), reinterpret_cast<uint16_t*>(DUP),
+                                            b16(DH), b16(G), b16(U), m);
+          else
+            be().swiglu_backward_bf16(reinterpret_cast<float*>(DGP), reinterpret_cast<float*>(DUP), f32(DH), b16(G),
+                                      b16(U), m);
+        } else {
+          be().swiglu_forward(reinterpret_cast<float*>(HP), f32(G), f32(U), m);
+          be().swiglu_backward(reinterpret_cast<float*>(DGP), reinterpret_cast<float*>(DUP), f32(DH), f32(G),
+                               f32(U), m);
+        }
+        const auto h = down(d_h, n * eh, off * eh), dg = down(d_dg, n * ed, off * ed);
+        const auto du = down(d_du, n * ed, off * ed);
+        EXPECT_TRUE(h == down(d_hp, n * eh, off * eh)) << what << ": h is not the plain forward's on the rows in use";
+        EXPECT_TRUE(dg == down(d_dgp, n * ed, off * ed)) << what << ": dg is not the plain backward's";
+        EXPECT_TRUE(du == down(d_dup, n * ed, off * ed)) << what << ": du is not the plain backward's";
+        untouched(h, m * eh, what + " h");
+        untouched(dg, m * ed, what + " dg");
+        untouched(du, m * ed, what + " du");
+        // The CPU backend's, count in host memory, outputs poisoned the same way.
+        std::vector<uint8_t> ch(n * eh, 0xFF), cdg(n * ed, 0xFF), cdu(n * ed, 0xFF);
+        cpu->swiglu_forward_rows(ch.data(), g.data(), u.data(), f.h16, rows, cols, &used);
+        cpu->swiglu_backward_rows(cdg.data(), cdu.data(), dh.data(), g.data(), u.data(), f.h16, f.d16, rows, cols,
+                                  &used);
+        check(widen(h, m, f.h16), widen(ch, m, f.h16), f.h16 ? 1e-2 : kF32, "swiglu_forward_rows " + what);
+        const double tol_d = f.d16 ? 1.0 / 256 : kF32;
+        check(widen(dg, m, f.d16), widen(cdg, m, f.d16), tol_d, "swiglu_backward_rows dg " + what);
+        check(widen(du, m, f.d16), widen(cdu, m, f.d16), tol_d, "swiglu_backward_rows du " + what);
+      }
+  // bf16 gradients need bf16 gate and up: one ladder::Error line, nothing written.
+  const int cols = 8;
+  auto d_used = up(std::vector<int32_t>{rows});
+  auto d_x = poisoned<float>(size_t(rows) * cols);
+  auto d_dg = poisoned<uint16_t>(size_t(rows) * cols);
+  EXPECT_THROW(be().swiglu_backward_rows(d_dg.data(), d_dg.data(), d_dg.data(), d_x.data(), d_x.data(), false, true,
+                                         rows, cols, d_used.data()),
+               Error);
+  const auto after = down(d_dg, size_t(rows) * cols);
+  EXPECT_TRUE(std::all_of(after.begin(), after.end(), [](uint16_t v) { return v == 0xFFFF; }))
+      << "a refused call wrote its output";
+}
+
 // bf16 storage of saved activations: the same bits as the CPU's round-to-nearest-even, both ways,
 // including ties, values that round up into the next binade, subnormals and infinities.
 TEST_F(CudaKernels, Bf16StorageMatchesTheCpuBitForBit) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -685,24 +686,27 @@ TEST_F(CudaMoe, GroupedGemmExBf16OutputRejectsBetaAndPadding) {
 // The capacity layout (model.moe_capacity): moe_capacity's maps, moe_zero_rows, and the gathers'
 // zero rows for negative slots, against the CPU kernels bit for bit.
 
-// The CPU's capacity layout of a sorted routing: row (slot -> layout row), cslot [R], ov [E+1].
+// The CPU's capacity layout of a sorted routing: row (slot -> layout row), cslot [R], ov [E+2] (the
+// overflow offsets, then the rows in use).
 struct Capacity {
   std::vector<int32_t> row, cslot, ov;
 };
 Capacity cpu_capacity(const std::vector<int32_t>& off, const std::vector<int32_t>& slot, int NK, int E, int C,
                       int R) {
-  Capacity c{std::vector<int32_t>(size_t(NK)), std::vector<int32_t>(size_t(R)), std::vector<int32_t>(size_t(E) + 1)};
+  Capacity c{std::vector<int32_t>(size_t(NK)), std::vector<int32_t>(size_t(R)), std::vector<int32_t>(size_t(E) + 2)};
   cpu::moe_capacity(c.row.data(), c.cslot.data(), c.ov.data(), off.data(), slot.data(), NK, E, C, R);
   return c;
 }
 
 // Every map of the layout, bit for bit, over E in {8, 64, 65}, K in {1, 2, 4}, C from 1 (nearly
 // everything overflows) to N (no overflow: every expert padded), R the model's bound and R with
-// spare rows (their cslot must be -1 too). row and the maps start poisoned (-1 is a valid cslot
-// value, so cslot is poisoned with 0x7F bytes instead).
+// spare rows: ov[E+1] = E*C + ov[E] (the rows in use), cslot -1 on the padding rows below E*C and
+// -2 on every row from ov[E+1] on (the unused rows, spare ones included), checked on the CPU's
+// answer too so a stale reference cannot pass. row and the maps start poisoned (-1 is a valid
+// cslot value, so cslot is poisoned with 0x7F bytes instead).
 TEST_F(CudaMoe, CapacityLayoutMatchesTheCpu) {
   const int N = 131;
-  bool saw_overflow = false, saw_padding = false, saw_no_overflow = false;
+  bool saw_overflow = false, saw_padding = false, saw_no_overflow = false, saw_unused = false;
   for (int E : kEs)
     for (int K : kKs)
       for (int C : {1, 8, std::max(1, N * K / E), N})
@@ -713,25 +717,35 @@ TEST_F(CudaMoe, CapacityLayoutMatchesTheCpu) {
           SCOPED_TRACE(what);
           const Sorted s = distinct_sorted(N, K, E);
           const Capacity ref = cpu_capacity(s.off, s.slot, NK, E, C, R);
+          const int used = E * C + ref.ov[E];
+          ASSERT_EQ(ref.ov[E + 1], used) << "the CPU's ov[E+1] is not the rows in use";
+          ASSERT_EQ(std::count(ref.cslot.begin(), ref.cslot.end(), -2), R - used) << "the CPU's unused rows";
+          ASSERT_TRUE(std::all_of(ref.cslot.begin() + used, ref.cslot.end(), [](int32_t c) { return c == -2; }));
+          saw_unused |= used < R;
           saw_overflow |= ref.ov[E] > 0;
           saw_no_overflow |= ref.ov[E] == 0;
           saw_padding |= std::count(ref.cslot.begin(), ref.cslot.begin() + size_t(E) * C, -1) > 0;
           auto d_off = up(s.off), d_slot = up(s.slot);
-          auto d_row = poisoned<int32_t>(NK), d_ov = poisoned<int32_t>(E + 1);
+          auto d_row = poisoned<int32_t>(NK), d_ov = poisoned<int32_t>(E + 2);
           auto d_cslot = up(std::vector<int32_t>(size_t(R), 0x7F7F7F7F));
           be().moe_capacity(d_row.data(), d_cslot.data(), d_ov.data(), d_off.data(), d_slot.data(), NK, E, C, R);
-          exact(down(d_ov, E + 1), ref.ov, what + " ov");
+          exact(down(d_ov, E + 2), ref.ov, what + " ov");
           exact(down(d_row, NK), ref.row, what + " row");
           exact(down(d_cslot, R), ref.cslot, what + " cslot");
         }
-  EXPECT_TRUE(saw_overflow && saw_padding && saw_no_overflow) << "the cases miss overflow, padding or neither";
-  // No slots: ov all 0, every cslot -1, row untouched (it has no element).
+  EXPECT_TRUE(saw_overflow && saw_padding && saw_no_overflow && saw_unused)
+      << "the cases miss overflow, padding, neither or unused rows";
+  // No slots: the overflow offsets all 0 and E*C rows in use, every cslot below E*C -1 and the rest
+  // -2, row untouched (it has no element).
   const int E = 8, C = 4, R = 40;
   auto d_off = up(std::vector<int32_t>(E + 1, 0));
-  auto d_ov = poisoned<int32_t>(E + 1), d_cslot = up(std::vector<int32_t>(R, 5));
+  auto d_ov = poisoned<int32_t>(E + 2), d_cslot = up(std::vector<int32_t>(R, 5));
   be().moe_capacity(nullptr, d_cslot.data(), d_ov.data(), d_off.data(), nullptr, 0, E, C, R);
-  exact(down(d_ov, E + 1), std::vector<int32_t>(E + 1, 0), "moe_capacity NK=0 ov");
-  exact(down(d_cslot, R), std::vector<int32_t>(R, -1), "moe_capacity NK=0 cslot");
+  std::vector<int32_t> ov0(E + 2, 0), cslot0(R, -2);
+  ov0[E + 1] = E * C;
+  std::fill(cslot0.begin(), cslot0.begin() + E * C, -1);
+  exact(down(d_ov, E + 2), ov0, "moe_capacity NK=0 ov");
+  exact(down(d_cslot, R), cslot0, "moe_capacity NK=0 cslot");
   // C < 1, or fewer rows than E*C: one ladder::Error line before anything runs.
   EXPECT_THROW(be().moe_capacity(nullptr, d_cslot.data(), d_ov.data(), d_off.data(), nullptr, 0, E, 0, R), Error);
   EXPECT_THROW(be().moe_capacity(nullptr, d_cslot.data(), d_ov.data(), d_off.data(), nullptr, 0, E, 6, R), Error);
@@ -773,10 +787,26 @@ TEST_F(CudaMoe, ZeroRowsMatchesTheCpu) {
 }
 
 // moe_gather / moe_gather_bf16 through a capacity layout's cslot (the model's call): rows with a
-// slot are the token's row (bf16: rounded), padding and unused rows zeros, on poisoned outputs,
-// against the CPU backend's gathers bit for bit; d = 300 takes the vector path, 37 the scalar one.
+// slot are the token's row (bf16: rounded), padding rows (-1) zeros, unused rows (-2) not written,
+// on poisoned outputs, against the CPU backend's gathers (their outputs poisoned alike) bit for
+// bit; then a hand-made slot map with other values below -1 (-3, INT_MIN: "below -1", not "-2", is
+// the contract), whose rows must keep their poison. d = 300 takes the vector path, 37 the scalar one.
 TEST_F(CudaMoe, GatherWritesZerosForNegativeSlots) {
   auto cpu_be = make_cpu_backend(0);
+  auto bits = [](const std::vector<float>& v) {  // floats compared as bits: the poison is a NaN
+    std::vector<uint32_t> b(v.size());
+    if (!v.empty()) std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+    return b;
+  };
+  // Every element of the rows whose slot is below -1 still the poison (all bits set).
+  auto kept = [](const auto& x, const std::vector<int32_t>& slots, int d, const std::string& what) {
+    using T = typename std::decay_t<decltype(x)>::value_type;  // uint32_t or uint16_t
+    size_t bad = 0;
+    for (size_t q = 0; q < slots.size(); ++q)
+      if (slots[q] < -1)
+        for (int c = 0; c < d; ++c) bad += x[q * size_t(d) + size_t(c)] != T(~T(0));
+    EXPECT_EQ(bad, 0u) << what << ": elements of rows with a slot below -1 written";
+  };
   const int N = 61;
   for (int K : {1, 2})
     for (int d : {1, 37, 300}) {
@@ -785,20 +815,39 @@ TEST_F(CudaMoe, GatherWritesZerosForNegativeSlots) {
       SCOPED_TRACE(what);
       const Sorted s = distinct_sorted(N, K, E);
       const Capacity cap = cpu_capacity(s.off, s.slot, NK, E, C, R);
-      ASSERT_GT(std::count(cap.cslot.begin(), cap.cslot.end(), -1), 0) << "no negative slot: the test proves nothing";
+      ASSERT_GT(std::count(cap.cslot.begin(), cap.cslot.end(), -1), 0) << "no padding slot: the test proves nothing";
+      ASSERT_GT(std::count(cap.cslot.begin(), cap.cslot.end(), -2), 0) << "no unused slot: the test proves nothing";
       const auto h = randv(size_t(N) * d);
       auto d_h = up(h);
-      auto d_cslot = up(cap.cslot);
-      std::vector<float> xs(size_t(R) * d);
-      cpu_be->moe_gather(xs.data(), h.data(), cap.cslot.data(), R, K, d);
-      auto d_xs = poisoned<float>(xs.size());
-      be().moe_gather(d_xs.data(), d_h.data(), d_cslot.data(), R, K, d);
-      exact(down(d_xs, xs.size()), xs, "moe_gather " + what);
-      std::vector<uint16_t> xs16(size_t(R) * d);
-      cpu_be->moe_gather_bf16(xs16.data(), h.data(), cap.cslot.data(), R, K, d);
-      auto d_xs16 = poisoned<uint16_t>(xs16.size());
-      be().moe_gather_bf16(d_xs16.data(), d_h.data(), d_cslot.data(), R, K, d);
-      exact(down(d_xs16, xs16.size()), xs16, "moe_gather_bf16 " + what);
+      std::vector<int32_t> hand(size_t(3 * N));  // token rows, -1, and -2, -3 or INT_MIN in turn
+      const int32_t below[] = {-2, -3, std::numeric_limits<int32_t>::min()};
+      for (int i = 0; i < N; ++i) {
+        hand[3 * size_t(i)] = int32_t(rng_() % size_t(NK));
+        hand[3 * size_t(i) + 1] = -1;
+        hand[3 * size_t(i) + 2] = below[i % 3];
+      }
+      const std::pair<const std::vector<int32_t>*, const char*> maps[] = {{&cap.cslot, "cslot"}, {&hand, "hand"}};
+      for (const auto& [map, name] : maps) {
+        const std::vector<int32_t>& slots = *map;
+        const int rows = int(slots.size());
+        const std::string w = what + " " + name;
+        auto d_slots = up(slots);
+        std::vector<float> xs(size_t(rows) * d);
+        std::memset(xs.data(), 0xFF, xs.size() * sizeof(float));
+        cpu_be->moe_gather(xs.data(), h.data(), slots.data(), rows, K, d);
+        auto d_xs = poisoned<float>(xs.size());
+        be().moe_gather(d_xs.data(), d_h.data(), d_slots.data(), rows, K, d);
+        const auto gxs = down(d_xs, xs.size());
+        exact(bits(gxs), bits(xs), "moe_gather " + w);
+        kept(bits(gxs), slots, d, "moe_gather " + w);
+        std::vector<uint16_t> xs16(size_t(rows) * d, 0xFFFF);
+        cpu_be->moe_gather_bf16(xs16.data(), h.data(), slots.data(), rows, K, d);
+        auto d_xs16 = poisoned<uint16_t>(xs16.size());
+        be().moe_gather_bf16(d_xs16.data(), d_h.data(), d_slots.data(), rows, K, d);
+        const auto gxs16 = down(d_xs16, xs16.size());
+        exact(gxs16, xs16, "moe_gather_bf16 " + w);
+        kept(gxs16, slots, d, "moe_gather_bf16 " + w);
+      }
     }
 }
 

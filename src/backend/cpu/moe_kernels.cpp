@@ -86,8 +86,10 @@ void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offs
   LADDER_ASSERT(C >= 1 && offsets[E] == NK);
   ov[0] = 0;
   for (int e = 0; e < E; ++e) ov[e + 1] = ov[e] + std::max(0, offsets[e + 1] - offsets[e] - C);
-  LADDER_ASSERT(int64_t(E) * C + ov[E] <= R);
-  std::fill(cslot, cslot + R, -1);
+  ov[E + 1] = E * C + ov[E];
+  LADDER_ASSERT(ov[E + 1] <= R);
+  std::fill(cslot, cslot + E * C, -1);
+  std::fill(cslot + E * C, cslot + R, -2);
   for (int e = 0; e < E; ++e)
     for (int p = offsets[e]; p < offsets[e + 1]; ++p) {
       const int r = p - offsets[e];
@@ -113,8 +115,8 @@ template <class T>
 void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d) {
 #pragma omp parallel for schedule(static) if (size_t(NK) * d >= kParMin)
   for (int r = 0; r < NK; ++r) {
-    if (slot[r] < 0) std::memset(xs + size_t(r) * d, 0, sizeof(T) * d);
-    else std::memcpy(xs + size_t(r) * d, h + size_t(slot[r] / K) * d, sizeof(T) * d);
+    if (slot[r] >= 0) std::memcpy(xs + size_t(r) * d, h + size_t(slot[r] / K) * d, sizeof(T) * d);
+    else if (slot[r] == -1) std::memset(xs + size_t(r) * d, 0, sizeof(T) * d);
   }
 }
 
@@ -123,7 +125,7 @@ void moe_gather_bf16(uint16_t* xs, const float* h, const int32_t* slot, int NK, 
   for (int r = 0; r < NK; ++r) {
     uint16_t* dst = xs + size_t(r) * d;
     if (slot[r] < 0) {
-      std::memset(dst, 0, sizeof(uint16_t) * d);
+      if (slot[r] == -1) std::memset(dst, 0, sizeof(uint16_t) * d);
       continue;
     }
     const float* src = h + size_t(slot[r] / K) * d;

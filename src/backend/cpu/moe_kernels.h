@@ -28,9 +28,10 @@ void moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expe
 // ov [E+1] is the exclusive prefix sum of the overflows max(0, load_e - C) (ov[E]: all of them).
 // So rows [e*C, e*C + C) are expert e's first C rows, padded when it has fewer, and rows from E*C
 // are the rest, expert by expert (grouped GEMM blocks at the offsets ov, relative to row E*C).
+// ov [E+2]: ov[E+1] = E*C + ov[E], the rows in use (for the ops that skip the rest).
 // row [NK] OVERWRITTEN with each slot's q (slot -> row, as moe_sort's); cslot [R] gets each q's
-// slot and -1 for the padding rows and every row from E*C + ov[E] to R. R >= E*C + ov[E]
-// (moe_capacity_rows gives the bound). C >= 1.
+// slot, -1 for the padding rows (below E*C) and -2 for the unused rows, from E*C + ov[E] to R.
+// R >= E*C + ov[E] (moe_capacity_rows gives the bound). C >= 1.
 void moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot, int NK,
                   int E, int C, int R);
 
@@ -43,7 +44,8 @@ int64_t moe_capacity_rows(int N, int K, int E, int C);
 // Zero the rows q < rows (cols elements of elem_bytes each, packed) whose cslot[q] < 0.
 void moe_zero_rows(void* x, size_t elem_bytes, const int32_t* cslot, int rows, int cols);
 
-// xs[r] = h[slot[r] / K] (rows of d); zeros where slot[r] < 0 (the capacity layout's unused rows).
+// xs[r] = h[slot[r] / K] (rows of d); zeros where slot[r] == -1 (the capacity layout's padding),
+// left as it is where slot[r] < -1 (its unused rows).
 template <class T>
 void moe_gather(T* xs, const T* h, const int32_t* slot, int NK, int K, int d);
 

@@ -419,6 +419,19 @@ class CudaBackendImpl final : public CudaBackend {
     check(k::attention_backward(dq, dk, dv, dout, q, k, v, o, lse, s, scratch, st_), "attention_backward");
   }
 
+  // The capacity layout's rows in use (rows_used: ov + E + 1, on the device): the kernels read the
+  // count themselves, so the launch is sized by rows and nothing synchronizes.
+  void swiglu_forward_rows(void* h, const void* g, const void* u, bool h16, int64_t rows, int cols,
+                           const int32_t* rows_used) override {
+    if (!rows_used) fail("swiglu_forward_rows: no row count");
+    check(k::swiglu_forward_rows(h, g, u, h16, rows, cols, rows_used, st_), "swiglu_forward_rows");
+  }
+  void swiglu_backward_rows(void* dg, void* du, const void* dh, const void* g, const void* u, bool h16, bool d16,
+                            int64_t rows, int cols, const int32_t* rows_used) override {
+    if (d16 && !h16) fail("swiglu_backward_rows: bf16 gradients need bf16 gate and up (model.moe_bf16)");
+    if (!rows_used) fail("swiglu_backward_rows: no row count");
+    check(k::swiglu_backward_rows(dg, du, dh, g, u, h16, d16, rows, cols, rows_used, st_), "swiglu_backward_rows");
+  }
   void swiglu_forward(float* h, const float* g, const float* u, size_t n) override {
     check(k::swiglu_forward(h, g, u, n, st_), "swiglu_forward");
   }

@@ -47,6 +47,15 @@ cudaError_t swiglu_backward_bf16(float* dg, float* du, const float* dh, const ui
 // model.moe_bf16_grads: swiglu_backward_bf16 with dh, dg and du bf16 bits as well (dg / du rounded).
 cudaError_t swiglu_backward_bf16_grads(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g,
                                        const uint16_t* u, size_t n, cudaStream_t st);
+// Backend::swiglu_forward_rows / swiglu_backward_rows: the ops above (h16: g, u, h bf16 bits; d16: dh,
+// dg, du too, which needs h16) on the first min(rows, *rows_used) rows of [rows, cols] tensors,
+// rows_used one int32 in device memory read by the kernels (the grid is sized by rows * cols, so
+// nothing waits for the host); the elements past them are not touched. cudaErrorInvalidValue for a
+// null rows_used or d16 without h16.
+cudaError_t swiglu_forward_rows(void* h, const void* g, const void* u, bool h16, int64_t rows, int cols,
+                                const int32_t* rows_used, cudaStream_t st);
+cudaError_t swiglu_backward_rows(void* dg, void* du, const void* dh, const void* g, const void* u, bool h16, bool d16,
+                                 int64_t rows, int cols, const int32_t* rows_used, cudaStream_t st);
 
 // Softmax cross-entropy with z-loss, in place (see cpu::softmax_xent). Per-row (xent, lse^2) go to
 // row_sums [2N] doubles; then reduce_pairs sums them in a fixed order into sums[2] on the device.

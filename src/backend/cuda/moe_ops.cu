@@ -167,13 +167,15 @@ __global__ void router_backward_kernel(float* ds_out, const float* logits, const
 // aligned (the launchers check); 1 = the scalar reference path. Each column keeps its own arithmetic
 // and order (k order in the sums), so the result does not depend on V.
 
-// A negative slot (the capacity layout's padding and unused rows, cslot) writes a zero row: the
-// branch is on the block's row, so it never splits a warp, and a valid slot's row is copied by the
-// same loads and stores as before.
+// Negative slots (cslot of the capacity layout): -1, a padding row, writes a zero row; below -1, an
+// unused row past the rows in use, is not written at all (nothing reads it: the SwiGLU and the
+// GEMMs stop at the rows in use), which saves its stores. Both branches are on the block's row, so
+// they never split a warp, and a valid slot's row is copied by the same loads and stores as before.
 template <int V, class TO>
 __global__ void gather_kernel(TO* xs, const float* h, const int32_t* slot, int NK, int K, int d) {
   for (int r = blockIdx.x; r < NK; r += gridDim.x) {
     const int s = slot[r];
+    if (s < -1) continue;
     TO* dst = xs + size_t(r) * d;
     if (s < 0) {
       const float z[V] = {};
@@ -321,9 +323,10 @@ __global__ void offsets_from_sorted_kernel(int32_t* offsets, const uint32_t* sor
 // ---------------------------------------------------------------------------------------------
 // Capacity layout (cpu::moe_capacity, bit for bit: integers only, each output written once).
 //
-// ov [E+1]: the exclusive prefix of the overflows max(0, load_e - C), one warp in chunks of 32
-// experts (a shuffle scan per chunk, the chunk totals carried in every lane). E is a layer's
-// experts (a few hundred at most): one warp is plenty, and it keeps the routing on the device.
+// ov [E+2]: the exclusive prefix of the overflows max(0, load_e - C), one warp in chunks of 32
+// experts (a shuffle scan per chunk, the chunk totals carried in every lane), and last the rows in
+// use, ov[E+1] = E*C + ov[E] (what swiglu_*_rows read). E is a layer's experts (a few hundred at
+// most): one warp is plenty, and it keeps the routing on the device.
 __global__ void capacity_overflow_kernel(int32_t* ov, const int32_t* offsets, int E, int C) {
   const int lane = threadIdx.x;
   if (lane == 0) ov[0] = 0;
@@ -339,13 +342,23 @@ __global__ void capacity_overflow_kernel(int32_t* ov, const int32_t* offsets, in
     if (e < E) ov[e + 1] = carry + v;
     carry += __shfl_sync(0xffffffffu, v, 31);
   }
+  if (lane == 0) ov[E + 1] = E * C + carry;  // carry: ov[E] in every lane; E*C <= R fits an int
+}
+
+// cslot before the rows kernel fills in the slots: -1 (padding) for q < E*C, -2 (unused) from E*C.
+// Every overflow row, [E*C, E*C + ov[E]), has a slot (they are packed), so the rows kernel
+// overwrites exactly those and the -2 left are the rows from E*C + ov[E] on: the CPU's cslot
+// without reading ov here (it is not known on the host).
+__global__ void capacity_fill_kernel(int32_t* cslot, int R, int EC) {
+  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < R; q += gridDim.x * blockDim.x)
+    cslot[q] = q < EC ? -1 : -2;
 }
 
 // One thread per sorted position p: its expert e (the last with offsets[e] <= p, by binary search:
 // empty experts share their offset with the next one), its rank r = p - offsets[e] in the expert,
 // and its row q in the layout: e*C + r within capacity, else E*C + ov[e] + (r - C). row[slot[p]] = q
-// and cslot[q] = slot[p]; every cslot entry not written stays -1 (the launcher's memset). Slots are
-// a permutation, so no two threads write one element. q < R holds whenever R is
+// and cslot[q] = slot[p]; every cslot entry not written keeps capacity_fill_kernel's -1 or -2.
+// Slots are a permutation, so no two threads write one element. q < R holds whenever R is
 // cpu::moe_capacity_rows' bound; the cslot store is guarded anyway, so a wrong R cannot write past
 // the array (the CPU asserts it).
 __global__ void capacity_rows_kernel(int32_t* row, int32_t* cslot, const int32_t* ov, const int32_t* offsets,
@@ -771,10 +784,8 @@ cudaError_t moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_
 cudaError_t moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot,
                          int NK, int E, int C, int R, cudaStream_t st) {
   if (C < 1 || E < 0 || R < 0 || NK < 0 || (NK > 0 && E == 0)) return cudaErrorInvalidValue;
-  if (R > 0) {
-    const cudaError_t err = cudaMemsetAsync(cslot, 0xFF, sizeof(int32_t) * size_t(R), st);  // -1 everywhere
-    if (err != cudaSuccess) return err;
-  }
+  if (int64_t(E) * C > R) return cudaErrorInvalidValue;
+  if (R > 0) capacity_fill_kernel<<<grid_for(size_t(R)), kThreads, 0, st>>>(cslot, R, E * C);
   capacity_overflow_kernel<<<1, 32, 0, st>>>(ov, offsets, E, C);
   if (NK > 0)
     capacity_rows_kernel<<<grid_for(size_t(NK)), kThreads, 0, st>>>(row, cslot, ov, offsets, slot, NK, E, C, R);

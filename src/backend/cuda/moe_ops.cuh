@@ -43,17 +43,18 @@ size_t moe_sort_scratch_bytes(int NK, int E);
 cudaError_t moe_sort(int32_t* offsets, int32_t* row, int32_t* slot, const int32_t* expert, int NK, int E,
                      void* scratch, size_t scratch_bytes, cudaStream_t st);
 
-// The capacity layout of moe_sort's rows (cpu::moe_capacity, bit for bit): ov [E+1] the overflow
-// prefix, cslot [R] each row's slot or -1, row [NK] overwritten with each slot's row. Three launches
-// (a memset of cslot, a one-warp prefix, one thread per sorted row), nothing read back. Requires
-// C >= 1 and R >= E*C + ov[E] (cpu::moe_capacity_rows gives the bound).
+// The capacity layout of moe_sort's rows (cpu::moe_capacity, bit for bit): ov [E+2] the overflow
+// prefix and the rows in use, cslot [R] each row's slot, -1 (padding) or -2 (unused), row [NK]
+// overwritten with each slot's row. Three launches (a fill of cslot, a one-warp prefix, one thread
+// per sorted row), nothing read back. Requires C >= 1 and E*C + ov[E] <= R (cpu::moe_capacity_rows
+// gives the bound; E*C > R is cudaErrorInvalidValue).
 cudaError_t moe_capacity(int32_t* row, int32_t* cslot, int32_t* ov, const int32_t* offsets, const int32_t* slot,
                          int NK, int E, int C, int R, cudaStream_t st);
 // Zero the rows q < rows of x (cols elements each, packed; fp32, or bf16 bits when bf16) whose
 // cslot[q] < 0 (cpu::moe_zero_rows).
 cudaError_t moe_zero_rows(void* x, bool bf16, const int32_t* cslot, int rows, int cols, cudaStream_t st);
-// xs[r] = h[slot[r] / K], rows of d; a negative slot[r] gives a zero row (the capacity layout's
-// padding and unused rows, gathered through cslot).
+// xs[r] = h[slot[r] / K], rows of d; slot[r] == -1 gives a zero row (the capacity layout's padding,
+// gathered through cslot), slot[r] < -1 leaves the row as it is (its unused rows).
 cudaError_t moe_gather(float* xs, const float* h, const int32_t* slot, int NK, int K, int d, cudaStream_t st);
 // moe_combine / moe_combine_backward with y as bf16 bits.
 cudaError_t moe_combine_bf16(float* out, const uint16_t* y, const float* comb, const int32_t* row, int N, int K, int d,

@@ -284,14 +284,27 @@ __device__ __forceinline__ void map2(TO* out, const TA* a, const TB* b, size_t n
   });
 }
 
+// The elements an op over n = rows * cols elements works on: all n, or with rows_used (a row count
+// in device memory: the MoE capacity layout's rows in use, swiglu_*_rows) the first
+// min(n, max(*rows_used, 0) * cols). The grid is sized by n on the host and every thread reads the
+// count here, so nothing waits for the host; the elements past it are not touched. The vector loop
+// of for_each_vec covers n_eff / V vectors from the same base and its scalar tail the rest, so a
+// bound that is not a multiple of V changes no element's arithmetic.
+__device__ __forceinline__ size_t rows_bound(size_t n, const int32_t* rows_used, int cols) {
+  if (!rows_used) return n;
+  const int32_t r = *rows_used;
+  const size_t m = r > 0 ? size_t(r) * size_t(cols) : 0;
+  return m < n ? m : n;
+}
+
 // T: the storage of g, u and h, float or __nv_bfloat16 (model.mlp_bf16: the fp32 arithmetic on the
 // widened values, h rounded to nearest even as it is stored; the backward's gradients fp32).
 // V: elements per vector access (16 bytes of T: 4 fp32 or 8 bf16; 1 = the scalar reference path).
 // Every input of a vector is read before any of its outputs is written, so the in-place calls stay
-// correct (dg == dh, h == g).
+// correct (dg == dh, h == g). rows_used / cols: rows_bound's (nullptr: all n).
 template <class T, int V>
-__global__ void swiglu_fwd_kernel(T* h, const T* g, const T* u, size_t n) {
-  map2<V>(h, g, u, n, [](float gi, float ui) {
+__global__ void swiglu_fwd_kernel(T* h, const T* g, const T* u, size_t n, const int32_t* rows_used, int cols) {
+  map2<V>(h, g, u, rows_bound(n, rows_used, cols), [](float gi, float ui) {
     const float sig = 1.f / (1.f + expf(-gi));
     return gi * sig * ui;
   });
@@ -300,8 +313,9 @@ __global__ void swiglu_fwd_kernel(T* h, const T* g, const T* u, size_t n) {
 // G: the storage of dh, dg and du: fp32, or bf16 (model.moe_bf16_grads: dh widened, dg and du
 // rounded as they are stored).
 template <class T, int V, class G = float>
-__global__ void swiglu_bwd_kernel(G* dg, G* du, const G* dh, const T* g, const T* u, size_t n) {
-  for_each_vec<V>(n, [&](size_t i, auto w) {
+__global__ void swiglu_bwd_kernel(G* dg, G* du, const G* dh, const T* g, const T* u, size_t n,
+                                  const int32_t* rows_used, int cols) {
+  for_each_vec<V>(rows_bound(n, rows_used, cols), [&](size_t i, auto w) {
     constexpr int W = decltype(w)::value;
     float gv[W], uv[W], dv[W];
     load_vec<W>(g + i, gv);
@@ -624,21 +638,27 @@ namespace {
 
 // 16 bytes of T per access in the forward (4 fp32, 8 bf16); the backward's fp32 gradients take 4 per
 // access with fp32 inputs, 8 (two 16-byte accesses, one for the bf16 inputs) with bf16 ones.
+// rows_used / cols: the kernels' device bound (swiglu_*_rows), nullptr for all n.
 template <class T>
-cudaError_t launch_swiglu_forward(T* h, const T* g, const T* u, size_t n, cudaStream_t st) {
+cudaError_t launch_swiglu_forward(T* h, const T* g, const T* u, size_t n, cudaStream_t st,
+                                  const int32_t* rows_used = nullptr, int cols = 0) {
   return launch_vec<16 / sizeof(T)>(n, vectorizable(h, g, u), [&](auto v, unsigned grid) {
     constexpr int V = decltype(v)::value;
-    swiglu_fwd_kernel<T, V><<<grid, kThreads, 0, st>>>(h, g, u, n);
+    swiglu_fwd_kernel<T, V><<<grid, kThreads, 0, st>>>(h, g, u, n, rows_used, cols);
   });
 }
 
 template <class T, class G>
-cudaError_t launch_swiglu_backward(G* dg, G* du, const G* dh, const T* g, const T* u, size_t n, cudaStream_t st) {
+cudaError_t launch_swiglu_backward(G* dg, G* du, const G* dh, const T* g, const T* u, size_t n, cudaStream_t st,
+                                   const int32_t* rows_used = nullptr, int cols = 0) {
   return launch_vec<16 / sizeof(T)>(n, vectorizable(dg, du, dh, g, u), [&](auto v, unsigned grid) {
     constexpr int V = decltype(v)::value;
-    swiglu_bwd_kernel<T, V, G><<<grid, kThreads, 0, st>>>(dg, du, dh, g, u, n);
+    swiglu_bwd_kernel<T, V, G><<<grid, kThreads, 0, st>>>(dg, du, dh, g, u, n, rows_used, cols);
   });
 }
+
+// The elements of a [rows, cols] tensor, 0 when either is not positive (then nothing launches).
+size_t rows_elements(int64_t rows, int cols) { return rows > 0 && cols > 0 ? size_t(rows) * size_t(cols) : 0; }
 
 }  // namespace
 
@@ -663,6 +683,35 @@ cudaError_t swiglu_backward_bf16(float* dg, float* du, const float* dh, const ui
 cudaError_t swiglu_backward_bf16_grads(uint16_t* dg, uint16_t* du, const uint16_t* dh, const uint16_t* g,
                                        const uint16_t* u, size_t n, cudaStream_t st) {
   return launch_swiglu_backward(as_bf16(dg), as_bf16(du), as_bf16(dh), as_bf16(g), as_bf16(u), n, st);
+}
+
+cudaError_t swiglu_forward_rows(void* h, const void* g, const void* u, bool h16, int64_t rows, int cols,
+                                const int32_t* rows_used, cudaStream_t st) {
+  if (!rows_used) return cudaErrorInvalidValue;
+  const size_t n = rows_elements(rows, cols);
+  if (h16)
+    return launch_swiglu_forward(static_cast<__nv_bfloat16*>(h), static_cast<const __nv_bfloat16*>(g),
+                                 static_cast<const __nv_bfloat16*>(u), n, st, rows_used, cols);
+  return launch_swiglu_forward(static_cast<float*>(h), static_cast<const float*>(g), static_cast<const float*>(u), n,
+                               st, rows_used, cols);
+}
+
+cudaError_t swiglu_backward_rows(void* dg, void* du, const void* dh, const void* g, const void* u, bool h16, bool d16,
+                                 int64_t rows, int cols, const int32_t* rows_used, cudaStream_t st) {
+  if (!rows_used || (d16 && !h16)) return cudaErrorInvalidValue;
+  const size_t n = rows_elements(rows, cols);
+  using B = __nv_bfloat16;
+  if (d16)
+    return launch_swiglu_backward(static_cast<B*>(dg), static_cast<B*>(du), static_cast<const B*>(dh),
+                                  static_cast<const B*>(g), static_cast<const B*>(u), n, st, rows_used, cols);
+  float* dgf = static_cast<float*>(dg);
+  float* duf = static_cast<float*>(du);
+  const float* dhf = static_cast<const float*>(dh);
+  if (h16)
+    return launch_swiglu_backward(dgf, duf, dhf, static_cast<const B*>(g), static_cast<const B*>(u), n, st,
+                                  rows_used, cols);
+  return launch_swiglu_backward(dgf, duf, dhf, static_cast<const float*>(g), static_cast<const float*>(u), n, st,
+                                rows_used, cols);
 }
 
 cudaError_t softmax_xent(float* logits, const int32_t* targets, int N, int V, float z_coef, float grad_scale,

@@ -49,7 +49,7 @@ GRID_STRIDE = {
                    "combine_kernel", "combine_backward_kernel", "gather_backward_kernel", "iota_kernel",
                    "invert_perm_kernel", "offsets_from_sorted_kernel", "transpose_keys_kernel",
                    "grouped_rows_kernel", "count_load_kernel", "pko_resets_kernel", "capacity_rows_kernel",
-                   "zero_rows_kernel"],
+                   "capacity_fill_kernel", "zero_rows_kernel"],
     "attention_tc.cu": ["tc_bwd_dot_kernel"],
 }
 

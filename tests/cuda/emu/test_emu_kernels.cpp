@@ -729,6 +729,74 @@ TEST_F(CudaEmu, ElementwiseFastPathsMatchReferenceBitwise) {
       ok(k::f32_to_bf16(b.data(), g.data() + off, n, nullptr), what);
       exact(b, std::vector<uint16_t>(g16.begin() + off, g16.end()), "f32_to_bf16 vs host rounding " + what);
     }
+  // The SwiGLU over the rows in use (swiglu_*_rows: the count read on the device, the grid sized by
+  // rows): fp32, h16, h16 + d16, a count below rows (cols 37: a bound off the vector width, so the
+  // vector loop ends early and the scalar tail takes the rest), at, above (clamped), 0 and negative,
+  // aligned, misaligned and in place. On both paths each output is bitwise the plain op's on the
+  // first min(rows, used) * cols elements, the rest keeping its poison.
+  for (auto [cols, off] : {std::pair{37, size_t(0)}, std::pair{37, size_t(1)}, std::pair{16, size_t(4)}})
+    for (int used : {5, 11, 13, 0, -2}) {
+      const int rows = 11;
+      const size_t n = size_t(rows) * cols, m = size_t(std::clamp(used, 0, rows)) * cols;
+      const std::string what = fmt("rows=%d cols=%d used=%d off=%zu", rows, cols, used, off);
+      const auto g = randv(n + off, -4.f, 4.f), u = randv(n + off), dh = randv(n + off);
+      const auto g16 = to_bf16_bits(g), u16 = to_bf16_bits(u), dh16 = to_bf16_bits(dh);
+      const int32_t dev_used[1] = {used};
+      fast_matches_reference([&] {
+        auto h = poisoned(n + off), dg = poisoned(n + off), du = poisoned(n + off), dg16 = poisoned(n + off);
+        auto du16 = poisoned(n + off);
+        auto h16 = poisoned<uint16_t>(n + off), dgb = poisoned<uint16_t>(n + off), dub = poisoned<uint16_t>(n + off);
+        ok(k::swiglu_forward_rows(h.data() + off, g.data() + off, u.data() + off, false, rows, cols, dev_used,
+                                  nullptr), what);
+        ok(k::swiglu_backward_rows(dg.data() + off, du.data() + off, dh.data() + off, g.data() + off, u.data() + off,
+                                   false, false, rows, cols, dev_used, nullptr), what);
+        ok(k::swiglu_forward_rows(h16.data() + off, g16.data() + off, u16.data() + off, true, rows, cols, dev_used,
+                                  nullptr), what);
+        ok(k::swiglu_backward_rows(dg16.data() + off, du16.data() + off, dh.data() + off, g16.data() + off,
+                                   u16.data() + off, true, false, rows, cols, dev_used, nullptr), what);
+        ok(k::swiglu_backward_rows(dgb.data() + off, dub.data() + off, dh16.data() + off, g16.data() + off,
+                                   u16.data() + off, true, true, rows, cols, dev_used, nullptr), what);
+        auto hg = g, dgh = dh, dui = poisoned(n + off);  // in place: h over g, dg over dh
+        ok(k::swiglu_forward_rows(hg.data() + off, hg.data() + off, u.data() + off, false, rows, cols, dev_used,
+                                  nullptr), what);
+        ok(k::swiglu_backward_rows(dgh.data() + off, dui.data() + off, dgh.data() + off, g.data() + off,
+                                   u.data() + off, false, false, rows, cols, dev_used, nullptr), what);
+        // The plain ops on the first m elements, into outputs prepared the same way.
+        auto ph = poisoned(n + off), pdg = poisoned(n + off), pdu = poisoned(n + off), pdg16 = poisoned(n + off);
+        auto pdu16 = poisoned(n + off);
+        auto ph16 = poisoned<uint16_t>(n + off), pdgb = poisoned<uint16_t>(n + off);
+        auto pdub = poisoned<uint16_t>(n + off);
+        ok(k::swiglu_forward(ph.data() + off, g.data() + off, u.data() + off, m, nullptr), what);
+        ok(k::swiglu_backward(pdg.data() + off, pdu.data() + off, dh.data() + off, g.data() + off, u.data() + off, m,
+                              nullptr), what);
+        ok(k::swiglu_forward_bf16(ph16.data() + off, g16.data() + off, u16.data() + off, m, nullptr), what);
+        ok(k::swiglu_backward_bf16(pdg16.data() + off, pdu16.data() + off, dh.data() + off, g16.data() + off,
+                                   u16.data() + off, m, nullptr), what);
+        ok(k::swiglu_backward_bf16_grads(pdgb.data() + off, pdub.data() + off, dh16.data() + off, g16.data() + off,
+                                         u16.data() + off, m, nullptr), what);
+        auto phg = g, pdgh = dh, pdui = poisoned(n + off);
+        ok(k::swiglu_forward(phg.data() + off, phg.data() + off, u.data() + off, m, nullptr), what);
+        ok(k::swiglu_backward(pdgh.data() + off, pdui.data() + off, pdgh.data() + off, g.data() + off, u.data() + off,
+                              m, nullptr), what);
+        const Bytes rows_out{raw(h), raw(dg), raw(du), raw(h16), raw(dg16), raw(du16), raw(dgb), raw(dub), raw(hg),
+                             raw(dgh), raw(dui)};
+        const Bytes plain{raw(ph), raw(pdg), raw(pdu), raw(ph16), raw(pdg16), raw(pdu16), raw(pdgb), raw(pdub),
+                          raw(phg), raw(pdgh), raw(pdui)};
+        for (size_t i = 0; i < rows_out.size(); ++i)
+          exact(rows_out[i], plain[i], what + fmt(" rows op vs plain op, output %zu", i));
+        return rows_out;
+      }, "swiglu rows " + what);
+    }
+  // d16 without h16, and no count: refused before anything runs.
+  {
+    const int32_t dev_used[1] = {1};
+    auto x = poisoned(8);
+    EXPECT_EQ(k::swiglu_backward_rows(x.data(), x.data(), x.data(), x.data(), x.data(), false, true, 1, 8, dev_used,
+                                      nullptr), cudaErrorInvalidValue);
+    EXPECT_EQ(k::swiglu_forward_rows(x.data(), x.data(), x.data(), false, 1, 8, nullptr, nullptr),
+              cudaErrorInvalidValue);
+    exact(x, poisoned(8), "refused swiglu rows calls");
+  }
   // The row-count cast (rows read on the device) and the strided 2-D cast.
   for (auto [rows, cols, ld, off] : {std::tuple{5, 24, 28, 0}, {5, 24, 28, 1}, {3, 37, 40, 0}, {4, 16, 18, 0}}) {
     const std::string what = fmt("rows=%d cols=%d ld=%d off=%d", rows, cols, ld, off);
@@ -840,9 +908,10 @@ TEST_F(CudaEmu, MoeRowFastPathsMatchReferenceBitwise) {
     const auto h = randv(size_t(N) * d), y = randv(size_t(NK) * d), comb = randv(size_t(NK), 0.f, 1.f);
     const auto out0 = randv(size_t(N) * d), dout = randv(size_t(N) * d), dxs = randv(size_t(NK) * d);
     const auto y16 = to_bf16_bits(y);
-    // The capacity layout's gather (model.moe_capacity): slots with negative ones (zero rows) mixed in.
+    // The capacity layout's gather (model.moe_capacity): slots with negative ones mixed in, -1 (zero
+    // rows) and below -1 (rows left as they are: they must keep their poison on both paths).
     std::vector<int32_t> cslot;
-    for (int j = 0; j < NK; ++j) cslot.insert(cslot.end(), {slot[j], -1});
+    for (int j = 0; j < NK; ++j) cslot.insert(cslot.end(), {slot[j], -1, j % 2 ? -2 : -5});
     const int R = int(cslot.size());
     fast_matches_reference([&] {
       auto xc = poisoned(size_t(R) * d);
@@ -853,6 +922,15 @@ TEST_F(CudaEmu, MoeRowFastPathsMatchReferenceBitwise) {
       auto zr16 = to_bf16_bits(dxs);
       ok(k::moe_zero_rows(zr.data(), false, cslot.data(), NK, d, nullptr), what);
       ok(k::moe_zero_rows(zr16.data(), true, cslot.data(), NK, d, nullptr), what);
+      size_t written = 0;
+      for (int q = 0; q < R; ++q)
+        if (cslot[size_t(q)] < -1)
+          for (int c = 0; c < d; ++c) {
+            float x;
+            std::memcpy(&x, &xc[size_t(q) * d + size_t(c)], sizeof x);
+            written += !std::isnan(x) || xc16[size_t(q) * d + size_t(c)] != 0xFFFF;
+          }
+      EXPECT_EQ(written, 0u) << what << ": a gather wrote a row whose slot is below -1";
       return Bytes{raw(xc), raw(xc16), raw(zr), raw(zr16)};
     }, what + " negative slots");
     fast_matches_reference([&] {
