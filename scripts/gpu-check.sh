@@ -238,9 +238,11 @@ for mp in $MODELS; do
 try:
     j = json.loads(sys.stdin.read())
     peak = {"bf16": 989e3, "tf32": 494.7e3, "fp32": 66.9e3}[os.environ["PREC"]]
-    print("%10.0f %9.1f %9.1f %6.1f%% %6.1f%% %8.0f %8.0f" % (j["tokens_per_s"], j["train_gflops"] / 1e3,
+    cap = j.get("moe_capacity")  # the capacity layout: overflow and padding shares of the expert rows
+    print("%10.0f %9.1f %9.1f %6.1f%% %6.1f%% %8.0f %8.0f%s" % (j["tokens_per_s"], j["train_gflops"] / 1e3,
           j["sgemm_gflops"] / 1e3, 100 * j["mfu"], 100 * j["train_gflops"] / peak, j.get("activation_mib", 0),
-          j.get("device_mem_used_mib", -1)))
+          j.get("device_mem_used_mib", -1),
+          " [C=%d ovf %.1f%% pad %.1f%%]" % (cap["C"], 100 * cap["overflow_frac"], 100 * cap["padding_frac"]) if cap else ""))
 except Exception:
     print("   (failed: see models.log)")' 2>/dev/null)
   MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rc" "$row" "$extra")"$'\n'

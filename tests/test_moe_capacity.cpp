@@ -214,6 +214,34 @@ TEST(MoeCapacity, ModelIsTheSortedLayoutsUpToSummationOrder) {
     }
 }
 
+// The bench's diagnostic: each MoE layer's overflow rows of the last forward. moe_config's two MoE
+// layers: none without a layout, 0 rows at C = N, some (and at most the bound's) at C = 8.
+TEST(MoeCapacity, OverflowRowsOfTheLastForward) {
+  auto be = make_cpu_backend(0);
+  for (double f : {0.0, 0.5, 100.0}) {
+    Config c = moe_config();
+    c.model.moe_capacity = f;
+    validate(c);
+    Transformer m(c.model, c.run.batch_size, *be);
+    m.init(9);
+    std::vector<int32_t> in, tg;
+    make_batch(c, 40, in, tg);
+    m.forward_backward(in.data(), tg.data(), 1e-3f);
+    const std::vector<int> ov = m.capacity_overflow_rows();
+    if (f == 0) {
+      EXPECT_TRUE(ov.empty());
+      continue;
+    }
+    ASSERT_EQ(ov.size(), 2u) << f;
+    const int N = c.run.batch_size * c.model.seq_len, K = c.model.moe_top_k, C = c.model.expert_capacity(N);
+    for (int o : ov) {
+      if (f > 1) EXPECT_EQ(o, 0) << "C = N leaves nothing over";
+      else EXPECT_GT(o, 0) << "C = " << C;
+      EXPECT_LE(o, N * K - K * C);
+    }
+  }
+}
+
 TEST(MoeCapacity, TrainingFollowsTheSortedLayout) {
   const LossCurves lc = twenty_adamw_steps(moe_config(), [](Config& h) { h.model.moe_capacity = 0.5; });
   EXPECT_LT(lc.worst_rel(), 1e-4);

@@ -148,6 +148,12 @@ int main(int argc, char** argv) {
                    j["steps_timed"].get<int>(), 100 * j["mfu"].get<double>(), gemm);
         fmt::print("params      {} total, {} active per token\n", j["params"].get<int64_t>(),
                    j["params_active"].get<int64_t>());
+        if (j.contains("moe_capacity")) {
+          const auto& c = j["moe_capacity"];
+          fmt::print("capacity    C = {} rows per expert: {:.1f}% of the expert rows overflowed (grouped GEMMs), "
+                     "{:.1f}% padding (batched GEMMs), last step\n",
+                     c["C"].get<int>(), 100 * c["overflow_frac"].get<double>(), 100 * c["padding_frac"].get<double>());
+        }
         if (j.contains("profile")) {
           fmt::print("profile (share of the timed steps, ms/step, GFLOP/s for GEMMs):\n");
           for (auto& [op, t] : j["profile"].items())

@@ -465,6 +465,19 @@ void Transformer::update_balance() {
   balance_tokens_ = 0;
 }
 
+std::vector<int> Transformer::capacity_overflow_rows() const {
+  std::vector<int> out;
+  const MoeDims md = moe_dims();
+  if (md.C == 0) return out;
+  for (const Layer& L : layers_) {
+    if (!L.moe) continue;
+    int32_t ov = 0;
+    be_.download(&ov, L.ma.ov + md.E, sizeof(int32_t));
+    out.push_back(ov);
+  }
+  return out;
+}
+
 std::vector<MoeLayerStats> Transformer::take_moe_stats() {
   std::vector<MoeLayerStats> out;
   if (n_moe_ == 0) return out;

@@ -177,6 +177,10 @@ class Transformer {
   // Expert load and router z statistics per MoE layer since the previous call (resets them). The
   // load counts stay in backend memory between calls: one download here.
   std::vector<MoeLayerStats> take_moe_stats();
+  // model.moe_capacity: per MoE layer, the rows its last forward put past the capacity (the
+  // overflow, ov[E] of its layout; one small download each). Empty without a capacity layout.
+  // A diagnostic for benchmarks: how much of the expert work the batched GEMMs did not take.
+  std::vector<int> capacity_overflow_rows() const;
 
  private:
   // GatedNorm after an RMSNorm: out = n * s, s = sigmoid(W_up silu(W_down n)), n the RMSNorm output.

@@ -124,6 +124,16 @@ nlohmann::json run_bench(const BenchOptions& opt) {
                       {"mlp_bf16_grads", cfg.model.mlp_bf16_grads},
                       {"attn_bf16", cfg.model.attn_bf16},
                       {"norm_bf16", cfg.model.norm_bf16}};
+  // The capacity layout's split of the expert rows in the last step (all MoE layers): rows the
+  // batched GEMMs took, their padding, and the overflow left to the grouped GEMMs.
+  if (const std::vector<int> ov = model.capacity_overflow_rows(); !ov.empty()) {
+    const int C = cfg.model.expert_capacity(N);
+    const double rows = double(N) * cfg.model.moe_top_k * double(ov.size());
+    double over = 0;
+    for (int o : ov) over += o;
+    const double padding = double(cfg.model.moe_experts) * C * double(ov.size()) - (rows - over);
+    j["moe_capacity"] = {{"C", C}, {"rows", rows}, {"overflow_frac", over / rows}, {"padding_frac", padding / rows}};
+  }
   if (prof) {
     double total = 0;
     for (auto& t : times) total += t;
