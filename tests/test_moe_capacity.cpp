@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <string>
 #include <tuple>
@@ -19,6 +20,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/moe_kernels.h"
+#include "backend/profiling_backend.h"
 #include "bf16_model_compare.h"
 #include "core/error.h"
 #include "model/config.h"
@@ -239,6 +241,30 @@ TEST(MoeCapacity, OverflowRowsOfTheLastForward) {
       else EXPECT_GT(o, 0) << "C = " << C;
       EXPECT_LE(o, N * K - K * C);
     }
+  }
+}
+
+// The recipe's fp32 router: its three GEMMs (scores, dh, the router's gradient) go through
+// Backend::gemm_fp32, which a GPU runs in fp32 under bf16 GEMMs (CudaGemm.Fp32GemmIgnoresBf16Precision),
+// in either layout. moe_config: 64 tokens, E 8, d 64, two MoE layers.
+TEST(MoeRouter, GemmsRunInFp32WhateverThePrecision) {
+  for (double f : {0.0, 1.0}) {
+    Config c = moe_config();
+    c.model.moe_capacity = f;
+    auto prof = make_profiling_backend(make_cpu_backend(0));
+    Transformer m(c.model, c.run.batch_size, *prof);
+    m.init(9);
+    std::vector<int32_t> in, tg;
+    make_batch(c, 40, in, tg);
+    m.forward_backward(in.data(), tg.data(), 1e-3f);
+    prof->times();
+    std::map<std::string, int64_t> fp32_calls;
+    for (auto& [key, t] : prof->shape_times())
+      if (key.rfind("gemm fp32 ", 0) == 0) fp32_calls[key] += t.calls;
+    const std::map<std::string, int64_t> want = {{"gemm fp32 NT 64x8x64 f32,f32->f32", 2},      // scores
+                                                 {"gemm fp32 NN 64x64x8 f32,f32->f32+C", 2},    // dh
+                                                 {"gemm fp32 TN 8x64x64 f32,f32->f32+C", 2}};  // router grad
+    EXPECT_EQ(fp32_calls, want) << "capacity " << f;
   }
 }
 

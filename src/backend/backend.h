@@ -53,6 +53,11 @@ class Backend : public MemorySpace {
   virtual std::string name() const = 0;
   virtual void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
                     const float* B, int ldb, float beta, float* C, int ldc) = 0;
+  // gemm() in fp32 arithmetic whatever run.precision says (no TF32, no bf16 operands): the
+  // recipe's fp32 router (RECIPE.md section 2), whose logits pick the experts. Small GEMMs (E
+  // columns), so the CUDA cores' fp32 rate costs little.
+  virtual void gemm_fp32(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+                         int ldb, float beta, float* C, int ldc) = 0;
   // D = alpha * op(A) op(B) + C, C and D [M, N] with leading dimension ldc (D may be C): the residual
   // add fused into the GEMM (cuBLASLt reads C and writes D in its epilogue), instead of a copy of C
   // into D and a GEMM with beta = 1 — one pass over D less.

@@ -66,6 +66,11 @@ class ForwardingBackend : public Backend {
     around_shape(gemm_op(ta, tb).c_str(), gemm_shape(M, N, K, false, false, false, beta != 0.f),
                  2.0 * M * N * K, [&] { b_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   }
+  void gemm_fp32(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+                 float beta, float* C, int ldc) override {
+    around_shape((std::string("gemm fp32 ") + (ta ? "T" : "N") + (tb ? "T" : "N")).c_str(), gemm_shape(M, N, K, false, false, false, beta != 0.f),
+                 2.0 * M * N * K, [&] { b_->gemm_fp32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
+  }
   void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                 const float* C, float* D, int ldc) override {
     around_shape(gemm_op(ta, tb).c_str(), gemm_shape(M, N, K, false, false, false, true), 2.0 * M * N * K,

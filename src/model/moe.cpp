@@ -95,8 +95,9 @@ void moe_forward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeActs<T>&
   const int N = D.N, d = D.d, E = D.E, K = D.K, I = D.I, Is = D.Is;
   const size_t NK = size_t(N) * K;
 
-  // 1. Router scores s = h W_r^T (fp32 at least: T is float or double).
-  ops.gemm(false, true, N, E, d, T(1), h, d, W.router, d, T(0), A.logits, E);
+  // 1. Router scores s = h W_r^T, in fp32 arithmetic under any run.precision (the recipe's fp32
+  //    router: bf16 operands would move near-tie tokens to other experts), or double.
+  ops.gemm_fp32(false, true, N, E, d, T(1), h, d, W.router, d, T(0), A.logits, E);
 
   // 2. Per token: logsumexp (z-loss), top-K of s + bias, combine weights.
   ops.moe_route(A.lse, A.expert, A.comb, A.logits, W.bias, N, E, K, D.normalized, D.route_scale);
@@ -175,8 +176,8 @@ void moe_backward(Ops& ops, const MoeDims& D, const MoeWeights<T>& W, MoeGrads<T
   // 5. Router scores: through the combine weights (sigmoid, and the normalization when on) and the
   //    z-loss  sum_i lse_i^2  (d/ds_ie = 2 lse_i softmax(s_i)_e).
   ops.moe_router_backward(S.ds, A.logits, A.lse, A.expert, S.dcomb, N, E, K, D.normalized, D.route_scale, z_scale);
-  ops.gemm(false, false, N, d, E, T(1), S.ds, E, W.router, d, T(1), dh, d);
-  ops.gemm(true, false, E, d, N, T(1), S.ds, E, h, d, T(1), G.router, d);
+  ops.gemm_fp32(false, false, N, d, E, T(1), S.ds, E, W.router, d, T(1), dh, d);
+  ops.gemm_fp32(true, false, E, d, N, T(1), S.ds, E, h, d, T(1), G.router, d);
 }
 
 #define LADDER_MOE_INSTANTIATE(T, OPS)                                                                     \

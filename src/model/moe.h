@@ -157,6 +157,10 @@ struct KernelOps {
     LADDER_ASSERT(!a16 && !b16 && !c16);
     cpu::gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
+  void gemm_fp32(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta,
+                 T* C, int ldc) {
+    cpu::gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
   void batched_gemm(int count, bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B,
                     int ldb, T beta, T* C, int ldc, bool a16 = false, bool b16 = false, bool c16 = false) {
     LADDER_ASSERT(!a16 && !b16 && !c16);
@@ -241,6 +245,10 @@ struct BackendOps {
       be->gemm_b16(ta, tb, M, N, K, alpha, A, lda, bits(B), ldb, beta, C, ldc);
     else
       be->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void gemm_fp32(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+                 float beta, float* C, int ldc) {
+    be->gemm_fp32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
   void batched_gemm(int count, bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
                     const float* B, int ldb, float beta, float* C, int ldc, bool a16 = false, bool b16 = false,

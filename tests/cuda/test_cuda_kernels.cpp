@@ -394,6 +394,42 @@ TEST_F(CudaGemm, BatchedGemmExMatchesTheCpu) {
 // its matrices is stale afterwards, not only under the first. X (cached as A) lies under matrix 1
 // of a two-matrix fp32 output whose operands are bf16 (read as they are, so X's cast stays in the
 // cache and only the overlap check can drop it); the next GEMM reading X must see the new X.
+// The recipe's fp32 router on a bf16-GEMM backend: gemm_fp32 is the fp32 product (near 1e-6 of the
+// CPU), where gemm rounds its operands to bf16 (near 1e-3: the check that the test can tell them
+// apart), every transpose, beta 0 on a poisoned C and beta 1; the router's shapes (E = 64 columns).
+TEST_F(CudaGemm, Fp32GemmIgnoresBf16Precision) {
+  cuda::CudaOptions o;
+  o.bf16 = true;
+  auto bf = cuda::make_backend(o);
+  auto cpu = make_cpu_backend(0);
+  const int M = 96, N = 64, K = 80;
+  for (int t = 0; t < 4; ++t)
+    for (float beta : {0.f, 1.f}) {
+      const bool ta = t & 1, tb = t & 2;
+      const int lda = ta ? M : K, ldb = tb ? K : N;
+      const auto A = randv(size_t(M) * K), B = randv(size_t(K) * N), C = randv(size_t(M) * N);
+      auto dA = up(A), dB = up(B);
+      auto dC = beta != 0.f ? up(C) : poisoned(C.size());
+      std::vector<float> ref = beta != 0.f ? C : std::vector<float>(C.size(), 0.f);
+      cpu->gemm(ta, tb, M, N, K, 1.f, A.data(), lda, B.data(), ldb, beta, ref.data(), N);
+      bf->gemm_fp32(ta, tb, M, N, K, 1.f, dA.data(), lda, dB.data(), ldb, beta, dC.data(), N);
+      bf->synchronize();
+      const std::string what = std::string("gemm_fp32 ") + (ta ? "T" : "N") + (tb ? "T" : "N") + " beta " +
+                               std::to_string(int(beta));
+      check(down(dC, C.size()), ref, 2e-6, what);
+      if (beta == 0.f) {  // the same product through gemm() is bf16's, far from the fp32 one
+        auto dD = poisoned(C.size());
+        bf->gemm(ta, tb, M, N, K, 1.f, dA.data(), lda, dB.data(), ldb, 0.f, dD.data(), N);
+        bf->synchronize();
+        const auto got = down(dD, C.size());
+        double num = 0, den = 0;
+        for (size_t i = 0; i < got.size(); ++i)
+          num += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]), den += double(ref[i]) * ref[i];
+        EXPECT_GT(std::sqrt(num / den), 1e-4) << what << ": gemm() was not bf16 here, so the test proves nothing";
+      }
+    }
+}
+
 TEST_F(CudaGemm, BatchedGemmOutputDropsAStaleCast) {
   cuda::CudaOptions o;
   o.bf16 = true;

@@ -30,6 +30,10 @@ class CpuBackend final : public Backend {
             int ldb, float beta, float* C, int ldc) override {
     cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
+  void gemm_fp32(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+                 int ldb, float beta, float* C, int ldc) override {  // the CPU's GEMMs are all fp32
+    cpu::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
   // The copy-then-accumulate it replaces, so CPU results stay bitwise the same.
   void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                 const float* C, float* D, int ldc) override {

@@ -210,6 +210,14 @@ class CudaBackendImpl final : public CudaBackend {
             float beta, float* C, int ldc) override {
     gemm_into(ta, tb, M, N, K, alpha, A, nullptr, lda, B, nullptr, ldb, beta, C, C, nullptr, ldc);
   }
+  // cuBLASLt's fp32 GEMM (CUDA cores) under any precision: nothing cast, no mirror.
+  void gemm_fp32(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+                 int ldb, float beta, float* C, int ldc) override {
+    if (M <= 0 || N <= 0) return;
+    touch(C);
+    gemm_->run(GemmType::F32, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    post("gemm");
+  }
   void gemm_b16(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const uint16_t* B,
                 int ldb, float beta, float* C, int ldc) override {
     gemm_into(ta, tb, M, N, K, alpha, A, nullptr, lda, nullptr, B, ldb, beta, C, C, nullptr, ldc);
