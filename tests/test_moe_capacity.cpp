@@ -217,11 +217,14 @@ TEST(MoeCapacity, ModelIsTheSortedLayoutsUpToSummationOrder) {
 }
 
 // The bench's diagnostic: each MoE layer's overflow rows of the last forward. moe_config's two MoE
-// layers: none without a layout, 0 rows at C = N, some (and at most the bound's) at C = 8.
+// layers: none without a layout, 0 rows at C = N, some (and at most the bound's) at C = 8; with
+// recomputation the layers share their arrays: one value.
 TEST(MoeCapacity, OverflowRowsOfTheLastForward) {
   auto be = make_cpu_backend(0);
-  for (double f : {0.0, 0.5, 100.0}) {
+  for (double f : {0.0, 0.5, 100.0, -0.5}) {
     Config c = moe_config();
+    c.model.recompute = f < 0;
+    f = std::fabs(f);
     c.model.moe_capacity = f;
     validate(c);
     Transformer m(c.model, c.run.batch_size, *be);
@@ -234,7 +237,7 @@ TEST(MoeCapacity, OverflowRowsOfTheLastForward) {
       EXPECT_TRUE(ov.empty());
       continue;
     }
-    ASSERT_EQ(ov.size(), 2u) << f;
+    ASSERT_EQ(ov.size(), c.model.recompute ? 1u : 2u) << f;
     const int N = c.run.batch_size * c.model.seq_len, K = c.model.moe_top_k, C = c.model.expert_capacity(N);
     for (int o : ov) {
       if (f > 1) EXPECT_EQ(o, 0) << "C = N leaves nothing over";

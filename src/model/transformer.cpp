@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <map>
 
@@ -123,6 +124,12 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   layers_.resize(cfg.n_layers);
   size_t pi = 1, bi = 0;
   const MoeDims md = moe_dims();
+  // The kernels index the expert rows with ints (the sorted layout's N*K rows always fit: tokens
+  // and slots are ints).
+  if (cfg.moe() && moe_rows(md) > int64_t(std::numeric_limits<int>::max()))
+    fail("model.moe_capacity {}: {} rows per expert need {} expert rows per MoE layer, more than the 2^31 - 1 the "
+         "kernels index; lower model.moe_capacity or run.batch_size",
+         cfg.moe_capacity, md.C, moe_rows(md));
   int moe_index = 0;
   // GatedNorm: parameters and saved activations of one norm site.
   auto plan_gated_norm = [&](GatedNormActs& gn, std::vector<Req>& into) {
@@ -469,8 +476,12 @@ std::vector<int> Transformer::capacity_overflow_rows() const {
   std::vector<int> out;
   const MoeDims md = moe_dims();
   if (md.C == 0) return out;
+  // Under model.recompute the MoE layers share one set of arrays (ov included): one value then,
+  // the layer that ran last.
+  std::vector<const int32_t*> seen;
   for (const Layer& L : layers_) {
-    if (!L.moe) continue;
+    if (!L.moe || std::find(seen.begin(), seen.end(), L.ma.ov) != seen.end()) continue;
+    seen.push_back(L.ma.ov);
     int32_t ov = 0;
     be_.download(&ov, L.ma.ov + md.E, sizeof(int32_t));
     out.push_back(ov);

@@ -178,7 +178,8 @@ class Transformer {
   // load counts stay in backend memory between calls: one download here.
   std::vector<MoeLayerStats> take_moe_stats();
   // model.moe_capacity: per MoE layer, the rows its last forward put past the capacity (the
-  // overflow, ov[E] of its layout; one small download each). Empty without a capacity layout.
+  // overflow, ov[E] of its layout; one small download each; under model.recompute the layers share
+  // their arrays, so one value, the last layer run). Empty without a capacity layout.
   // A diagnostic for benchmarks: how much of the expert work the batched GEMMs did not take.
   std::vector<int> capacity_overflow_rows() const;
 
