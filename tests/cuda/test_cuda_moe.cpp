@@ -23,6 +23,7 @@
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/moe_kernels.h"
 #include "backend/cuda/cuda_backend.h"
+#include "../bf16_vectors.h"
 #include "cuda_fixture.h"
 #include "grouped_gemm_case.h"
 #include "backend/cuda/device_memory.h"
@@ -265,16 +266,6 @@ TEST_F(CudaMoe, GatherAndCombineWithBf16Rows) {
 // expf and the CPU's exp differ in the last fp32 bit, which may move a rounding).
 TEST_F(CudaMoe, Bf16GradientOpsMatchTheirFp32FormsRounded) {
   auto cpu_be = make_cpu_backend(0);
-  auto round16 = [](const std::vector<float>& v) {
-    std::vector<uint16_t> b(v.size());
-    cpu::f32_to_bf16(b.data(), v.data(), v.size());
-    return b;
-  };
-  auto widen16 = [](const std::vector<uint16_t>& b) {
-    std::vector<float> v(b.size());
-    cpu::bf16_to_f32(v.data(), b.data(), b.size());
-    return v;
-  };
   const int N = 131;
   for (int K : kKs)
     for (int d : {1, 37, 300}) {
@@ -283,7 +274,7 @@ TEST_F(CudaMoe, Bf16GradientOpsMatchTheirFp32FormsRounded) {
       const int NK = N * K, E = 8;
       const auto [expert, off, row, slot] = sorted_slots(NK, E);
       const auto comb = randv(size_t(NK), 0.f, 1.f), dout = randv(size_t(N) * d);
-      const auto y16 = round16(randv(size_t(NK) * d));
+      const auto y16 = test::to_b16(randv(size_t(NK) * d));
       auto d_row = up(row);
       auto d_comb = up(comb), d_dout = up(dout);
       auto d_y = up(y16);
@@ -305,21 +296,22 @@ TEST_F(CudaMoe, Bf16GradientOpsMatchTheirFp32FormsRounded) {
   for (size_t n : {size_t(1), size_t(37), size_t(8 * 97 + 5), size_t(40000)}) {
     const std::string what = fmt::format("swiglu n={}", n);
     SCOPED_TRACE(what);
-    const auto g16 = round16(randv(n, -4.f, 4.f)), u16 = round16(randv(n)), dh16 = round16(randv(n));
+    const auto g16 = test::to_b16(randv(n, -4.f, 4.f)), u16 = test::to_b16(randv(n)),
+               dh16 = test::to_b16(randv(n));
     auto d_g = up(g16), d_u = up(u16), d_dh = up(dh16);
-    auto d_dhw = up(widen16(dh16));
+    auto d_dhw = up(test::widen(dh16));
     auto d_dg = poisoned<uint16_t>(n), d_du = poisoned<uint16_t>(n);
     auto d_dg32 = poisoned<float>(n), d_du32 = poisoned<float>(n);
     be().swiglu_backward_bf16_grads(d_dg.data(), d_du.data(), d_dh.data(), d_g.data(), d_u.data(), n);
     be().swiglu_backward_bf16(d_dg32.data(), d_du32.data(), d_dhw.data(), d_g.data(), d_u.data(), n);
     const auto dg = down(d_dg, n), du = down(d_du, n);
-    exact(dg, round16(down(d_dg32, n)), "swiglu_backward_bf16_grads dg = the fp32 form rounded " + what);
-    exact(du, round16(down(d_du32, n)), "swiglu_backward_bf16_grads du = the fp32 form rounded " + what);
+    exact(dg, test::to_b16(down(d_dg32, n)), "swiglu_backward_bf16_grads dg = the fp32 form rounded " + what);
+    exact(du, test::to_b16(down(d_du32, n)), "swiglu_backward_bf16_grads du = the fp32 form rounded " + what);
     std::vector<uint16_t> cdg(n, 0xffff), cdu(n, 0xffff);
     cpu_be->swiglu_backward_bf16_grads(cdg.data(), cdu.data(), dh16.data(), g16.data(), u16.data(), n);
     // One bf16 step is a relative 2^-8 of an element; over a vector far less.
-    check(widen16(dg), widen16(cdg), 1.0 / 256, "swiglu_backward_bf16_grads dg vs cpu " + what);
-    check(widen16(du), widen16(cdu), 1.0 / 256, "swiglu_backward_bf16_grads du vs cpu " + what);
+    check(test::widen(dg), test::widen(cdg), 1.0 / 256, "swiglu_backward_bf16_grads dg vs cpu " + what);
+    check(test::widen(du), test::widen(cdu), 1.0 / 256, "swiglu_backward_bf16_grads du vs cpu " + what);
   }
 }
 
