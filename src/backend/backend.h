@@ -129,6 +129,12 @@ class Backend : public MemorySpace {
                                    const int32_t* rows_used) = 0;
   virtual void swiglu_backward_rows(void* dg, void* du, const void* dh, const void* g, const void* u, bool h16,
                                     bool d16, int64_t rows, int cols, const int32_t* rows_used) = 0;
+  // The SwiGLU op the flags name, on n elements (the dispatch the model's ops and the CPU's *_rows
+  // ops share): swiglu_forward or swiglu_forward_bf16 (h16: g, u and h bf16 bits); swiglu_backward,
+  // swiglu_backward_bf16 or swiglu_backward_bf16_grads (d16: dh, dg and du too; needs h16).
+  void swiglu_forward_typed(void* h, const void* g, const void* u, bool h16, size_t n);
+  void swiglu_backward_typed(void* dg, void* du, const void* dh, const void* g, const void* u, bool h16, bool d16,
+                             size_t n);
   virtual void swiglu_forward(float* h, const float* g, const float* u, size_t n) = 0;
   virtual void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n) = 0;
   // SwiGLU on bf16 gate / up (model.mlp_bf16): swiglu_forward / swiglu_backward on their widened
@@ -326,6 +332,13 @@ class Backend : public MemorySpace {
   virtual size_t lm_head_chunk_bytes() const { return size_t(16) << 20; }
   virtual void unregister_weights(const void* base) { (void)base; }
 };
+
+// The elements swiglu_*_rows covers with its row count in host memory: min(rows, *rows_used) rows
+// of cols (the CPU's; a device reads the count in its kernels).
+inline size_t rows_in_use(int64_t rows, int cols, const int32_t* rows_used) {
+  const int64_t r = *rows_used < 0 ? 0 : *rows_used < rows ? *rows_used : rows;
+  return r > 0 && cols > 0 ? size_t(r) * size_t(cols) : 0;
+}
 
 // Backend::grouped_gemm_ex's shape rules for a bf16 C (beta 0, packed), one clear error each;
 // every backend calls it first.

@@ -22,6 +22,28 @@ void check_grouped_gemm_ex(bool rows_out, int E, int M, int N, float beta, bool 
     fail("grouped_gemm_ex: a bf16 output must be packed (strideC {} != M * N = {})", strideC, size_t(M) * size_t(N));
 }
 
+void Backend::swiglu_forward_typed(void* h, const void* g, const void* u, bool h16, size_t n) {
+  if (h16)
+    return swiglu_forward_bf16(static_cast<uint16_t*>(h), static_cast<const uint16_t*>(g),
+                               static_cast<const uint16_t*>(u), n);
+  swiglu_forward(static_cast<float*>(h), static_cast<const float*>(g), static_cast<const float*>(u), n);
+}
+
+void Backend::swiglu_backward_typed(void* dg, void* du, const void* dh, const void* g, const void* u, bool h16,
+                                    bool d16, size_t n) {
+  if (d16 && !h16) fail("swiglu_backward: bf16 gradients need bf16 gate and up (model.moe_bf16)");
+  auto* g16 = static_cast<const uint16_t*>(g);
+  auto* u16 = static_cast<const uint16_t*>(u);
+  if (d16)
+    return swiglu_backward_bf16_grads(static_cast<uint16_t*>(dg), static_cast<uint16_t*>(du),
+                                      static_cast<const uint16_t*>(dh), g16, u16, n);
+  auto* dgf = static_cast<float*>(dg);
+  auto* duf = static_cast<float*>(du);
+  auto* dhf = static_cast<const float*>(dh);
+  if (h16) return swiglu_backward_bf16(dgf, duf, dhf, g16, u16, n);
+  swiglu_backward(dgf, duf, dhf, static_cast<const float*>(g), static_cast<const float*>(u), n);
+}
+
 void check_run_device(const std::string& device) {
   if (device == "cpu") return;
   if (device != "cuda") fail("run.device '{}' is not known (expected cpu or cuda)", device);

@@ -51,9 +51,11 @@ class ForwardingBackend : public Backend {
     return std::string(rows_out ? (transB ? "rows,B^T " : "rows,B ") : "wgrad ") + "E=" + std::to_string(E) +
            (rows >= 0 ? " rows=" + std::to_string(rows) + " " : " ") + gemm_shape(M, N, K, a16, b16, c16, addC);
   }
-  static std::string gemm_op(bool ta, bool tb) { return std::string("gemm ") + (ta ? "T" : "N") + (tb ? "T" : "N"); }
-  // The capacity layout's expert GEMMs, apart from the model's other GEMMs in a profile.
-  static std::string batched_op(bool ta, bool tb) { return "batched " + gemm_op(ta, tb); }
+  // A GEMM's op name: its kind and transposes ("gemm NT"; "batched gemm NT" for the capacity
+  // layout's expert GEMMs and "gemm fp32 NT" for the router's, apart from the others in a profile).
+  static std::string gemm_op(bool ta, bool tb, const char* kind = "gemm") {
+    return std::string(kind) + " " + (ta ? "T" : "N") + (tb ? "T" : "N");
+  }
 
  public:
   explicit ForwardingBackend(std::unique_ptr<Backend> inner) : b_(std::move(inner)) {}
@@ -68,7 +70,7 @@ class ForwardingBackend : public Backend {
   }
   void gemm_fp32(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                  float beta, float* C, int ldc) override {
-    around_shape((std::string("gemm fp32 ") + (ta ? "T" : "N") + (tb ? "T" : "N")).c_str(), gemm_shape(M, N, K, false, false, false, beta != 0.f),
+    around_shape(gemm_op(ta, tb, "gemm fp32").c_str(), gemm_shape(M, N, K, false, false, false, beta != 0.f),
                  2.0 * M * N * K, [&] { b_->gemm_fp32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   }
   void gemm_add(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
@@ -91,7 +93,7 @@ class ForwardingBackend : public Backend {
   void batched_gemm_ex(int count, bool ta, bool tb, int M, int N, int K, float alpha, const void* A, bool a_bf16,
                        int lda, const void* B, bool b_bf16, int ldb, float beta, void* C, bool c_bf16,
                        int ldc) override {
-    around_shape(batched_op(ta, tb).c_str(),
+    around_shape(gemm_op(ta, tb, "batched gemm").c_str(),
                  std::string("x") + std::to_string(count) + " " + gemm_shape(M, N, K, a_bf16, b_bf16, c_bf16, beta != 0.f),
                  2.0 * count * M * N * K, [&] {
       b_->batched_gemm_ex(count, ta, tb, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, c_bf16, ldc);

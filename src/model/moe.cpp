@@ -60,6 +60,9 @@ struct ExpertGemms {
   const MoeDims& D;
   const MoeActs<T>& A;
 
+  // The capacity layout's room for overflow rows, from row E*C (0: no grouped GEMM).
+  int overflow_rows() const { return int(moe_rows(D) - int64_t(D.E) * D.C); }
+
   // Y[r] = X[r] op(W_e) (+ beta Y[r]) for every row r of expert e: W_e is the e-th of E stacked
   // [n, k] (tb) or [k, n] matrices. X [rows, k], Y [rows, n]; x16 / y16: bf16 bits.
   void rows(bool tb, int n, int k, const T* X, const T* W, T beta, T* Y, bool x16, bool y16) {
@@ -70,7 +73,7 @@ struct ExpertGemms {
                               int(size_t(D.N) * D.K), x16, false, y16);
     ops.batched_gemm(E, false, tb, C, n, k, T(1), X, k, W, ldb, beta, Y, n, x16, false, y16);
     const size_t EC = size_t(E) * C;
-    if (const int ov_rows = int(moe_rows(D) - int64_t(EC)); ov_rows > 0)
+    if (const int ov_rows = overflow_rows(); ov_rows > 0)
       ops.grouped_gemm(true, tb, E, A.ov, 0, n, k, T(1), past(X, EC * k, x16), k, W, ldb, sW, beta,
                        past(Y, EC * n, y16), n, 0, ov_rows, x16, false, y16);
   }
@@ -82,7 +85,7 @@ struct ExpertGemms {
                               size_t(m) * n, int(size_t(D.N) * D.K), dy16, x16);
     ops.batched_gemm(E, true, false, m, n, C, T(1), dY, m, X, n, T(1), G, n, dy16, x16);
     const size_t EC = size_t(E) * C;
-    if (const int ov_rows = int(moe_rows(D) - int64_t(EC)); ov_rows > 0)
+    if (const int ov_rows = overflow_rows(); ov_rows > 0)
       ops.grouped_gemm(false, false, E, A.ov, m, n, 0, T(1), past(dY, EC * m, dy16), m, past(X, EC * n, x16), n, 0,
                        T(1), G, n, size_t(m) * n, ov_rows, dy16, x16);
   }

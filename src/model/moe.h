@@ -25,7 +25,6 @@
 //   model.layers.N.mlp.shared_expert.{gate,up}_proj.weight [I_s, d] (Role::SharedExpert)
 //   model.layers.N.mlp.shared_expert.down_proj.weight    [d, I_s]
 #pragma once
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -187,11 +186,11 @@ struct KernelOps {
   // The *_rows forms: the first min(rows, *used) rows of cols (host memory here).
   void swiglu_forward_rows(T* h, const T* g, const T* u, int64_t rows, int cols, const int32_t* used,
                            bool h16 = false) {
-    swiglu_forward(h, g, u, size_t(std::clamp<int64_t>(*used, 0, rows)) * cols, h16);
+    swiglu_forward(h, g, u, rows_in_use(rows, cols, used), h16);
   }
   void swiglu_backward_rows(T* dg, T* du, const T* dh, const T* g, const T* u, int64_t rows, int cols,
                             const int32_t* used, bool h16 = false, bool d16 = false) {
-    swiglu_backward(dg, du, dh, g, u, size_t(std::clamp<int64_t>(*used, 0, rows)) * cols, h16, d16);
+    swiglu_backward(dg, du, dh, g, u, rows_in_use(rows, cols, used), h16, d16);
   }
   void moe_route(T* lse, int32_t* ex, T* comb, const T* s, const T* bias, int N, int E, int K, bool nz, double rs) {
     cpu::moe_route<T>(lse, ex, comb, s, bias, N, E, K, nz, rs);
@@ -265,16 +264,13 @@ struct BackendOps {
       be->grouped_gemm(rows_out, tb, E, off, M, N, K, alpha, A, lda, B, ldb, sB, beta, C, ldc, sC);
   }
   void swiglu_forward(float* h, const float* g, const float* u, size_t n, bool h16 = false) {
-    if (h16) be->swiglu_forward_bf16(bits(h), bits(g), bits(u), n);
-    else be->swiglu_forward(h, g, u, n);
+    be->swiglu_forward_typed(h, g, u, h16, n);
   }
   // d16 (bf16 dh, dg and du) only with h16 (bf16 g and u): model.moe_bf16_grads needs model.moe_bf16.
   void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, size_t n,
                        bool h16 = false, bool d16 = false) {
     LADDER_ASSERT(h16 || !d16);
-    if (d16) be->swiglu_backward_bf16_grads(bits(dg), bits(du), bits(dh), bits(g), bits(u), n);
-    else if (h16) be->swiglu_backward_bf16(dg, du, dh, bits(g), bits(u), n);
-    else be->swiglu_backward(dg, du, dh, g, u, n);
+    be->swiglu_backward_typed(dg, du, dh, g, u, h16, d16, n);
   }
   void swiglu_forward_rows(float* h, const float* g, const float* u, int64_t rows, int cols, const int32_t* used,
                            bool h16 = false) {

@@ -151,29 +151,11 @@ class CpuBackend final : public Backend {
   // The rows in use are host memory here: the plain ops on those rows.
   void swiglu_forward_rows(void* h, const void* g, const void* u, bool h16, int64_t rows, int cols,
                            const int32_t* rows_used) override {
-    const size_t n = rows_in_use(rows, cols, rows_used);
-    if (h16)
-      return swiglu_forward_bf16(static_cast<uint16_t*>(h), static_cast<const uint16_t*>(g),
-                                 static_cast<const uint16_t*>(u), n);
-    swiglu_forward(static_cast<float*>(h), static_cast<const float*>(g), static_cast<const float*>(u), n);
+    swiglu_forward_typed(h, g, u, h16, rows_in_use(rows, cols, rows_used));
   }
   void swiglu_backward_rows(void* dg, void* du, const void* dh, const void* g, const void* u, bool h16, bool d16,
                             int64_t rows, int cols, const int32_t* rows_used) override {
-    if (d16 && !h16) fail("swiglu_backward_rows: bf16 gradients need bf16 gate and up (model.moe_bf16)");
-    const size_t n = rows_in_use(rows, cols, rows_used);
-    auto* g16 = static_cast<const uint16_t*>(g);
-    auto* u16 = static_cast<const uint16_t*>(u);
-    if (d16)
-      return swiglu_backward_bf16_grads(static_cast<uint16_t*>(dg), static_cast<uint16_t*>(du),
-                                        static_cast<const uint16_t*>(dh), g16, u16, n);
-    auto* dgf = static_cast<float*>(dg);
-    auto* duf = static_cast<float*>(du);
-    auto* dhf = static_cast<const float*>(dh);
-    if (h16) return swiglu_backward_bf16(dgf, duf, dhf, g16, u16, n);
-    swiglu_backward(dgf, duf, dhf, static_cast<const float*>(g), static_cast<const float*>(u), n);
-  }
-  static size_t rows_in_use(int64_t rows, int cols, const int32_t* rows_used) {
-    return size_t(std::clamp<int64_t>(*rows_used, 0, std::max<int64_t>(rows, 0))) * size_t(std::max(cols, 0));
+    swiglu_backward_typed(dg, du, dh, g, u, h16, d16, rows_in_use(rows, cols, rows_used));
   }
   void swiglu_forward(float* h, const float* g, const float* u, size_t n) override {
     cpu::swiglu_forward<float>(h, g, u, n);
