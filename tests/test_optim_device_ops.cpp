@@ -1,7 +1,8 @@
 // The optimizer ops that keep their scalars in backend memory (adamw_multi, adamh_multi,
-// muonh_apply, axpy, grad_clip_factor + scale_by_device_factor) on the CPU backend, against the
-// per-tensor / per-matrix host code the optimizer and the trainer ran before them. The CPU promise is
-// BITWISE equality: the same kernels, the same double scalars, the same float casts.
+// muonh_apply, axpy, sum_squares_multi + grad_clip_factor, and the clip factor the updates apply
+// as they read the gradients) on the CPU backend, against the per-tensor / per-matrix host code the
+// optimizer and the trainer ran before them (the clip: every gradient scaled in memory first). The
+// CPU promise is BITWISE equality: the same kernels, the same double scalars, the same float casts.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -88,6 +89,19 @@ void expect_same(const Tensors& a, const Tensors& b) {
   }
 }
 
+// The clip factors the multi-tensor tests step with: none (nullptr), 1 (g exactly) and a clip.
+// `a` (the host code) sees g scaled in memory by the factor, as the trainer's former clip pass did.
+constexpr float kClip = 0.3713f;
+const float* step_factor(int step) {
+  static const float one = 1.0f, clip = kClip;
+  return step == 1 ? nullptr : step == 2 ? &one : &clip;
+}
+std::vector<float> clipped(const std::vector<float>& g, const float* f) {
+  auto out = g;
+  if (f && *f != 1.0f) make_cpu_backend(1)->scale_inplace(out.data(), *f, out.size());
+  return out;
+}
+
 TEST(OptimDeviceOps, AdamWMultiIsTheLoopOfAdamWUpdatesBitwise) {
   auto be = make_cpu_backend(0);
   std::mt19937 rng(11);
@@ -96,14 +110,18 @@ TEST(OptimDeviceOps, AdamWMultiIsTheLoopOfAdamWUpdatesBitwise) {
   Tensors b(rng2, true);
   const float lr[3] = {1e-3f, 3e-4f, 2e-2f}, wd[3] = {0.1f, 0.f, 0.01f};
   auto tab = b.table();
+  const auto g0 = b.t[0].g;
   for (int step = 1; step <= 3; ++step) {
     const float bc1 = float(1 - std::pow(0.9, step)), bc2 = float(1 - std::pow(0.95, step));
-    for (auto& x : a.t)
-      be->adamw_update(x.w.data(), x.g.data(), x.m.data(), x.v.data(), x.w.size(), lr[x.group], 0.9f, 0.95f, 1e-8f,
+    for (auto& x : a.t) {
+      const auto g = clipped(x.g, step_factor(step));
+      be->adamw_update(x.w.data(), g.data(), x.m.data(), x.v.data(), x.w.size(), lr[x.group], 0.9f, 0.95f, 1e-8f,
                        wd[x.group], bc1, bc2);
-    be->adamw_multi(tab.data(), tab.size(), lr, wd, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2);
+    }
+    be->adamw_multi(tab.data(), tab.size(), lr, wd, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2, step_factor(step));
   }
   expect_same(a, b);
+  EXPECT_TRUE(bitwise_equal(b.t[0].g, g0)) << "the factor must not scale the gradient in memory";
 }
 
 TEST(OptimDeviceOps, AdamHMultiIsThePerMatrixHostStepBitwise) {
@@ -120,9 +138,10 @@ TEST(OptimDeviceOps, AdamHMultiIsThePerMatrixHostStepBitwise) {
     // The optimizer's host code before adamh_multi (src/optim/optimizers.cpp, Kind::AdamH).
     for (auto& x : a.t) {
       const size_t mn = x.w.size() / size_t(x.nmat);
+      const auto g = clipped(x.g, step_factor(step));
       for (int64_t e = 0; e < x.nmat; ++e) {
         const size_t off = size_t(e) * mn;
-        const double uu = be->adam_moments(x.m.data() + off, x.v.data() + off, x.g.data() + off, mn, float(b1),
+        const double uu = be->adam_moments(x.m.data() + off, x.v.data() + off, g.data() + off, mn, float(b1),
                                            float(b2), float(bc1), float(bc2), float(eps));
         const double R = x.radius[size_t(e)];
         const double alpha = -lr[x.group] * R / std::max(std::sqrt(uu), 1e-10);
@@ -131,7 +150,8 @@ TEST(OptimDeviceOps, AdamHMultiIsThePerMatrixHostStepBitwise) {
         be->scale_inplace(x.w.data() + off, float(R / std::sqrt(ww)), mn);
       }
     }
-    be->adamh_multi(tab.data(), tab.size(), lr, 3, float(b1), float(b2), float(eps), float(bc1), float(bc2));
+    be->adamh_multi(tab.data(), tab.size(), lr, 3, float(b1), float(b2), float(eps), float(bc1), float(bc2),
+                    step_factor(step));
   }
   expect_same(a, b);
 }
@@ -192,12 +212,20 @@ TEST(OptimDeviceOps, BatchedMuonOpsAreThePerMatrixLoopBitwise) {
       auto G = randv(rng, n, -0.1f, 0.1f), B0 = randv(rng, n, -0.05f, 0.05f);
       auto Bb = B0, Bl = B0;
       std::vector<float> Db(n), Dl(n);
-      be->muon_momentum(Bb.data(), Db.data(), G.data(), n, 0.95f);
+      be->muon_momentum(Bb.data(), Db.data(), G.data(), n, 0.95f, nullptr);
       for (int e = 0; e < count; ++e) {
         const size_t off = size_t(e) * mn;
-        be->muon_momentum(Bl.data() + off, Dl.data() + off, G.data() + off, mn, 0.95f);
+        be->muon_momentum(Bl.data() + off, Dl.data() + off, G.data() + off, mn, 0.95f, nullptr);
       }
       EXPECT_TRUE(bitwise_equal(Bb, Bl) && bitwise_equal(Db, Dl)) << "muon_momentum over the batch";
+      // With the clip factor: the momentum of the gradient scaled in memory.
+      auto Bf = B0, Bs = B0;
+      std::vector<float> Df(n), Ds(n);
+      const auto Gs = clipped(G, step_factor(3));
+      be->muon_momentum(Bf.data(), Df.data(), G.data(), n, 0.95f, step_factor(3));
+      be->muon_momentum(Bs.data(), Ds.data(), Gs.data(), n, 0.95f, nullptr);
+      EXPECT_TRUE(bitwise_equal(Bf, Bs) && bitwise_equal(Df, Ds)) << "muon_momentum with the clip factor";
+      EXPECT_FALSE(bitwise_equal(Bf, Bb)) << "the factor changed nothing";
       auto ab = w0, al = w0;
       be->axpy(ab.data(), Db.data(), n, -0.037f);
       for (int e = 0; e < count; ++e) be->axpy(al.data() + size_t(e) * mn, Db.data() + size_t(e) * mn, mn, -0.037f);
@@ -210,9 +238,16 @@ TEST(OptimDeviceOps, DeviceClipIsTheHostClipBitwise) {
   auto be = make_cpu_backend(0);
   std::mt19937 rng(14);
   std::vector<std::vector<float>> grads;
-  for (size_t n : {size_t(17), size_t(4096), size_t(70000), size_t(3)}) grads.push_back(randv(rng, n));
+  for (size_t n : {size_t(17), size_t(4096), size_t(70000), size_t(3), size_t(0)}) grads.push_back(randv(rng, n));
   std::vector<double> sums;
   for (auto& g : grads) sums.push_back(be->sum_squares(g.data(), g.size()));
+  // The per-tensor sums in one call.
+  std::vector<const float*> ptrs;
+  std::vector<size_t> sizes;
+  for (auto& g : grads) ptrs.push_back(g.data()), sizes.push_back(g.size());
+  std::vector<double> multi(grads.size(), -1.0);
+  be->sum_squares_multi(ptrs.data(), sizes.data(), grads.size(), multi.data());
+  EXPECT_EQ(std::memcmp(multi.data(), sums.data(), sums.size() * sizeof(double)), 0);
   double s = 0;
   for (double v : sums) s += v;
   const double norm = std::sqrt(s);
@@ -222,14 +257,8 @@ TEST(OptimDeviceOps, DeviceClipIsTheHostClipBitwise) {
     float factor = -1;
     be->grad_clip_factor(sums.data(), sums.size(), clip, &dnorm, &factor);
     EXPECT_EQ(std::memcmp(&dnorm, &norm, sizeof(double)), 0) << "clip " << clip;
-    const bool clipped = clip > 0 && norm > clip;
-    EXPECT_EQ(factor, clipped ? float(clip / (norm + 1e-6)) : 1.0f);
-    for (auto& g : grads) {
-      auto host = g, dev = g;
-      if (clipped) be->scale_inplace(host.data(), float(clip / (norm + 1e-6)), host.size());
-      be->scale_by_device_factor(dev.data(), &factor, dev.size());
-      EXPECT_TRUE(bitwise_equal(host, dev)) << "clip " << clip;
-    }
+    const bool clips = clip > 0 && norm > clip;
+    EXPECT_EQ(factor, clips ? float(clip / (norm + 1e-6)) : 1.0f);
   }
 }
 
@@ -322,7 +351,7 @@ struct FormerOptimizer {
       const double scale = std::sqrt(std::max(1.0, double(rows) / double(cols)));
       for (int64_t e = 0; e < nmat; ++e) {
         const size_t off = size_t(e) * mn;
-        be.muon_momentum(B.data() + off, D.data(), p.g + off, mn, float(oc.muon_momentum));
+        be.muon_momentum(B.data() + off, D.data(), p.g + off, mn, float(oc.muon_momentum), nullptr);
         be.newton_schulz5(D.data(), rows, cols);
         if (k == "muon") {
           be.axpy_sumsq(p.w + off, D.data(), mn, float(-glr * scale));
@@ -358,7 +387,11 @@ TEST(OptimDeviceOps, EveryPresetStepsBitwiseAsTheFormerHostLoop) {
       a.set_grads(step);
       b.set_grads(step);
       const double lr = oc.lr * (1.0 - 0.2 * step);  // a changing schedule
-      opt->step(lr);
+      // No clip factor, a factor of 1, then a clip: the former loop sees the gradients scaled first.
+      const float* f = step_factor(1 + std::min(step, 2));
+      if (f && *f != 1.0f)
+        for (auto& p : b.params) be->scale_inplace(p.g, *f, p.numel);
+      opt->step(lr, f);
       former.step(b.params, lr);
     }
     EXPECT_TRUE(bitwise_equal(a.w, b.w)) << name;
@@ -397,9 +430,10 @@ ModelConfig tiny_model(int layers) {
   return m;
 }
 
-// Transformer::clip_grads_async + last_grad_norm against grad_norm() + scale_inplace per tensor with
-// the host's factor (the trainer's former clip), on a small model's real gradient layout.
-TEST(OptimDeviceOps, ModelClipGradsAsyncIsTheHostClipBitwise) {
+// Transformer::grad_clip_factor_async + last_grad_norm against grad_norm() and the host's factor
+// (the trainer's former clip), on a small model's real gradient layout; the gradients stay as they
+// are (the optimizer applies the factor as it reads them).
+TEST(OptimDeviceOps, ModelClipFactorIsTheHostClipBitwise) {
   const ModelConfig m = tiny_model(2);
   auto be = make_cpu_backend(0);
   Transformer model(m, 2, *be);
@@ -414,14 +448,13 @@ TEST(OptimDeviceOps, ModelClipGradsAsyncIsTheHostClipBitwise) {
   for (double clip : {norm / 2, norm * 2, 0.0}) {
     SCOPED_TRACE(clip);
     for (size_t i = 0; i < g0.size(); ++i) std::copy(g0[i].begin(), g0[i].end(), model.params()[i].g);
-    model.clip_grads_async(clip);
+    const float* factor = model.grad_clip_factor_async(clip);
     const double dnorm = model.last_grad_norm();
     EXPECT_EQ(std::memcmp(&dnorm, &norm, sizeof(double)), 0);
+    EXPECT_EQ(*factor, clip > 0 && norm > clip ? float(clip / (norm + 1e-6)) : 1.0f);
     for (size_t i = 0; i < g0.size(); ++i) {
-      auto host = g0[i];
-      if (clip > 0 && norm > clip) be->scale_inplace(host.data(), float(clip / (norm + 1e-6)), host.size());
       const Param& p = model.params()[i];
-      EXPECT_EQ(std::memcmp(host.data(), p.g, p.numel * sizeof(float)), 0) << p.name;
+      EXPECT_EQ(std::memcmp(g0[i].data(), p.g, p.numel * sizeof(float)), 0) << p.name;
     }
   }
 }
@@ -478,9 +511,9 @@ TEST(OptimDeviceOps, StepsAfterTheFirstAndTheClipCallNothingThatWaits) {
   const ModelConfig m = tiny_model(1);
   WaitCounter be;
   Transformer model(m, 1, be);
-  model.clip_grads_async(1.0);  // the first call allocates its two scalars (no copy)
+  model.grad_clip_factor_async(1.0);  // the first call allocates its two scalars (no copy)
   be.waits = 0;
-  model.clip_grads_async(1.0);
+  model.grad_clip_factor_async(1.0);
   EXPECT_EQ(be.waits, 0);
   (void)model.last_grad_norm();
   EXPECT_EQ(be.waits, 1);  // the one download

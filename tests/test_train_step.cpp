@@ -30,6 +30,7 @@ Config step_config(const char* optim) {
   c.run.grad_accum = 3;
   c.run.steps = 10;
   c.optim.name = optim;
+  c.optim.clip = 0.05;  // below the tiny model's gradient norm: every step clips (checked below)
   return c;
 }
 
@@ -68,7 +69,8 @@ struct Twins {
 };
 
 // The step as it was before: one synchronous forward_backward per micro-batch, beta through the
-// host and back, the statistics read before the optimizer.
+// host and back, the statistics read before the optimizer, the clip on the host (the norm
+// downloaded, every gradient scaled in memory) and an optimizer step without a factor.
 StepStats synchronous_step(const Config& cfg, int64_t step, Transformer& model, Optimizer& opt,
                            const BatchFn& next, int32_t* in, int32_t* tg) {
   const int N = model.batch() * cfg.model.seq_len, accum = cfg.run.grad_accum;
@@ -84,10 +86,11 @@ StepStats synchronous_step(const Config& cfg, int64_t step, Transformer& model, 
   }
   model.apply_balance(model.balance_beta());
   st.moe = model.take_moe_stats();
-  model.clip_grads_async(cfg.optim.clip);
+  st.grad_norm = model.grad_norm();
+  if (cfg.optim.clip > 0 && st.grad_norm > cfg.optim.clip)
+    scale_grads(model, model.backend(), float(cfg.optim.clip / (st.grad_norm + 1e-6)));
   st.lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, cfg.run.steps);
   opt.step(st.lr);
-  st.grad_norm = model.last_grad_norm();
   st.loss = xent / double(ntok), st.lse_sq = lse_sq / double(ntok), st.router_z = router_z / double(ntok);
   st.tokens = ntok;
   return st;
@@ -109,6 +112,7 @@ TEST(TrainStep, IsBitwiseTheSynchronousStepItReplaced) {
       EXPECT_EQ(x.router_z, y.router_z) << "step " << step;
       EXPECT_GT(x.router_z, 0) << "step " << step;
       EXPECT_EQ(x.grad_norm, y.grad_norm) << "step " << step;
+      EXPECT_GT(x.grad_norm, c.optim.clip) << "step " << step << ": the step did not clip";
       EXPECT_EQ(x.tokens, y.tokens);
       ASSERT_EQ(x.moe.size(), y.moe.size());
       ASSERT_EQ(x.moe.size(), 2u);

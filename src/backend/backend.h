@@ -266,7 +266,12 @@ class Backend : public MemorySpace {
                               float bc2, float eps) = 0;
   virtual double adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
                             float alpha) = 0;
-  virtual void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) = 0;
+  // grad_factor (here and in adamw_multi / adamh_multi): nullptr, or a float in backend memory that
+  // scales every gradient element as it is read (G * *grad_factor, one float product): the global
+  // clip factor (grad_clip_factor), so clipping costs no pass over the gradients. The gradients in
+  // memory are left as they are.
+  virtual void muon_momentum(float* B, float* D, const float* G, size_t n, float mu,
+                             const float* grad_factor) = 0;
   virtual double axpy_sumsq(float* w, const float* x, size_t n, float alpha) = 0;
   // Muon's orthogonalization of one row-major [rows, cols] matrix, in place (normalization + the 5
   // Newton-Schulz steps); the backend owns the workspace.
@@ -287,14 +292,17 @@ class Backend : public MemorySpace {
   // Multi-tensor AdamW: adamw_update on every tensor of `t` (w, g, m, v, n; nmat and radius
   // unused) with lr[t.group] and wd[t.group]. A GPU backend runs them in one launch (it may cache
   // a device copy of the descriptor list, keyed by its contents: pass the same list each step).
+  // A GPU backend that keeps a bf16 mirror of the weights (register_weights) may write the mirror's
+  // copy of each updated weight in the same pass, so the next bf16 GEMM does not re-cast them.
   virtual void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups,
-                           float b1, float b2, float eps, float bc1, float bc2) = 0;
+                           float b1, float b2, float eps, float bc1, float bc2,
+                           const float* grad_factor) = 0;
   // Multi-tensor AdamH (hyperball Adam) over every matrix e of every tensor (t.nmat matrices of
   // n / nmat elements, radii R_e = t.radius[e] in backend memory), with lr = lr[t.group]:
   //   uu = adam_moments(...);  alpha = float(-lr * R / max(sqrt(uu), 1e-10))   (double, then float)
   //   ww = adam_apply(..., alpha);  w *= float(R / sqrt(ww)).
   virtual void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2,
-                           float eps, float bc1, float bc2) = 0;
+                           float eps, float bc1, float bc2, const float* grad_factor) = 0;
   // MuonH's projection of one matrix, R = *radius (backend memory):
   //   xx = ||D||^2;  alpha = float(-lr * R / max(sqrt(xx), 1e-10));  ww = axpy_sumsq(w, D, alpha);
   //   w *= float(R / sqrt(ww)).
@@ -311,8 +319,12 @@ class Backend : public MemorySpace {
   //   *factor = clip > 0 && *norm > clip ? float(clip / (*norm + 1e-6)) : 1.0f
   // norm (double) and factor (float) are backend memory.
   virtual void grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor) = 0;
-  // x *= *factor, the factor read from backend memory (nothing is done where it is 1).
-  virtual void scale_by_device_factor(float* x, const float* factor, size_t n) = 0;
+  // out[i] = sum_squares(x[i], n[i]) for every i < count (out: backend memory; x, n: host arrays
+  // of backend pointers and sizes), in double: the per-tensor sums grad_clip_factor adds. A GPU
+  // backend runs all of them in a fixed number of launches (it may cache a device copy of the
+  // list, keyed by its contents: pass the same list each step); the order of each sum is fixed by
+  // its n, so the result is bitwise reproducible.
+  virtual void sum_squares_multi(const float* const* x, const size_t* n, size_t count, double* out) = 0;
 
   // The model's weights live in [base, base + bytes) of this backend's memory (the parameter arena).
   // A backend may keep a derived copy of them (the CUDA backend's bf16 mirror for bf16 GEMMs, made

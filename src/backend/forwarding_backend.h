@@ -281,8 +281,8 @@ class ForwardingBackend : public Backend {
                     float alpha) override {
     return wrap("optimizer", 0, [&] { return b_->adam_apply(w, m, v, n, bc1, bc2, eps, alpha); });
   }
-  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) override {
-    wrap("optimizer", 0, [&] { b_->muon_momentum(B, D, G, n, mu); });
+  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu, const float* grad_factor) override {
+    wrap("optimizer", 0, [&] { b_->muon_momentum(B, D, G, n, mu, grad_factor); });
   }
   double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
     return wrap("optimizer", 0, [&] { return b_->axpy_sumsq(w, x, n, alpha); });
@@ -294,12 +294,12 @@ class ForwardingBackend : public Backend {
     wrap("newton-schulz", 0, [&] { b_->newton_schulz5_batched(X, rows, cols, count); });
   }
   void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups, float b1,
-                   float b2, float eps, float bc1, float bc2) override {
-    wrap("optimizer", 0, [&] { b_->adamw_multi(t, count, lr, wd, ngroups, b1, b2, eps, bc1, bc2); });
+                   float b2, float eps, float bc1, float bc2, const float* grad_factor) override {
+    wrap("optimizer", 0, [&] { b_->adamw_multi(t, count, lr, wd, ngroups, b1, b2, eps, bc1, bc2, grad_factor); });
   }
   void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2, float eps,
-                   float bc1, float bc2) override {
-    wrap("optimizer", 0, [&] { b_->adamh_multi(t, count, lr, ngroups, b1, b2, eps, bc1, bc2); });
+                   float bc1, float bc2, const float* grad_factor) override {
+    wrap("optimizer", 0, [&] { b_->adamh_multi(t, count, lr, ngroups, b1, b2, eps, bc1, bc2, grad_factor); });
   }
   void muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr) override {
     wrap("optimizer", 0, [&] { b_->muonh_apply(w, D, n, radius, lr); });
@@ -313,8 +313,8 @@ class ForwardingBackend : public Backend {
   void grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor) override {
     wrap("vector ops", 0, [&] { b_->grad_clip_factor(sums, count, clip, norm, factor); });
   }
-  void scale_by_device_factor(float* x, const float* factor, size_t n) override {
-    wrap("vector ops", 0, [&] { b_->scale_by_device_factor(x, factor, n); });
+  void sum_squares_multi(const float* const* x, const size_t* n, size_t count, double* out) override {
+    wrap("grad norm", 0, [&] { b_->sum_squares_multi(x, n, count, out); });
   }
 
   void register_weights(const void* base, size_t bytes) override { b_->register_weights(base, bytes); }

@@ -139,10 +139,12 @@ class Transformer {
   // of the per-tensor Backend::sum_squares values in that order).
   double grad_norm();
   // Global-norm clipping without a host wait: the per-tensor sums as grad_norm(), then on the backend
-  // norm = sqrt(sum), factor = norm > clip ? float(clip / (norm + 1e-6)) : 1 and every gradient
-  // scaled by it (clip <= 0: the norm only). last_grad_norm() reads the norm afterwards (one
-  // download, which waits for everything enqueued before it: call it after the optimizer step).
-  void clip_grads_async(double clip);
+  // norm = sqrt(sum), factor = norm > clip ? float(clip / (norm + 1e-6)) : 1 (clip <= 0: 1).
+  // Returns the factor (backend memory) for Optimizer::step, whose updates read every gradient as
+  // g * factor: the gradients themselves are not scaled (no pass over them; bitwise the same
+  // update as scaling them first). last_grad_norm() reads the norm afterwards (one download, which
+  // waits for everything enqueued before it: call it after the optimizer step).
+  const float* grad_clip_factor_async(double clip);
   double last_grad_norm();
 
   // Saved activations and backward scratch, fp32 and (model.saved_activations bf16) bf16.
@@ -317,7 +319,10 @@ class Transformer {
   int n_chunks_ = 0;
   double* gnorm_ = nullptr;  // [params] per-tensor gradient sums of squares (grad_norm)
   std::vector<double> host_gnorm_;
-  Arena clip_arena_;          // clip_grads_async: the norm and the clip factor (backend memory)
+  std::vector<const float*> grad_ptrs_;  // the sum_squares_multi list: every gradient, parameter order
+  std::vector<size_t> grad_numel_;
+  void grad_sums_async();  // gnorm_[i] = ||params_[i].g||^2
+  Arena clip_arena_;          // grad_clip_factor_async: the norm and the clip factor (backend memory)
   double* clip_ = nullptr;
   // MoE state
   std::vector<Param> buffers_;

@@ -37,8 +37,10 @@ struct StateTensor {
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
-  // One update with peak-relative learning rate lr (schedule already applied) on the current grads.
-  virtual void step(double lr) = 0;
+  // One update with peak-relative learning rate lr (schedule already applied) on the current grads,
+  // each read as g * *grad_factor where grad_factor (backend memory) is given: the global clip
+  // factor (Transformer::grad_clip_factor_async), applied without a pass over the gradients.
+  virtual void step(double lr, const float* grad_factor = nullptr) = 0;
   virtual int64_t steps_taken() const = 0;
   virtual void set_steps_taken(int64_t t) = 0;
   virtual std::vector<StateTensor> state() = 0;

@@ -261,7 +261,7 @@ class RecipeOptimizer final : public Optimizer {
   // muonh_apply_batched).
   // Tensors are independent, so grouping them by kind instead of walking them in parameter order
   // changes no result.
-  void step(double lr) override {
+  void step(double lr, const float* grad_factor) override {
     if (t_ == 0) take_radii();
     ++t_;
     const double b1 = oc_.beta1, b2 = oc_.beta2;
@@ -276,10 +276,10 @@ class RecipeOptimizer final : public Optimizer {
     const int ng = int(groups_.size());
     if (!adam_tab_.empty())
       be_.adamw_multi(adam_tab_.data(), adam_tab_.size(), group_lr_f_.data(), group_wd_f_.data(), ng, float(b1),
-                      float(b2), float(oc_.eps), float(bc1), float(bc2));
+                      float(b2), float(oc_.eps), float(bc1), float(bc2), grad_factor);
     if (!adamh_tab_.empty())
       be_.adamh_multi(adamh_tab_.data(), adamh_tab_.size(), group_lr_.data(), ng, float(b1), float(b2),
-                      float(oc_.eps), float(bc1), float(bc2));
+                      float(oc_.eps), float(bc1), float(bc2), grad_factor);
     // Muon / MuonH, a batch of same-shape matrices at a time (plan_muon_batches): the momentum of
     // each piece (elementwise, one call per piece) lands in the batch's D, one batched
     // Newton-Schulz orthogonalizes all of them, and each piece's update is one call (plain Muon:
@@ -290,7 +290,7 @@ class RecipeOptimizer final : public Optimizer {
         const Slot& s = slots_[pc.slot];
         const size_t off = size_t(pc.first) * s.mat_numel();
         be_.muon_momentum(s.mom + off, muon_d_ + pc.d_at, s.p->g + off, size_t(pc.count) * s.mat_numel(),
-                          float(oc_.muon_momentum));
+                          float(oc_.muon_momentum), grad_factor);
       }
       be_.newton_schulz5_batched(muon_d_, b.rows, b.cols, b.count);
       for (const MuonPiece& pc : b.pieces) {

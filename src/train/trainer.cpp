@@ -80,10 +80,10 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
   // Clip on the device and enqueue the optimizer step before reading anything back.
   // (Bitwise the host-side clip it replaced: the same per-tensor sums, order and float factor.)
   LADDER_ASSERT(&be == &model.backend());
-  model.clip_grads_async(cfg.optim.clip);
+  const float* clip_factor = model.grad_clip_factor_async(cfg.optim.clip);
   StepStats st;
   st.lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, cfg.run.steps);
-  opt.step(st.lr);
+  opt.step(st.lr, clip_factor);  // the clip factor scales each gradient as the update reads it
   // The step's one wait (the first download); the rest copy finished results.
   st.grad_norm = model.last_grad_norm();
   double xent = 0, lse_sq = 0, router_z = 0;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <utility>
@@ -350,11 +351,18 @@ TEST_F(CudaSwitchOptim, MuonMomentumAndAxpySumsq) {
   auto B = randv(n), G = randv(n), w = randv(n), x = randv(n);
   auto d_B = up(B), d_G = up(G), d_w = up(w), d_x = up(x);
   auto d_D = poisoned(n);
-  be().muon_momentum(d_B.data(), d_D.data(), d_G.data(), n, 0.95f);
+  be().muon_momentum(d_B.data(), d_D.data(), d_G.data(), n, 0.95f, nullptr);
   std::vector<float> D(n);
   cpu::muon_momentum<float>(B.data(), D.data(), G.data(), n, 0.95f);
   check(down(d_B, n), B, kF32, "muon_momentum B");
   check(down(d_D, n), D, kF32, "muon_momentum D");
+  // With a clip factor in device memory: G read as G * factor.
+  const float f = 0.3713f;
+  auto d_f = up(std::vector<float>{f});
+  be().muon_momentum(d_B.data(), d_D.data(), d_G.data(), n, 0.95f, d_f.data());
+  cpu::muon_momentum<float>(B.data(), D.data(), G.data(), n, 0.95f, f);
+  check(down(d_B, n), B, kF32, "muon_momentum B (clip factor)");
+  check(down(d_D, n), D, kF32, "muon_momentum D (clip factor)");
 
   const double gs = be().axpy_sumsq(d_w.data(), d_x.data(), n, -0.37f);
   const double cs = cpu::axpy_sumsq<float>(w.data(), x.data(), n, -0.37f);
@@ -416,7 +424,12 @@ TEST_F(CudaSwitchOptim, MultiTensorAdamWAndAdamHMatchTheCpu) {
     }
     const float lr_f[3] = {1e-2f, 3e-3f, 2e-2f}, wd[3] = {0.1f, 0.f, 0.01f};
     const double lr_d[3] = {0.02, 0.005, 0.05};
+    // Steps 1-3: no clip factor, a factor of 1, a clip (device memory on the GPU, host on the CPU).
+    const std::vector<float> factors = {1.0f, 0.3713f};
+    auto d_factors = up(factors);
     for (int step = 1; step <= 3; ++step) {
+      const float* cf = step == 1 ? nullptr : &factors[size_t(step - 2)];
+      const float* gf = step == 1 ? nullptr : d_factors.data() + (step - 2);
       SCOPED_TRACE(fmt::format("step {}", step));
       const float bc1 = 1.f - float(std::pow(0.9, step)), bc2 = 1.f - float(std::pow(0.95, step));
       std::vector<OptimTensor> ct, gt;
@@ -435,11 +448,11 @@ TEST_F(CudaSwitchOptim, MultiTensorAdamWAndAdamHMatchTheCpu) {
         gt.push_back(d);
       }
       if (hyper) {
-        cpu_be->adamh_multi(ct.data(), ct.size(), lr_d, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2);
-        be().adamh_multi(gt.data(), gt.size(), lr_d, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2);
+        cpu_be->adamh_multi(ct.data(), ct.size(), lr_d, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2, cf);
+        be().adamh_multi(gt.data(), gt.size(), lr_d, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2, gf);
       } else {
-        cpu_be->adamw_multi(ct.data(), ct.size(), lr_f, wd, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2);
-        be().adamw_multi(gt.data(), gt.size(), lr_f, wd, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2);
+        cpu_be->adamw_multi(ct.data(), ct.size(), lr_f, wd, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2, cf);
+        be().adamw_multi(gt.data(), gt.size(), lr_f, wd, 3, 0.9f, 0.95f, 1e-8f, bc1, bc2, gf);
       }
     }
     for (size_t i = 0; i < ts.size(); ++i) {
@@ -480,8 +493,8 @@ TEST_F(CudaSwitchOptim, MultiTensorStepIsReproducibleAndFollowsANewList) {
     OptimTensor b{d_w2.data(), d_g2.data(), d_m2.data(), d_v2.data(), n2, 5, d_r2.data(), 0};
     const OptimTensor both[2] = {a, b};
     const double lr = 0.01;
-    be().adamh_multi(both, 2, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.1f, 0.05f);
-    be().adamh_multi(&b, 1, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.19f, 0.0975f);  // only b moves
+    be().adamh_multi(both, 2, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, nullptr);
+    be().adamh_multi(&b, 1, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.19f, 0.0975f, nullptr);  // only b moves
     auto got = down(d_w1, n1);
     const auto got2 = down(d_w2, n2);
     got.insert(got.end(), got2.begin(), got2.end());
@@ -494,8 +507,8 @@ TEST_F(CudaSwitchOptim, MultiTensorStepIsReproducibleAndFollowsANewList) {
     OptimTensor ca{cw1.data(), g1.data(), cm1.data(), cv1.data(), n1, 1, &R1, 0};
     OptimTensor cb{cw2.data(), g2.data(), cm2.data(), cv2.data(), n2, 5, r.data(), 0};
     const OptimTensor cboth[2] = {ca, cb};
-    cpu_be->adamh_multi(cboth, 2, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.1f, 0.05f);
-    cpu_be->adamh_multi(&cb, 1, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.19f, 0.0975f);
+    cpu_be->adamh_multi(cboth, 2, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, nullptr);
+    cpu_be->adamh_multi(&cb, 1, &lr, 1, 0.9f, 0.95f, 1e-8f, 0.19f, 0.0975f, nullptr);
     check_each(down(d_w1, n1), cw1, "adamh_multi first list w1");
     check_each(down(d_w2, n2), cw2, "adamh_multi both lists w2");
   }
@@ -540,13 +553,99 @@ TEST_F(CudaSwitchOptim, MuonHApplyAxpyAndDeviceClipMatchTheCpu) {
     const float gf = down(d_factor, 1)[0];
     EXPECT_EQ(gn, cn);
     EXPECT_EQ(gf, cf);
-    const size_t n = 50003;
-    auto x = randv(n);
-    auto d_x = up(x);
-    be().scale_by_device_factor(d_x.data(), d_factor.data(), n);
-    cpu_be->scale_by_device_factor(x.data(), &cf, n);
-    EXPECT_EQ(down(d_x, n), x);  // one float multiply per element: bitwise
   }
+}
+
+// The per-tensor sums of squares in one call (the clip's input): every tensor's sum against the
+// CPU's (double sums in another order: near 1e-12), outputs poisoned, tensors unaligned, empty and
+// spanning many chunks; the same bits on a second call (fixed partition, no atomics) and on a
+// different list (a cached table of another list must not be used).
+TEST_F(CudaSwitchOptim, SumSquaresMultiMatchesTheCpu) {
+  auto cpu_be = make_cpu_backend(0);
+  const std::vector<size_t> sizes = {1, 0, 4096, 4097, 70001, 3, 1 << 20};
+  std::vector<std::vector<float>> xs;
+  std::vector<DeviceBuffer<float>> dx;
+  std::vector<const float*> cp, gp;
+  for (size_t n : sizes) {
+    xs.push_back(randv(n));
+    dx.push_back(up(xs.back(), 1));  // one float in: unaligned, as a tensor inside an arena may be
+    cp.push_back(xs.back().data());
+    gp.push_back(dx.back().data() + 1);
+  }
+  std::vector<double> want(sizes.size());
+  cpu_be->sum_squares_multi(cp.data(), sizes.data(), sizes.size(), want.data());
+  std::vector<double> first;
+  for (int call = 0; call < 2; ++call) {
+    auto d_out = poisoned<double>(sizes.size());
+    be().sum_squares_multi(gp.data(), sizes.data(), sizes.size(), d_out.data());
+    const auto got = down(d_out, sizes.size());
+    for (size_t i = 0; i < sizes.size(); ++i)
+      EXPECT_NEAR(got[i], want[i], 1e-12 * want[i]) << "tensor " << i << " (" << sizes[i] << " elements)";
+    if (call == 0) first = got;
+    else EXPECT_EQ(std::memcmp(got.data(), first.data(), got.size() * sizeof(double)), 0) << "not reproducible";
+  }
+  // A sublist (the last three tensors): its own table.
+  auto d_out = poisoned<double>(3);
+  be().sum_squares_multi(gp.data() + 4, sizes.data() + 4, 3, d_out.data());
+  const auto got = down(d_out, 3);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-12 * want[4 + i]) << "sublist tensor " << i;
+}
+
+// Under bf16 precision adamw_multi writes the bf16 mirror of the registered weights it updates: the
+// next bf16 GEMM reads the mirror without re-casting it, and gets bitwise what the same updated
+// weights give from an unregistered copy (a fresh cast). AdamH (which rescales after the update)
+// does not write the mirror: the next GEMM re-casts.
+TEST_F(CudaSwitchOptim, AdamWMultiKeepsTheWeightMirrorCurrent) {
+  auto bf = make_cuda_backend("bf16");
+  auto* cb = dynamic_cast<cuda::CudaBackend*>(bf.get());
+  ASSERT_NE(cb, nullptr);
+  const int M = 24, N = 40, K = 56;
+  // The arena: two weight matrices [N, K] with a gap between them (untouched by the optimizer).
+  const size_t wn = size_t(N) * K, gap = 13, total = 2 * wn + gap;
+  DeviceBuffer<float> W(total), Wc(total);
+  const auto w0 = randv(total);
+  W.upload(w0);
+  bf->register_weights(W.data(), total * sizeof(float));
+  auto X = up(randv(size_t(M) * K));
+  float* w1 = W.data();
+  float* w2 = W.data() + wn + gap;
+  auto gemm_pair = [&](const char* what) {
+    // Both matrices through the mirror, and again through a plain copy of the same weights.
+    const auto cur = W.download();
+    Wc.upload(cur);
+    for (size_t off : {size_t(0), wn + gap}) {
+      auto Y1 = poisoned(size_t(M) * N), Y2 = poisoned(size_t(M) * N);
+      bf->gemm(false, true, M, N, K, 1.f, X.data(), K, W.data() + off, K, 0.f, Y1.data(), N);
+      bf->gemm(false, true, M, N, K, 1.f, X.data(), K, Wc.data() + off, K, 0.f, Y2.data(), N);
+      bf->synchronize();
+      const auto a = Y1.download(), b = Y2.download();
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << what << ", matrix at " << off;
+    }
+  };
+  gemm_pair("before any step");  // casts the mirror once
+  auto g1 = up(randv(wn, -0.5f, 0.5f)), g2 = up(randv(wn, -0.5f, 0.5f));
+  DeviceBuffer<float> m1(wn), v1(wn), m2(wn), v2(wn), r(2);
+  for (auto* b : {&m1, &v1, &m2, &v2}) b->upload(std::vector<float>(wn, 0.f));
+  r.upload(std::vector<float>{30.f, 30.f});
+  const OptimTensor t[2] = {{w1, g1.data(), m1.data(), v1.data(), wn, 1, r.data(), 0},
+                            {w2, g2.data(), m2.data(), v2.data(), wn, 1, r.data() + 1, 0}};
+  const float lr = 1e-2f, wd = 0.1f;
+  auto d_f = up(std::vector<float>{0.5f});
+  for (int step = 1; step <= 2; ++step) {
+    SCOPED_TRACE(fmt::format("adamw step {}", step));
+    const uint64_t casts = cb->bf16_mirror_casts();
+    bf->adamw_multi(t, 2, &lr, &wd, 1, 0.9f, 0.95f, 1e-8f, 0.1f * step, 0.05f * step, d_f.data());
+    gemm_pair("after adamw_multi");
+    EXPECT_EQ(cb->bf16_mirror_casts(), casts) << "adamw_multi left the mirror stale";
+  }
+  const auto gap_now = W.download();
+  EXPECT_EQ(std::memcmp(gap_now.data() + wn, w0.data() + wn, gap * sizeof(float)), 0) << "the gap was written";
+  const uint64_t casts = cb->bf16_mirror_casts();
+  const double lr_h = 1e-2;
+  bf->adamh_multi(t, 2, &lr_h, 1, 0.9f, 0.95f, 1e-8f, 0.3f, 0.15f, nullptr);
+  gemm_pair("after adamh_multi");
+  EXPECT_EQ(cb->bf16_mirror_casts(), casts + 1) << "adamh_multi must leave the mirror to be re-cast";
+  bf->unregister_weights(W.data());
 }
 
 TEST_F(CudaSwitchOptim, EmptyInputsDoNothingAndSumToZero) {
@@ -563,7 +662,8 @@ TEST_F(CudaSwitchOptim, EmptyInputsDoNothingAndSumToZero) {
   be().silu_backward(nullptr, nullptr, nullptr, 0);
   be().sigmoid_gate_forward(nullptr, nullptr, nullptr, 0);
   be().sigmoid_gate_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, true);
-  be().muon_momentum(nullptr, nullptr, nullptr, 0, 0.95f);
+  be().muon_momentum(nullptr, nullptr, nullptr, 0, 0.95f, nullptr);
+  be().sum_squares_multi(nullptr, nullptr, 0, nullptr);
   be().newton_schulz5(nullptr, 0, 5);
   be().newton_schulz5(nullptr, 5, 0);
   be().newton_schulz5_batched(nullptr, 5, 7, 0);

@@ -371,8 +371,8 @@ class CpuBackend final : public Backend {
                     float alpha) override {
     return cpu::adam_apply<float>(w, m, v, n, bc1, bc2, eps, alpha);
   }
-  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) override {
-    cpu::muon_momentum<float>(B, D, G, n, mu);
+  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu, const float* grad_factor) override {
+    cpu::muon_momentum<float>(B, D, G, n, mu, grad_factor ? *grad_factor : 1.0f);
   }
   double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
     return cpu::axpy_sumsq<float>(w, x, n, alpha);
@@ -380,22 +380,24 @@ class CpuBackend final : public Backend {
   // The no-wait optimizer ops: on the host they are the per-matrix code the optimizer ran before
   // (same kernels, same double scalars, same float casts), so results are bitwise unchanged.
   void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups, float b1,
-                   float b2, float eps, float bc1, float bc2) override {
+                   float b2, float eps, float bc1, float bc2, const float* grad_factor) override {
+    const float gf = grad_factor ? *grad_factor : 1.0f;
     for (size_t i = 0; i < count; ++i) {
       LADDER_ASSERT(t[i].group >= 0 && t[i].group < ngroups);
       cpu::adamw_update<float>(t[i].w, t[i].g, t[i].m, t[i].v, t[i].n, lr[t[i].group], b1, b2, eps, wd[t[i].group],
-                               bc1, bc2);
+                               bc1, bc2, gf);
     }
   }
   void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2, float eps,
-                   float bc1, float bc2) override {
+                   float bc1, float bc2, const float* grad_factor) override {
+    const float gf = grad_factor ? *grad_factor : 1.0f;
     for (size_t i = 0; i < count; ++i) {
       const OptimTensor& x = t[i];
       LADDER_ASSERT(x.group >= 0 && x.group < ngroups && x.nmat > 0 && x.n % size_t(x.nmat) == 0);
       const size_t mn = x.n / size_t(x.nmat);
       for (int64_t e = 0; e < x.nmat; ++e) {
         const size_t off = size_t(e) * mn;
-        const double uu = cpu::adam_moments<float>(x.m + off, x.v + off, x.g + off, mn, b1, b2, bc1, bc2, eps);
+        const double uu = cpu::adam_moments<float>(x.m + off, x.v + off, x.g + off, mn, b1, b2, bc1, bc2, eps, gf);
         const double R = x.radius[e];
         const double alpha = -lr[x.group] * R / std::max(std::sqrt(uu), 1e-10);
         const double ww = cpu::adam_apply<float>(x.w + off, x.m + off, x.v + off, mn, bc1, bc2, eps, float(alpha));
@@ -423,8 +425,8 @@ class CpuBackend final : public Backend {
     *norm = std::sqrt(s);
     *factor = clip > 0 && *norm > clip ? float(clip / (*norm + 1e-6)) : 1.0f;
   }
-  void scale_by_device_factor(float* x, const float* factor, size_t n) override {
-    if (*factor != 1.0f) cpu::scale_inplace<float>(x, *factor, n);
+  void sum_squares_multi(const float* const* x, const size_t* n, size_t count, double* out) override {
+    for (size_t i = 0; i < count; ++i) out[i] = cpu::sum_squares<float>(x[i], n[i]);
   }
   void newton_schulz5(float* X, int rows, int cols) override {
     // Grown to the largest matrix seen, never shrunk: steady-state steps allocate nothing.

@@ -816,11 +816,11 @@ double sum_squares(const T* x, size_t n) {
 
 template <class T>
 void adamw_update(T* p, const T* g, T* m, T* v, size_t n, T lr, T b1, T b2, T eps, T wd, T bc1,
-                  T bc2) {
+                  T bc2, T gscale) {
   const T inv_bc1 = T(1) / bc1, inv_bc2 = T(1) / bc2;
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
   for (size_t i = 0; i < n; ++i) {
-    const T gi = g[i];
+    const T gi = g[i] * gscale;
     const T mi = b1 * m[i] + (T(1) - b1) * gi;
     const T vi = b2 * v[i] + (T(1) - b2) * gi * gi;
     m[i] = mi;
@@ -853,7 +853,7 @@ void adamw_update(T* p, const T* g, T* m, T* v, size_t n, T lr, T b1, T b2, T ep
   template void add_inplace<T>(T*, const T*, size_t);                                              \
   template void scale_inplace<T>(T*, T, size_t);                                                   \
   template double sum_squares<T>(const T*, size_t);                                                \
-  template void adamw_update<T>(T*, const T*, T*, T*, size_t, T, T, T, T, T, T, T);
+  template void adamw_update<T>(T*, const T*, T*, T*, size_t, T, T, T, T, T, T, T, T);
 
 LADDER_INSTANTIATE(float)
 LADDER_INSTANTIATE(double)

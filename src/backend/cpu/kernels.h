@@ -133,9 +133,10 @@ void swiglu_backward_bf16(uint16_t* dg, uint16_t* du, const uint16_t* dh, const 
 // AdamW on one tensor (decoupled weight decay, bias corrections passed in):
 //  m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 //  p -= lr * ( (m/bc1) / (sqrt(v/bc2) + eps) + wd * p )
+// with g read as g * gscale (optim_kernels.h: the clip factor without a pass over the gradients).
 template <class T>
 void adamw_update(T* p, const T* g, T* m, T* v, size_t n, T lr, T b1, T b2, T eps, T wd, T bc1,
-                  T bc2);
+                  T bc2, T gscale = T(1));
 
 // ---------------------------------------------------------------------------------------------
 // Recipe switches in attention and norms (RECIPE.md section 2); code in attn_switch_kernels.cpp.

@@ -71,13 +71,13 @@ void mirror_upper(T* S, int m) {
 }  // namespace
 
 template <class T>
-double adam_moments(T* m, T* v, const T* g, size_t n, T b1, T b2, T bc1, T bc2, T eps) {
+double adam_moments(T* m, T* v, const T* g, size_t n, T b1, T b2, T bc1, T bc2, T eps, T gscale) {
   const T inv_bc1 = T(1) / bc1, inv_bc2 = T(1) / bc2;
   return chunked_sum(n, [&](size_t lo, size_t hi) {
     double acc = 0;
 #pragma omp simd reduction(+ : acc)
     for (size_t i = lo; i < hi; ++i) {
-      const T gi = g[i];
+      const T gi = g[i] * gscale;
       const T mi = b1 * m[i] + (T(1) - b1) * gi;
       const T vi = b2 * v[i] + (T(1) - b2) * gi * gi;
       m[i] = mi;
@@ -106,12 +106,32 @@ double adam_apply(T* w, const T* m, const T* v, size_t n, T bc1, T bc2, T eps, T
 }
 
 template <class T>
-void muon_momentum(T* B, T* D, const T* G, size_t n, T mu) {
+void muon_momentum(T* B, T* D, const T* G, size_t n, T mu, T gscale) {
+  if (gscale == T(1)) {
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
-  for (size_t i = 0; i < n; ++i) {
-    const T b = mu * B[i] + G[i];
-    B[i] = b;
-    D[i] = G[i] + mu * b;
+    for (size_t i = 0; i < n; ++i) {
+      const T b = mu * B[i] + G[i];
+      B[i] = b;
+      D[i] = G[i] + mu * b;
+    }
+    return;
+  }
+  // The scaled gradient goes through a small buffer: G * gscale feeds an addition here, which the
+  // compiler would contract into one FMA (rounding the product away), while the promise is the
+  // bits of a gradient scaled in memory first (the clip pass this replaces; rounded, then added).
+  constexpr size_t kBlock = 1024;
+  const size_t nblocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (size_t blk = 0; blk < nblocks; ++blk) {
+    T gs[kBlock];
+    const size_t lo = blk * kBlock, m = std::min(kBlock, n - lo);
+    for (size_t j = 0; j < m; ++j) gs[j] = G[lo + j] * gscale;
+#pragma omp simd
+    for (size_t j = 0; j < m; ++j) {
+      const T b = mu * B[lo + j] + gs[j];
+      B[lo + j] = b;
+      D[lo + j] = gs[j] + mu * b;
+    }
   }
 }
 
@@ -178,9 +198,9 @@ void newton_schulz5(T* X, int rows, int cols, T* work) {
 }
 
 #define LADDER_INSTANTIATE(T)                                                              \
-  template double adam_moments<T>(T*, T*, const T*, size_t, T, T, T, T, T);                \
+  template double adam_moments<T>(T*, T*, const T*, size_t, T, T, T, T, T, T);             \
   template double adam_apply<T>(T*, const T*, const T*, size_t, T, T, T, T);               \
-  template void muon_momentum<T>(T*, T*, const T*, size_t, T);                             \
+  template void muon_momentum<T>(T*, T*, const T*, size_t, T, T);                          \
   template double axpy_sumsq<T>(T*, const T*, size_t, T);                                  \
   template void newton_schulz5<T>(T*, int, int, T*);
 

@@ -10,11 +10,15 @@
 
 namespace ladder::cpu {
 
+// gscale (adam_moments, muon_momentum; kernels.h's adamw_update): every gradient element is read as
+// g * gscale, one product in T, which is bitwise what scaling the gradient in memory first gave
+// (the global clip factor without a pass over the gradients; 1 leaves g exactly as it is).
+
 // Adam moments and the squared norm of Adam's direction, without storing the direction:
 //   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;   returns sum_i U_i^2,
 //   U = (m/bc1) / (sqrt(v/bc2) + eps)   (bias corrections bc = 1 - b^t passed in).
 template <class T>
-double adam_moments(T* m, T* v, const T* g, size_t n, T b1, T b2, T bc1, T bc2, T eps);
+double adam_moments(T* m, T* v, const T* g, size_t n, T b1, T b2, T bc1, T bc2, T eps, T gscale = T(1));
 
 // w += alpha * U with U recomputed from (m, v) as above; returns ||w||^2 after the update.
 // (Recomputing U costs one sqrt per element and saves a tensor-sized scratch buffer.)
@@ -23,7 +27,7 @@ double adam_apply(T* w, const T* m, const T* v, size_t n, T bc1, T bc2, T eps, T
 
 // Muon's Nesterov momentum: B = mu B + G; D = G + mu B (with the new B).
 template <class T>
-void muon_momentum(T* B, T* D, const T* G, size_t n, T mu);
+void muon_momentum(T* B, T* D, const T* G, size_t n, T mu, T gscale = T(1));
 
 // w += alpha * x; returns ||w||^2 after the update.
 template <class T>

@@ -85,6 +85,7 @@ class CudaBackendImpl final : public CudaBackend {
   bool tf32() const override { return opt_.tf32; }
   bool bf16() const override { return opt_.bf16; }
   uint64_t bf16_cast_reuses() const override { return cast_reuses_; }
+  uint64_t bf16_mirror_casts() const override { return mirror_casts_; }
   // Events on the backend's stream around each op: the device's time per op without a host wait
   // per op (the events are recycled at each take_totals).
   class StreamOpTimer final : public OpTimer {
@@ -793,26 +794,46 @@ class CudaBackendImpl final : public CudaBackend {
   // The no-wait optimizer ops. The multi-tensor ones run on a device table of segments (OptSeg)
   // built from the descriptor list on its first use and kept: the optimizer passes the same list
   // every step, so a step uploads nothing (its learning rates travel as kernel arguments).
+  // AdamW also writes the bf16 mirror's copy of every weight it updates where the weights are
+  // mirrored and the mirror is allocated, so those writes leave the mirror as valid as it was (an
+  // AdamW step over the whole arena keeps it valid: the next step's bf16 GEMMs re-cast nothing).
   void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups, float b1,
-                   float b2, float eps, float bc1, float bc2) override {
+                   float b2, float eps, float bc1, float bc2, const float* grad_factor) override {
     if (!count) return;
-    OptimTable& tb = optim_table(t, count, false, ngroups);
+    w16_.resize(count);
+    for (size_t i = 0; i < count; ++i) w16_[i] = mirror_copy(t[i].w, t[i].n);
+    OptimTable& tb = optim_table(t, count, TableKind::AdamW, ngroups, w16_.data());
     k::OptGroupScalars gs{};
     for (int i = 0; i < ngroups; ++i) gs.lr[i] = lr[i], gs.wd[i] = wd[i];
-    for (size_t i = 0; i < count; ++i) touch(t[i].w);
-    check(k::adamw_multi(tb.segs.data(), tb.block_seg.data(), tb.nblocks, gs, b1, b2, eps, bc1, bc2, st_),
+    for (size_t i = 0; i < count; ++i) w16_[i] ? note_write() : touch(t[i].w);
+    check(k::adamw_multi(tb.segs.data(), tb.block_seg.data(), tb.nblocks, gs, b1, b2, eps, bc1, bc2, grad_factor,
+                         st_),
           "adamw_multi");
   }
   void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2, float eps,
-                   float bc1, float bc2) override {
+                   float bc1, float bc2, const float* grad_factor) override {
     if (!count) return;
-    OptimTable& tb = optim_table(t, count, true, ngroups);
+    OptimTable& tb = optim_table(t, count, TableKind::AdamH, ngroups, nullptr);
     k::OptGroupLr glr{};
     for (int i = 0; i < ngroups; ++i) glr.lr[i] = lr[i];
     for (size_t i = 0; i < count; ++i) touch(t[i].w);
     check(k::adamh_multi(tb.segs.data(), tb.nseg, tb.block_seg.data(), tb.nblocks, glr, b1, b2, eps, bc1, bc2,
-                         tb.partials.data(), tb.sums.data(), tb.scal.data(), st_),
+                         grad_factor, tb.partials.data(), tb.sums.data(), tb.scal.data(), st_),
           "adamh_multi");
+  }
+  // The per-tensor sums of squares on the same segment tables (one segment per tensor, its g the
+  // tensor): two launches for all of them instead of two per tensor.
+  void sum_squares_multi(const float* const* x, const size_t* n, size_t count, double* out) override {
+    if (!count) return;
+    ssq_list_.resize(count);
+    for (size_t i = 0; i < count; ++i) {
+      ssq_list_[i] = OptimTensor{};
+      ssq_list_[i].g = x[i], ssq_list_[i].n = n[i];
+    }
+    OptimTable& tb = optim_table(ssq_list_.data(), count, TableKind::SumSquares, 1, nullptr);
+    check(k::sum_squares_multi(tb.segs.data(), tb.nseg, tb.block_seg.data(), tb.nblocks, tb.partials.data(), out,
+                               st_),
+          "sum_squares_multi");
   }
   void muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr) override {
     touch(w);
@@ -835,13 +856,9 @@ class CudaBackendImpl final : public CudaBackend {
   void grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor) override {
     check(k::grad_clip_factor(sums, count, clip, norm, factor, st_), "grad_clip_factor");
   }
-  void scale_by_device_factor(float* x, const float* factor, size_t n) override {
-    touch(x);
-    check(k::scale_by_device_factor(x, factor, n, st_), "scale_by_device_factor");
-  }
-  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu) override {
+  void muon_momentum(float* B, float* D, const float* G, size_t n, float mu, const float* grad_factor) override {
     touch(B);
-    check(k::muon_momentum(B, D, G, n, mu, st_), "muon_momentum");
+    check(k::muon_momentum(B, D, G, n, mu, grad_factor, st_), "muon_momentum");
   }
   // cpu::newton_schulz5's math on the device, nothing waiting: the norm is summed on the device and
   // applied by a kernel reading that sum. Wide matrices (rows <= cols) iterate on X [m, n] with
@@ -968,6 +985,14 @@ class CudaBackendImpl final : public CudaBackend {
     if (mirrors_.empty() || !p) return;
     if (Mirror* m = mirror_of(p)) m->valid = false;
   }
+  // Where the `count` floats at w lie inside registered weights whose mirror is allocated: their place
+  // in the mirror (an op that writes w may write its bf16 there too, and then leave `valid` as it
+  // is); else nullptr.
+  uint16_t* mirror_copy(const float* w, size_t count) {
+    Mirror* m = mirror_of(w);
+    if (!m || !m->bf16.data() || reinterpret_cast<const char*>(w + count) > m->base + m->bytes) return nullptr;
+    return m->bf16.data() + (reinterpret_cast<const char*>(w) - m->base) / sizeof(float);
+  }
   // The bf16 copy of the `count` floats at X, if X lies inside registered weights; else nullptr.
   const uint16_t* mirrored(const float* X, size_t count) {
     Mirror* m = mirror_of(X);
@@ -977,6 +1002,7 @@ class CudaBackendImpl final : public CudaBackend {
       m->bf16.reserve(n, "bf16 weight mirror");
       check(k::f32_to_bf16(m->bf16.data(), reinterpret_cast<const float*>(m->base), n, st_), "bf16 weight mirror");
       m->valid = true;
+      ++mirror_casts_;
     }
     return m->bf16.data() + (reinterpret_cast<const char*>(X) - m->base) / sizeof(float);
   }
@@ -1054,23 +1080,31 @@ class CudaBackendImpl final : public CudaBackend {
     optim_scratch_.reserve(optim_partials_count() + 2, "optimizer reduction scratch");
     return optim_scratch_.data();
   }
-  // A multi-tensor op's device table: segments (a tensor for AdamW, a matrix for AdamH), the segment
-  // of every block, and the per-block partials / per-segment sums and scalars of AdamH.
+  // A multi-tensor op's device table: segments (a tensor for AdamW and the sums of squares, a matrix
+  // for AdamH), the segment of every block, the per-block partials (AdamH, sums of squares) and
+  // AdamH's per-segment sums and scalars.
+  enum class TableKind { AdamW, AdamH, SumSquares };
   struct OptimTable {
     std::vector<OptimTensor> key;  // the descriptor list it was built from
-    bool hyper = false;
+    std::vector<uint16_t*> w16;    // AdamW: the mirror copies it was built with (empty: none)
+    TableKind kind = TableKind::AdamW;
     int nseg = 0, nblocks = 0;
     DeviceBuffer<k::OptSeg> segs;
     DeviceBuffer<int> block_seg;
     DeviceBuffer<double> partials, sums;
     DeviceBuffer<float> scal;
   };
-  OptimTable& optim_table(const OptimTensor* t, size_t count, bool hyper, int ngroups) {
+  // w16: AdamW's mirror copy of each tensor (count pointers, nullptr where none), or nullptr.
+  OptimTable& optim_table(const OptimTensor* t, size_t count, TableKind kind, int ngroups, uint16_t* const* w16) {
     if (ngroups > k::kOptMaxGroups)
       fail("multi-tensor optimizer step on CUDA: {} parameter groups, at most {} supported", ngroups,
            k::kOptMaxGroups);
+    const bool hyper = kind == TableKind::AdamH;
+    std::vector<uint16_t*> w16v;
+    if (w16 && std::any_of(w16, w16 + count, [](uint16_t* p) { return p != nullptr; })) w16v.assign(w16, w16 + count);
     for (auto& tb : optim_tables_)
-      if (tb->hyper == hyper && tb->key.size() == count && std::equal(tb->key.begin(), tb->key.end(), t))
+      if (tb->kind == kind && tb->key.size() == count && std::equal(tb->key.begin(), tb->key.end(), t) &&
+          tb->w16 == w16v)
         return *tb;
     // A new list (in training: once per op, at the first step). Bounded, in case a caller passes a
     // different list every call: the oldest table goes (after the stream is done with it).
@@ -1080,15 +1114,17 @@ class CudaBackendImpl final : public CudaBackend {
     }
     auto tb = std::make_unique<OptimTable>();
     tb->key.assign(t, t + count);
-    tb->hyper = hyper;
+    tb->w16 = w16v;
+    tb->kind = kind;
     const size_t chunk = k::optim_multi_chunk();
     std::vector<k::OptSeg> segs;
     std::vector<int> block_seg;
-    auto add = [&](float* w, const float* g, float* m, float* v, size_t n, const float* radius, int group) {
+    auto add = [&](float* w, const float* g, float* m, float* v, size_t n, const float* radius, int group,
+                   uint16_t* w16_seg) {
       const size_t nb = std::max<size_t>(1, (n + chunk - 1) / chunk);
       if (block_seg.size() + nb > size_t(std::numeric_limits<int>::max()))
         fail("multi-tensor optimizer step on CUDA: more than 2^31 blocks");
-      k::OptSeg s{w, g, m, v, n, radius, group, int(block_seg.size()), int(nb)};
+      k::OptSeg s{w, g, m, v, n, radius, group, int(block_seg.size()), int(nb), w16_seg};
       block_seg.insert(block_seg.end(), nb, int(segs.size()));
       segs.push_back(s);
     };
@@ -1096,7 +1132,7 @@ class CudaBackendImpl final : public CudaBackend {
       const OptimTensor& x = t[i];
       if (x.group < 0 || x.group >= ngroups) fail("multi-tensor optimizer step: group {} of {}", x.group, ngroups);
       if (!hyper) {
-        add(x.w, x.g, x.m, x.v, x.n, nullptr, x.group);
+        add(x.w, x.g, x.m, x.v, x.n, nullptr, x.group, w16v.empty() ? nullptr : w16v[i]);
         continue;
       }
       if (x.nmat <= 0 || x.n % size_t(x.nmat) != 0 || !x.radius)
@@ -1104,7 +1140,7 @@ class CudaBackendImpl final : public CudaBackend {
       const size_t mn = x.n / size_t(x.nmat);
       for (int64_t e = 0; e < x.nmat; ++e) {
         const size_t off = size_t(e) * mn;
-        add(x.w + off, x.g + off, x.m + off, x.v + off, mn, x.radius + e, x.group);
+        add(x.w + off, x.g + off, x.m + off, x.v + off, mn, x.radius + e, x.group, nullptr);
       }
     }
     tb->nseg = int(segs.size());
@@ -1113,6 +1149,7 @@ class CudaBackendImpl final : public CudaBackend {
     tb->segs.upload(segs);
     tb->block_seg = DeviceBuffer<int>(block_seg.size(), "optimizer block table");
     tb->block_seg.upload(block_seg);
+    if (kind == TableKind::SumSquares) tb->partials = DeviceBuffer<double>(block_seg.size(), "sum of squares partials");
     if (hyper) {
       tb->partials = DeviceBuffer<double>(block_seg.size(), "adamh partial sums");
       tb->sums = DeviceBuffer<double>(2 * segs.size(), "adamh norms");
@@ -1199,6 +1236,7 @@ class CudaBackendImpl final : public CudaBackend {
   uint64_t writes_ = 0;     // ops other than a bf16 GEMM's own steps (see CastCache)
   bool in_gemm_ = false;    // inside gemm(): its own cast, touch and post do not count
   uint64_t cast_reuses_ = 0;
+  uint64_t mirror_casts_ = 0;
   void note_write() {
     if (!in_gemm_) ++writes_;
   }
@@ -1211,7 +1249,9 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<float> float_scratch_;
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
   DeviceBuffer<double> optim_scratch_;  // optim_partials()
-  std::vector<std::unique_ptr<OptimTable>> optim_tables_;  // adamw_multi / adamh_multi tables
+  std::vector<std::unique_ptr<OptimTable>> optim_tables_;  // adamw_multi / adamh_multi / sum_squares_multi tables
+  std::vector<uint16_t*> w16_;                              // adamw_multi: this call's mirror copies
+  std::vector<OptimTensor> ssq_list_;                       // sum_squares_multi: this call's list
   DeviceBuffer<float> ns_work_;         // newton_schulz5: Y, A, P (per matrix of a chunk)
   DeviceBuffer<uint16_t> ns_work16_;    // newton_schulz5 under bf16 GEMMs: bf16 iterate, A, P
   DeviceBuffer<double> ns_sums_;        // newton_schulz5: per-matrix norms, then their partials

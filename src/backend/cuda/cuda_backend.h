@@ -56,6 +56,9 @@ class CudaBackend : public Backend {
   // bf16 GEMMs: how many operand casts were reused from the previous GEMM instead of redone (the
   // cast cache of cuda_backend.cpp), for tests and profiling.
   virtual uint64_t bf16_cast_reuses() const = 0;
+  // How many times the bf16 mirror of registered weights was re-cast (after a write into them that
+  // did not also write the mirror: adamw_multi writes both), for tests.
+  virtual uint64_t bf16_mirror_casts() const = 0;
   // Waits for the stream; an asynchronous fault inside a kernel becomes a ladder::Error here.
   // (Backend::synchronize.) softmax_xent_async, softmax_xent_forward_async and sum_squares_async
   // (Backend) write their sums to device memory and do not wait.

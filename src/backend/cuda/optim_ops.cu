@@ -109,9 +109,13 @@ __global__ void axpy_sumsq_kernel(float* w, const float* x, size_t n, float alph
   axpy_sumsq_block(w, x, n, alpha, partials);
 }
 
-__global__ void muon_momentum_kernel(float* B, float* D, const float* G, size_t n, float mu) {
+// A gradient factor from device memory (the clip factor), or 1: g * 1 is g exactly.
+__device__ __forceinline__ float grad_factor_of(const float* f) { return f ? *f : 1.f; }
+
+__global__ void muon_momentum_kernel(float* B, float* D, const float* G, size_t n, float mu, const float* gfac) {
+  const float f = grad_factor_of(gfac);
   LADDER_GRID_STRIDE(i, n) {
-    const float gi = G[i];
+    const float gi = G[i] * f;
     const float b = mu * B[i] + gi;
     B[i] = b;
     D[i] = gi + mu * b;  // Nesterov: the gradient plus the new momentum
@@ -148,26 +152,37 @@ __device__ __forceinline__ void chunk_of(const OptSeg& s, size_t& lo, size_t& hi
 // std::max(a, b) as the host code wrote it (a NaN `a` passes through, where fmax would drop it).
 __device__ __forceinline__ double host_max(double a, double b) { return a < b ? b : a; }
 
+// ops.cu's adamw_kernel element for element, the gradient times the clip factor (one float product,
+// as cpu::adamw_update's gscale), and where the segment has a bf16 mirror the new weight's bf16
+// (round to nearest even, f32_to_bf16's rounding): 2 bytes more per element written here saves the
+// mirror's re-cast (4 read + 2 written) before the next step's first bf16 GEMM.
 __global__ void adamw_multi_kernel(const OptSeg* segs, const int* block_seg, OptGroupScalars gs, float b1, float b2,
-                                   float eps, float inv_bc1, float inv_bc2) {
+                                   float eps, float inv_bc1, float inv_bc2, const float* gfac) {
   const OptSeg s = segs[block_seg[blockIdx.x]];
   size_t lo, hi;
   chunk_of(s, lo, hi);
-  const float lr = gs.lr[s.group], wd = gs.wd[s.group];
+  const float lr = gs.lr[s.group], wd = gs.wd[s.group], f = grad_factor_of(gfac);
   float *p = s.w, *m = s.m, *v = s.v;
   const float* g = s.g;
-  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x)  // ops.cu's adamw_kernel, element for element
-    adamw_element(p[i], m[i], v[i], g[i], lr, b1, b2, eps, wd, inv_bc1, inv_bc2);
+  __nv_bfloat16* w16 = reinterpret_cast<__nv_bfloat16*>(s.w16);
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    adamw_element(pi, mi, vi, g[i] * f, lr, b1, b2, eps, wd, inv_bc1, inv_bc2);
+    p[i] = pi, m[i] = mi, v[i] = vi;
+    if (w16) store_rn(w16[i], pi);
+  }
 }
 
 __global__ void adamh_moments_multi_kernel(const OptSeg* segs, const int* block_seg, float b1, float b2,
-                                           float inv_bc1, float inv_bc2, float eps, double* partials) {
+                                           float inv_bc1, float inv_bc2, float eps, const float* gfac,
+                                           double* partials) {
   const OptSeg s = segs[block_seg[blockIdx.x]];
   size_t lo, hi;
   chunk_of(s, lo, hi);
+  const float f = grad_factor_of(gfac);
   double acc = 0.0;
   for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const float gi = s.g[i];
+    const float gi = s.g[i] * f;
     const float mi = b1 * s.m[i] + (1.f - b1) * gi;
     const float vi = b2 * s.v[i] + (1.f - b2) * gi * gi;
     s.m[i] = mi;
@@ -210,6 +225,25 @@ __global__ void seg_finish_kernel(const OptSeg* segs, const double* partials, bo
     const double R = *s.radius;
     scal[blockIdx.x] = step ? float(-glr.lr[s.group] * R / host_max(sqrt(acc), 1e-10)) : float(R / sqrt(acc));
   }
+}
+
+// The multi-tensor sum of squares (of each segment's g): one partial per chunk, then per segment.
+__global__ void seg_sumsq_kernel(const OptSeg* segs, const int* block_seg, double* partials) {
+  const OptSeg s = segs[block_seg[blockIdx.x]];
+  size_t lo, hi;
+  chunk_of(s, lo, hi);
+  double acc = 0.0;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) acc += double(s.g[i]) * double(s.g[i]);
+  store_block_partial(acc, partials);
+}
+
+__global__ void seg_sum_kernel(const OptSeg* segs, const double* partials, double* sums) {
+  __shared__ double red[32];
+  const OptSeg s = segs[blockIdx.x];
+  double acc = 0.0;
+  for (int j = threadIdx.x; j < s.nblocks; j += blockDim.x) acc += partials[s.first_block + j];
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) sums[blockIdx.x] = acc;
 }
 
 __global__ void seg_scale_kernel(const OptSeg* segs, const int* block_seg, const float* factor) {
@@ -256,11 +290,6 @@ __global__ void grad_clip_factor_kernel(const double* sums, size_t count, double
   *factor = clip > 0 && nm > clip ? float(clip / (nm + 1e-6)) : 1.0f;
 }
 
-__global__ void scale_by_device_factor_kernel(float* x, size_t n, const float* factor) {
-  const float f = *factor;
-  if (f == 1.0f) return;  // no clipping this step: leave the gradients untouched (and unread)
-  LADDER_GRID_STRIDE(i, n) x[i] *= f;
-}
 
 // ---- batches of equally shaped matrices (Muon / MuonH over an expert stack) --------------------
 //
@@ -378,9 +407,10 @@ cudaError_t adam_apply(float* w, const float* m, const float* v, size_t n, float
   return cudaGetLastError();
 }
 
-cudaError_t muon_momentum(float* B, float* D, const float* G, size_t n, float mu, cudaStream_t st) {
+cudaError_t muon_momentum(float* B, float* D, const float* G, size_t n, float mu, const float* grad_factor,
+                          cudaStream_t st) {
   if (!n) return cudaSuccess;
-  muon_momentum_kernel<<<grid_for(n), kThreads, 0, st>>>(B, D, G, n, mu);
+  muon_momentum_kernel<<<grid_for(n), kThreads, 0, st>>>(B, D, G, n, mu, grad_factor);
   return cudaGetLastError();
 }
 
@@ -408,18 +438,30 @@ cudaError_t ns_poly_init(float* P, const float* A, int m, float a, float b, cuda
 size_t optim_multi_chunk() { return kChunk; }
 
 cudaError_t adamw_multi(const OptSeg* segs, const int* block_seg, int nblocks, const OptGroupScalars& gs, float b1,
-                        float b2, float eps, float bc1, float bc2, cudaStream_t st) {
+                        float b2, float eps, float bc1, float bc2, const float* grad_factor, cudaStream_t st) {
   if (nblocks <= 0) return cudaSuccess;
-  adamw_multi_kernel<<<nblocks, kThreads, 0, st>>>(segs, block_seg, gs, b1, b2, eps, 1.f / bc1, 1.f / bc2);
+  adamw_multi_kernel<<<nblocks, kThreads, 0, st>>>(segs, block_seg, gs, b1, b2, eps, 1.f / bc1, 1.f / bc2,
+                                                   grad_factor);
+  return cudaGetLastError();
+}
+
+cudaError_t sum_squares_multi(const OptSeg* segs, int nseg, const int* block_seg, int nblocks, double* partials,
+                              double* sums, cudaStream_t st) {
+  if (nseg <= 0 || nblocks <= 0) return cudaSuccess;
+  seg_sumsq_kernel<<<nblocks, kThreads, 0, st>>>(segs, block_seg, partials);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  seg_sum_kernel<<<nseg, kThreads, 0, st>>>(segs, partials, sums);
   return cudaGetLastError();
 }
 
 cudaError_t adamh_multi(const OptSeg* segs, int nseg, const int* block_seg, int nblocks, const OptGroupLr& glr,
-                        float b1, float b2, float eps, float bc1, float bc2, double* partials, double* sums, float* scal,
-                        cudaStream_t st) {
+                        float b1, float b2, float eps, float bc1, float bc2, const float* grad_factor, double* partials,
+                        double* sums, float* scal, cudaStream_t st) {
   if (nseg <= 0 || nblocks <= 0) return cudaSuccess;
   const float inv_bc1 = 1.f / bc1, inv_bc2 = 1.f / bc2;
-  adamh_moments_multi_kernel<<<nblocks, kThreads, 0, st>>>(segs, block_seg, b1, b2, inv_bc1, inv_bc2, eps, partials);
+  adamh_moments_multi_kernel<<<nblocks, kThreads, 0, st>>>(segs, block_seg, b1, b2, inv_bc1, inv_bc2, eps,
+                                                           grad_factor, partials);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   seg_finish_kernel<<<nseg, kThreads, 0, st>>>(segs, partials, true, glr, sums, scal);
@@ -509,10 +551,5 @@ cudaError_t grad_clip_factor(const double* sums, size_t count, double clip, doub
   return cudaGetLastError();
 }
 
-cudaError_t scale_by_device_factor(float* x, const float* factor, size_t n, cudaStream_t st) {
-  if (!n) return cudaSuccess;
-  scale_by_device_factor_kernel<<<grid_for(n), kThreads, 0, st>>>(x, n, factor);
-  return cudaGetLastError();
-}
 
 }  // namespace ladder::cuda::k

@@ -99,8 +99,10 @@ cudaError_t adam_moments(float* m, float* v, const float* g, size_t n, float b1,
 // w += alpha * U (U recomputed from m, v); *out = ||w||^2 after the update.
 cudaError_t adam_apply(float* w, const float* m, const float* v, size_t n, float bc1, float bc2, float eps,
                        float alpha, double* out, double* partials, cudaStream_t st);
-// B = mu B + G; D = G + mu B (new B).
-cudaError_t muon_momentum(float* B, float* D, const float* G, size_t n, float mu, cudaStream_t st);
+// B = mu B + G; D = G + mu B (new B), G read as G * *grad_factor where grad_factor (a device
+// float) is given (the clip factor; cpu::muon_momentum's gscale).
+cudaError_t muon_momentum(float* B, float* D, const float* G, size_t n, float mu, const float* grad_factor,
+                          cudaStream_t st);
 // w += alpha * x; *out = ||w||^2 after the update.
 cudaError_t axpy_sumsq(float* w, const float* x, size_t n, float alpha, double* out, double* partials,
                        cudaStream_t st);
@@ -130,6 +132,7 @@ struct OptSeg {
   int group;            // index into the per-group scalars
   int first_block;
   int nblocks;          // ceil(n / optim_multi_chunk()), at least 1
+  uint16_t* w16;        // AdamW: the bf16 mirror of w (bits), written with the update; or nullptr
 };
 // Per-group scalars travel as kernel arguments (no upload per step); at most this many groups.
 constexpr int kOptMaxGroups = 32;
@@ -142,16 +145,23 @@ struct OptGroupLr {
 };
 
 size_t optim_multi_chunk();
-// Every segment: cpu::adamw_update's arithmetic with lr/wd of its group. One launch.
+// Every segment: cpu::adamw_update's arithmetic with lr/wd of its group, g read as g * *grad_factor
+// where grad_factor is given; where a segment has w16, the updated w rounded to bf16 (nearest even,
+// as f32_to_bf16) is stored there too. One launch.
 cudaError_t adamw_multi(const OptSeg* segs, const int* block_seg, int nblocks, const OptGroupScalars& gs, float b1,
-                        float b2, float eps, float bc1, float bc2, cudaStream_t st);
+                        float b2, float eps, float bc1, float bc2, const float* grad_factor, cudaStream_t st);
 // AdamH over every segment (matrix), all scalars on the device:
 //   moments (per-block partials of sum U^2) -> uu[s] = sum of partials, alpha[s] = float(-lr R / max(sqrt uu, 1e-10))
 //   apply w += alpha U (partials of ||w||^2) -> ww[s], factor[s] = float(R / sqrt ww) -> w *= factor.
 // partials: nblocks doubles; sums: 2 nseg doubles (uu then ww); scal: 2 nseg floats (alpha then factor).
+// g read as g * *grad_factor where grad_factor is given.
 cudaError_t adamh_multi(const OptSeg* segs, int nseg, const int* block_seg, int nblocks, const OptGroupLr& glr,
-                        float b1, float b2, float eps, float bc1, float bc2, double* partials, double* sums, float* scal,
-                        cudaStream_t st);
+                        float b1, float b2, float eps, float bc1, float bc2, const float* grad_factor, double* partials,
+                        double* sums, float* scal, cudaStream_t st);
+// sums[s] = ||g of segment s||^2 (double) for every segment (one per tensor): the chunks' partials
+// (nblocks doubles) summed per segment in a fixed tree. Two launches.
+cudaError_t sum_squares_multi(const OptSeg* segs, int nseg, const int* block_seg, int nblocks, double* partials,
+                              double* sums, cudaStream_t st);
 // MuonH's projection of one matrix: xx = ||D||^2, alpha = float(-lr R / max(sqrt xx, 1e-10)) with R = *radius,
 // w += alpha D with ww = ||w||^2, w *= float(R / sqrt ww). sums: 2 doubles (xx, ww); partials as above.
 cudaError_t muonh_apply(float* w, const float* D, size_t n, const float* radius, double lr, double* sums,
@@ -181,7 +191,5 @@ cudaError_t axpy(float* w, const float* x, size_t n, float alpha, cudaStream_t s
 // float(clip / (norm + 1e-6)) : 1.
 cudaError_t grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor,
                              cudaStream_t st);
-// x *= *factor (device float); nothing is written where it is 1.
-cudaError_t scale_by_device_factor(float* x, const float* factor, size_t n, cudaStream_t st);
 
 }  // namespace ladder::cuda::k

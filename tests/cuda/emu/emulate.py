@@ -41,7 +41,7 @@ GRID_STRIDE = {
                       "head_gate_fwd_kernel", "head_gate_bwd_kernel", "silu_fwd_kernel", "silu_bwd_kernel",
                       "sigmoid_gate_fwd_kernel", "sigmoid_gate_bwd_kernel"],
     "optim_ops.cu": ["muon_momentum_kernel", "scale_by_inv_norm_kernel", "ns_poly_init_kernel", "axpy_kernel",
-                     "scale_to_radius_kernel", "scale_by_device_factor_kernel", "batch_ns_poly_init_kernel"],
+                     "scale_to_radius_kernel", "batch_ns_poly_init_kernel"],
     # moe_ops.cu: not listed, on purpose: radix_select_kernel (one block per column),
     # row_tile_prefix_kernel (one block), grouped_wgrad_kernel (one block per tile, no stride),
     # capacity_overflow_kernel (one warp).

@@ -568,7 +568,7 @@ TEST_F(CudaEmu, MuonMomentumAxpySumsqNewtonSchulzPieces) {
   auto B = randv(n), Br = B, D = poisoned(n), w = randv(n), wr = w;
   const auto G = randv(n), x = randv(n);
   std::vector<float> Dr(n);
-  ok(k::muon_momentum(B.data(), D.data(), G.data(), n, 0.95f, nullptr), "muon");
+  ok(k::muon_momentum(B.data(), D.data(), G.data(), n, 0.95f, nullptr, nullptr), "muon");
   cpu::muon_momentum<float>(Br.data(), Dr.data(), G.data(), n, 0.95f);
   check(B, Br, kF32, "muon_momentum B");
   check(D, Dr, kF32, "muon_momentum D");
