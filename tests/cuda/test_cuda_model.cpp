@@ -468,17 +468,20 @@ TEST_F(CudaModel, FiftyMuonHStepsFollowTheCpu) {
 }
 
 // run.precision bf16 (bf16 GEMMs reading the weights' bf16 mirror, tensor-core attention where the
-// head size allows; every other op fp32): 30 AdamW steps on one repeated batch, so the loss falls
-// far. It must fall like the CPU's: within 3e-2 relative per step (bf16 operands: about 4e-3 per
-// GEMM, compounding over layers and steps) and by at least 90% as much overall. A mirror that were
-// not re-cast after the optimizer's updates would leave the GPU on its initial weights: no descent.
+// head size allows; every other op fp32): 30 steps on one repeated batch, so the loss falls far.
+// It must fall like the CPU's: within 3e-2 relative per step (bf16 operands: about 4e-3 per GEMM,
+// compounding over layers and steps) and by at least 90% as much overall. A mirror that were not
+// kept current by the optimizer's updates (they write it in their last pass: AdamW here, and
+// AdamH, MuonH and Adam in the MuonH run) would leave the GPU on stale weights: no descent.
 TEST_F(CudaModel, Bf16StepsFollowTheCpuAndTheWeightMirrorTracksUpdates) {
   Config moe16 = moe_config();  // and with the experts' tensors in bf16 (bf16 grouped-GEMM operands and outputs)
   moe16.model.moe_bf16 = true;
   Config all16 = switches_config();  // every bf16 activation option: bf16 q/k/v into the tensor-core attention
   all16.model.attn_bf16 = all16.model.norm_bf16 = all16.model.mlp_bf16 = true;
-  for (Config c : {dense_config(), moe_config(), moe16, all16}) {
-    c.optim.name = "adamw";
+  std::vector<Config> runs = {dense_config(), moe_config(), moe16, all16, moe_config()};
+  for (Config& c : runs) c.optim.name = "adamw";
+  runs.back().optim.name = "muonh";  // MuonH on the expert stacks and attention, AdamH on the head, Adam elsewhere
+  for (Config c : runs) {
     c.run.steps = 30;
     c.model.head_dim = 64;  // the tensor-core attention's head sizes are 64 and 128
     validate(c);
@@ -505,10 +508,11 @@ TEST_F(CudaModel, Bf16StepsFollowTheCpuAndTheWeightMirrorTracksUpdates) {
       worst = std::max(worst, std::fabs(lg - lc) / lc);
       ASSERT_TRUE(std::isfinite(lg)) << "step " << t;
     }
-    const std::string tag = c.model.attn_bf16 ? "switches+all-bf16"
-                            : c.model.moe_bf16 ? "moe+moe_bf16"
-                            : c.model.moe()    ? "moe"
-                                               : "dense";
+    const std::string tag = c.optim.name == "muonh" ? "moe+muonh"
+                            : c.model.attn_bf16    ? "switches+all-bf16"
+                            : c.model.moe_bf16     ? "moe+moe_bf16"
+                            : c.model.moe()        ? "moe"
+                                                   : "dense";
     std::printf("[ step     ] bf16 %s loss %.4f -> %.4f (cpu %.4f -> %.4f)\n", tag.c_str(), first_g, last_g, first_c,
                 last_c);
     print_err("bf16 " + tag + " 30-step loss (worst step)", worst);

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <utility>
@@ -591,11 +592,12 @@ TEST_F(CudaSwitchOptim, SumSquaresMultiMatchesTheCpu) {
   for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-12 * want[4 + i]) << "sublist tensor " << i;
 }
 
-// Under bf16 precision adamw_multi writes the bf16 mirror of the registered weights it updates: the
-// next bf16 GEMM reads the mirror without re-casting it, and gets bitwise what the same updated
-// weights give from an unregistered copy (a fresh cast). AdamH (which rescales after the update)
-// does not write the mirror: the next GEMM re-casts.
-TEST_F(CudaSwitchOptim, AdamWMultiKeepsTheWeightMirrorCurrent) {
+// Under bf16 precision the optimizer's weight updates (adamw_multi, adamh_multi,
+// muonh_apply_batched, axpy) write the bf16 mirror of the registered weights they update: the next
+// bf16 GEMM reads the mirror without re-casting it, and gets bitwise what the same updated weights
+// give from an unregistered copy (a fresh cast). An op that writes the weights alone (muonh_apply,
+// not used by the optimizer) leaves the mirror to be re-cast.
+TEST_F(CudaSwitchOptim, OptimizerUpdatesKeepTheWeightMirrorCurrent) {
   auto bf = make_cuda_backend("bf16");
   auto* cb = dynamic_cast<cuda::CudaBackend*>(bf.get());
   ASSERT_NE(cb, nullptr);
@@ -609,7 +611,7 @@ TEST_F(CudaSwitchOptim, AdamWMultiKeepsTheWeightMirrorCurrent) {
   auto X = up(randv(size_t(M) * K));
   float* w1 = W.data();
   float* w2 = W.data() + wn + gap;
-  auto gemm_pair = [&](const char* what) {
+  auto gemm_pair = [&](const std::string& what) {
     // Both matrices through the mirror, and again through a plain copy of the same weights.
     const auto cur = W.download();
     Wc.upload(cur);
@@ -624,27 +626,39 @@ TEST_F(CudaSwitchOptim, AdamWMultiKeepsTheWeightMirrorCurrent) {
   };
   gemm_pair("before any step");  // casts the mirror once
   auto g1 = up(randv(wn, -0.5f, 0.5f)), g2 = up(randv(wn, -0.5f, 0.5f));
-  DeviceBuffer<float> m1(wn), v1(wn), m2(wn), v2(wn), r(2);
+  DeviceBuffer<float> m1(wn), v1(wn), m2(wn), v2(wn), r(2), D(wn);
   for (auto* b : {&m1, &v1, &m2, &v2}) b->upload(std::vector<float>(wn, 0.f));
   r.upload(std::vector<float>{30.f, 30.f});
+  D.upload(randv(wn, -0.2f, 0.2f));
   const OptimTensor t[2] = {{w1, g1.data(), m1.data(), v1.data(), wn, 1, r.data(), 0},
                             {w2, g2.data(), m2.data(), v2.data(), wn, 1, r.data() + 1, 0}};
   const float lr = 1e-2f, wd = 0.1f;
+  const double lr_d = 1e-2;
   auto d_f = up(std::vector<float>{0.5f});
-  for (int step = 1; step <= 2; ++step) {
-    SCOPED_TRACE(fmt::format("adamw step {}", step));
-    const uint64_t casts = cb->bf16_mirror_casts();
-    bf->adamw_multi(t, 2, &lr, &wd, 1, 0.9f, 0.95f, 1e-8f, 0.1f * step, 0.05f * step, d_f.data());
-    gemm_pair("after adamw_multi");
-    EXPECT_EQ(cb->bf16_mirror_casts(), casts) << "adamw_multi left the mirror stale";
-  }
-  const auto gap_now = W.download();
-  EXPECT_EQ(std::memcmp(gap_now.data() + wn, w0.data() + wn, gap * sizeof(float)), 0) << "the gap was written";
+  // The two matrices are [N, K] with K > N: a batch of two for muonh_apply_batched needs them
+  // back to back, so it runs on the first matrix as a batch of one (and the second stays as it is).
+  const std::vector<std::pair<std::string, std::function<void()>>> updates = {
+      {"adamw_multi",
+       [&] { bf->adamw_multi(t, 2, &lr, &wd, 1, 0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, d_f.data()); }},
+      {"adamh_multi", [&] { bf->adamh_multi(t, 2, &lr_d, 1, 0.9f, 0.95f, 1e-8f, 0.19f, 0.1f, d_f.data()); }},
+      {"muonh_apply_batched", [&] { bf->muonh_apply_batched(w1, D.data(), wn, 1, r.data(), 0.02); }},
+      {"axpy", [&] { bf->axpy(w2, D.data(), wn, -0.03f); }},
+  };
+  for (int round = 0; round < 2; ++round)
+    for (const auto& [name, update] : updates) {
+      const uint64_t casts = cb->bf16_mirror_casts();
+      const auto before = W.download();
+      update();
+      gemm_pair("after " + name);
+      EXPECT_EQ(cb->bf16_mirror_casts(), casts) << name << " left the mirror stale";
+      EXPECT_NE(W.download(), before) << name << " changed no weight";
+    }
+  const auto now = W.download();
+  EXPECT_EQ(std::memcmp(now.data() + wn, w0.data() + wn, gap * sizeof(float)), 0) << "the gap was written";
   const uint64_t casts = cb->bf16_mirror_casts();
-  const double lr_h = 1e-2;
-  bf->adamh_multi(t, 2, &lr_h, 1, 0.9f, 0.95f, 1e-8f, 0.3f, 0.15f, nullptr);
-  gemm_pair("after adamh_multi");
-  EXPECT_EQ(cb->bf16_mirror_casts(), casts + 1) << "adamh_multi must leave the mirror to be re-cast";
+  bf->muonh_apply(w1, D.data(), wn, r.data(), 0.02);
+  gemm_pair("after muonh_apply");
+  EXPECT_EQ(cb->bf16_mirror_casts(), casts + 1) << "muonh_apply writes no mirror: the next GEMM must re-cast";
   bf->unregister_weights(W.data());
 }
 

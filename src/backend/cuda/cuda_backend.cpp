@@ -794,18 +794,16 @@ class CudaBackendImpl final : public CudaBackend {
   // The no-wait optimizer ops. The multi-tensor ones run on a device table of segments (OptSeg)
   // built from the descriptor list on its first use and kept: the optimizer passes the same list
   // every step, so a step uploads nothing (its learning rates travel as kernel arguments).
-  // AdamW also writes the bf16 mirror's copy of every weight it updates where the weights are
-  // mirrored and the mirror is allocated, so those writes leave the mirror as valid as it was (an
-  // AdamW step over the whole arena keeps it valid: the next step's bf16 GEMMs re-cast nothing).
+  // The optimizer's weight updates (adamw_multi, adamh_multi, muonh_apply_batched, axpy) also write
+  // the bf16 mirror's copy of every weight they update, in their last pass, where the weights are
+  // mirrored and the mirror is allocated; such a write leaves the mirror as valid as it was, so a
+  // whole optimizer step keeps it valid and the next step's bf16 GEMMs re-cast nothing.
   void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups, float b1,
                    float b2, float eps, float bc1, float bc2, const float* grad_factor) override {
     if (!count) return;
-    w16_.resize(count);
-    for (size_t i = 0; i < count; ++i) w16_[i] = mirror_copy(t[i].w, t[i].n);
-    OptimTable& tb = optim_table(t, count, TableKind::AdamW, ngroups, w16_.data());
+    OptimTable& tb = optim_table(t, count, TableKind::AdamW, ngroups, mirror_copies(t, count));
     k::OptGroupScalars gs{};
     for (int i = 0; i < ngroups; ++i) gs.lr[i] = lr[i], gs.wd[i] = wd[i];
-    for (size_t i = 0; i < count; ++i) w16_[i] ? note_write() : touch(t[i].w);
     check(k::adamw_multi(tb.segs.data(), tb.block_seg.data(), tb.nblocks, gs, b1, b2, eps, bc1, bc2, grad_factor,
                          st_),
           "adamw_multi");
@@ -813,10 +811,9 @@ class CudaBackendImpl final : public CudaBackend {
   void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2, float eps,
                    float bc1, float bc2, const float* grad_factor) override {
     if (!count) return;
-    OptimTable& tb = optim_table(t, count, TableKind::AdamH, ngroups, nullptr);
+    OptimTable& tb = optim_table(t, count, TableKind::AdamH, ngroups, mirror_copies(t, count));
     k::OptGroupLr glr{};
     for (int i = 0; i < ngroups; ++i) glr.lr[i] = lr[i];
-    for (size_t i = 0; i < count; ++i) touch(t[i].w);
     check(k::adamh_multi(tb.segs.data(), tb.nseg, tb.block_seg.data(), tb.nblocks, glr, b1, b2, eps, bc1, bc2,
                          grad_factor, tb.partials.data(), tb.sums.data(), tb.scal.data(), st_),
           "adamh_multi");
@@ -841,17 +838,17 @@ class CudaBackendImpl final : public CudaBackend {
     check(k::muonh_apply(w, D, n, radius, lr, partials + optim_partials_count(), partials, st_), "muonh_apply");
   }
   void muonh_apply_batched(float* w, const float* D, size_t n, int count, const float* radius, double lr) override {
-    touch(w);
-    if (count <= 0) return;
+    if (count <= 0) return touch(w);
+    uint16_t* w16 = write_with_mirror(w, n * size_t(count));
     const size_t bpm = size_t(k::batch_blocks_per_matrix(n));
     muonh_sums_.reserve(size_t(count) * (bpm + 2), "MuonH batch norms");
     double* sums = muonh_sums_.data();  // ||D_i||^2 and ||w_i||^2, then the partials
-    check(k::muonh_apply_batched(w, D, n, count, radius, lr, sums, sums + 2 * size_t(count), st_),
+    check(k::muonh_apply_batched(w, D, n, count, radius, lr, sums, sums + 2 * size_t(count), w16, st_),
           "muonh_apply_batched");
   }
   void axpy(float* w, const float* x, size_t n, float alpha) override {
-    touch(w);
-    check(k::axpy(w, x, n, alpha, st_), "axpy");
+    uint16_t* w16 = write_with_mirror(w, n);
+    check(k::axpy(w, x, n, alpha, w16, st_), "axpy");
   }
   void grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor) override {
     check(k::grad_clip_factor(sums, count, clip, norm, factor, st_), "grad_clip_factor");
@@ -993,6 +990,21 @@ class CudaBackendImpl final : public CudaBackend {
     if (!m || !m->bf16.data() || reinterpret_cast<const char*>(w + count) > m->base + m->bytes) return nullptr;
     return m->bf16.data() + (reinterpret_cast<const char*>(w) - m->base) / sizeof(float);
   }
+  // An op about to write the `count` floats at w and, where mirror_copy gives a place, their bf16
+  // there too: the place (or nullptr), after noting the write (the mirror stays as valid as it was
+  // where the op writes both, and goes stale where it does not).
+  uint16_t* write_with_mirror(float* w, size_t count) {
+    uint16_t* w16 = mirror_copy(w, count);
+    w16 ? note_write() : touch(w);
+    return w16;
+  }
+  // write_with_mirror for each tensor of a multi-tensor op: the places, in w16_ (nullptr entries
+  // where a tensor has none).
+  uint16_t* const* mirror_copies(const OptimTensor* t, size_t count) {
+    w16_.resize(count);
+    for (size_t i = 0; i < count; ++i) w16_[i] = write_with_mirror(t[i].w, t[i].n);
+    return w16_.data();
+  }
   // The bf16 copy of the `count` floats at X, if X lies inside registered weights; else nullptr.
   const uint16_t* mirrored(const float* X, size_t count) {
     Mirror* m = mirror_of(X);
@@ -1086,7 +1098,7 @@ class CudaBackendImpl final : public CudaBackend {
   enum class TableKind { AdamW, AdamH, SumSquares };
   struct OptimTable {
     std::vector<OptimTensor> key;  // the descriptor list it was built from
-    std::vector<uint16_t*> w16;    // AdamW: the mirror copies it was built with (empty: none)
+    std::vector<uint16_t*> w16;    // the mirror copies it was built with (empty: none)
     TableKind kind = TableKind::AdamW;
     int nseg = 0, nblocks = 0;
     DeviceBuffer<k::OptSeg> segs;
@@ -1094,7 +1106,7 @@ class CudaBackendImpl final : public CudaBackend {
     DeviceBuffer<double> partials, sums;
     DeviceBuffer<float> scal;
   };
-  // w16: AdamW's mirror copy of each tensor (count pointers, nullptr where none), or nullptr.
+  // w16: the mirror copy of each tensor (count pointers, nullptr where none), or nullptr.
   OptimTable& optim_table(const OptimTensor* t, size_t count, TableKind kind, int ngroups, uint16_t* const* w16) {
     if (ngroups > k::kOptMaxGroups)
       fail("multi-tensor optimizer step on CUDA: {} parameter groups, at most {} supported", ngroups,
@@ -1140,7 +1152,8 @@ class CudaBackendImpl final : public CudaBackend {
       const size_t mn = x.n / size_t(x.nmat);
       for (int64_t e = 0; e < x.nmat; ++e) {
         const size_t off = size_t(e) * mn;
-        add(x.w + off, x.g + off, x.m + off, x.v + off, mn, x.radius + e, x.group, nullptr);
+        add(x.w + off, x.g + off, x.m + off, x.v + off, mn, x.radius + e, x.group,
+            w16v.empty() || !w16v[i] ? nullptr : w16v[i] + off);
       }
     }
     tb->nseg = int(segs.size());
@@ -1250,7 +1263,7 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<double> row_sums_, sums_, ssq_scratch_;
   DeviceBuffer<double> optim_scratch_;  // optim_partials()
   std::vector<std::unique_ptr<OptimTable>> optim_tables_;  // adamw_multi / adamh_multi / sum_squares_multi tables
-  std::vector<uint16_t*> w16_;                              // adamw_multi: this call's mirror copies
+  std::vector<uint16_t*> w16_;                              // mirror_copies: this call's places
   std::vector<OptimTensor> ssq_list_;                       // sum_squares_multi: this call's list
   DeviceBuffer<float> ns_work_;         // newton_schulz5: Y, A, P (per matrix of a chunk)
   DeviceBuffer<uint16_t> ns_work16_;    // newton_schulz5 under bf16 GEMMs: bf16 iterate, A, P

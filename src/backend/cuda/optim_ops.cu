@@ -246,13 +246,20 @@ __global__ void seg_sum_kernel(const OptSeg* segs, const double* partials, doubl
   if (threadIdx.x == 0) sums[blockIdx.x] = acc;
 }
 
+// AdamH's last pass, w *= factor; the segment's bf16 mirror, where it has one, gets the new weight
+// too (as adamw_multi_kernel).
 __global__ void seg_scale_kernel(const OptSeg* segs, const int* block_seg, const float* factor) {
   const int si = block_seg[blockIdx.x];
   const OptSeg s = segs[si];
   size_t lo, hi;
   chunk_of(s, lo, hi);
   const float f = factor[si];
-  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) s.w[i] *= f;
+  __nv_bfloat16* w16 = reinterpret_cast<__nv_bfloat16*>(s.w16);
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const float wi = s.w[i] * f;
+    s.w[i] = wi;
+    if (w16) store_rn(w16[i], wi);
+  }
 }
 
 __global__ void sumsq_kernel(const float* x, size_t n, double* partials) {
@@ -275,8 +282,13 @@ __global__ void scale_to_radius_kernel(float* w, size_t n, const float* radius, 
   LADDER_GRID_STRIDE(i, n) w[i] *= f;
 }
 
-__global__ void axpy_kernel(float* w, const float* x, size_t n, float alpha) {
-  LADDER_GRID_STRIDE(i, n) w[i] = w[i] + alpha * x[i];
+// w16: w's bf16 mirror (nearest even) written with it, or nullptr.
+__global__ void axpy_kernel(float* w, const float* x, size_t n, float alpha, __nv_bfloat16* w16) {
+  LADDER_GRID_STRIDE(i, n) {
+    const float wi = w[i] + alpha * x[i];
+    w[i] = wi;
+    if (w16) store_rn(w16[i], wi);
+  }
 }
 
 // One thread (of a warp: the emulator runs whole warps only): the host's loop (sums in index order), so the norm is bitwise the host's for the same
@@ -364,12 +376,19 @@ __global__ void batch_axpy_sumsq_dev_kernel(float* w, const float* D, size_t mn,
 }
 
 // w *= float(R / sqrt(ww)) per matrix.
-__global__ void batch_scale_to_radius_kernel(float* w, size_t mn, int bpm, const float* radius, const double* ww) {
+// The batch's last pass; w16: the batch's bf16 mirror (count * mn values), written too, or nullptr.
+__global__ void batch_scale_to_radius_kernel(float* w, size_t mn, int bpm, const float* radius, const double* ww,
+                                             __nv_bfloat16* w16) {
   size_t mat, lo, hi;
   batch_chunk(mn, bpm, mat, lo, hi);
   const float f = float(double(radius[mat]) / sqrt(ww[mat]));
   float* wm = w + mat * mn;
-  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) wm[i] *= f;
+  __nv_bfloat16* w16m = w16 ? w16 + mat * mn : nullptr;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const float wi = wm[i] * f;
+    wm[i] = wi;
+    if (w16m) store_rn(w16m[i], wi);
+  }
 }
 
 #undef LADDER_GRID_STRIDE
@@ -522,7 +541,7 @@ cudaError_t batched_ns_poly_init(float* P, const float* A, int m, int count, flo
 }
 
 cudaError_t muonh_apply_batched(float* w, const float* D, size_t mn, int count, const float* radius, double lr,
-                                double* sums, double* partials, cudaStream_t st) {
+                                double* sums, double* partials, uint16_t* w16, cudaStream_t st) {
   if (count <= 0) return cudaSuccess;
   const size_t blocks = batch_grid(mn, count);
   if (!blocks) return cudaErrorInvalidValue;
@@ -535,13 +554,14 @@ cudaError_t muonh_apply_batched(float* w, const float* D, size_t mn, int count, 
   batch_finish_kernel<<<unsigned(count), kThreads, 0, st>>>(partials, bpm, ww);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   if (!mn) return cudaSuccess;
-  batch_scale_to_radius_kernel<<<unsigned(blocks), kThreads, 0, st>>>(w, mn, bpm, radius, ww);
+  batch_scale_to_radius_kernel<<<unsigned(blocks), kThreads, 0, st>>>(w, mn, bpm, radius, ww,
+                                                                      reinterpret_cast<__nv_bfloat16*>(w16));
   return cudaGetLastError();
 }
 
-cudaError_t axpy(float* w, const float* x, size_t n, float alpha, cudaStream_t st) {
+cudaError_t axpy(float* w, const float* x, size_t n, float alpha, uint16_t* w16, cudaStream_t st) {
   if (!n) return cudaSuccess;
-  axpy_kernel<<<grid_for(n), kThreads, 0, st>>>(w, x, n, alpha);
+  axpy_kernel<<<grid_for(n), kThreads, 0, st>>>(w, x, n, alpha, reinterpret_cast<__nv_bfloat16*>(w16));
   return cudaGetLastError();
 }
 

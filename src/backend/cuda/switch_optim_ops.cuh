@@ -132,7 +132,7 @@ struct OptSeg {
   int group;            // index into the per-group scalars
   int first_block;
   int nblocks;          // ceil(n / optim_multi_chunk()), at least 1
-  uint16_t* w16;        // AdamW: the bf16 mirror of w (bits), written with the update; or nullptr
+  uint16_t* w16;        // the bf16 mirror of w (bits), written with the update's last pass; or nullptr
 };
 // Per-group scalars travel as kernel arguments (no upload per step); at most this many groups.
 constexpr int kOptMaxGroups = 32;
@@ -154,7 +154,7 @@ cudaError_t adamw_multi(const OptSeg* segs, const int* block_seg, int nblocks, c
 //   moments (per-block partials of sum U^2) -> uu[s] = sum of partials, alpha[s] = float(-lr R / max(sqrt uu, 1e-10))
 //   apply w += alpha U (partials of ||w||^2) -> ww[s], factor[s] = float(R / sqrt ww) -> w *= factor.
 // partials: nblocks doubles; sums: 2 nseg doubles (uu then ww); scal: 2 nseg floats (alpha then factor).
-// g read as g * *grad_factor where grad_factor is given.
+// g read as g * *grad_factor where grad_factor is given; the last pass writes a segment's w16 too.
 cudaError_t adamh_multi(const OptSeg* segs, int nseg, const int* block_seg, int nblocks, const OptGroupLr& glr,
                         float b1, float b2, float eps, float bc1, float bc2, const float* grad_factor, double* partials,
                         double* sums, float* scal, cudaStream_t st);
@@ -182,11 +182,12 @@ cudaError_t batched_scale_by_inv_norm(float* y, const float* x, size_t mn, int c
 // ns_poly_init on `count` m x m matrices back to back.
 cudaError_t batched_ns_poly_init(float* P, const float* A, int m, int count, float a, float b, cudaStream_t st);
 // muonh_apply on each matrix i (w + i mn, D + i mn, radius[i]) in five launches for the batch.
-// sums: 2 count doubles (||D_i||^2, then ||w_i||^2 after the axpy).
+// sums: 2 count doubles (||D_i||^2, then ||w_i||^2 after the axpy). w16: where given, the bf16
+// mirror of the batch's weights (count * mn values), written in the last pass (nearest even).
 cudaError_t muonh_apply_batched(float* w, const float* D, size_t mn, int count, const float* radius, double lr,
-                                double* sums, double* partials, cudaStream_t st);
-// w += alpha * x.
-cudaError_t axpy(float* w, const float* x, size_t n, float alpha, cudaStream_t st);
+                                double* sums, double* partials, uint16_t* w16, cudaStream_t st);
+// w += alpha * x; w16 (or nullptr): w's bf16 mirror, written with it.
+cudaError_t axpy(float* w, const float* x, size_t n, float alpha, uint16_t* w16, cudaStream_t st);
 // *norm = sqrt(sums[0] + ... + sums[count-1]) (in index order), *factor = clip > 0 && norm > clip ?
 // float(clip / (norm + 1e-6)) : 1.
 cudaError_t grad_clip_factor(const double* sums, size_t count, double clip, double* norm, float* factor,
