@@ -178,11 +178,12 @@ int main(int argc, char** argv) {
       std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", "attn bwd fp32", shape, bms, rows.back().rate);
     }
 
-    // Tensor-core attention (attention_tc.cu: bf16 MMA inputs, fp32 accumulation), causal, no window,
-    // MHA. FLOPs counted as for the fp32 rows: the causal half only (visible pairs S(S+1)/2 per head),
+    // Tensor-core attention (attention_tc.cu: bf16 MMA inputs, fp32 accumulation), causal, no window.
+    // FLOPs counted as for the fp32 rows: the causal half only (visible pairs S(S+1)/2 per head),
     // forward 4 * pairs * hd (QK^T and PV), backward 2.5x that (5 products; the kernels do 7: QK^T and
     // dO V^T are recomputed by both the dK/dV and the dQ kernel).
-    std::vector<A> tc_shapes = {{8, 2048, 16, 16, 64, 0}};
+    // MHA, then the d=1024 presets' GQA (16 query heads on 4 KV heads: the model's attention rows).
+    std::vector<A> tc_shapes = {{8, 2048, 16, 16, 64, 0}, {8, 2048, 16, 4, 64, 0}};
     if (!quick) tc_shapes.push_back({8, 2048, 16, 16, 128, 0});
     for (const auto& a : tc_shapes) {
       const AttnShape s{a.B, a.S, a.H, a.KV, a.hd, a.W, 1.0 / std::sqrt(double(a.hd))};

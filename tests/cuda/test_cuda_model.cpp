@@ -500,8 +500,13 @@ TEST_F(CudaModel, Bf16StepsFollowTheCpuAndTheWeightMirrorTracksUpdates) {
       std::copy(bt.begin(), bt.end(), y);
     };
     double first_g = 0, first_c = 0, last_g = 0, last_c = 0, worst = 0;
+    auto* cb = dynamic_cast<cuda::CudaBackend*>(bf.get());
+    ASSERT_NE(cb, nullptr);
     for (int t = 0; t < c.run.steps; ++t) {
       const double lg = train_step(c, t, mg, *og, *bf, batch, in.data(), tg.data()).loss;
+      // The first step's forward casts the weights once; its optimizer update, and every later one,
+      // writes the mirror, so no step re-casts them.
+      EXPECT_EQ(cb->bf16_mirror_casts(), 1u) << "step " << t << ": the optimizer left the weight mirror stale";
       const double lc = train_step(c, t, mc, *oc, *cpu_, batch, in.data(), tg.data()).loss;
       if (t == 0) first_g = lg, first_c = lc;
       last_g = lg, last_c = lc;

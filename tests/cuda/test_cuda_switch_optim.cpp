@@ -595,17 +595,20 @@ TEST_F(CudaSwitchOptim, SumSquaresMultiMatchesTheCpu) {
 // Under bf16 precision the optimizer's weight updates (adamw_multi, adamh_multi,
 // muonh_apply_batched, axpy) write the bf16 mirror of the registered weights they update: the next
 // bf16 GEMM reads the mirror without re-casting it, and gets bitwise what the same updated weights
-// give from an unregistered copy (a fresh cast). An op that writes the weights alone (muonh_apply,
-// not used by the optimizer) leaves the mirror to be re-cast.
+// give from an unregistered copy (a fresh cast). Where they cannot write the mirror (not allocated
+// yet, or a tensor running past the registered range) or it is stale already (an upload), the next
+// GEMM re-casts, and so it does after an op that writes the weights alone (muonh_apply, not used by
+// the optimizer).
 TEST_F(CudaSwitchOptim, OptimizerUpdatesKeepTheWeightMirrorCurrent) {
   auto bf = make_cuda_backend("bf16");
   auto* cb = dynamic_cast<cuda::CudaBackend*>(bf.get());
   ASSERT_NE(cb, nullptr);
   const int M = 24, N = 40, K = 56;
   // The arena: two weight matrices [N, K] with a gap between them (untouched by the optimizer).
-  const size_t wn = size_t(N) * K, gap = 13, total = 2 * wn + gap;
-  DeviceBuffer<float> W(total), Wc(total);
-  const auto w0 = randv(total);
+  // Past the registered range: 32 more floats (a tensor straddling the end goes there).
+  const size_t wn = size_t(N) * K, gap = 13, total = 2 * wn + gap, beyond = 32;
+  DeviceBuffer<float> W(total + beyond), Wc(total + beyond);
+  const auto w0 = randv(total + beyond);
   W.upload(w0);
   bf->register_weights(W.data(), total * sizeof(float));
   auto X = up(randv(size_t(M) * K));
@@ -624,7 +627,6 @@ TEST_F(CudaSwitchOptim, OptimizerUpdatesKeepTheWeightMirrorCurrent) {
       EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << what << ", matrix at " << off;
     }
   };
-  gemm_pair("before any step");  // casts the mirror once
   auto g1 = up(randv(wn, -0.5f, 0.5f)), g2 = up(randv(wn, -0.5f, 0.5f));
   DeviceBuffer<float> m1(wn), v1(wn), m2(wn), v2(wn), r(2), D(wn);
   for (auto* b : {&m1, &v1, &m2, &v2}) b->upload(std::vector<float>(wn, 0.f));
@@ -635,6 +637,10 @@ TEST_F(CudaSwitchOptim, OptimizerUpdatesKeepTheWeightMirrorCurrent) {
   const float lr = 1e-2f, wd = 0.1f;
   const double lr_d = 1e-2;
   auto d_f = up(std::vector<float>{0.5f});
+  // A step before any bf16 GEMM: no mirror to write yet (its table has none); the first GEMM casts.
+  bf->adamw_multi(t, 2, &lr, &wd, 1, 0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, d_f.data());
+  gemm_pair("after a step taken before the mirror existed");
+  EXPECT_EQ(cb->bf16_mirror_casts(), 1u);
   // The two matrices are [N, K] with K > N: a batch of two for muonh_apply_batched needs them
   // back to back, so it runs on the first matrix as a batch of one (and the second stays as it is).
   const std::vector<std::pair<std::string, std::function<void()>>> updates = {
@@ -655,10 +661,23 @@ TEST_F(CudaSwitchOptim, OptimizerUpdatesKeepTheWeightMirrorCurrent) {
     }
   const auto now = W.download();
   EXPECT_EQ(std::memcmp(now.data() + wn, w0.data() + wn, gap * sizeof(float)), 0) << "the gap was written";
-  const uint64_t casts = cb->bf16_mirror_casts();
-  bf->muonh_apply(w1, D.data(), wn, r.data(), 0.02);
-  gemm_pair("after muonh_apply");
-  EXPECT_EQ(cb->bf16_mirror_casts(), casts + 1) << "muonh_apply writes no mirror: the next GEMM must re-cast";
+  auto expect_recast = [&](const std::string& what, const std::function<void()>& op) {
+    const uint64_t casts = cb->bf16_mirror_casts();
+    op();
+    gemm_pair("after " + what);
+    EXPECT_EQ(cb->bf16_mirror_casts(), casts + 1) << what << ": the next GEMM must re-cast";
+  };
+  expect_recast("muonh_apply", [&] { bf->muonh_apply(w1, D.data(), wn, r.data(), 0.02); });
+  // An upload into the weights, then an optimizer step: the mirror was stale before the step's
+  // writes into it, and stays stale.
+  expect_recast("an upload, then adamw_multi", [&] {
+    const auto v = randv(wn);
+    bf->upload(w2, v.data(), wn * sizeof(float));
+    bf->adamw_multi(t, 2, &lr, &wd, 1, 0.9f, 0.95f, 1e-8f, 0.3f, 0.15f, d_f.data());
+  });
+  // A tensor straddling the end of the registered range: no mirror place, so its update marks it stale.
+  expect_recast("axpy across the end of the registered weights",
+                [&] { bf->axpy(W.data() + total - 8, D.data(), 16, -0.03f); });
   bf->unregister_weights(W.data());
 }
 

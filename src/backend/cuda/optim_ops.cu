@@ -112,10 +112,12 @@ __global__ void axpy_sumsq_kernel(float* w, const float* x, size_t n, float alph
 // A gradient factor from device memory (the clip factor), or 1: g * 1 is g exactly.
 __device__ __forceinline__ float grad_factor_of(const float* f) { return f ? *f : 1.f; }
 
+// __fmul_rn: the scaled gradient feeds additions, which nvcc would otherwise contract with the
+// product into one FMA (no rounding of G * f); rounded, it is the clip pass's gradient, as the CPU's.
 __global__ void muon_momentum_kernel(float* B, float* D, const float* G, size_t n, float mu, const float* gfac) {
   const float f = grad_factor_of(gfac);
   LADDER_GRID_STRIDE(i, n) {
-    const float gi = G[i] * f;
+    const float gi = __fmul_rn(G[i], f);
     const float b = mu * B[i] + gi;
     B[i] = b;
     D[i] = gi + mu * b;  // Nesterov: the gradient plus the new momentum

@@ -357,6 +357,13 @@ inline unsigned long max(unsigned long a, unsigned long b) { return a > b ? a : 
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+// A product rounded to float that no later addition may fuse into an FMA (the device intrinsic's
+// promise): the empty asm makes the rounded value opaque to g++'s contraction.
+inline float __fmul_rn(float a, float b) {
+  float r = a * b;
+  asm("" : "+x"(r));
+  return r;
+}
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
