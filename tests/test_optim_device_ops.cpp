@@ -96,9 +96,9 @@ const float* step_factor(int step) {
   static const float one = 1.0f, clip = kClip;
   return step == 1 ? nullptr : step == 2 ? &one : &clip;
 }
-std::vector<float> clipped(const std::vector<float>& g, const float* f) {
+std::vector<float> clipped(Backend& be, const std::vector<float>& g, const float* f) {
   auto out = g;
-  if (f && *f != 1.0f) make_cpu_backend(1)->scale_inplace(out.data(), *f, out.size());
+  if (f && *f != 1.0f) be.scale_inplace(out.data(), *f, out.size());
   return out;
 }
 
@@ -114,7 +114,7 @@ TEST(OptimDeviceOps, AdamWMultiIsTheLoopOfAdamWUpdatesBitwise) {
   for (int step = 1; step <= 3; ++step) {
     const float bc1 = float(1 - std::pow(0.9, step)), bc2 = float(1 - std::pow(0.95, step));
     for (auto& x : a.t) {
-      const auto g = clipped(x.g, step_factor(step));
+      const auto g = clipped(*be, x.g, step_factor(step));
       be->adamw_update(x.w.data(), g.data(), x.m.data(), x.v.data(), x.w.size(), lr[x.group], 0.9f, 0.95f, 1e-8f,
                        wd[x.group], bc1, bc2);
     }
@@ -138,7 +138,7 @@ TEST(OptimDeviceOps, AdamHMultiIsThePerMatrixHostStepBitwise) {
     // The optimizer's host code before adamh_multi (src/optim/optimizers.cpp, Kind::AdamH).
     for (auto& x : a.t) {
       const size_t mn = x.w.size() / size_t(x.nmat);
-      const auto g = clipped(x.g, step_factor(step));
+      const auto g = clipped(*be, x.g, step_factor(step));
       for (int64_t e = 0; e < x.nmat; ++e) {
         const size_t off = size_t(e) * mn;
         const double uu = be->adam_moments(x.m.data() + off, x.v.data() + off, g.data() + off, mn, float(b1),
@@ -221,7 +221,7 @@ TEST(OptimDeviceOps, BatchedMuonOpsAreThePerMatrixLoopBitwise) {
       // With the clip factor: the momentum of the gradient scaled in memory.
       auto Bf = B0, Bs = B0;
       std::vector<float> Df(n), Ds(n);
-      const auto Gs = clipped(G, step_factor(3));
+      const auto Gs = clipped(*be, G, step_factor(3));
       be->muon_momentum(Bf.data(), Df.data(), G.data(), n, 0.95f, step_factor(3));
       be->muon_momentum(Bs.data(), Ds.data(), Gs.data(), n, 0.95f, nullptr);
       EXPECT_TRUE(bitwise_equal(Bf, Bs) && bitwise_equal(Df, Ds)) << "muon_momentum with the clip factor";

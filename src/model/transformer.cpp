@@ -402,9 +402,13 @@ const float* Transformer::grad_clip_factor_async(double clip) {
     clip_ = clip_arena_.alloc<double>(2);
   }
   grad_sums_async();
-  float* factor = reinterpret_cast<float*>(clip_ + 1);
-  be_.grad_clip_factor(gnorm_, params_.size(), clip, clip_, factor);
-  return factor;
+  be_.grad_clip_factor(gnorm_, params_.size(), clip, clip_, reinterpret_cast<float*>(clip_ + 1));
+  return last_clip_factor();
+}
+
+const float* Transformer::last_clip_factor() const {
+  LADDER_ASSERT(clip_);
+  return reinterpret_cast<const float*>(clip_ + 1);
 }
 
 double Transformer::last_grad_norm() {

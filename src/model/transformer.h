@@ -146,6 +146,8 @@ class Transformer {
   // waits for everything enqueued before it: call it after the optimizer step).
   const float* grad_clip_factor_async(double clip);
   double last_grad_norm();
+  // The factor the last grad_clip_factor_async left (backend memory), without computing it again.
+  const float* last_clip_factor() const;
 
   // Saved activations and backward scratch, fp32 and (model.saved_activations bf16) bf16.
   size_t activation_bytes() const { return acts_arena_.capacity() + packed_arena_.capacity(); }

@@ -47,11 +47,10 @@ nlohmann::json run_optim_bench(const BenchOptions& opt) {
       double t1 = now_s();
       // ... and the optimizer update alone, 3 more times on the same gradients (it is the small
       // part: more samples make its median steadier on a shared machine), with the clip factor the
-      // trainer passes it (the updates multiply it into each gradient they read).
-      const float* clip_factor = model.grad_clip_factor_async(c.optim.clip);
+      // trainer's step passed it (the updates multiply it into each gradient they read).
       for (int k = 0; k < 3; ++k) {
         double t2 = now_s();
-        o->step(c.optim.lr, clip_factor);
+        o->step(c.optim.lr, model.last_clip_factor());
         if (s >= 1) opt_t.push_back(now_s() - t2);
       }
       if (s >= 1) step_t.push_back(t1 - t0);  // the first step warms caches and thread pools

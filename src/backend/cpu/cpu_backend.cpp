@@ -14,6 +14,9 @@ extern "C" void openblas_set_num_threads(int);
 namespace ladder {
 namespace {
 
+// An optimizer op's gradient factor (Backend::muon_momentum): nullptr reads the gradient as it is.
+float factor_or_one(const float* grad_factor) { return grad_factor ? *grad_factor : 1.0f; }
+
 class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
@@ -372,7 +375,7 @@ class CpuBackend final : public Backend {
     return cpu::adam_apply<float>(w, m, v, n, bc1, bc2, eps, alpha);
   }
   void muon_momentum(float* B, float* D, const float* G, size_t n, float mu, const float* grad_factor) override {
-    cpu::muon_momentum<float>(B, D, G, n, mu, grad_factor ? *grad_factor : 1.0f);
+    cpu::muon_momentum<float>(B, D, G, n, mu, factor_or_one(grad_factor));
   }
   double axpy_sumsq(float* w, const float* x, size_t n, float alpha) override {
     return cpu::axpy_sumsq<float>(w, x, n, alpha);
@@ -381,7 +384,7 @@ class CpuBackend final : public Backend {
   // (same kernels, same double scalars, same float casts), so results are bitwise unchanged.
   void adamw_multi(const OptimTensor* t, size_t count, const float* lr, const float* wd, int ngroups, float b1,
                    float b2, float eps, float bc1, float bc2, const float* grad_factor) override {
-    const float gf = grad_factor ? *grad_factor : 1.0f;
+    const float gf = factor_or_one(grad_factor);
     for (size_t i = 0; i < count; ++i) {
       LADDER_ASSERT(t[i].group >= 0 && t[i].group < ngroups);
       cpu::adamw_update<float>(t[i].w, t[i].g, t[i].m, t[i].v, t[i].n, lr[t[i].group], b1, b2, eps, wd[t[i].group],
@@ -390,7 +393,7 @@ class CpuBackend final : public Backend {
   }
   void adamh_multi(const OptimTensor* t, size_t count, const double* lr, int ngroups, float b1, float b2, float eps,
                    float bc1, float bc2, const float* grad_factor) override {
-    const float gf = grad_factor ? *grad_factor : 1.0f;
+    const float gf = factor_or_one(grad_factor);
     for (size_t i = 0; i < count; ++i) {
       const OptimTensor& x = t[i];
       LADDER_ASSERT(x.group >= 0 && x.group < ngroups && x.nmat > 0 && x.n % size_t(x.nmat) == 0);

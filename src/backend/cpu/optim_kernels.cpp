@@ -107,7 +107,7 @@ double adam_apply(T* w, const T* m, const T* v, size_t n, T bc1, T bc2, T eps, T
 
 template <class T>
 void muon_momentum(T* B, T* D, const T* G, size_t n, T mu, T gscale) {
-  if (gscale == T(1)) {
+  if (gscale == T(1)) {  // no clip this step (the usual case): G as it is, without the buffer below
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
     for (size_t i = 0; i < n; ++i) {
       const T b = mu * B[i] + G[i];

@@ -1112,11 +1112,15 @@ class CudaBackendImpl final : public CudaBackend {
       fail("multi-tensor optimizer step on CUDA: {} parameter groups, at most {} supported", ngroups,
            k::kOptMaxGroups);
     const bool hyper = kind == TableKind::AdamH;
-    std::vector<uint16_t*> w16v;
-    if (w16 && std::any_of(w16, w16 + count, [](uint16_t* p) { return p != nullptr; })) w16v.assign(w16, w16 + count);
+    // The table's w16 is empty where no tensor has a mirror place, else the count places (the
+    // lookup compares in place: nothing is allocated on a step that finds its table).
+    if (w16 && std::none_of(w16, w16 + count, [](uint16_t* p) { return p != nullptr; })) w16 = nullptr;
+    const auto same_w16 = [&](const OptimTable& tb) {
+      return w16 ? tb.w16.size() == count && std::equal(tb.w16.begin(), tb.w16.end(), w16) : tb.w16.empty();
+    };
     for (auto& tb : optim_tables_)
       if (tb->kind == kind && tb->key.size() == count && std::equal(tb->key.begin(), tb->key.end(), t) &&
-          tb->w16 == w16v)
+          same_w16(*tb))
         return *tb;
     // A new list (in training: once per op, at the first step). Bounded, in case a caller passes a
     // different list every call: the oldest table goes (after the stream is done with it).
@@ -1126,7 +1130,7 @@ class CudaBackendImpl final : public CudaBackend {
     }
     auto tb = std::make_unique<OptimTable>();
     tb->key.assign(t, t + count);
-    tb->w16 = w16v;
+    if (w16) tb->w16.assign(w16, w16 + count);
     tb->kind = kind;
     const size_t chunk = k::optim_multi_chunk();
     std::vector<k::OptSeg> segs;
@@ -1144,7 +1148,7 @@ class CudaBackendImpl final : public CudaBackend {
       const OptimTensor& x = t[i];
       if (x.group < 0 || x.group >= ngroups) fail("multi-tensor optimizer step: group {} of {}", x.group, ngroups);
       if (!hyper) {
-        add(x.w, x.g, x.m, x.v, x.n, nullptr, x.group, w16v.empty() ? nullptr : w16v[i]);
+        add(x.w, x.g, x.m, x.v, x.n, nullptr, x.group, w16 ? w16[i] : nullptr);
         continue;
       }
       if (x.nmat <= 0 || x.n % size_t(x.nmat) != 0 || !x.radius)
@@ -1153,7 +1157,7 @@ class CudaBackendImpl final : public CudaBackend {
       for (int64_t e = 0; e < x.nmat; ++e) {
         const size_t off = size_t(e) * mn;
         add(x.w + off, x.g + off, x.m + off, x.v + off, mn, x.radius + e, x.group,
-            w16v.empty() || !w16v[i] ? nullptr : w16v[i] + off);
+            w16 && w16[i] ? w16[i] + off : nullptr);
       }
     }
     tb->nseg = int(segs.size());

@@ -212,16 +212,21 @@ __global__ void adamh_apply_multi_kernel(const OptSeg* segs, const int* block_se
   store_block_partial(acc, partials);
 }
 
+// The sum of segment s's chunk partials in a fixed tree (one block per segment); thread 0 gets it.
+__device__ double seg_total(const OptSeg& s, const double* partials) {
+  __shared__ double red[32];
+  double acc = 0.0;
+  for (int j = threadIdx.x; j < s.nblocks; j += blockDim.x) acc += partials[s.first_block + j];
+  return block_sum(acc, red);
+}
+
 // One block per segment: its chunks' partials in a fixed tree -> sums[seg]; then the scalar the
 // next pass needs, in double as the host computed it, rounded to float once:
 // step: scal[seg] = float(-lr R / max(sqrt(sum), 1e-10));  rescale: scal[seg] = float(R / sqrt(sum)).
 __global__ void seg_finish_kernel(const OptSeg* segs, const double* partials, bool step, OptGroupLr glr,
                                   double* sums, float* scal) {
-  __shared__ double red[32];
   const OptSeg s = segs[blockIdx.x];
-  double acc = 0.0;
-  for (int j = threadIdx.x; j < s.nblocks; j += blockDim.x) acc += partials[s.first_block + j];
-  acc = block_sum(acc, red);
+  const double acc = seg_total(s, partials);
   if (threadIdx.x == 0) {
     sums[blockIdx.x] = acc;
     const double R = *s.radius;
@@ -240,11 +245,7 @@ __global__ void seg_sumsq_kernel(const OptSeg* segs, const int* block_seg, doubl
 }
 
 __global__ void seg_sum_kernel(const OptSeg* segs, const double* partials, double* sums) {
-  __shared__ double red[32];
-  const OptSeg s = segs[blockIdx.x];
-  double acc = 0.0;
-  for (int j = threadIdx.x; j < s.nblocks; j += blockDim.x) acc += partials[s.first_block + j];
-  acc = block_sum(acc, red);
+  const double acc = seg_total(segs[blockIdx.x], partials);
   if (threadIdx.x == 0) sums[blockIdx.x] = acc;
 }
 
@@ -303,7 +304,6 @@ __global__ void grad_clip_factor_kernel(const double* sums, size_t count, double
   *norm = nm;
   *factor = clip > 0 && nm > clip ? float(clip / (nm + 1e-6)) : 1.0f;
 }
-
 
 // ---- batches of equally shaped matrices (Muon / MuonH over an expert stack) --------------------
 //
