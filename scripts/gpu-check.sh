@@ -63,6 +63,8 @@ if [ "${GPU_CHECK_BUILD:-1}" != 0 ] && command -v nvcc >/dev/null && command -v 
     timeout 300 cmake --build build-gpu -j 16 --target ladder_cuda_tests ladder_cuda_bench ladder >>"$OUT/env.log" 2>&1; then
     BIN=build-gpu
     log "built on the device"
+    grep -q "cuDNN attention: compiled" "$OUT/env.log" ||
+      log "this build has no cuDNN attention (no .deps/cudnn-frontend here: carry it, or GPU_CHECK_BUILD=0 with gpu-bundle)"
   else
     log "device build failed (last lines of env.log follow); falling back to gpu-bundle/"
     tail -n 4 "$OUT/env.log"
@@ -83,6 +85,15 @@ if ldd "$BIN/ladder_cuda_tests" | grep -q "libcublasLt.so.13 => not found"; then
   lt=$(find /usr/local /usr/lib /opt -name 'libcublasLt.so.13' 2>/dev/null | head -n 1)
   [ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt"):${LD_LIBRARY_PATH:-}" && log "cuBLASLt from $(dirname "$lt")"
 fi
+# cuDNN for LADDER_ATTN_CUDNN=1 (attention_cudnn.h): loaded at run time, libcudnn.so.9 from the
+# machine (the toolkit's, else PyTorch's wheel), the CUDA 13 runtime that cuDNN's frontend loads, and
+# NVRTC, which cuDNN's runtime-compiled attention engines need.
+for lib in libcudnn.so.9 libcudart.so.13 libnvrtc.so.13 libnvrtc-builtins.so.13; do
+  if ! ldconfig -p 2>/dev/null | grep -q " $lib "; then
+    d=$(find /usr/local /usr/lib /opt -name "$lib" 2>/dev/null | head -n 1)
+    [ -n "$d" ] && export LD_LIBRARY_PATH="$(dirname "$d"):${LD_LIBRARY_PATH:-}" && log "$lib from $(dirname "$d")"
+  fi
+done
 if ldd "$BIN/ladder_cuda_tests" | grep "not found"; then
   echo "gpu-check: libraries above not found on this machine"
   exit 1
@@ -118,6 +129,11 @@ if ! grep -q '^\[       OK \] CudaGroupedTc.BothShapes' "$OUT/tests.log" ||
   export LADDER_GROUPED_MMA=0
 fi
 log "grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "tests passed" || echo "tests not passed: model benches on WMMA (LADDER_GROUPED_MMA=0)")"
+# cuDNN's fused attention (LADDER_ATTN_CUDNN=1, off by default): benchmarked in the models only where
+# its test ran on cuDNN and passed (the test is skipped where libcudnn does not load).
+CUDNN_OK=0
+if grep -q '^\[       OK \] CudaAttnBf16.AttentionCudnnMatchesTheCpu' "$OUT/tests.log"; then CUDNN_OK=1; fi
+log "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "test passed, model benches with LADDER_ATTN_CUDNN=1 added" || echo "test not passed or skipped: not benchmarked") ($(grep -m1 '^\[ cudnn    \]' "$OUT/tests.log" | cut -c14- ))"
 # ---- 2b. the wgmma grouped GEMM (sm_90a, off by default: LADDER_GROUPED_WGMMA=1), in its own
 # process (log: wgmma.log): its layout self-test first (CudaWgmma.*: accumulator layout, operand
 # layouts, MN-major strides, the planted swizzle bug: the '[ wgmma    ]' lines say which fact failed),
@@ -201,7 +217,11 @@ F32M=model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false
 # The capacity layout (model.moe_capacity, session 10): the expert GEMMs as strided-batched cuBLASLt
 # calls at C = 1.0 x the mean load, right after the presets: it is the MoE lever a run decides first.
 CAP=model.moe_capacity=1.0
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
+# cuDNN attention right after the presets (its test passed): the four presets again, and the MoE
+# with the capacity layout too.
+CUDNN_ROWS=""
+[ $CUDNN_OK = 1 ] && CUDNN_ROWS="dense-d1024:bf16:LADDER_ATTN_CUDNN=1 moe-d1024:bf16:LADDER_ATTN_CUDNN=1 dense-d2048:bf16:LADDER_ATTN_CUDNN=1 moe-d2048:bf16:LADDER_ATTN_CUDNN=1 moe-d1024:bf16:$CAP,LADDER_ATTN_CUDNN=1 "
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${CUDNN_ROWS}moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
@@ -221,6 +241,10 @@ for mp in $MODELS; do
   fi
   if [[ " ${envs[*]} " == *" LADDER_ATTN_WGMMA=1 "* ]] && [ $AW_OK != 1 ]; then
     log "skipping $mp: the wgmma attention did not pass its tests here"
+    continue
+  fi
+  if [[ " ${envs[*]} " == *" LADDER_ATTN_CUDNN=1 "* ]] && [ $CUDNN_OK != 1 ]; then
+    log "skipping $mp: cuDNN attention did not pass its test here"
     continue
   fi
   if [[ " ${envs[*]} " == *" LADDER_GROUPED_WGMMA=1 "* ]] && [ $WG_OK != 1 ]; then
@@ -297,6 +321,8 @@ grep '^\[ rel err  \] wgmma' "$OUT/wgmma.log" | sed 's/^\[ rel err  \] /  /'
 echo "attention wgmma (sm_90a): exit $AW_RC, $([ $AW_OK = 1 ] && echo "CudaAttentionWgmma passed" || echo "not passed or skipped: see wgmma.log")"
 sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -E '^\[  (FAILED|SKIPPED) \] Cuda|\[ wgmma    \] register A' | sort -u | head -n 8 | sed 's/^/  /'
 sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '^\[ rel err  \] attn_wgmma .* vs mma' | sed 's/^\[ rel err  \] /  /'
+echo "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "CudaAttnBf16.AttentionCudnnMatchesTheCpu passed" || echo "not passed or skipped")"
+grep -E '^\[ cudnn    \]|declined attention|LADDER_ATTN_CUDNN=1 but' "$OUT/tests.log" | sort -u | head -n 6 | sed 's/^/  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging; 'experts' rows: ThroughputAgainstBatchedCublasLt, the presets' expert GEMMs grouped vs one strided-batched cuBLASLt call at capacity C):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
 grep '^\[ thruput  \].*wgmma' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'

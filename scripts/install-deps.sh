@@ -23,4 +23,23 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# cuDNN's C++ frontend (header-only, NVIDIA's own graph API over libcudnn) for the CUDA build's fused
+# attention (docs/cuda.md "cuDNN attention"), only where the CUDA toolkit is: PyPI's wheel carries the
+# headers, installed into .deps/ (git-ignored) and found there by CMake. Without it (no network) the
+# CUDA build still builds, with Ladder's own attention kernels only.
+FE_VERSION=1.32.0
+FE_DIR="$(cd "$(dirname "$0")/.." && pwd)/.deps/cudnn-frontend"
+if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && [ ! -d "$FE_DIR/nvidia_cudnn_frontend-$FE_VERSION.dist-info" ]; then
+  echo "install-deps: cuDNN frontend $FE_VERSION headers into $FE_DIR (pip)"
+  PY=$(command -v python3)
+  if ! "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$FE_DIR.tmp" \
+      "nvidia-cudnn-frontend==$FE_VERSION" 2>&1 | tail -3; then :; fi
+  if [ -f "$FE_DIR.tmp/include/cudnn_frontend.h" ]; then
+    rm -rf "$FE_DIR" && mv "$FE_DIR.tmp" "$FE_DIR"
+  else
+    rm -rf "$FE_DIR.tmp"
+    echo "install-deps: WARNING: could not fetch nvidia-cudnn-frontend $FE_VERSION; the CUDA build will have no cuDNN attention"
+  fi
+fi
 echo "install-deps: all dependencies present"

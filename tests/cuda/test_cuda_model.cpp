@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -237,6 +238,43 @@ class CudaModel : public ::testing::Test {
       EXPECT_LT(e, c.model.moe() ? kTrainBiasTolMoe : weight_tol) << tag << " " << optim << " " << mc.buffers()[i].name;
     }
     print_err(tag + " " + optim + " final weights (worst)", worst_w);
+  }
+
+  // c.run.steps optimizer steps on `bf` (a bf16-precision device backend) and on the CPU from the same
+  // init, on one batch; after_gpu_step(t) runs after each device step (a test's own checks). Prints
+  // the losses, fails if the CPU run did not learn or the device run learned less than 0.9x as much,
+  // and returns the worst relative loss difference of a step.
+  static double bf16_steps_follow_the_cpu(Config c, Backend& bf, const std::string& tag,
+                                          const std::function<void(int)>& after_gpu_step) {
+    validate(c);
+    Transformer mg(c.model, c.run.batch_size, bf), mc(c.model, c.run.batch_size, *cpu_);
+    mg.init(3);
+    mc.init(3);
+    auto og = make_optimizer(c, mg, bf), oc = make_optimizer(c, mc, *cpu_);
+    std::vector<int32_t> bi, bt, in, tg;
+    make_batch(c, 77, bi, bt);
+    in.resize(bi.size());
+    tg.resize(bi.size());
+    auto batch = [&](int32_t* a, int32_t* y) {
+      std::copy(bi.begin(), bi.end(), a);
+      std::copy(bt.begin(), bt.end(), y);
+    };
+    double first_g = 0, first_c = 0, last_g = 0, last_c = 0, worst = 0;
+    for (int t = 0; t < c.run.steps; ++t) {
+      const double lg = train_step(c, t, mg, *og, bf, batch, in.data(), tg.data()).loss;
+      after_gpu_step(t);
+      const double lc = train_step(c, t, mc, *oc, *cpu_, batch, in.data(), tg.data()).loss;
+      if (t == 0) first_g = lg, first_c = lc;
+      last_g = lg, last_c = lc;
+      worst = std::max(worst, std::fabs(lg - lc) / lc);
+      EXPECT_TRUE(std::isfinite(lg)) << tag << " step " << t;
+      if (!std::isfinite(lg)) break;
+    }
+    std::printf("[ step     ] %s loss %.4f -> %.4f (cpu %.4f -> %.4f)\n", tag.c_str(), first_g, last_g, first_c, last_c);
+    print_err(tag + " " + std::to_string(c.run.steps) + "-step loss (worst step)", worst);
+    EXPECT_GT(first_c - last_c, 0.5) << tag << ": the CPU run did not learn: the test proves nothing";
+    EXPECT_GT(first_g - last_g, 0.9 * (first_c - last_c)) << tag << ": the device run learned less";
+    return worst;
   }
 
   static inline std::string reason_;
@@ -484,48 +522,52 @@ TEST_F(CudaModel, Bf16StepsFollowTheCpuAndTheWeightMirrorTracksUpdates) {
   for (Config c : runs) {
     c.run.steps = 30;
     c.model.head_dim = 64;  // the tensor-core attention's head sizes are 64 and 128
-    validate(c);
     auto bf = make_cuda_backend("bf16");
     ASSERT_EQ(bf->name(), "cuda-bf16");
-    Transformer mg(c.model, c.run.batch_size, *bf), mc(c.model, c.run.batch_size, *cpu_);
-    mg.init(3);
-    mc.init(3);
-    auto og = make_optimizer(c, mg, *bf), oc = make_optimizer(c, mc, *cpu_);
-    std::vector<int32_t> bi, bt, in, tg;
-    make_batch(c, 77, bi, bt);
-    in.resize(bi.size());
-    tg.resize(bi.size());
-    auto batch = [&](int32_t* a, int32_t* y) {
-      std::copy(bi.begin(), bi.end(), a);
-      std::copy(bt.begin(), bt.end(), y);
-    };
-    double first_g = 0, first_c = 0, last_g = 0, last_c = 0, worst = 0;
     auto* cb = dynamic_cast<cuda::CudaBackend*>(bf.get());
     ASSERT_NE(cb, nullptr);
-    for (int t = 0; t < c.run.steps; ++t) {
-      const double lg = train_step(c, t, mg, *og, *bf, batch, in.data(), tg.data()).loss;
-      // The first step's forward casts the weights once; its optimizer update, and every later one,
-      // writes the mirror, so no step re-casts them.
+    const std::string tag = std::string("bf16 ") + (c.optim.name == "muonh" ? "moe+muonh"
+                                                    : c.model.attn_bf16    ? "switches+all-bf16"
+                                                    : c.model.moe_bf16     ? "moe+moe_bf16"
+                                                    : c.model.moe()        ? "moe"
+                                                                           : "dense");
+    // The first step's forward casts the weights once; its optimizer update, and every later one,
+    // writes the mirror, so no step re-casts them. The learning check: a stale mirror learns less.
+    const double worst = bf16_steps_follow_the_cpu(c, *bf, tag, [&](int t) {
       EXPECT_EQ(cb->bf16_mirror_casts(), 1u) << "step " << t << ": the optimizer left the weight mirror stale";
-      const double lc = train_step(c, t, mc, *oc, *cpu_, batch, in.data(), tg.data()).loss;
-      if (t == 0) first_g = lg, first_c = lc;
-      last_g = lg, last_c = lc;
-      worst = std::max(worst, std::fabs(lg - lc) / lc);
-      ASSERT_TRUE(std::isfinite(lg)) << "step " << t;
-    }
-    const std::string tag = c.optim.name == "muonh" ? "moe+muonh"
-                            : c.model.attn_bf16    ? "switches+all-bf16"
-                            : c.model.moe_bf16     ? "moe+moe_bf16"
-                            : c.model.moe()        ? "moe"
-                                                   : "dense";
-    std::printf("[ step     ] bf16 %s loss %.4f -> %.4f (cpu %.4f -> %.4f)\n", tag.c_str(), first_g, last_g, first_c,
-                last_c);
-    print_err("bf16 " + tag + " 30-step loss (worst step)", worst);
+    });
     EXPECT_LT(worst, 3e-2);
-    ASSERT_GT(first_c - last_c, 0.5) << "the CPU run did not learn: the test proves nothing";
-    EXPECT_GT(first_g - last_g, 0.9 * (first_c - last_c)) << "bf16 run learned less: stale weight mirror?";
   }
 }
+
+#if LADDER_HAVE_CUDNN
+// cuDNN's fused attention (LADDER_ATTN_CUDNN's path, attention_cudnn.h) in training: 30 AdamW steps
+// of the GQA + window dense model and of every switch (PKO, XSA, the head gate, q_scale, windowed and
+// long layers) with the bf16 attention block, against the CPU's losses, as the test above; cuDNN must
+// have run attention passes (skipped, visibly, where libcudnn does not load).
+TEST_F(CudaModel, CudnnAttentionStepsFollowTheCpu) {
+  Config dense16 = dense_config(), all16 = switches_config();
+  dense16.model.attn_bf16 = true;
+  all16.model.attn_bf16 = all16.model.norm_bf16 = all16.model.mlp_bf16 = true;
+  for (Config c : {dense16, all16}) {
+    c.optim.name = "adamw";
+    c.run.steps = 30;
+    c.model.head_dim = 64;
+    cuda::CudaOptions opt;
+    opt.bf16 = true;
+    opt.cudnn_attention = true;
+    auto bf = cuda::make_backend(opt);
+    const std::string tag = std::string("cudnn ") + (c.model.xsa ? "switches+all-bf16" : "dense+attn_bf16");
+    const double worst = bf16_steps_follow_the_cpu(c, *bf, tag, [](int) {});
+    const std::string status = bf->cudnn_attention_status();
+    if (status.rfind("unavailable", 0) == 0) GTEST_SKIP() << "cuDNN attention " << status;
+    std::printf("[ cudnn    ] %s: %llu attention passes on %s\n", tag.c_str(),
+                static_cast<unsigned long long>(bf->cudnn_attention_calls()), status.c_str());
+    EXPECT_GT(bf->cudnn_attention_calls(), 0u) << "no attention pass ran on cuDNN (stderr says why)";
+    EXPECT_LT(worst, 3e-2);
+  }
+}
+#endif
 
 // The arenas are planned at construction and the backend's scratch grows during the first step
 // only: steps 2..5 must leave the device's free memory exactly where it was.

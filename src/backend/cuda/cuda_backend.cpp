@@ -4,13 +4,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
+#include <set>
 #include <tuple>
 #include <vector>
 
+#include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/attention_tc.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_memory.h"
@@ -86,6 +89,15 @@ class CudaBackendImpl final : public CudaBackend {
   bool bf16() const override { return opt_.bf16; }
   uint64_t bf16_cast_reuses() const override { return cast_reuses_; }
   uint64_t bf16_mirror_casts() const override { return mirror_casts_; }
+  uint64_t cudnn_attention_calls() const override { return cudnn_calls_; }
+  std::string cudnn_attention_status() const override {
+#if LADDER_HAVE_CUDNN
+    if (!opt_.cudnn_attention || !opt_.bf16) return "off";
+    return cudnn_status_.empty() ? "not yet loaded" : cudnn_status_;
+#else
+    return opt_.cudnn_attention ? "not compiled (this build found no cuDNN frontend headers)" : "off";
+#endif
+  }
   // Events on the backend's stream around each op: the device's time per op without a host wait
   // per op (the events are recycled at each take_totals).
   class StreamOpTimer final : public OpTimer {
@@ -640,6 +652,13 @@ class CudaBackendImpl final : public CudaBackend {
   void attention_forward_bf16(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                               const AttnShape& s) override {
     check_attn(s);
+#if LADDER_HAVE_CUDNN
+    if (CudnnAttention* c = cudnn_attention(s, {o, lse, q, k, v})) {
+      c->forward(o, lse, q, k, v, s);
+      ++cudnn_calls_;
+      return post("cudnn attention forward");
+    }
+#endif
     if (tc_attention(s))
       return check(k::attention_tc_forward_bf16(o, lse, q, k, v, s, st_), "attention_tc_forward_bf16");
     check(k::attention_forward_bf16(o, lse, q, k, v, s, st_), "attention_forward_bf16");
@@ -647,6 +666,27 @@ class CudaBackendImpl final : public CudaBackend {
   void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                                const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
                                const AttnShape& s) override {
+    check_attn(s);
+#if LADDER_HAVE_CUDNN
+    if (CudnnAttention* c = cudnn_attention(s, {dq, dk, dv, dout, q, k, v, o, lse})) {
+      // cuDNN's gradients are bf16 like its inputs: dout rounded to bf16 on the way in, dq, dk, dv
+      // widened on the way out (the contract's fp32 gradients, with bf16 rounding in them).
+      const size_t nq = size_t(s.B) * s.S * s.H * s.hd, nk = size_t(s.B) * s.S * s.KV * s.hd;
+      const auto up8 = [](size_t n) { return (n + 7) / 8 * 8; };
+      cudnn16_.reserve(2 * up8(nq) + 2 * up8(nk), "cuDNN attention bf16 gradients");
+      uint16_t* const do16 = cudnn16_.data();
+      uint16_t* const dq16 = do16 + up8(nq);
+      uint16_t* const dk16 = dq16 + up8(nq);
+      uint16_t* const dv16 = dk16 + up8(nk);
+      check(k::f32_to_bf16(do16, dout, nq, st_), "cudnn attention backward (bf16 dout)");
+      c->backward(dq16, dk16, dv16, do16, q, k, v, o, lse, s);
+      ++cudnn_calls_;
+      post("cudnn attention backward");
+      check(k::bf16_to_f32(dq, dq16, nq, st_), "cudnn attention backward (dq)");
+      check(k::bf16_to_f32(dk, dk16, nk, st_), "cudnn attention backward (dk)");
+      return check(k::bf16_to_f32(dv, dv16, nk, st_), "cudnn attention backward (dv)");
+    }
+#endif
     float* scratch = attention_backward_scratch(s);
     if (tc_attention(s))
       return check(k::attention_tc_backward_bf16(dq, dk, dv, dout, q, k, v, o, lse, s, scratch, st_),
@@ -1023,6 +1063,44 @@ class CudaBackendImpl final : public CudaBackend {
   // the shape and the device (head_dim 64 or 128, enough shared memory); elsewhere the fp32 kernel.
   bool tc_attention(const AttnShape& s) const { return opt_.bf16 && k::attention_tc_supported(s); }
 
+#if LADDER_HAVE_CUDNN
+  // cuDNN's attention for this shape and these pointers, or nullptr (CudaOptions::cudnn_attention).
+  // cuDNN is loaded on the first call; a shape is built (forward and backward plans) on its first
+  // call. What cannot be used is said once on stderr: a missing library, a declined shape, a
+  // pointer not 16-byte aligned.
+  CudnnAttention* cudnn_attention(const AttnShape& s, std::initializer_list<const void*> ptrs) {
+    if (!opt_.cudnn_attention || !opt_.bf16) return nullptr;
+    if (!cudnn_ && cudnn_status_.empty()) {
+      std::string why;
+      cudnn_ = CudnnAttention::open(st_, &why);
+      cudnn_status_ = cudnn_ ? "cuDNN " + cudnn_->version() : "unavailable: " + why;
+      if (!cudnn_) cudnn_note("LADDER_ATTN_CUDNN=1 but cuDNN is " + cudnn_status_);
+    }
+    if (!cudnn_) return nullptr;
+    const auto shape = [&] {
+      return fmt::format("B={} S={} H={} KV={} hd={} window={}", s.B, s.S, s.H, s.KV, s.hd, s.window);
+    };
+    for (const void* p : ptrs)
+      if (!aligned16(p)) {
+        cudnn_note("cuDNN attention not used for " + shape() + ": a tensor is not 16-byte aligned");
+        return nullptr;
+      }
+    std::string why;
+    bool built_now = false;
+    if (!cudnn_->supports(s, &why, &built_now)) {
+      if (built_now) cudnn_note("cuDNN " + cudnn_->version() + " declined attention " + shape() + " (" + why + ")");
+      return nullptr;
+    }
+    if (built_now) cudnn_note("cuDNN " + cudnn_->version() + " runs attention " + shape(), false);
+    return cudnn_.get();
+  }
+  // On stderr once per distinct message (a run's logs then say which attention ran).
+  void cudnn_note(const std::string& msg, bool fallback = true) {
+    if (cudnn_notes_.insert(msg).second)
+      std::fprintf(stderr, "%s%s\n", msg.c_str(), fallback ? "; Ladder's attention kernels run instead" : "");
+  }
+#endif
+
   // q, k, v rounded to bf16 (nearest even) into one scratch buffer, each part 16-byte aligned (cp.async),
   // valid until the next call.
   struct AttnIn16 {
@@ -1276,6 +1354,13 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceBuffer<char> moe_scratch_;      // moe_sort (CUB + keys), moe_quantile_beta (transposed keys)
   DeviceBuffer<int32_t> moe_tiles_;     // grouped_gemm: per-expert row-tile prefix [E+1]
   DeviceBuffer<uint16_t> attn16_;       // attn_in16: q, k, v in bf16
+  uint64_t cudnn_calls_ = 0;            // cudnn_attention_calls()
+#if LADDER_HAVE_CUDNN
+  std::unique_ptr<CudnnAttention> cudnn_;  // loaded on first use
+  std::string cudnn_status_;
+  std::set<std::string> cudnn_notes_;
+  DeviceBuffer<uint16_t> cudnn16_;      // the cuDNN backward's bf16 dout, dq, dk, dv
+#endif
   double* host_sums_ = nullptr;
   std::map<std::tuple<int, int, double>, DeviceBuffer<float>> rope_;
 };
@@ -1309,6 +1394,7 @@ std::unique_ptr<CudaBackend> make_backend(CudaOptions opt) {
   const DeviceInfo info = probe_device();
   if (env_flag("LADDER_CUDA_TF32")) opt.tf32 = true;
   if (env_flag("LADDER_CUDA_BF16")) opt.bf16 = true;
+  if (const char* v = std::getenv("LADDER_ATTN_CUDNN"); v && *v) opt.cudnn_attention = env_flag("LADDER_ATTN_CUDNN");
   return std::make_unique<CudaBackendImpl>(info, opt);
 }
 

@@ -45,6 +45,10 @@ struct CudaOptions {
   // would exceed it runs in chunks of as many matrices as fit, at least one. Memory stays bounded
   // whatever the batch; tests set it small to run the chunking on small matrices.
   size_t ns_work_bytes = size_t(256) << 20;
+  // cuDNN's fused attention for the bf16 attention ops (model.attn_bf16) under bf16 (LADDER_ATTN_CUDNN=1;
+  // attention_cudnn.h): where cuDNN loads and runs the shape, forward and backward; elsewhere
+  // Ladder's kernels, with one line on stderr saying why. Needs a build that compiled it.
+  bool cudnn_attention = false;
 };
 
 class CudaBackend : public Backend {
@@ -59,6 +63,10 @@ class CudaBackend : public Backend {
   // How many times the bf16 mirror of registered weights was re-cast (after a write into them that
   // did not also write the mirror: adamw_multi writes both), for tests.
   virtual uint64_t bf16_mirror_casts() const = 0;
+  // cuDNN attention (CudaOptions::cudnn_attention): how many attention passes (forward or backward)
+  // cuDNN ran, and a line on its state: "off", "not compiled", "cuDNN 9.x.y", or why it is not used.
+  virtual uint64_t cudnn_attention_calls() const = 0;
+  virtual std::string cudnn_attention_status() const = 0;
   // Waits for the stream; an asynchronous fault inside a kernel becomes a ladder::Error here.
   // (Backend::synchronize.) softmax_xent_async, softmax_xent_forward_async and sum_squares_async
   // (Backend) write their sums to device memory and do not wait.
@@ -75,7 +83,8 @@ class CudaBackend : public Backend {
 };
 
 // Probes the device (probe_device) and builds the backend on it. Options from the environment
-// override `opt`: LADDER_CUDA_TF32=1 turns TF32 GEMMs on, LADDER_CUDA_BF16=1 bf16 GEMMs; LADDER_CUDA_SYNC=1 synchronizes after
+// override `opt`: LADDER_CUDA_TF32=1 turns TF32 GEMMs on, LADDER_CUDA_BF16=1 bf16 GEMMs, LADDER_ATTN_CUDNN=1
+// cuDNN attention (0 turns it off); LADDER_CUDA_SYNC=1 synchronizes after
 // every op, so a faulting kernel is reported by the op that launched it (debugging only).
 std::unique_ptr<CudaBackend> make_backend(CudaOptions opt = {});
 

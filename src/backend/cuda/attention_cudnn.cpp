@@ -1,0 +1,305 @@
+// cuDNN's fused attention through its C++ frontend (graph API): one graph per shape and pass, built
+// once (cuDNN's heuristics pick the engine), executed on the backend's stream. See attention_cudnn.h.
+#include "backend/cuda/attention_cudnn.h"
+
+#if LADDER_HAVE_CUDNN
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <exception>
+#include <map>
+#include <tuple>
+#include <unordered_map>
+
+#include <cudnn_frontend.h>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_memory.h"
+#include "core/error.h"
+
+// The frontend, built with NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING, resolves every cuDNN call through
+// this handle (dlsym); open() sets it.
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;
+}
+
+namespace ladder::cuda {
+namespace {
+
+namespace fe = cudnn_frontend;
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+// Tensor ids of the variant packs (the graph's user tensors).
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+
+// A shape's key: everything that changes a graph.
+using Key = std::tuple<int, int, int, int, int, int, double>;
+Key key_of(const cpu::AttnShape& s) {
+  // A window that covers the whole sequence is plain causal attention: one graph, and no band mask.
+  const int w = s.window > 0 && s.window < s.S ? s.window : 0;
+  return {s.B, s.S, s.H, s.KV, s.hd, w, s.scale};
+}
+
+// [B*S, heads*hd] row-major bf16 activations as cuDNN's (B, heads, S, hd) with strides ("BSHD").
+void as_bshd(const TensorPtr& t, const char* name, int64_t uid, const cpu::AttnShape& s, int heads) {
+  const int64_t B = s.B, S = s.S, h = heads, d = s.hd;
+  t->set_name(name).set_uid(uid).set_dim({B, h, S, d}).set_stride({S * h * d, d, h * d, 1}).set_data_type(
+      fe::DataType_t::BFLOAT16);
+}
+TensorPtr bshd_input(fe::graph::Graph& g, const char* name, int64_t uid, const cpu::AttnShape& s, int heads) {
+  TensorPtr t = g.tensor(fe::graph::Tensor_attributes());
+  as_bshd(t, name, uid, s, heads);
+  return t;
+}
+// lse [B, H, S] fp32: cuDNN's stats (B, H, S, 1); an output of the forward, an input of the backward.
+void as_stats(const TensorPtr& t, const cpu::AttnShape& s) {
+  const int64_t B = s.B, S = s.S, H = s.H;
+  t->set_name("lse").set_uid(kStats).set_dim({B, H, S, 1}).set_stride({H * S, S, 1, 1}).set_data_type(
+      fe::DataType_t::FLOAT);
+}
+
+std::shared_ptr<fe::graph::Graph> new_graph() {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(fe::DataType_t::BFLOAT16)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return g;
+}
+
+// The forward's and the backward's graphs of a shape, not yet built. sm_version > 0 targets that
+// compute capability instead of the current device's (validate_graphs: no device needed).
+struct Graphs {
+  std::shared_ptr<fe::graph::Graph> fwd, bwd;
+};
+Graphs make_graphs(const cpu::AttnShape& s, int sm_version) {
+  const int w = std::get<5>(key_of(s));
+  Graphs out{new_graph(), new_graph()};
+  if (sm_version > 0) {
+    out.fwd->set_sm_version(sm_version);
+    out.bwd->set_sm_version(sm_version);
+  }
+  {  // Forward: o and the stats (lse) from q, k, v.
+    fe::graph::Graph& g = *out.fwd;
+    auto q = bshd_input(g, "q", kQ, s, s.H), k = bshd_input(g, "k", kK, s, s.KV), v = bshd_input(g, "v", kV, s, s.KV);
+    auto opt = fe::graph::SDPA_attributes()
+                   .set_name("ladder_attention")
+                   .set_generate_stats(true)
+                   .set_causal_mask(true)
+                   .set_attn_scale(float(s.scale));
+    if (w > 0) opt.set_diagonal_band_left_bound(w);
+    auto [o, stats] = g.sdpa(q, k, v, std::move(opt));
+    as_bshd(o, "o", kO, s, s.H);
+    o->set_output(true);
+    as_stats(stats, s);
+    stats->set_output(true);
+  }
+  {  // Backward: dq, dk, dv from q, k, v, o, dO and the stats; cuDNN's deterministic algorithm.
+    fe::graph::Graph& g = *out.bwd;
+    auto q = bshd_input(g, "q", kQ, s, s.H), k = bshd_input(g, "k", kK, s, s.KV), v = bshd_input(g, "v", kV, s, s.KV);
+    auto o = bshd_input(g, "o", kO, s, s.H), dO = bshd_input(g, "dO", kDO, s, s.H);
+    auto stats = g.tensor(fe::graph::Tensor_attributes());
+    as_stats(stats, s);
+    auto opt = fe::graph::SDPA_backward_attributes()
+                   .set_name("ladder_attention_backward")
+                   .set_causal_mask(true)
+                   .set_attn_scale(float(s.scale))
+                   .set_deterministic_algorithm(true);
+    if (w > 0) opt.set_diagonal_band_left_bound(w);
+    auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dO, stats, std::move(opt));
+    as_bshd(dq, "dq", kDQ, s, s.H);
+    dq->set_output(true);
+    as_bshd(dk, "dk", kDK, s, s.KV);
+    dk->set_output(true);
+    as_bshd(dv, "dv", kDV, s, s.KV);
+    dv->set_output(true);
+  }
+  return out;
+}
+
+// Loads libcudnn (LADDER_CUDNN_LIB or libcudnn.so.9) once per process for the frontend; "" or why not.
+std::string load_cudnn() {
+  if (fe::cudnn_dlhandle) return "";
+  const char* env = std::getenv("LADDER_CUDNN_LIB");
+  const std::string name = env && *env ? env : "libcudnn.so.9";
+  dlerror();
+  void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* e = dlerror();
+    return fmt::format("cannot load {} ({}); LADDER_CUDNN_LIB names the library file", name, e ? e : "?");
+  }
+  fe::cudnn_dlhandle = h;
+  return "";
+}
+
+class CudnnAttentionImpl final : public CudnnAttention {
+ public:
+  CudnnAttentionImpl(cudnnHandle_t h, cudaStream_t st, std::string version)
+      : h_(h), st_(st), version_(std::move(version)) {}
+  ~CudnnAttentionImpl() override {
+    if (st_) cudaStreamSynchronize(st_);  // queued work may still read the workspace
+    plans_.clear();
+    if (h_) fe::detail::destroy_handle(h_);
+  }
+
+  std::string version() const override { return version_; }
+  size_t workspace_bytes() const override { return ws_.bytes(); }
+
+  bool supports(const cpu::AttnShape& s, std::string* why, bool* built_now) override {
+    const Key key = key_of(s);
+    auto it = plans_.find(key);
+    if (built_now) *built_now = it == plans_.end();
+    if (it == plans_.end()) it = plans_.emplace(key, build(s)).first;
+    if (!it->second.ok && why) *why = it->second.why;
+    return it->second.ok;
+  }
+
+  void forward(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+               const cpu::AttnShape& s) override {
+    Plans& p = plans(s, "forward");
+    auto& m = fwd_pack_;
+    m[kQ] = const_cast<uint16_t*>(q);
+    m[kK] = const_cast<uint16_t*>(k);
+    m[kV] = const_cast<uint16_t*>(v);
+    m[kO] = o;
+    m[kStats] = lse;
+    run(*p.fwd, m, "forward");
+  }
+
+  void backward(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout, const uint16_t* q, const uint16_t* k,
+                const uint16_t* v, const uint16_t* o, const float* lse, const cpu::AttnShape& s) override {
+    Plans& p = plans(s, "backward");
+    auto& m = bwd_pack_;
+    m[kQ] = const_cast<uint16_t*>(q);
+    m[kK] = const_cast<uint16_t*>(k);
+    m[kV] = const_cast<uint16_t*>(v);
+    m[kO] = const_cast<uint16_t*>(o);
+    m[kStats] = const_cast<float*>(lse);
+    m[kDO] = const_cast<uint16_t*>(dout);
+    m[kDQ] = dq;
+    m[kDK] = dk;
+    m[kDV] = dv;
+    run(*p.bwd, m, "backward");
+  }
+
+ private:
+  struct Plans {
+    bool ok = false;
+    std::string why;
+    std::shared_ptr<fe::graph::Graph> fwd, bwd;
+  };
+
+  Plans& plans(const cpu::AttnShape& s, const char* pass) {
+    auto it = plans_.find(key_of(s));
+    if (it == plans_.end() || !it->second.ok)
+      fail("internal error: cuDNN attention {} of a shape supports() did not accept", pass);
+    return it->second;
+  }
+
+  // Each pass has its own pack holding exactly its graph's tensors; the maps keep their nodes (one
+  // per uid, made on the first call), so a call allocates nothing.
+  void run(const fe::graph::Graph& g, std::unordered_map<int64_t, void*>& pack, const char* pass) {
+    fe::error_t st;
+    try {
+      st = g.execute(h_, pack, ws_.data());
+    } catch (const std::exception& e) {
+      fail("cuDNN attention {}: {}", pass, e.what());
+    }
+    if (st.is_bad()) fail("cuDNN attention {}: {}", pass, st.get_message());
+  }
+
+  Plans build(const cpu::AttnShape& s) {
+    Plans p;
+    try {
+      Graphs g = make_graphs(s, 0);
+      p.fwd = std::move(g.fwd);
+      p.bwd = std::move(g.bwd);
+      if (!built(*p.fwd, "forward", &p.why) || !built(*p.bwd, "backward", &p.why)) return p;
+      // The workspace grows to the largest plan's, here, outside any step's loop of calls. Queued
+      // work may still use the old one: wait for it first.
+      int64_t need = 0;
+      for (auto* graph : {p.fwd.get(), p.bwd.get()}) {
+        int64_t b = 0;
+        if (graph->get_workspace_size(b).is_bad()) {
+          p.why = "cuDNN gave no workspace size";
+          return p;
+        }
+        need = std::max(need, b);
+      }
+      if (size_t(need) > ws_.bytes()) {
+        LADDER_CUDA_CHECK(cudaStreamSynchronize(st_));
+        ws_.reserve(size_t(need), "cuDNN attention workspace");
+      }
+      p.ok = true;
+    } catch (const std::exception& e) {  // the frontend throws where a library or symbol is missing
+      p.ok = false;
+      p.why = e.what();
+    }
+    return p;
+  }
+
+  bool built(fe::graph::Graph& g, const char* pass, std::string* why) {
+    fe::error_t st = g.validate();
+    if (st.is_good()) st = g.build(h_, {fe::HeurMode_t::A});
+    if (st.is_bad()) *why = fmt::format("{}: {}", pass, st.get_message());
+    return st.is_good();
+  }
+
+  cudnnHandle_t h_ = nullptr;
+  cudaStream_t st_ = nullptr;
+  std::string version_;
+  DeviceBuffer<uint8_t> ws_;
+  std::map<Key, Plans> plans_;
+  std::unordered_map<int64_t, void*> fwd_pack_, bwd_pack_;
+};
+
+}  // namespace
+
+std::unique_ptr<CudnnAttention> CudnnAttention::open(cudaStream_t stream, std::string* why) {
+  if (std::string e = load_cudnn(); !e.empty()) {
+    *why = e;
+    return nullptr;
+  }
+  try {
+    const size_t v = fe::detail::get_backend_version();
+    if (v < 90000) {
+      *why = fmt::format("cuDNN {} is older than 9.0", v);
+      return nullptr;
+    }
+    cudnnHandle_t h = nullptr;
+    const cudnnStatus_t st = fe::detail::create_handle(&h);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      *why = fmt::format("cudnnCreate: {}", fe::detail::get_error_string(st));
+      return nullptr;
+    }
+    const cudnnStatus_t ss = fe::detail::set_stream(h, stream);
+    if (ss != CUDNN_STATUS_SUCCESS) {
+      fe::detail::destroy_handle(h);
+      *why = fmt::format("cudnnSetStream: {}", fe::detail::get_error_string(ss));
+      return nullptr;
+    }
+    return std::make_unique<CudnnAttentionImpl>(h, stream,
+                                                fmt::format("{}.{}.{}", v / 10000, v / 100 % 100, v % 100));
+  } catch (const std::exception& e) {
+    *why = e.what();
+    return nullptr;
+  }
+}
+
+std::string CudnnAttention::validate_graphs(const cpu::AttnShape& s, int sm_version) {
+  if (std::string e = load_cudnn(); !e.empty()) return e;
+  try {
+    const Graphs g = make_graphs(s, sm_version);
+    for (auto [graph, pass] : {std::pair{g.fwd.get(), "forward"}, std::pair{g.bwd.get(), "backward"}}) {
+      fe::error_t st = graph->validate();
+      if (st.is_bad()) return fmt::format("{}: {}", pass, st.get_message());
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace ladder::cuda
+
+#endif  // LADDER_HAVE_CUDNN
