@@ -473,7 +473,7 @@ TEST_F(CudaAttnBf16, AttentionTensorCoresMatchesTheCpu) {
 
 #if LADDER_HAVE_CUDNN
 // cuDNN's fused attention (CudaOptions::cudnn_attention, attention_cudnn.h) behind the same bf16
-// ops: within kTc of the CPU like the tensor-core kernels (cuDNN rounds P and dS to bf16, and here dO
+// ops, and behind the fp32-activation ops of a bf16 backend (on their bf16 copies): within kTc of the CPU like the tensor-core kernels (cuDNN rounds P and dS to bf16, and here dO
 // and the gradients too); lse within kTc; its backward deterministic (bitwise on a second call); and
 // cuDNN must have run the causal shapes whose length is a multiple of 64 (the backend's counter),
 // else the test fails and stderr says why cuDNN was not used. The ragged and the windowed shapes may
@@ -534,10 +534,31 @@ TEST_F(CudaAttnBf16, AttentionCudnnMatchesTheCpu) {
     check(gd[0][2], dv, kTc, what + " dv");
     for (int t = 0; t < 3; ++t) EXPECT_EQ(gd[0][t], gd[1][t]) << "gradient " << t << " differs between two calls";
 
+    // The fp32-activation ops (model.attn_bf16 off) on the widened inputs: cuDNN on their bf16
+    // copies, its bf16 o widened; against the CPU's fp32 kernel.
+    const auto qw = widen(q), kw = widen(k), vw = widen(v);
+    auto d_qw = up(qw), d_kw = up(kw), d_vw = up(vw);
+    auto f_o = poisoned(nq), f_lse = poisoned(nl);
+    bf->attention_forward(f_o.data(), f_lse.data(), d_qw.data(), d_kw.data(), d_vw.data(), s);
+    std::vector<float> fo(nq), flse(nl);
+    cpu_->attention_forward(fo.data(), flse.data(), qw.data(), kw.data(), vw.data(), s);
+    check(down(f_o, nq), fo, kTc, what + " fp32-ops o");
+    check(down(f_lse, nl), flse, kTc, what + " fp32-ops lse", std::sqrt(double(nl)));
+    auto d_fo = up(fo), d_flse = up(flse);
+    auto f_dq = poisoned(nq), f_dk = poisoned(nk), f_dv = poisoned(nk);
+    bf->attention_backward(f_dq.data(), f_dk.data(), f_dv.data(), d_dout.data(), d_qw.data(), d_kw.data(),
+                           d_vw.data(), d_fo.data(), d_flse.data(), s);
+    std::vector<float> fdq(nq), fdk(nk), fdv(nk);
+    cpu_->attention_backward(fdq.data(), fdk.data(), fdv.data(), dout.data(), qw.data(), kw.data(), vw.data(),
+                             fo.data(), flse.data(), s);
+    check(down(f_dq, nq), fdq, kTc, what + " fp32-ops dq");
+    check(down(f_dk, nk), fdk, kTc, what + " fp32-ops dk");
+    check(down(f_dv, nk), fdv, kTc, what + " fp32-ops dv");
+
     const uint64_t ran = bf->cudnn_attention_calls() - calls0;
-    std::printf("[ cudnn    ] %-40s %s: %llu of 3 passes ran on cuDNN\n", what.c_str(), status.c_str(),
+    std::printf("[ cudnn    ] %-40s %s: %llu of 5 passes ran on cuDNN\n", what.c_str(), status.c_str(),
                 static_cast<unsigned long long>(ran));
-    if (cc.must_run) EXPECT_EQ(ran, 3u) << "cuDNN did not run every pass (" << status << "; stderr says why)";
+    if (cc.must_run) EXPECT_EQ(ran, 5u) << "cuDNN did not run every pass (" << status << "; stderr says why)";
   }
 }
 #endif

@@ -419,6 +419,17 @@ class CudaBackendImpl final : public CudaBackend {
   void attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
                          const AttnShape& s) override {
     check_attn(s);
+#if LADDER_HAVE_CUDNN
+    // cuDNN on the bf16 copies, its bf16 o widened into the fp32 output.
+    if (CudnnAttention* c = cudnn_attention(s, {o, lse, q, k, v})) {
+      const AttnIn16 x = attn_in16(q, k, v, s);
+      const CudnnGrads16 b = cudnn_scratch(s);
+      c->forward(b.o, lse, x.q, x.k, x.v, s);
+      ++cudnn_calls_;
+      post("cudnn attention forward");
+      return check(k::bf16_to_f32(o, b.o, size_t(s.B) * s.S * s.H * s.hd, st_), "cudnn attention forward (o)");
+    }
+#endif
     if (tc_attention(s) && k::attention_tc_kernels().mma_fwd) {
       const AttnIn16 x = attn_in16(q, k, v, s);
       return check(k::attention_tc_forward_in16(o, lse, x.q, x.k, x.v, s, st_), "attention_tc_forward_in16");
@@ -428,6 +439,15 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
                           const float* v, const float* o, const float* lse, const AttnShape& s) override {
+    check_attn(s);
+#if LADDER_HAVE_CUDNN
+    if (CudnnAttention* c = cudnn_attention(s, {dq, dk, dv, dout, q, k, v, o, lse})) {
+      const AttnIn16 x = attn_in16(q, k, v, s);
+      const CudnnGrads16 b = cudnn_scratch(s);
+      check(k::f32_to_bf16(b.o, o, size_t(s.B) * s.S * s.H * s.hd, st_), "cudnn attention backward (bf16 o)");
+      return cudnn_backward(c, dq, dk, dv, dout, x.q, x.k, x.v, b.o, lse, s);
+    }
+#endif
     float* scratch = attention_backward_scratch(s);
     if (tc_attention(s) && k::attention_tc_kernels().mma_bwd) {
       const AttnIn16 x = attn_in16(q, k, v, s);
@@ -668,24 +688,8 @@ class CudaBackendImpl final : public CudaBackend {
                                const AttnShape& s) override {
     check_attn(s);
 #if LADDER_HAVE_CUDNN
-    if (CudnnAttention* c = cudnn_attention(s, {dq, dk, dv, dout, q, k, v, o, lse})) {
-      // cuDNN's gradients are bf16 like its inputs: dout rounded to bf16 on the way in, dq, dk, dv
-      // widened on the way out (the contract's fp32 gradients, with bf16 rounding in them).
-      const size_t nq = size_t(s.B) * s.S * s.H * s.hd, nk = size_t(s.B) * s.S * s.KV * s.hd;
-      const auto up8 = [](size_t n) { return (n + 7) / 8 * 8; };
-      cudnn16_.reserve(2 * up8(nq) + 2 * up8(nk), "cuDNN attention bf16 gradients");
-      uint16_t* const do16 = cudnn16_.data();
-      uint16_t* const dq16 = do16 + up8(nq);
-      uint16_t* const dk16 = dq16 + up8(nq);
-      uint16_t* const dv16 = dk16 + up8(nk);
-      check(k::f32_to_bf16(do16, dout, nq, st_), "cudnn attention backward (bf16 dout)");
-      c->backward(dq16, dk16, dv16, do16, q, k, v, o, lse, s);
-      ++cudnn_calls_;
-      post("cudnn attention backward");
-      check(k::bf16_to_f32(dq, dq16, nq, st_), "cudnn attention backward (dq)");
-      check(k::bf16_to_f32(dk, dk16, nk, st_), "cudnn attention backward (dk)");
-      return check(k::bf16_to_f32(dv, dv16, nk, st_), "cudnn attention backward (dv)");
-    }
+    if (CudnnAttention* c = cudnn_attention(s, {dq, dk, dv, dout, q, k, v, o, lse}))
+      return cudnn_backward(c, dq, dk, dv, dout, q, k, v, o, lse, s);
 #endif
     float* scratch = attention_backward_scratch(s);
     if (tc_attention(s))
@@ -1094,6 +1098,34 @@ class CudaBackendImpl final : public CudaBackend {
     if (built_now) cudnn_note("cuDNN " + cudnn_->version() + " runs attention " + shape(), false);
     return cudnn_.get();
   }
+  // Scratch of the cuDNN path, bf16: dout, dq, dk, dv (its backward's inputs and outputs in bf16)
+  // and o (the fp32-activation ops' o in bf16: written by the forward before widening, cast from
+  // the fp32 o for the backward). Each part 16-byte aligned; valid until the next call.
+  struct CudnnGrads16 {
+    uint16_t *dout, *dq, *dk, *dv, *o;
+  };
+  CudnnGrads16 cudnn_scratch(const AttnShape& s) {
+    const auto up8 = [](size_t n) { return (n + 7) / 8 * 8; };
+    const size_t nq = up8(size_t(s.B) * s.S * s.H * s.hd), nk = up8(size_t(s.B) * s.S * s.KV * s.hd);
+    cudnn16_.reserve(3 * nq + 2 * nk, "cuDNN attention bf16 scratch");
+    uint16_t* p = cudnn16_.data();
+    return {p, p + nq, p + 2 * nq, p + 2 * nq + nk, p + 2 * nq + 2 * nk};
+  }
+  // cuDNN's backward on bf16 q, k, v, o. Its gradients are bf16 like its inputs: dout rounded to
+  // bf16 on the way in, dq, dk, dv widened into the contract's fp32 outputs (with a bf16 rounding in
+  // them that Ladder's kernels, writing fp32, do not have).
+  void cudnn_backward(CudnnAttention* c, float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                      const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse, const AttnShape& s) {
+    const size_t nq = size_t(s.B) * s.S * s.H * s.hd, nk = size_t(s.B) * s.S * s.KV * s.hd;
+    const CudnnGrads16 b = cudnn_scratch(s);
+    check(k::f32_to_bf16(b.dout, dout, nq, st_), "cudnn attention backward (bf16 dout)");
+    c->backward(b.dq, b.dk, b.dv, b.dout, q, k, v, o, lse, s);
+    ++cudnn_calls_;
+    post("cudnn attention backward");
+    check(k::bf16_to_f32(dq, b.dq, nq, st_), "cudnn attention backward (dq)");
+    check(k::bf16_to_f32(dk, b.dk, nk, st_), "cudnn attention backward (dk)");
+    check(k::bf16_to_f32(dv, b.dv, nk, st_), "cudnn attention backward (dv)");
+  }
   // On stderr once per distinct message (a run's logs then say which attention ran).
   void cudnn_note(const std::string& msg, bool fallback = true) {
     if (cudnn_notes_.insert(msg).second)
@@ -1359,7 +1391,7 @@ class CudaBackendImpl final : public CudaBackend {
   std::unique_ptr<CudnnAttention> cudnn_;  // loaded on first use
   std::string cudnn_status_;
   std::set<std::string> cudnn_notes_;
-  DeviceBuffer<uint16_t> cudnn16_;      // the cuDNN backward's bf16 dout, dq, dk, dv
+  DeviceBuffer<uint16_t> cudnn16_;      // cudnn_scratch()
 #endif
   double* host_sums_ = nullptr;
   std::map<std::tuple<int, int, double>, DeviceBuffer<float>> rope_;
