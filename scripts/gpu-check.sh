@@ -85,15 +85,22 @@ if ldd "$BIN/ladder_cuda_tests" | grep -q "libcublasLt.so.13 => not found"; then
   lt=$(find /usr/local /usr/lib /opt -name 'libcublasLt.so.13' 2>/dev/null | head -n 1)
   [ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt"):${LD_LIBRARY_PATH:-}" && log "cuBLASLt from $(dirname "$lt")"
 fi
-# cuDNN for LADDER_ATTN_CUDNN=1 (attention_cudnn.h): loaded at run time, libcudnn.so.9 from the
-# machine (the toolkit's, else PyTorch's wheel), the CUDA 13 runtime that cuDNN's frontend loads, and
-# NVRTC, which cuDNN's runtime-compiled attention engines need.
-for lib in libcudnn.so.9 libcudart.so.13 libnvrtc.so.13 libnvrtc-builtins.so.13; do
-  if ! ldconfig -p 2>/dev/null | grep -q " $lib "; then
-    d=$(find /usr/local /usr/lib /opt -name "$lib" 2>/dev/null | head -n 1)
-    [ -n "$d" ] && export LD_LIBRARY_PATH="$(dirname "$d"):${LD_LIBRARY_PATH:-}" && log "$lib from $(dirname "$d")"
-  fi
+# cuDNN for LADDER_ATTN_CUDNN (attention_cudnn.h), loaded at run time: libcudnn.so.9 from the machine
+# (the toolkit's, else PyTorch's wheel), the CUDA 13 runtime that cuDNN's frontend loads, and NVRTC,
+# which cuDNN's runtime-compiled attention engines need. Only what the loader cannot find already
+# is looked up, in one pass, the toolkit's folders first.
+missing=()
+for lib in libcudnn.so.9 libcudart.so.13 libnvrtc.so.13; do
+  ldconfig -p 2>/dev/null | awk -v l="$lib" '$1 == l {f = 1} END {exit !f}' || missing+=("$lib")
 done
+if [ ${#missing[@]} -gt 0 ]; then
+  found=$(find /usr/local /usr/lib /opt \( -name libcudnn.so.9 -o -name libcudart.so.13 -o -name libnvrtc.so.13 \) \
+    2>/dev/null)
+  for lib in "${missing[@]}"; do
+    d=$(grep -m1 "/$lib\$" <<<"$found")
+    [ -n "$d" ] && export LD_LIBRARY_PATH="$(dirname "$d"):${LD_LIBRARY_PATH:-}" && log "$lib from $(dirname "$d")"
+  done
+fi
 if ldd "$BIN/ladder_cuda_tests" | grep "not found"; then
   echo "gpu-check: libraries above not found on this machine"
   exit 1
@@ -133,7 +140,7 @@ log "grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "tests passed" || echo "tes
 # its test ran on cuDNN and passed (the test is skipped where libcudnn does not load).
 CUDNN_OK=0
 if grep -q '^\[       OK \] CudaAttnBf16.AttentionCudnnMatchesTheCpu' "$OUT/tests.log"; then CUDNN_OK=1; fi
-log "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "test passed, model benches with LADDER_ATTN_CUDNN=1 added" || echo "test not passed or skipped: not benchmarked") ($(grep -m1 '^\[ cudnn    \]' "$OUT/tests.log" | cut -c14- ))"
+log "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "test passed, model benches with LADDER_ATTN_CUDNN added" || echo "test not passed or skipped: not benchmarked") ($(grep -m1 '^\[ cudnn    \]' "$OUT/tests.log" | cut -c14- ))"
 # ---- 2b. the wgmma grouped GEMM (sm_90a, off by default: LADDER_GROUPED_WGMMA=1), in its own
 # process (log: wgmma.log): its layout self-test first (CudaWgmma.*: accumulator layout, operand
 # layouts, MN-major strides, the planted swizzle bug: the '[ wgmma    ]' lines say which fact failed),
@@ -217,10 +224,13 @@ F32M=model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false
 # The capacity layout (model.moe_capacity, session 10): the expert GEMMs as strided-batched cuBLASLt
 # calls at C = 1.0 x the mean load, right after the presets: it is the MoE lever a run decides first.
 CAP=model.moe_capacity=1.0
-# cuDNN attention right after the presets (its test passed): the four presets again, and the MoE
-# with the capacity layout too.
+# cuDNN attention right after the presets (its test passed): the four presets with its
+# nondeterministic backward (atomic dQ; every cuDNN 9 runs it), two with the deterministic one (which
+# cuDNN before 9.25 would run on an S x S workspace: then declined, and the row is Ladder's kernels,
+# models.log says), and the MoE with the capacity layout too.
 CUDNN_ROWS=""
-[ $CUDNN_OK = 1 ] && CUDNN_ROWS="dense-d1024:bf16:LADDER_ATTN_CUDNN=1 moe-d1024:bf16:LADDER_ATTN_CUDNN=1 dense-d2048:bf16:LADDER_ATTN_CUDNN=1 moe-d2048:bf16:LADDER_ATTN_CUDNN=1 moe-d1024:bf16:$CAP,LADDER_ATTN_CUDNN=1 "
+ND=LADDER_ATTN_CUDNN=nondeterministic
+[ $CUDNN_OK = 1 ] && CUDNN_ROWS="dense-d1024:bf16:$ND moe-d1024:bf16:$ND dense-d2048:bf16:$ND moe-d2048:bf16:$ND moe-d1024:bf16:LADDER_ATTN_CUDNN=1 dense-d2048:bf16:LADDER_ATTN_CUDNN=1 moe-d1024:bf16:$CAP,$ND "
 MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${CUDNN_ROWS}moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
 : >"$OUT/models.log"
 MODEL_ROWS=""
@@ -243,7 +253,7 @@ for mp in $MODELS; do
     log "skipping $mp: the wgmma attention did not pass its tests here"
     continue
   fi
-  if [[ " ${envs[*]} " == *" LADDER_ATTN_CUDNN=1 "* ]] && [ $CUDNN_OK != 1 ]; then
+  if [[ " ${envs[*]} " == *" LADDER_ATTN_CUDNN="* ]] && [ $CUDNN_OK != 1 ]; then
     log "skipping $mp: cuDNN attention did not pass its test here"
     continue
   fi
@@ -322,7 +332,7 @@ echo "attention wgmma (sm_90a): exit $AW_RC, $([ $AW_OK = 1 ] && echo "CudaAtten
 sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -E '^\[  (FAILED|SKIPPED) \] Cuda|\[ wgmma    \] register A' | sort -u | head -n 8 | sed 's/^/  /'
 sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '^\[ rel err  \] attn_wgmma .* vs mma' | sed 's/^\[ rel err  \] /  /'
 echo "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "CudaAttnBf16.AttentionCudnnMatchesTheCpu passed" || echo "not passed or skipped")"
-grep -E '^\[ cudnn    \]|declined attention|LADDER_ATTN_CUDNN=1 but' "$OUT/tests.log" | sort -u | head -n 6 | sed 's/^/  /'
+grep -E '^\[ cudnn    \]|declined attention|runs attention|cuDNN attention is on' "$OUT/tests.log" | sort -u | head -n 14 | sed 's/^/  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging; 'experts' rows: ThroughputAgainstBatchedCublasLt, the presets' expert GEMMs grouped vs one strided-batched cuBLASLt call at capacity C):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
 grep '^\[ thruput  \].*wgmma' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'

@@ -10,6 +10,7 @@ PKGS=(
   libcli11-dev libfmt-dev libzstd-dev zstd libxxhash-dev zlib1g-dev libsqlite3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-numpy
+  python3-pip                    # fetches cuDNN's frontend headers (below), where the CUDA toolkit is
   chromium                       # the report test renders the HTML headless
   bible-kjv bible-kjv-text fortunes fortunes-min jargon-text wordnet-base
 )
@@ -26,20 +27,33 @@ fi
 
 # cuDNN's C++ frontend (header-only, NVIDIA's own graph API over libcudnn) for the CUDA build's fused
 # attention (docs/cuda.md "cuDNN attention"), only where the CUDA toolkit is: PyPI's wheel carries the
-# headers, installed into .deps/ (git-ignored) and found there by CMake. Without it (no network) the
-# CUDA build still builds, with Ladder's own attention kernels only.
+# headers; pip downloads it (no install) and its include/ folder is unpacked into .deps/ (git-ignored),
+# where CMake finds it. Without it (no network) the CUDA build still builds, with Ladder's own
+# attention kernels only, and says so.
 FE_VERSION=1.32.0
 FE_DIR="$(cd "$(dirname "$0")/.." && pwd)/.deps/cudnn-frontend"
-if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && [ ! -d "$FE_DIR/nvidia_cudnn_frontend-$FE_VERSION.dist-info" ]; then
-  echo "install-deps: cuDNN frontend $FE_VERSION headers into $FE_DIR (pip)"
-  PY=$(command -v python3)
-  if ! "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$FE_DIR.tmp" \
-      "nvidia-cudnn-frontend==$FE_VERSION" 2>&1 | tail -3; then :; fi
-  if [ -f "$FE_DIR.tmp/include/cudnn_frontend.h" ]; then
+if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && [ ! -f "$FE_DIR/VERSION-$FE_VERSION" ]; then
+  echo "install-deps: cuDNN frontend $FE_VERSION headers into $FE_DIR (pip download)"
+  tmp=$(mktemp -d)
+  if python3 -m pip download --quiet --disable-pip-version-check --no-deps --dest "$tmp" \
+      "nvidia-cudnn-frontend==$FE_VERSION" >"$tmp/log" 2>&1 &&
+    python3 - "$tmp" "$FE_DIR.tmp" <<'PY'
+import glob, os, shutil, sys, zipfile
+src, dst = sys.argv[1], sys.argv[2]
+shutil.rmtree(dst, ignore_errors=True)
+with zipfile.ZipFile(glob.glob(os.path.join(src, "*.whl"))[0]) as z:
+    for name in z.namelist():
+        if name.startswith("include/") and not name.endswith("/"):
+            z.extract(name, dst)
+PY
+  then
+    touch "$FE_DIR.tmp/VERSION-$FE_VERSION"
     rm -rf "$FE_DIR" && mv "$FE_DIR.tmp" "$FE_DIR"
   else
+    tail -n 3 "$tmp/log"
     rm -rf "$FE_DIR.tmp"
     echo "install-deps: WARNING: could not fetch nvidia-cudnn-frontend $FE_VERSION; the CUDA build will have no cuDNN attention"
   fi
+  rm -rf "$tmp"
 fi
 echo "install-deps: all dependencies present"

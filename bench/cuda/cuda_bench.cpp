@@ -5,7 +5,8 @@
 // LADDER_BENCH_ATTN_MMA=1 the same rows for the mma.sync kernels), and Muon's
 // Newton-Schulz over a 64-expert stack, per matrix against batched, and the memory-bound ops (QK
 // prep, SwiGLU, casts, RMSNorm, the MoE permutation) as TB/s against the copy, each also on its scalar
-// reference path (" ref" rows); cuDNN's fused attention (LADDER_ATTN_CUDNN's path, rows "... cudnn",
+// reference path (" ref" rows); cuDNN's fused attention (LADDER_ATTN_CUDNN's path, rows "... cudnn"
+// and, with its nondeterministic backward, "... cudnn-nd",
 // where the build compiled it and libcudnn loads) through the backend's bf16 attention ops at the
 // tensor-core rows' shapes. Random data (never zeros),
 // warm-up first, CUDA events around each repetition, the median reported. Prints a table last.
@@ -189,12 +190,15 @@ int main(int argc, char** argv) {
 #if LADDER_HAVE_CUDNN
     // cuDNN attention behind the backend's bf16 ops (what the model calls with LADDER_ATTN_CUDNN=1):
     // the backward's times include its dO cast to bf16 and the three gradients' widening.
-    std::unique_ptr<CudaBackend> dnn;
-    {
+    // Both backward modes: "cudnn" (deterministic: cuDNN may decline it, see attention_cudnn.h) and
+    // "cudnn-nd" (its atomic dQ).
+    std::unique_ptr<CudaBackend> dnns[2];
+    for (int i = 0; i < 2; ++i) {
       CudaOptions o;
       o.bf16 = true;
       o.cudnn_attention = true;
-      dnn = make_backend(o);
+      o.cudnn_nondeterministic = i == 1;
+      dnns[i] = make_backend(o);
     }
 #endif
     std::vector<A> tc_shapes = {{8, 2048, 16, 16, 64, 0}, {8, 2048, 16, 4, 64, 0}};
@@ -277,7 +281,9 @@ int main(int argc, char** argv) {
       }
       k::attention_tc_set_kernels(saved);
 #if LADDER_HAVE_CUDNN
-      {
+      for (int i = 0; i < 2; ++i) {
+        CudaBackend* dnn = dnns[i].get();
+        const std::string fam = i ? "cudnn-nd" : "cudnn";
         const uint64_t c0 = dnn->cudnn_attention_calls();
         auto f = [&] { dnn->attention_forward_bf16(o16.data(), lse.data(), q16.data(), k16.data(), v16.data(), s); };
         auto g = [&] {
@@ -288,24 +294,25 @@ int main(int argc, char** argv) {
         g();
         dnn->synchronize();
         if (dnn->cudnn_attention_calls() - c0 != 2) {
-          std::printf("%-22s %-26s not run: %s\n", "attn cudnn", shape, dnn->cudnn_attention_status().c_str());
-        } else {
-          const cudaStream_t ds = dnn->stream();
-          const double fms = time_ms(ds, 2, 5, f), bms = time_ms(ds, 2, 5, g);
-          const double tms = time_ms(ds, 2, 5, [&] {
-            f();
-            g();
-          });
-          const struct {
-            const char* what;
-            double ms, flop;
-          } tr[] = {{"attn fwd cudnn in16", fms, fwd_flop},
-                    {"attn bwd cudnn in16", bms, 2.5 * fwd_flop},
-                    {"attn fwd+bwd cudnn in16", tms, 3.5 * fwd_flop}};
-          for (const auto& t : tr) {
-            rows.push_back({t.what, shape, t.ms, t.flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
-            std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what, shape, t.ms, rows.back().rate);
-          }
+          std::printf("%-22s %-26s not run: %s\n", ("attn " + fam).c_str(), shape,
+                      dnn->cudnn_attention_status().c_str());
+          continue;
+        }
+        const cudaStream_t ds = dnn->stream();
+        const double fms = time_ms(ds, 2, 5, f), bms = time_ms(ds, 2, 5, g);
+        const double tms = time_ms(ds, 2, 5, [&] {
+          f();
+          g();
+        });
+        const struct {
+          std::string what;
+          double ms, flop;
+        } tr[] = {{"attn fwd " + fam + " in16", fms, fwd_flop},
+                  {"attn bwd " + fam + " in16", bms, 2.5 * fwd_flop},
+                  {"attn fwd+bwd " + fam + " in16", tms, 3.5 * fwd_flop}};
+        for (const auto& t : tr) {
+          rows.push_back({t.what, shape, t.ms, t.flop / (t.ms * 1e-3) / 1e12, "TFLOP/s"});
+          std::printf("%-22s %-26s %9.3f ms %8.2f TFLOP/s\n", t.what.c_str(), shape, t.ms, rows.back().rate);
         }
       }
 #endif

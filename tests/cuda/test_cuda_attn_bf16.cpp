@@ -473,92 +473,102 @@ TEST_F(CudaAttnBf16, AttentionTensorCoresMatchesTheCpu) {
 
 #if LADDER_HAVE_CUDNN
 // cuDNN's fused attention (CudaOptions::cudnn_attention, attention_cudnn.h) behind the same bf16
-// ops, and behind the fp32-activation ops of a bf16 backend (on their bf16 copies): within kTc of the CPU like the tensor-core kernels (cuDNN rounds P and dS to bf16, and here dO
-// and the gradients too); lse within kTc; its backward deterministic (bitwise on a second call); and
-// cuDNN must have run the causal shapes whose length is a multiple of 64 (the backend's counter),
-// else the test fails and stderr says why cuDNN was not used. The ragged and the windowed shapes may
-// fall back to Ladder's kernels: then the same checks hold for those. Skipped, visibly, where libcudnn cannot be loaded.
+// ops, and behind the fp32-activation ops of a bf16 backend (on their bf16 copies): within kTc of
+// the CPU like the tensor-core kernels (cuDNN rounds P and dS to bf16, and here dO and the gradients
+// too); lse within kTc. Both backward modes: the deterministic one (bitwise equal on a second call;
+// cuDNN may decline it where it would keep an S x S matrix, then Ladder's kernels run and the same
+// checks hold) and the nondeterministic one, which must have run every pass of the causal shapes
+// whose length is a multiple of 64 (the backend's counter; stderr says why if not). The ragged and
+// the windowed shapes may fall back to Ladder's kernels. Skipped, visibly, only where libcudnn
+// cannot be loaded.
 TEST_F(CudaAttnBf16, AttentionCudnnMatchesTheCpu) {
-  cuda::CudaOptions opt;
-  opt.bf16 = true;
-  opt.cudnn_attention = true;
-  auto bf = cuda::make_backend(opt);
   struct Case {
     AttnCase c;
-    bool must_run;
+    bool must_run;  // in the nondeterministic mode
   };
-  for (const Case& cc : {Case{AttnCase{2, 77, 8, 2, 64, 0}, false}, Case{AttnCase{1, 128, 4, 4, 128, 0}, true},
-                         Case{AttnCase{2, 256, 16, 4, 64, 0}, true}, Case{AttnCase{1, 100, 4, 2, 64, 33}, false}}) {
-    const AttnCase& c = cc.c;
-    const std::string what = "attn_cudnn " + c.name();
-    SCOPED_TRACE(what);
-    const AttnShape s = c.shape();
-    const size_t nq = size_t(c.B) * c.S * c.H * c.hd, nk = size_t(c.B) * c.S * c.KV * c.hd,
-                 nl = size_t(c.B) * c.H * c.S;
-    const auto q = randb(nq, -2.f, 2.f), k = randb(nk, -2.f, 2.f), v = randb(nk);
-    const auto dout = randv(nq);
-    auto d_q = up(q), d_k = up(k), d_v = up(v);
-    auto d_dout = up(dout);
-    const uint64_t calls0 = bf->cudnn_attention_calls();
+  const Case cases[] = {{AttnCase{2, 77, 8, 2, 64, 0}, false},   {AttnCase{1, 128, 4, 4, 128, 0}, true},
+                        {AttnCase{2, 256, 16, 4, 64, 0}, true},  {AttnCase{1, 100, 4, 2, 64, 33}, false},
+                        {AttnCase{2, 256, 16, 4, 64, 100}, false}};
+  for (const bool deterministic : {true, false}) {
+    cuda::CudaOptions opt;
+    opt.bf16 = true;
+    opt.cudnn_attention = true;
+    opt.cudnn_nondeterministic = !deterministic;
+    auto bf = cuda::make_backend(opt);
+    for (const Case& cc : cases) {
+      const AttnCase& c = cc.c;
+      const std::string what = fmt::format("attn_cudnn {} {}", deterministic ? "det" : "nondet", c.name());
+      SCOPED_TRACE(what);
+      const AttnShape s = c.shape();
+      const size_t nq = size_t(c.B) * c.S * c.H * c.hd, nk = size_t(c.B) * c.S * c.KV * c.hd,
+                   nl = size_t(c.B) * c.H * c.S;
+      const auto q = randb(nq, -2.f, 2.f), k = randb(nk, -2.f, 2.f), v = randb(nk);
+      const auto dout = randv(nq);
+      auto d_q = up(q), d_k = up(k), d_v = up(v);
+      auto d_dout = up(dout);
+      const uint64_t calls0 = bf->cudnn_attention_calls();
 
-    auto d_o = poisoned<uint16_t>(nq);
-    auto d_lse = poisoned(nl);
-    bf->attention_forward_bf16(d_o.data(), d_lse.data(), d_q.data(), d_k.data(), d_v.data(), s);
-    bf->synchronize();
-    const std::string status = bf->cudnn_attention_status();
-    if (status.rfind("unavailable", 0) == 0) GTEST_SKIP() << "cuDNN attention " << status;
-    std::vector<uint16_t> o(nq);
-    std::vector<float> lse(nl);
-    cpu_->attention_forward_bf16(o.data(), lse.data(), q.data(), k.data(), v.data(), s);
-    check(widen(down(d_o, nq)), widen(o), kTc, what + " o");
-    check(down(d_lse, nl), lse, kTc, what + " lse", std::sqrt(double(nl)));
-
-    // Backward from the CPU's o and lse, twice: bitwise the same gradients (deterministic).
-    auto d_co = up(o);
-    auto d_clse = up(lse);
-    std::vector<float> gd[2][3];
-    for (int rep = 0; rep < 2; ++rep) {
-      auto d_dq = poisoned(nq), d_dk = poisoned(nk), d_dv = poisoned(nk);
-      bf->attention_backward_bf16(d_dq.data(), d_dk.data(), d_dv.data(), d_dout.data(), d_q.data(), d_k.data(),
-                                  d_v.data(), d_co.data(), d_clse.data(), s);
+      auto d_o = poisoned<uint16_t>(nq);
+      auto d_lse = poisoned(nl);
+      bf->attention_forward_bf16(d_o.data(), d_lse.data(), d_q.data(), d_k.data(), d_v.data(), s);
       bf->synchronize();
-      gd[rep][0] = down(d_dq, nq);
-      gd[rep][1] = down(d_dk, nk);
-      gd[rep][2] = down(d_dv, nk);
+      const std::string status = bf->cudnn_attention_status();
+      if (status.rfind("unavailable: cannot load", 0) == 0) GTEST_SKIP() << "cuDNN attention " << status;
+      std::vector<uint16_t> o(nq);
+      std::vector<float> lse(nl);
+      cpu_->attention_forward_bf16(o.data(), lse.data(), q.data(), k.data(), v.data(), s);
+      check(widen(down(d_o, nq)), widen(o), kTc, what + " o");
+      check(down(d_lse, nl), lse, kTc, what + " lse", std::sqrt(double(nl)));
+
+      // Backward from the CPU's o and lse, twice (deterministic: bitwise the same gradients).
+      auto d_co = up(o);
+      auto d_clse = up(lse);
+      std::vector<float> gd[2][3];
+      for (int rep = 0; rep < 2; ++rep) {
+        auto d_dq = poisoned(nq), d_dk = poisoned(nk), d_dv = poisoned(nk);
+        bf->attention_backward_bf16(d_dq.data(), d_dk.data(), d_dv.data(), d_dout.data(), d_q.data(), d_k.data(),
+                                    d_v.data(), d_co.data(), d_clse.data(), s);
+        bf->synchronize();
+        gd[rep][0] = down(d_dq, nq);
+        gd[rep][1] = down(d_dk, nk);
+        gd[rep][2] = down(d_dv, nk);
+      }
+      std::vector<float> dq(nq), dk(nk), dv(nk);
+      cpu_->attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                                    o.data(), lse.data(), s);
+      check(gd[0][0], dq, kTc, what + " dq");
+      check(gd[0][1], dk, kTc, what + " dk");
+      check(gd[0][2], dv, kTc, what + " dv");
+      if (deterministic)
+        for (int t = 0; t < 3; ++t) EXPECT_EQ(gd[0][t], gd[1][t]) << "gradient " << t << " differs between two calls";
+
+      // The fp32-activation ops (model.attn_bf16 off) on the widened inputs: cuDNN on their bf16
+      // copies, its bf16 o widened; against the CPU's fp32 kernel.
+      const auto qw = widen(q), kw = widen(k), vw = widen(v);
+      auto d_qw = up(qw), d_kw = up(kw), d_vw = up(vw);
+      auto f_o = poisoned(nq), f_lse = poisoned(nl);
+      bf->attention_forward(f_o.data(), f_lse.data(), d_qw.data(), d_kw.data(), d_vw.data(), s);
+      std::vector<float> fo(nq), flse(nl);
+      cpu_->attention_forward(fo.data(), flse.data(), qw.data(), kw.data(), vw.data(), s);
+      check(down(f_o, nq), fo, kTc, what + " fp32-ops o");
+      check(down(f_lse, nl), flse, kTc, what + " fp32-ops lse", std::sqrt(double(nl)));
+      auto d_fo = up(fo), d_flse = up(flse);
+      auto f_dq = poisoned(nq), f_dk = poisoned(nk), f_dv = poisoned(nk);
+      bf->attention_backward(f_dq.data(), f_dk.data(), f_dv.data(), d_dout.data(), d_qw.data(), d_kw.data(),
+                             d_vw.data(), d_fo.data(), d_flse.data(), s);
+      std::vector<float> fdq(nq), fdk(nk), fdv(nk);
+      cpu_->attention_backward(fdq.data(), fdk.data(), fdv.data(), dout.data(), qw.data(), kw.data(), vw.data(),
+                               fo.data(), flse.data(), s);
+      check(down(f_dq, nq), fdq, kTc, what + " fp32-ops dq");
+      check(down(f_dk, nk), fdk, kTc, what + " fp32-ops dk");
+      check(down(f_dv, nk), fdv, kTc, what + " fp32-ops dv");
+
+      const uint64_t ran = bf->cudnn_attention_calls() - calls0;
+      std::printf("[ cudnn    ] %-48s %s: %llu of 5 passes ran on cuDNN\n", what.c_str(), status.c_str(),
+                  static_cast<unsigned long long>(ran));
+      if (cc.must_run && !deterministic)
+        EXPECT_EQ(ran, 5u) << "cuDNN did not run every pass (" << status << "; stderr says why)";
     }
-    std::vector<float> dq(nq), dk(nk), dv(nk);
-    cpu_->attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), o.data(),
-                                  lse.data(), s);
-    check(gd[0][0], dq, kTc, what + " dq");
-    check(gd[0][1], dk, kTc, what + " dk");
-    check(gd[0][2], dv, kTc, what + " dv");
-    for (int t = 0; t < 3; ++t) EXPECT_EQ(gd[0][t], gd[1][t]) << "gradient " << t << " differs between two calls";
-
-    // The fp32-activation ops (model.attn_bf16 off) on the widened inputs: cuDNN on their bf16
-    // copies, its bf16 o widened; against the CPU's fp32 kernel.
-    const auto qw = widen(q), kw = widen(k), vw = widen(v);
-    auto d_qw = up(qw), d_kw = up(kw), d_vw = up(vw);
-    auto f_o = poisoned(nq), f_lse = poisoned(nl);
-    bf->attention_forward(f_o.data(), f_lse.data(), d_qw.data(), d_kw.data(), d_vw.data(), s);
-    std::vector<float> fo(nq), flse(nl);
-    cpu_->attention_forward(fo.data(), flse.data(), qw.data(), kw.data(), vw.data(), s);
-    check(down(f_o, nq), fo, kTc, what + " fp32-ops o");
-    check(down(f_lse, nl), flse, kTc, what + " fp32-ops lse", std::sqrt(double(nl)));
-    auto d_fo = up(fo), d_flse = up(flse);
-    auto f_dq = poisoned(nq), f_dk = poisoned(nk), f_dv = poisoned(nk);
-    bf->attention_backward(f_dq.data(), f_dk.data(), f_dv.data(), d_dout.data(), d_qw.data(), d_kw.data(),
-                           d_vw.data(), d_fo.data(), d_flse.data(), s);
-    std::vector<float> fdq(nq), fdk(nk), fdv(nk);
-    cpu_->attention_backward(fdq.data(), fdk.data(), fdv.data(), dout.data(), qw.data(), kw.data(), vw.data(),
-                             fo.data(), flse.data(), s);
-    check(down(f_dq, nq), fdq, kTc, what + " fp32-ops dq");
-    check(down(f_dk, nk), fdk, kTc, what + " fp32-ops dk");
-    check(down(f_dv, nk), fdv, kTc, what + " fp32-ops dv");
-
-    const uint64_t ran = bf->cudnn_attention_calls() - calls0;
-    std::printf("[ cudnn    ] %-40s %s: %llu of 5 passes ran on cuDNN\n", what.c_str(), status.c_str(),
-                static_cast<unsigned long long>(ran));
-    if (cc.must_run) EXPECT_EQ(ran, 5u) << "cuDNN did not run every pass (" << status << "; stderr says why)";
   }
 }
 #endif
@@ -594,19 +604,20 @@ TEST_F(CudaAttnBf16, RejectsBadShapesAndSkipsEmptyCalls) {
 }
 
 #if LADDER_HAVE_CUDNN
-// Without a GPU (CI): the graphs cuDNN attention would build, checked by cuDNN's frontend for
-// sm_80 and sm_90 (layouts, data types, masks, the stats tensor) at the presets' shapes and at
+// Without a GPU (CI): the graphs cuDNN attention would build (both backward modes), checked by
+// cuDNN's frontend for sm_80 and sm_90 (layouts, data types, masks, the stats tensor) at the presets' shapes and at
 // GQA, head_dim 128 and windowed ones; a shape cuDNN's attention does not take (head_dim 512) must be
 // refused, so the check can fail. Skipped where libcudnn cannot be loaded.
 TEST(CudaCudnnGraphs, ValidateForSm80AndSm90) {
   const AttnCase good[] = {{8, 2048, 16, 4, 64, 0}, {8, 2048, 16, 16, 64, 0}, {4, 2048, 16, 4, 128, 0},
                            {2, 300, 6, 3, 64, 100}, {1, 77, 8, 2, 64, 4096}};
   for (const int sm : {80, 90})
-    for (const AttnCase& c : good) {
-      const std::string e = cuda::CudnnAttention::validate_graphs(c.shape(), sm);
-      if (e.rfind("cannot load", 0) == 0) GTEST_SKIP() << "cuDNN: " << e;
-      EXPECT_EQ(e, "") << "sm_" << sm << " " << c.name();
-    }
+    for (const bool deterministic : {true, false})
+      for (const AttnCase& c : good) {
+        const std::string e = cuda::CudnnAttention::validate_graphs(c.shape(), sm, deterministic);
+        if (e.rfind("cannot load", 0) == 0) GTEST_SKIP() << "cuDNN: " << e;
+        EXPECT_EQ(e, "") << "sm_" << sm << (deterministic ? " deterministic " : " nondeterministic ") << c.name();
+      }
   EXPECT_NE(cuda::CudnnAttention::validate_graphs(AttnCase{1, 64, 2, 2, 512, 0}.shape(), 90), "")
       << "head_dim 512 passed the frontend's checks";
 }

@@ -72,7 +72,7 @@ std::shared_ptr<fe::graph::Graph> new_graph() {
 struct Graphs {
   std::shared_ptr<fe::graph::Graph> fwd, bwd;
 };
-Graphs make_graphs(const cpu::AttnShape& s, int sm_version) {
+Graphs make_graphs(const cpu::AttnShape& s, int sm_version, bool deterministic) {
   const int w = std::get<5>(key_of(s));
   Graphs out{new_graph(), new_graph()};
   if (sm_version > 0) {
@@ -94,7 +94,7 @@ Graphs make_graphs(const cpu::AttnShape& s, int sm_version) {
     as_stats(stats, s);
     stats->set_output(true);
   }
-  {  // Backward: dq, dk, dv from q, k, v, o, dO and the stats; cuDNN's deterministic algorithm.
+  {  // Backward: dq, dk, dv from q, k, v, o, dO and the stats.
     fe::graph::Graph& g = *out.bwd;
     auto q = bshd_input(g, "q", kQ, s, s.H), k = bshd_input(g, "k", kK, s, s.KV), v = bshd_input(g, "v", kV, s, s.KV);
     auto o = bshd_input(g, "o", kO, s, s.H), dO = bshd_input(g, "dO", kDO, s, s.H);
@@ -104,7 +104,7 @@ Graphs make_graphs(const cpu::AttnShape& s, int sm_version) {
                    .set_name("ladder_attention_backward")
                    .set_causal_mask(true)
                    .set_attn_scale(float(s.scale))
-                   .set_deterministic_algorithm(true);
+                   .set_deterministic_algorithm(deterministic);
     if (w > 0) opt.set_diagonal_band_left_bound(w);
     auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dO, stats, std::move(opt));
     as_bshd(dq, "dq", kDQ, s, s.H);
@@ -134,8 +134,13 @@ std::string load_cudnn() {
 
 class CudnnAttentionImpl final : public CudnnAttention {
  public:
-  CudnnAttentionImpl(cudnnHandle_t h, cudaStream_t st, std::string version)
-      : h_(h), st_(st), version_(std::move(version)) {}
+  CudnnAttentionImpl(cudnnHandle_t h, cudaStream_t st, size_t version, int sm_major, bool deterministic)
+      : h_(h),
+        st_(st),
+        version_(fmt::format("{}.{}.{}", version / 10000, version / 100 % 100, version % 100)),
+        version_num_(version),
+        sm_major_(sm_major),
+        deterministic_(deterministic) {}
   ~CudnnAttentionImpl() override {
     if (st_) cudaStreamSynchronize(st_);  // queued work may still read the workspace
     plans_.clear();
@@ -210,8 +215,16 @@ class CudnnAttentionImpl final : public CudnnAttention {
 
   Plans build(const cpu::AttnShape& s) {
     Plans p;
+    if (const double mib = dp_workspace_mib(s); mib > 0) {
+      p.why = fmt::format(
+          "its deterministic backward would keep the S x S matrix dP of every batch and head ({:.0f} MiB of "
+          "workspace; cuDNN 9.25+ on Hopper orders its dQ sums instead); LADDER_ATTN_CUDNN=nondeterministic "
+          "takes its atomic dQ",
+          mib);
+      return p;
+    }
     try {
-      Graphs g = make_graphs(s, 0);
+      Graphs g = make_graphs(s, 0, deterministic_);
       p.fwd = std::move(g.fwd);
       p.bwd = std::move(g.bwd);
       if (!built(*p.fwd, "forward", &p.why) || !built(*p.bwd, "backward", &p.why)) return p;
@@ -238,9 +251,26 @@ class CudnnAttentionImpl final : public CudnnAttention {
     return p;
   }
 
+  // The MiB of the dP matrices (S x S per batch and head, bf16) if the frontend (1.32) would build this
+  // shape's deterministic backward on its "dP workspace" decomposition, else 0: it does so everywhere
+  // but on Hopper with cuDNN 9.25+, and there unless CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT is below
+  // those bytes (open() sets it to 0). The flash attention keeps no S x S matrix: such a
+  // shape is declined before anything is built.
+  double dp_workspace_mib(const cpu::AttnShape& s) const {
+    if (!deterministic_) return 0;
+    const auto up = [](int64_t n, int64_t m) { return (n + m - 1) / m * m; };
+    const int64_t bh = int64_t(s.B) * s.H;
+    const double mib = double(bh * up(s.S, 64) * up(s.S, 64) * 2) / (1 << 20);
+    if (sm_major_ != 9 || version_num_ < 92500) return mib;
+    const char* e = std::getenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT");
+    char* end = nullptr;
+    const long long limit = e ? std::strtoll(e, &end, 10) : -1;
+    if (!e || !end || *end || limit < 0) return mib;
+    return bh * up(s.S, 64) * up(s.S, 128) * 2 > limit ? 0 : mib;
+  }
+
   bool built(fe::graph::Graph& g, const char* pass, std::string* why) {
-    fe::error_t st = g.validate();
-    if (st.is_good()) st = g.build(h_, {fe::HeurMode_t::A});
+    fe::error_t st = g.build(h_, {fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
     if (st.is_bad()) *why = fmt::format("{}: {}", pass, st.get_message());
     return st.is_good();
   }
@@ -248,6 +278,9 @@ class CudnnAttentionImpl final : public CudnnAttention {
   cudnnHandle_t h_ = nullptr;
   cudaStream_t st_ = nullptr;
   std::string version_;
+  size_t version_num_;
+  int sm_major_;
+  bool deterministic_;
   DeviceBuffer<uint8_t> ws_;
   std::map<Key, Plans> plans_;
   std::unordered_map<int64_t, void*> fwd_pack_, bwd_pack_;
@@ -255,7 +288,7 @@ class CudnnAttentionImpl final : public CudnnAttention {
 
 }  // namespace
 
-std::unique_ptr<CudnnAttention> CudnnAttention::open(cudaStream_t stream, std::string* why) {
+std::unique_ptr<CudnnAttention> CudnnAttention::open(cudaStream_t stream, bool deterministic, std::string* why) {
   if (std::string e = load_cudnn(); !e.empty()) {
     *why = e;
     return nullptr;
@@ -266,6 +299,9 @@ std::unique_ptr<CudnnAttention> CudnnAttention::open(cudaStream_t stream, std::s
       *why = fmt::format("cuDNN {} is older than 9.0", v);
       return nullptr;
     }
+    int dev = 0, major = 0;
+    LADDER_CUDA_CHECK(cudaGetDevice(&dev));
+    LADDER_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     cudnnHandle_t h = nullptr;
     const cudnnStatus_t st = fe::detail::create_handle(&h);
     if (st != CUDNN_STATUS_SUCCESS) {
@@ -278,18 +314,21 @@ std::unique_ptr<CudnnAttention> CudnnAttention::open(cudaStream_t stream, std::s
       *why = fmt::format("cudnnSetStream: {}", fe::detail::get_error_string(ss));
       return nullptr;
     }
-    return std::make_unique<CudnnAttentionImpl>(h, stream,
-                                                fmt::format("{}.{}.{}", v / 10000, v / 100 % 100, v % 100));
+    // Where cuDNN (9.25+, Hopper) can serve the deterministic backward by ordering its dQ sums, the
+    // frontend takes that route only when told the dP workspace is not allowed (its documented
+    // switch, an environment variable); a value the user set is kept.
+    if (deterministic) setenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT", "0", 0);
+    return std::make_unique<CudnnAttentionImpl>(h, stream, v, major, deterministic);
   } catch (const std::exception& e) {
     *why = e.what();
     return nullptr;
   }
 }
 
-std::string CudnnAttention::validate_graphs(const cpu::AttnShape& s, int sm_version) {
+std::string CudnnAttention::validate_graphs(const cpu::AttnShape& s, int sm_version, bool deterministic) {
   if (std::string e = load_cudnn(); !e.empty()) return e;
   try {
-    const Graphs g = make_graphs(s, sm_version);
+    const Graphs g = make_graphs(s, sm_version, deterministic);
     for (auto [graph, pass] : {std::pair{g.fwd.get(), "forward"}, std::pair{g.bwd.get(), "backward"}}) {
       fe::error_t st = graph->validate();
       if (st.is_bad()) return fmt::format("{}: {}", pass, st.get_message());

@@ -11,8 +11,8 @@
 // [B*S, KV*hd], o like q, all bf16 bits; lse [B, H, S] fp32, the natural-log sum of the exponentials
 // of the scaled scores, which is what cuDNN calls its stats, so either implementation's forward
 // serves the other's backward. Causal, with AttnShape::window as cuDNN's left band bound (key j
-// visible to query i when i - window < j <= i), GQA (H a multiple of KV). The backward is cuDNN's
-// deterministic algorithm, and its gradients are bf16 like its inputs (dout too): the caller widens.
+// visible to query i when i - window < j <= i), GQA (H a multiple of KV). The backward's gradients
+// are bf16 like its inputs (dout too): the caller widens.
 #pragma once
 #if LADDER_HAVE_CUDNN
 
@@ -28,14 +28,17 @@ namespace ladder::cuda {
 
 class CudnnAttention {
  public:
-  // nullptr, with *why, when libcudnn cannot be loaded or gives no handle on the current device.
-  // Work is queued on `stream`.
-  static std::unique_ptr<CudnnAttention> open(cudaStream_t stream, std::string* why);
+  // nullptr, with *why, when libcudnn cannot be loaded ("cannot load ...") or gives no handle on the
+  // current device. Work is queued on `stream`. deterministic: the backward is cuDNN's deterministic
+  // algorithm, and a shape whose deterministic backward would keep an S x S dP matrix in its
+  // workspace (cuDNN before 9.25, or not Hopper) is declined; otherwise cuDNN's faster backward that
+  // adds dQ with atomics (not bitwise reproducible run to run).
+  static std::unique_ptr<CudnnAttention> open(cudaStream_t stream, bool deterministic, std::string* why);
   virtual ~CudnnAttention() = default;
   // Without a device: builds this shape's two graphs for compute capability sm_version (e.g. 90)
   // and runs the frontend's checks of them (layouts, types, masks); "" when they pass, else what
   // failed (also when libcudnn cannot be loaded). A CI check of the graphs that open() would build.
-  static std::string validate_graphs(const cpu::AttnShape& s, int sm_version);
+  static std::string validate_graphs(const cpu::AttnShape& s, int sm_version, bool deterministic = true);
 
   // cuDNN's version, e.g. "9.19.0".
   virtual std::string version() const = 0;

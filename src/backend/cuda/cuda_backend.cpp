@@ -75,6 +75,9 @@ class CudaBackendImpl final : public CudaBackend {
   ~CudaBackendImpl() override {
     if (st_) cudaStreamSynchronize(st_);  // queued work, staged uploads still reading their pinned slots
     gemm_.reset();
+#if LADDER_HAVE_CUDNN
+    cudnn_.reset();  // its handle is bound to st_, destroyed below
+#endif
     if (stage_pinned_) cudaFreeHost(stage_pinned_);
     for (auto& s : stage_)
       if (s.done) cudaEventDestroy(s.done);
@@ -93,7 +96,8 @@ class CudaBackendImpl final : public CudaBackend {
   std::string cudnn_attention_status() const override {
 #if LADDER_HAVE_CUDNN
     if (!opt_.cudnn_attention || !opt_.bf16) return "off";
-    return cudnn_status_.empty() ? "not yet loaded" : cudnn_status_;
+    if (cudnn_status_.empty()) return "not yet loaded";
+    return cudnn_ && opt_.cudnn_nondeterministic ? cudnn_status_ + " (nondeterministic backward)" : cudnn_status_;
 #else
     return opt_.cudnn_attention ? "not compiled (this build found no cuDNN frontend headers)" : "off";
 #endif
@@ -1076,9 +1080,9 @@ class CudaBackendImpl final : public CudaBackend {
     if (!opt_.cudnn_attention || !opt_.bf16) return nullptr;
     if (!cudnn_ && cudnn_status_.empty()) {
       std::string why;
-      cudnn_ = CudnnAttention::open(st_, &why);
+      cudnn_ = CudnnAttention::open(st_, !opt_.cudnn_nondeterministic, &why);
       cudnn_status_ = cudnn_ ? "cuDNN " + cudnn_->version() : "unavailable: " + why;
-      if (!cudnn_) cudnn_note("LADDER_ATTN_CUDNN=1 but cuDNN is " + cudnn_status_);
+      if (!cudnn_) cudnn_note("cuDNN attention is on (LADDER_ATTN_CUDNN), but cuDNN is " + cudnn_status_);
     }
     if (!cudnn_) return nullptr;
     const auto shape = [&] {
@@ -1095,7 +1099,11 @@ class CudaBackendImpl final : public CudaBackend {
       if (built_now) cudnn_note("cuDNN " + cudnn_->version() + " declined attention " + shape() + " (" + why + ")");
       return nullptr;
     }
-    if (built_now) cudnn_note("cuDNN " + cudnn_->version() + " runs attention " + shape(), false);
+    if (built_now)
+      cudnn_note(fmt::format("cuDNN {} runs attention {} ({} backward; workspace {:.1f} MiB)", cudnn_->version(),
+                             shape(), opt_.cudnn_nondeterministic ? "nondeterministic" : "deterministic",
+                             double(cudnn_->workspace_bytes()) / (1 << 20)),
+                 false);
     return cudnn_.get();
   }
   // Scratch of the cuDNN path, bf16: dout, dq, dk, dv (its backward's inputs and outputs in bf16)
@@ -1426,7 +1434,11 @@ std::unique_ptr<CudaBackend> make_backend(CudaOptions opt) {
   const DeviceInfo info = probe_device();
   if (env_flag("LADDER_CUDA_TF32")) opt.tf32 = true;
   if (env_flag("LADDER_CUDA_BF16")) opt.bf16 = true;
-  if (const char* v = std::getenv("LADDER_ATTN_CUDNN"); v && *v) opt.cudnn_attention = env_flag("LADDER_ATTN_CUDNN");
+  // LADDER_ATTN_CUDNN only turns cuDNN attention on ("1", or "nondeterministic"), like the two above.
+  if (env_flag("LADDER_ATTN_CUDNN")) {
+    opt.cudnn_attention = true;
+    if (std::string(std::getenv("LADDER_ATTN_CUDNN")) == "nondeterministic") opt.cudnn_nondeterministic = true;
+  }
   return std::make_unique<CudaBackendImpl>(info, opt);
 }
 

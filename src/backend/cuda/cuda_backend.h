@@ -45,10 +45,13 @@ struct CudaOptions {
   // would exceed it runs in chunks of as many matrices as fit, at least one. Memory stays bounded
   // whatever the batch; tests set it small to run the chunking on small matrices.
   size_t ns_work_bytes = size_t(256) << 20;
-  // cuDNN's fused attention for the bf16 attention ops (model.attn_bf16) under bf16 (LADDER_ATTN_CUDNN=1;
-  // attention_cudnn.h): where cuDNN loads and runs the shape, forward and backward; elsewhere
-  // Ladder's kernels, with one line on stderr saying why. Needs a build that compiled it.
+  // cuDNN's fused attention under bf16 (LADDER_ATTN_CUDNN; attention_cudnn.h): where cuDNN loads and
+  // runs the shape, forward and backward; elsewhere Ladder's kernels, with one line on stderr saying
+  // why. Needs a build that compiled it. cudnn_nondeterministic lets cuDNN's backward add dQ with
+  // atomics (not bitwise reproducible); without it only a deterministic backward that keeps no
+  // S x S matrix is taken.
   bool cudnn_attention = false;
+  bool cudnn_nondeterministic = false;
 };
 
 class CudaBackend : public Backend {
@@ -84,7 +87,7 @@ class CudaBackend : public Backend {
 
 // Probes the device (probe_device) and builds the backend on it. Options from the environment
 // override `opt`: LADDER_CUDA_TF32=1 turns TF32 GEMMs on, LADDER_CUDA_BF16=1 bf16 GEMMs, LADDER_ATTN_CUDNN=1
-// cuDNN attention (0 turns it off); LADDER_CUDA_SYNC=1 synchronizes after
+// cuDNN attention (=nondeterministic: with its atomic backward); LADDER_CUDA_SYNC=1 synchronizes after
 // every op, so a faulting kernel is reported by the op that launched it (debugging only).
 std::unique_ptr<CudaBackend> make_backend(CudaOptions opt = {});
 
