@@ -288,14 +288,18 @@ done
 # bf16 dense at d=2048 (the presets the MFU goals are furthest from / closest to).
 PROFILE_ROWS=""
 # The third: the MoE with the capacity layout, where its batched GEMMs show apart ("batched gemm").
-for pm in moe-d1024 dense-d2048 moe-d1024:$CAP; do
+# The fourth, where cuDNN attention passed its test: the MoE with it (what attention costs then).
+PROFILES="moe-d1024 dense-d2048 moe-d1024:$CAP"
+[ $CUDNN_OK = 1 ] && PROFILES="$PROFILES moe-d1024:$ND"
+for pm in $PROFILES; do
   [ "${GPU_CHECK_PROFILE:-1}" != 0 ] && [ $(($(date +%s) - T0)) -lt 420 ] || break
   IFS=: read -r pp pset <<<"$pm"
   psets=(--set run.precision=bf16)
-  [ -n "$pset" ] && psets+=(--set "$pset")
+  penv=()  # a LADDER_* item is an environment variable, as in the model list
+  if [[ $pset == LADDER_* ]]; then penv+=("$pset"); elif [ -n "$pset" ]; then psets+=(--set "$pset"); fi
   log "profiled bench: $pm bf16 (log: profile.log)"
   # One log for all (the device tool brings back at most 8 files from $OUT).
-  timeout 90 "$BIN/ladder" bench --config "configs/gpu/$pp.yaml" --device cuda "${psets[@]}" \
+  env "${penv[@]}" timeout 90 "$BIN/ladder" bench --config "configs/gpu/$pp.yaml" --device cuda "${psets[@]}" \
     --steps 2 --profile --json >"$OUT/profile-run.tmp" 2>&1
   { echo "=== $pm"; cat "$OUT/profile-run.tmp"; } >>"$OUT/profile.log"
   PROFILE_ROWS="$PROFILE_ROWS$(tail -n 1 "$OUT/profile-run.tmp" | PM=$pm python3 -c 'import json,os,sys

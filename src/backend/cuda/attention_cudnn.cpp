@@ -202,7 +202,7 @@ class CudnnAttentionImpl final : public CudnnAttention {
   }
 
   // Each pass has its own pack holding exactly its graph's tensors; the maps keep their nodes (one
-  // per uid, made on the first call), so a call allocates nothing.
+  // per uid, made on the first call), so filling them allocates nothing after that.
   void run(const fe::graph::Graph& g, std::unordered_map<int64_t, void*>& pack, const char* pass) {
     fe::error_t st;
     try {
@@ -293,6 +293,9 @@ std::unique_ptr<CudnnAttention> CudnnAttention::open(cudaStream_t stream, bool d
     *why = e;
     return nullptr;
   }
+  // The frontend opens a CUDA runtime of its own for a few queries, trying libcudart.so.12 before .13;
+  // name the major this build was compiled against (a value the user set is kept).
+  setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", fmt::format("libcudart.so.{}", CUDART_VERSION / 1000).c_str(), 0);
   try {
     const size_t v = fe::detail::get_backend_version();
     if (v < 90000) {
