@@ -136,7 +136,7 @@ if ! grep -q '^\[       OK \] CudaGroupedTc.BothShapes' "$OUT/tests.log" ||
   export LADDER_GROUPED_MMA=0
 fi
 log "grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "tests passed" || echo "tests not passed: model benches on WMMA (LADDER_GROUPED_MMA=0)")"
-# cuDNN's fused attention (LADDER_ATTN_CUDNN=1, off by default): benchmarked in the models only where
+# cuDNN's fused attention (LADDER_ATTN_CUDNN, off by default): benchmarked in the models only where
 # its test ran on cuDNN and passed (the test is skipped where libcudnn does not load).
 CUDNN_OK=0
 if grep -q '^\[       OK \] CudaAttnBf16.AttentionCudnnMatchesTheCpu' "$OUT/tests.log"; then CUDNN_OK=1; fi
@@ -336,7 +336,9 @@ echo "attention wgmma (sm_90a): exit $AW_RC, $([ $AW_OK = 1 ] && echo "CudaAtten
 sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -E '^\[  (FAILED|SKIPPED) \] Cuda|\[ wgmma    \] register A' | sort -u | head -n 8 | sed 's/^/  /'
 sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '^\[ rel err  \] attn_wgmma .* vs mma' | sed 's/^\[ rel err  \] /  /'
 echo "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "CudaAttnBf16.AttentionCudnnMatchesTheCpu passed" || echo "not passed or skipped")"
-grep -E '^\[ cudnn    \]|declined attention|runs attention|cuDNN attention is on' "$OUT/tests.log" | sort -u | head -n 14 | sed 's/^/  /'
+grep '^\[ cudnn    \]' "$OUT/tests.log" | head -n 12 | sed 's/^/  /'
+grep -hsE 'declined attention|runs attention|cuDNN attention is on|cuDNN attention not used' "$OUT/tests.log" \
+  "$OUT/models.log" | sort -u | head -n 16 | sed 's/^/  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging; 'experts' rows: ThroughputAgainstBatchedCublasLt, the presets' expert GEMMs grouped vs one strided-batched cuBLASLt call at capacity C):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
 grep '^\[ thruput  \].*wgmma' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'

@@ -35,9 +35,9 @@ FE_DIR="$(cd "$(dirname "$0")/.." && pwd)/.deps/cudnn-frontend"
 if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && [ ! -f "$FE_DIR/VERSION-$FE_VERSION" ]; then
   echo "install-deps: cuDNN frontend $FE_VERSION headers into $FE_DIR (pip download)"
   tmp=$(mktemp -d)
-  if python3 -m pip download --quiet --disable-pip-version-check --no-deps --dest "$tmp" \
+  if python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --dest "$tmp" \
       "nvidia-cudnn-frontend==$FE_VERSION" >"$tmp/log" 2>&1 &&
-    python3 - "$tmp" "$FE_DIR.tmp" <<'PY'
+    python3 - "$tmp" "$FE_DIR.tmp" <<'PY' &&
 import glob, os, shutil, sys, zipfile
 src, dst = sys.argv[1], sys.argv[2]
 shutil.rmtree(dst, ignore_errors=True)
@@ -46,6 +46,7 @@ with zipfile.ZipFile(glob.glob(os.path.join(src, "*.whl"))[0]) as z:
         if name.startswith("include/") and not name.endswith("/"):
             z.extract(name, dst)
 PY
+    [ -f "$FE_DIR.tmp/include/cudnn_frontend.h" ]
   then
     touch "$FE_DIR.tmp/VERSION-$FE_VERSION"
     rm -rf "$FE_DIR" && mv "$FE_DIR.tmp" "$FE_DIR"

@@ -1434,10 +1434,15 @@ std::unique_ptr<CudaBackend> make_backend(CudaOptions opt) {
   const DeviceInfo info = probe_device();
   if (env_flag("LADDER_CUDA_TF32")) opt.tf32 = true;
   if (env_flag("LADDER_CUDA_BF16")) opt.bf16 = true;
-  // LADDER_ATTN_CUDNN only turns cuDNN attention on ("1", or "nondeterministic"), like the two above.
-  if (env_flag("LADDER_ATTN_CUDNN")) {
+  // LADDER_ATTN_CUDNN only turns cuDNN attention on, like the two above: "1" (deterministic backward)
+  // or "nondeterministic"; "0" or empty leaves `opt` as it is; anything else is an error.
+  if (const char* v = std::getenv("LADDER_ATTN_CUDNN"); v && *v && std::string(v) != "0") {
+    const std::string mode = v;
+    if (mode != "1" && mode != "nondeterministic")
+      fail("LADDER_ATTN_CUDNN='{}': expected 1 (cuDNN attention, deterministic backward), nondeterministic "
+           "(its atomic-dQ backward) or 0", mode);
     opt.cudnn_attention = true;
-    if (std::string(std::getenv("LADDER_ATTN_CUDNN")) == "nondeterministic") opt.cudnn_nondeterministic = true;
+    opt.cudnn_nondeterministic = mode == "nondeterministic";
   }
   return std::make_unique<CudaBackendImpl>(info, opt);
 }
