@@ -63,6 +63,25 @@ int ulps(uint16_t a, uint16_t b) {
   return std::abs(ordered(a) - ordered(b));
 }
 
+struct AttnCase {
+  int B, S, H, KV, hd, window;
+  size_t offset = 0;  // bf16 elements: q, k, v, o that many elements past an aligned address
+  std::string name() const {
+    return fmt::format("B={} S={} H={} KV={} hd={} W={}{}", B, S, H, KV, hd, window, offset ? fmt::format(" offset {}", offset) : "");
+  }
+  AttnShape shape() const { return AttnShape{B, S, H, KV, hd, window, 1.0 / std::sqrt(double(hd))}; }
+};
+
+// A case's random inputs, on the host and on the device: q, k, v on the bf16 grid (bits; on the
+// device `offset` elements past an aligned address) and an fp32 dout.
+struct AttnData {
+  size_t nq, nk, nl;  // elements of q (and o, dout, dq), of k (and v, dk, dv), of lse
+  std::vector<uint16_t> q, k, v;
+  std::vector<float> dout;
+  DeviceBuffer<uint16_t> d_q, d_k, d_v;
+  DeviceBuffer<float> d_dout;
+};
+
 class CudaAttnBf16 : public test::CudaFixture {
  protected:
   void SetUp() override {
@@ -72,6 +91,22 @@ class CudaAttnBf16 : public test::CudaFixture {
 
   // Random values already on the bf16 grid, as bits.
   std::vector<uint16_t> randb(size_t n, float lo = -1.f, float hi = 1.f) { return to_b16(randv(n, lo, hi)); }
+
+  AttnData attn_data(const AttnCase& c, size_t offset = 0) {
+    AttnData a;
+    a.nq = size_t(c.B) * c.S * c.H * c.hd;
+    a.nk = size_t(c.B) * c.S * c.KV * c.hd;
+    a.nl = size_t(c.B) * c.H * c.S;
+    a.q = randb(a.nq, -2.f, 2.f);
+    a.k = randb(a.nk, -2.f, 2.f);
+    a.v = randb(a.nk);
+    a.dout = randv(a.nq);
+    a.d_q = up(a.q, offset);
+    a.d_k = up(a.k, offset);
+    a.d_v = up(a.v, offset);
+    a.d_dout = up(a.dout);
+    return a;
+  }
 
   // A bf16 output against the CPU's (see the file comment).
   static void check_b16(const std::vector<uint16_t>& got, const std::vector<uint16_t>& cpu, const std::string& what) {
@@ -333,14 +368,6 @@ TEST_F(CudaAttnBf16, NormOutputsMatchTheCpu) {
 // ---------------------------------------------------------------------------------------------
 // Attention.
 
-struct AttnCase {
-  int B, S, H, KV, hd, window;
-  size_t offset = 0;  // bf16 elements: q, k, v, o that many elements past an aligned address
-  std::string name() const {
-    return fmt::format("B={} S={} H={} KV={} hd={} W={}{}", B, S, H, KV, hd, window, offset ? fmt::format(" offset {}", offset) : "");
-  }
-  AttnShape shape() const { return AttnShape{B, S, H, KV, hd, window, 1.0 / std::sqrt(double(hd))}; }
-};
 
 // fp32 precision: the CUDA-core flash kernel (attention.cu) instantiated on bf16. GQA and MHA, odd
 // sequence lengths, head dims 64, 128 and two that are not multiples of 16, causal and sliding
@@ -353,12 +380,8 @@ TEST_F(CudaAttnBf16, AttentionCudaCoresMatchesTheCpu) {
     const std::string what = "attn_bf16 " + c.name();
     SCOPED_TRACE(what);
     const AttnShape s = c.shape();
-    const size_t nq = size_t(c.B) * c.S * c.H * c.hd, nk = size_t(c.B) * c.S * c.KV * c.hd,
-                 nl = size_t(c.B) * c.H * c.S;
-    const auto q = randb(nq, -2.f, 2.f), k = randb(nk, -2.f, 2.f), v = randb(nk);
-    const auto dout = randv(nq);
-    auto d_q = up(q), d_k = up(k), d_v = up(v);
-    auto d_dout = up(dout);
+    AttnData a = attn_data(c);
+    auto& [nq, nk, nl, q, k, v, dout, d_q, d_k, d_v, d_dout] = a;
 
     auto d_o = poisoned<uint16_t>(nq);
     auto d_lse = poisoned(nl);
@@ -417,12 +440,9 @@ TEST_F(CudaAttnBf16, AttentionTensorCoresMatchesTheCpu) {
     SCOPED_TRACE(what);
     const AttnShape s = c.shape();
     ASSERT_TRUE(cuda::k::attention_tc_supported(s));
-    const size_t nq = size_t(c.B) * c.S * c.H * c.hd, nk = size_t(c.B) * c.S * c.KV * c.hd,
-                 nl = size_t(c.B) * c.H * c.S, off = c.offset;
-    const auto q = randb(nq, -2.f, 2.f), k = randb(nk, -2.f, 2.f), v = randb(nk);
-    const auto dout = randv(nq);
-    auto d_q = up(q, off), d_k = up(k, off), d_v = up(v, off);
-    auto d_dout = up(dout);
+    const size_t off = c.offset;
+    AttnData a = attn_data(c, off);
+    auto& [nq, nk, nl, q, k, v, dout, d_q, d_k, d_v, d_dout] = a;
 
     auto d_o = poisoned<uint16_t>(nq + off);
     auto d_lse = poisoned(nl);
@@ -510,12 +530,8 @@ TEST_F(CudaAttnBf16, AttentionCudnnMatchesTheCpu) {
       const std::string what = fmt::format("attn_cudnn {} {}", deterministic ? "det" : "nondet", c.name());
       SCOPED_TRACE(what);
       const AttnShape s = c.shape();
-      const size_t nq = size_t(c.B) * c.S * c.H * c.hd, nk = size_t(c.B) * c.S * c.KV * c.hd,
-                   nl = size_t(c.B) * c.H * c.S;
-      const auto q = randb(nq, -2.f, 2.f), k = randb(nk, -2.f, 2.f), v = randb(nk);
-      const auto dout = randv(nq);
-      auto d_q = up(q), d_k = up(k), d_v = up(v);
-      auto d_dout = up(dout);
+      AttnData a = attn_data(c);
+      auto& [nq, nk, nl, q, k, v, dout, d_q, d_k, d_v, d_dout] = a;
       const uint64_t calls0 = bf->cudnn_attention_calls();
 
       auto d_o = poisoned<uint16_t>(nq);
@@ -549,8 +565,9 @@ TEST_F(CudaAttnBf16, AttentionCudnnMatchesTheCpu) {
       check(gd[0][0], dq, kTc, what + " dq");
       check(gd[0][1], dk, kTc, what + " dk");
       check(gd[0][2], dv, kTc, what + " dv");
-      if (deterministic)
+      if (deterministic) {
         for (int t = 0; t < 3; ++t) EXPECT_EQ(gd[0][t], gd[1][t]) << "gradient " << t << " differs between two calls";
+      }
 
       // The fp32-activation ops (model.attn_bf16 off) on the widened inputs: cuDNN on their bf16
       // copies, its bf16 o widened; against the CPU's fp32 kernel.
@@ -576,8 +593,9 @@ TEST_F(CudaAttnBf16, AttentionCudnnMatchesTheCpu) {
       const uint64_t ran = bf->cudnn_attention_calls() - calls0;
       std::printf("[ cudnn    ] %-48s %s: %llu of 5 passes ran on cuDNN\n", what.c_str(), status.c_str(),
                   static_cast<unsigned long long>(ran));
-      if (cc.must_run && (!deterministic || ordered_dq(status)))
+      if (cc.must_run && (!deterministic || ordered_dq(status))) {
         EXPECT_EQ(ran, 5u) << "cuDNN did not run every pass (" << status << "; stderr says why)";
+      }
     }
   }
 }
