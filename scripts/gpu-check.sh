@@ -136,11 +136,11 @@ if ! grep -q '^\[       OK \] CudaGroupedTc.BothShapes' "$OUT/tests.log" ||
   export LADDER_GROUPED_MMA=0
 fi
 log "grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "tests passed" || echo "tests not passed: model benches on WMMA (LADDER_GROUPED_MMA=0)")"
-# cuDNN's fused attention (LADDER_ATTN_CUDNN, off by default): benchmarked in the models only where
+# cuDNN's fused attention (run.attention: cudnn, cudnn-nondeterministic; off by default): benchmarked in the models only where
 # its test ran on cuDNN and passed (the test is skipped where libcudnn does not load).
 CUDNN_OK=0
 if grep -q '^\[       OK \] CudaAttnBf16.AttentionCudnnMatchesTheCpu' "$OUT/tests.log"; then CUDNN_OK=1; fi
-log "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "test passed, model benches with LADDER_ATTN_CUDNN added" || echo "test not passed or skipped: not benchmarked") ($(grep -m1 '^\[ cudnn    \]' "$OUT/tests.log" | cut -c14- ))"
+log "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "test passed, model benches with run.attention=cudnn* added" || echo "test not passed or skipped: not benchmarked") ($(grep -m1 '^\[ cudnn    \]' "$OUT/tests.log" | cut -c14- ))"
 # ---- 2b. the wgmma grouped GEMM (sm_90a, off by default: LADDER_GROUPED_WGMMA=1), in its own
 # process (log: wgmma.log): its layout self-test first (CudaWgmma.*: accumulator layout, operand
 # layouts, MN-major strides, the planted swizzle bug: the '[ wgmma    ]' lines say which fact failed),
@@ -229,8 +229,8 @@ CAP=model.moe_capacity=1.0
 # cuDNN before 9.25 would run on an S x S workspace: then declined, and the row is Ladder's kernels,
 # models.log says), and the MoE with the capacity layout too.
 CUDNN_ROWS=""
-ND=LADDER_ATTN_CUDNN=nondeterministic
-[ $CUDNN_OK = 1 ] && CUDNN_ROWS="dense-d1024:bf16:$ND moe-d1024:bf16:$ND dense-d2048:bf16:$ND moe-d2048:bf16:$ND moe-d1024:bf16:LADDER_ATTN_CUDNN=1 dense-d2048:bf16:LADDER_ATTN_CUDNN=1 moe-d1024:bf16:$CAP,$ND "
+ND=run.attention=cudnn-nondeterministic
+[ $CUDNN_OK = 1 ] && CUDNN_ROWS="dense-d1024:bf16:$ND moe-d1024:bf16:$ND dense-d2048:bf16:$ND moe-d2048:bf16:$ND moe-d1024:bf16:run.attention=cudnn dense-d2048:bf16:run.attention=cudnn moe-d1024:bf16:$CAP,$ND "
 MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${CUDNN_ROWS}moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
 : >"$OUT/models.log"
 MODEL_ROWS=""
@@ -253,7 +253,7 @@ for mp in $MODELS; do
     log "skipping $mp: the wgmma attention did not pass its tests here"
     continue
   fi
-  if [[ " ${envs[*]} " == *" LADDER_ATTN_CUDNN="* ]] && [ $CUDNN_OK != 1 ]; then
+  if [[ ",$extra," == *",run.attention=cudnn"* ]] && [ $CUDNN_OK != 1 ]; then
     log "skipping $mp: cuDNN attention did not pass its test here"
     continue
   fi

@@ -44,6 +44,30 @@ TEST(Device, PrecisionIsCheckedAndNeedsCuda) {
   EXPECT_NE(e.find("run.precision 'bf16' needs run.device cuda"), std::string::npos) << e;
 }
 
+TEST(Device, AttentionIsCheckedAndNeedsCudaBf16) {
+  Config c;
+  c.model.vocab_size = 256;
+  c.run.attention = "flash";
+  std::string e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("run.attention 'flash' is not known (expected ladder, cudnn or cudnn-nondeterministic)"),
+            std::string::npos)
+      << e;
+  for (const char* a : {"cudnn", "cudnn-nondeterministic"}) {
+    c.run.attention = a;  // on the CPU
+    e = error_of([&] { validate(c); });
+    EXPECT_NE(e.find(std::string("run.attention '") + a + "' needs run.device cuda and run.precision bf16"),
+              std::string::npos)
+        << e;
+    c.run.device = "cuda";
+    c.run.precision = "tf32";
+    EXPECT_EQ(error_of([&] { validate(c); }), e);
+    c.run.device = "cpu";
+    c.run.precision = "fp32";
+  }
+  c.run.attention = "ladder";
+  EXPECT_NO_THROW(validate(c));
+}
+
 #ifndef LADDER_HAVE_CUDA
 TEST(Device, CudaWithoutCudaBuildIsOneClearLine) {
   Config c;

@@ -363,14 +363,16 @@ int cpu_threads();
 
 // The CUDA backend (backend/cuda, docs/cuda.md): pointers are device pointers. Fails with one
 // clear line when this build has no CUDA, no device is found, or it is older than sm_80.
-// `precision` (run.precision): "fp32", "tf32" or "bf16" GEMMs (docs/cuda.md).
-std::unique_ptr<Backend> make_cuda_backend(const std::string& precision = "fp32");
+// `precision` (run.precision): "fp32", "tf32" or "bf16" GEMMs (docs/cuda.md); `attention`
+// (run.attention): "ladder", "cudnn" or "cudnn-nondeterministic".
+std::unique_ptr<Backend> make_cuda_backend(const std::string& precision = "fp32", const std::string& attention = "ladder");
 // Checks run.device before a model is built: "cpu" passes; "cuda" probes the device and fails with
 // the one-line errors above when this build or this machine cannot run it; anything else is named.
 void check_run_device(const std::string& device);
 // The backend run.device names: "cpu" (`threads` as make_cpu_backend) or "cuda" (make_cuda_backend
-// with run.precision; LADDER_CUDA_TF32=1 / LADDER_CUDA_BF16=1 override it). What the trainer and
-// `ladder bench` run on.
-std::unique_ptr<Backend> make_backend(const std::string& device, int threads, const std::string& precision = "fp32");
+// with run.precision and run.attention; LADDER_CUDA_TF32=1 / LADDER_CUDA_BF16=1 / LADDER_ATTN_CUDNN
+// override them). What the trainer and `ladder bench` run on.
+std::unique_ptr<Backend> make_backend(const std::string& device, int threads, const std::string& precision = "fp32",
+                                      const std::string& attention = "ladder");
 
 }  // namespace ladder

@@ -8,7 +8,7 @@
 namespace ladder {
 
 #ifndef LADDER_HAVE_CUDA
-std::unique_ptr<Backend> make_cuda_backend(const std::string&) {
+std::unique_ptr<Backend> make_cuda_backend(const std::string&, const std::string&) {
   fail("--device cuda: this build has no CUDA backend (configure with -DLADDER_CUDA=ON; it needs nvcc and a GPU "
        "of compute capability 8.0 or newer)");
 }
@@ -54,9 +54,10 @@ void check_run_device(const std::string& device) {
 #endif
 }
 
-std::unique_ptr<Backend> make_backend(const std::string& device, int threads, const std::string& precision) {
+std::unique_ptr<Backend> make_backend(const std::string& device, int threads, const std::string& precision,
+                                      const std::string& attention) {
   check_run_device(device);
-  return device == "cuda" ? make_cuda_backend(precision) : make_cpu_backend(threads);
+  return device == "cuda" ? make_cuda_backend(precision, attention) : make_cpu_backend(threads);
 }
 
 }  // namespace ladder

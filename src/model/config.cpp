@@ -107,7 +107,8 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(run, log_every, "progress line and metrics every N steps"),
       LADDER_FIELD(run, precision, "GEMM precision on cuda: fp32, tf32 (tensor cores, 10-bit inputs) or bf16 (tensor cores, bf16 inputs, fp32 accumulation); the CPU computes in fp32"),
       LADDER_FIELD(run, threads, "CPU threads; 0 = all cores"),
-      LADDER_FIELD(run, device, "cpu or cuda (cuda: needs a build with -DLADDER_CUDA=ON; the model does not run on it yet, docs/cuda.md)"),
+      LADDER_FIELD(run, device, "cpu or cuda (cuda: needs a build with -DLADDER_CUDA=ON and a GPU of compute capability 8.0 or newer, docs/cuda.md)"),
+      LADDER_FIELD(run, attention, "the attention kernels on cuda under run.precision bf16: ladder (Ladder's own, deterministic), cudnn (cuDNN's fused attention, loaded at run time, with its deterministic backward where that keeps no S x S matrix: cuDNN 9.25+ on Hopper; elsewhere Ladder's kernels run and stderr says why) or cudnn-nondeterministic (cuDNN's backward that adds dQ with atomics: any cuDNN 9, not bitwise reproducible run to run); LADDER_ATTN_CUDNN=1 / nondeterministic override it (docs/cuda.md, cuDNN attention)"),
   };
   return fields;
 }
@@ -420,6 +421,12 @@ void validate(const Config& c) {
     fail("{}: run.precision '{}' is not known (expected fp32, tf32 or bf16)", where, c.run.precision);
   if (c.run.precision != "fp32" && c.run.device != "cuda")
     fail("{}: run.precision '{}' needs run.device cuda (the CPU backend computes in fp32)", where, c.run.precision);
+  if (c.run.attention != "ladder" && c.run.attention != "cudnn" && c.run.attention != "cudnn-nondeterministic")
+    fail("{}: run.attention '{}' is not known (expected ladder, cudnn or cudnn-nondeterministic)", where,
+         c.run.attention);
+  if (c.run.attention != "ladder" && (c.run.device != "cuda" || c.run.precision != "bf16"))
+    fail("{}: run.attention '{}' needs run.device cuda and run.precision bf16 (cuDNN's attention is bf16)", where,
+         c.run.attention);
   pos("run.batch_size", c.run.batch_size);
   pos("run.grad_accum", c.run.grad_accum);
   pos("run.log_every", c.run.log_every);

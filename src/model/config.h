@@ -122,6 +122,7 @@ struct RunConfig {
   int threads = 0;  // 0: all cores
   std::string device = "cpu";
   std::string precision = "fp32";  // GEMMs on cuda: fp32 | tf32 | bf16
+  std::string attention = "ladder";  // on cuda under bf16: ladder | cudnn | cudnn-nondeterministic
 };
 
 struct Config {

@@ -67,7 +67,7 @@ void synthetic_batch(const Config& cfg, std::vector<int32_t>& in, std::vector<in
 
 nlohmann::json run_bench(const BenchOptions& opt) {
   Config cfg = load_bench_config(opt);
-  std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads, cfg.run.precision);
+  std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads, cfg.run.precision, cfg.run.attention);
   ProfilingBackend* prof = nullptr;
   if (opt.profile) {
     auto p = make_profiling_backend(std::move(be));

@@ -135,7 +135,7 @@ TrainSummary train(const TrainOptions& opt) {
     fail("{}: the run directory already holds checkpoints; pass --resume to continue it or choose another --run-dir",
          run_dir.string());
 
-  auto be = make_backend(rc.device, rc.threads, rc.precision);  // one line if run.device cannot run here
+  auto be = make_backend(rc.device, rc.threads, rc.precision, rc.attention);  // one line if run.device cannot run here
   const int threads = cpu_threads();
   Transformer model(cfg.model, rc.batch_size, *be);
   model.reserve_step(rc.grad_accum);

@@ -95,7 +95,8 @@ class CudaBackendImpl final : public CudaBackend {
   uint64_t cudnn_attention_calls() const override { return cudnn_calls_; }
   std::string cudnn_attention_status() const override {
 #if LADDER_HAVE_CUDNN
-    if (!opt_.cudnn_attention || !opt_.bf16) return "off";
+    if (!opt_.cudnn_attention) return "off";
+    if (!opt_.bf16) return "off (cuDNN attention needs run.precision bf16)";
     if (cudnn_status_.empty()) return "not yet loaded";
     return cudnn_ && opt_.cudnn_nondeterministic ? cudnn_status_ + " (nondeterministic backward)" : cudnn_status_;
 #else
@@ -1082,7 +1083,7 @@ class CudaBackendImpl final : public CudaBackend {
       std::string why;
       cudnn_ = CudnnAttention::open(st_, !opt_.cudnn_nondeterministic, &why);
       cudnn_status_ = cudnn_ ? "cuDNN " + cudnn_->version() : "unavailable: " + why;
-      if (!cudnn_) cudnn_note("cuDNN attention is on (LADDER_ATTN_CUDNN), but cuDNN is " + cudnn_status_);
+      if (!cudnn_) cudnn_note("cuDNN attention is on (run.attention or LADDER_ATTN_CUDNN), but cuDNN is " + cudnn_status_);
     }
     if (!cudnn_) return nullptr;
     const auto shape = [&] {
@@ -1449,12 +1450,16 @@ std::unique_ptr<CudaBackend> make_backend(CudaOptions opt) {
 
 }  // namespace cuda
 
-std::unique_ptr<Backend> make_cuda_backend(const std::string& precision) {
+std::unique_ptr<Backend> make_cuda_backend(const std::string& precision, const std::string& attention) {
   if (precision != "fp32" && precision != "tf32" && precision != "bf16")
     fail("--device cuda: precision '{}' is not known (expected fp32, tf32 or bf16)", precision);
+  if (attention != "ladder" && attention != "cudnn" && attention != "cudnn-nondeterministic")
+    fail("--device cuda: attention '{}' is not known (expected ladder, cudnn or cudnn-nondeterministic)", attention);
   cuda::CudaOptions opt;
   opt.tf32 = precision == "tf32";
   opt.bf16 = precision == "bf16";
+  opt.cudnn_attention = attention != "ladder";
+  opt.cudnn_nondeterministic = attention == "cudnn-nondeterministic";
   return cuda::make_backend(opt);
 }
 
