@@ -61,7 +61,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, last_layer_long, "the last layer is long (full causal) too (PKO rung)"),
       LADDER_FIELD(model, pko, "partial key offset on long layers: the RoPE-free key half [hd/2, hd) is the previous token's (zero at position 0 and after model.eod_id); needs half_rope and a long layer"),
       LADDER_FIELD(model, eod_id, "end-of-document token id (PKO document starts); -1 = the data directory's meta.json eod_id"),
-      LADDER_FIELD(model, xsa, "exclusive self attention: per head z = y - (y.v/||v||^2) v, v the token's own value vector"),
+      LADDER_FIELD(model, xsa, "exclusive self attention: per head z = y - (y.v / v.v) v, v the token's own value vector"),
       LADDER_FIELD(model, attn_gate, "per-head attention output gate 2*sigmoid(h W_g), h the block's normed attention input, W_g [H, d] zero at init"),
       LADDER_FIELD(model, recompute, "activation recomputation: keep only each layer's input and re-run the layer's forward in the backward (about one more forward of compute; saved activations drop to one layer's plus the residual stream; same results bit for bit)"),
       LADDER_FIELD(model, saved_activations, "storage of the activations the backward reads: fp32, or bf16 (half the memory; the residual stream, norm statistics and MoE routing stay fp32; the forward and the loss are unchanged, gradients see bf16-rounded activations)"),
