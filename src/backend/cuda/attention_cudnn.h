@@ -1,6 +1,6 @@
 // cuDNN's fused attention ("SDPA": FlashAttention-2-style forward and backward kernels tuned by
-// NVIDIA for each GPU generation) behind the bf16 attention ops of the CUDA backend, opt-in by
-// LADDER_ATTN_CUDNN=1 (docs/cuda.md "cuDNN attention"). Run 3 measured Ladder's own tensor-core
+// NVIDIA for each GPU generation) behind the CUDA backend's attention ops under bf16, opt-in by
+// run.attention: cudnn | cudnn-nondeterministic or LADDER_ATTN_CUDNN (docs/cuda.md "cuDNN attention"). Run 3 measured Ladder's own tensor-core
 // attention at 84-108 TFLOP/s forward and 72-99 backward on the H200, about half of FlashAttention-2.
 //
 // libcudnn is not linked: open() loads libcudnn.so.9 at run time (LADDER_CUDNN_LIB names another

@@ -109,6 +109,13 @@ __global__ void axpy_sumsq_kernel(float* w, const float* x, size_t n, float alph
   axpy_sumsq_block(w, x, n, alpha, partials);
 }
 
+// A weight update's store: w[i] = v, and its bf16 mirror's copy (nearest even) where w16 is given,
+// so the update's last pass keeps the mirror current (every optimizer update below).
+__device__ __forceinline__ void store_with_mirror(float* w, __nv_bfloat16* w16, size_t i, float v) {
+  w[i] = v;
+  if (w16) store_rn(w16[i], v);
+}
+
 // A gradient factor from device memory (the clip factor), or 1: g * 1 is g exactly.
 __device__ __forceinline__ float grad_factor_of(const float* f) { return f ? *f : 1.f; }
 
@@ -170,8 +177,8 @@ __global__ void adamw_multi_kernel(const OptSeg* segs, const int* block_seg, Opt
   for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     float pi = p[i], mi = m[i], vi = v[i];
     adamw_element(pi, mi, vi, g[i] * f, lr, b1, b2, eps, wd, inv_bc1, inv_bc2);
-    p[i] = pi, m[i] = mi, v[i] = vi;
-    if (w16) store_rn(w16[i], pi);
+    m[i] = mi, v[i] = vi;
+    store_with_mirror(p, w16, i, pi);
   }
 }
 
@@ -258,11 +265,7 @@ __global__ void seg_scale_kernel(const OptSeg* segs, const int* block_seg, const
   chunk_of(s, lo, hi);
   const float f = factor[si];
   __nv_bfloat16* w16 = reinterpret_cast<__nv_bfloat16*>(s.w16);
-  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const float wi = s.w[i] * f;
-    s.w[i] = wi;
-    if (w16) store_rn(w16[i], wi);
-  }
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) store_with_mirror(s.w, w16, i, s.w[i] * f);
 }
 
 __global__ void sumsq_kernel(const float* x, size_t n, double* partials) {
@@ -287,11 +290,7 @@ __global__ void scale_to_radius_kernel(float* w, size_t n, const float* radius, 
 
 // w16: w's bf16 mirror (nearest even) written with it, or nullptr.
 __global__ void axpy_kernel(float* w, const float* x, size_t n, float alpha, __nv_bfloat16* w16) {
-  LADDER_GRID_STRIDE(i, n) {
-    const float wi = w[i] + alpha * x[i];
-    w[i] = wi;
-    if (w16) store_rn(w16[i], wi);
-  }
+  LADDER_GRID_STRIDE(i, n) store_with_mirror(w, w16, i, w[i] + alpha * x[i]);
 }
 
 // One thread (of a warp: the emulator runs whole warps only): the host's loop (sums in index order), so the norm is bitwise the host's for the same
@@ -386,11 +385,7 @@ __global__ void batch_scale_to_radius_kernel(float* w, size_t mn, int bpm, const
   const float f = float(double(radius[mat]) / sqrt(ww[mat]));
   float* wm = w + mat * mn;
   __nv_bfloat16* w16m = w16 ? w16 + mat * mn : nullptr;
-  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const float wi = wm[i] * f;
-    wm[i] = wi;
-    if (w16m) store_rn(w16m[i], wi);
-  }
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) store_with_mirror(wm, w16m, i, wm[i] * f);
 }
 
 #undef LADDER_GRID_STRIDE
