@@ -3,7 +3,8 @@
 # GPU tests, runs the micro-benchmark and the model benchmarks (dense and MoE presets at d=1024 and
 # d=2048, configs/gpu/), writes logs under $OUT and prints a short table last.
 # Budget: under 8 minutes (each step has its own timeout). At most 8 files under $OUT come back:
-# env, build, tests, wgmma, sanitizer, bench, models and profile logs.
+# env (with the build's log), tests (with the PyTorch baseline's check), wgmma, sanitizer, bench,
+# models and profile logs, and the console log the call tees.
 #
 # Build: on the GPU machine (-DCMAKE_CUDA_ARCHITECTURES=90, -j16) when its image has this
 # project's CPU dependencies; otherwise the prebuilt gpu-bundle/ from scripts/gpu-prepare.sh
@@ -29,6 +30,10 @@
 #                          and the d=1024 pair with 4 micro-batches per optimizer step
 #                          (run.grad_accum=4: 64k tokens a step instead of 16k, still far under the
 #                          millions of a real run, so the optimizer's fixed cost is amortized);
+#                          where the PyTorch baseline passed its check (step 2a), the d=1024 pair with
+#                          TORCH after the cuDNN rows (`ladder bench --torch`: PyTorch on the same model
+#                          after Ladder's run), and at the end the d=2048 pair with TORCH and dense
+#                          d=1024 against torch.compile (TORCH_COMPILE);
 #                          key=value pairs go to `ladder bench --set`,
 #                          LADDER_*=value to the environment. The attention's default is the mma.sync
 #                          kernels; where they did not pass their tests in this run, every model bench
@@ -141,6 +146,33 @@ log "grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "tests passed" || echo "tes
 CUDNN_OK=0
 if grep -q '^\[       OK \] CudaAttnBf16.AttentionCudnnMatchesTheCpu' "$OUT/tests.log"; then CUDNN_OK=1; fi
 log "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "test passed, model benches with run.attention=cudnn* added" || echo "test not passed or skipped: not benchmarked") ($(grep -m1 '^\[ cudnn    \]' "$OUT/tests.log" | cut -c14- ))"
+# ---- 2a. PyTorch on this GPU: the baseline of the presets' "x torch" column (`ladder bench --torch`:
+# scripts/bench-torch.py's fast model: SDPA, grouped GEMMs, bf16 autocast, fused AdamW). First the check
+# that it is Ladder's model (tests/reference/check_fast_model.py against the reference: fp32 on the
+# GPU, then bf16 autocast with flash attention and grouped GEMMs; log appended to tests.log).
+export LADDER_SOURCE_DIR=$PWD  # the bundle's binaries find scripts/bench-torch.py here
+TORCH_OK=0
+TORCH_PY=""
+TORCH_BF16_RC=skipped
+for py in ${LADDER_TORCH_PYTHON:-} python3 /opt/torch/.venv/bin/python3; do
+  if timeout 90 "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    TORCH_PY=$py
+    break
+  fi
+done
+if [ -n "$TORCH_PY" ]; then
+  export LADDER_TORCH_PYTHON=$TORCH_PY
+  log "PyTorch baseline check with $TORCH_PY (log: tests.log)"
+  echo "=== TorchFast: check_fast_model.py --device cuda (fp32, then bf16)" >>"$OUT/tests.log"
+  # The gate is the fp32 check (the same model, SDPA on this GPU); the bf16 one (flash attention,
+  # grouped GEMMs, autocast: the benchmark's paths, bounds that catch a wrong layout) is reported.
+  timeout 120 "$TORCH_PY" tests/reference/check_fast_model.py --device cuda >>"$OUT/tests.log" 2>&1 && TORCH_OK=1
+  echo "=== TorchFast bf16" >>"$OUT/tests.log"
+  timeout 120 "$TORCH_PY" tests/reference/check_fast_model.py --device cuda --precision bf16 >>"$OUT/tests.log" 2>&1
+  TORCH_BF16_RC=$?
+fi
+log "PyTorch baseline: $([ $TORCH_OK = 1 ] && echo "same model as the reference on this GPU, TORCH rows added to the model benches" || echo "${TORCH_PY:-no python with a CUDA torch}: not checked or check failed, no torch column")"
+
 # ---- 2b. the wgmma grouped GEMM (sm_90a, off by default: LADDER_GROUPED_WGMMA=1), in its own
 # process (log: wgmma.log): its layout self-test first (CudaWgmma.*: accumulator layout, operand
 # layouts, MN-major strides, the planted swizzle bug: the '[ wgmma    ]' lines say which fact failed),
@@ -231,16 +263,30 @@ CAP=model.moe_capacity=1.0
 CUDNN_ROWS=""
 ND=run.attention=cudnn-nondeterministic
 [ $CUDNN_OK = 1 ] && CUDNN_ROWS="dense-d1024:bf16:$ND moe-d1024:bf16:$ND dense-d2048:bf16:$ND moe-d2048:bf16:$ND moe-d1024:bf16:run.attention=cudnn dense-d2048:bf16:run.attention=cudnn moe-d1024:bf16:$CAP,$ND "
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${CUDNN_ROWS}moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0}
+# The PyTorch baseline where it passed its check (TORCH: `ladder bench --torch`, PyTorch on the same
+# model after Ladder's run has freed the device; about 40 s a row): the d=1024 pair after the cuDNN
+# rows, the d=2048 pair and torch.compile (TORCH_COMPILE) at the end, while time is left.
+TORCH_ROWS=""
+TORCH_LATE=""
+[ $TORCH_OK = 1 ] && TORCH_ROWS="dense-d1024:bf16:TORCH moe-d1024:bf16:TORCH " &&
+  TORCH_LATE=" dense-d2048:bf16:TORCH moe-d2048:bf16:TORCH dense-d1024:bf16:TORCH_COMPILE"
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${CUDNN_ROWS}${TORCH_ROWS}moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0${TORCH_LATE}}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do
   IFS=: read -r m prec extra <<<"$mp"
   sets=(--set "run.precision=$prec")
   envs=()  # LADDER_* items are environment variables (LADDER_ATTN_MMA=0: the WMMA attention)
+  tflags=()  # TORCH: the PyTorch baseline too; TORCH_COMPILE: with torch.compile
   for kv in ${extra//,/ }; do
-    if [[ $kv == LADDER_* ]]; then envs+=("$kv"); else sets+=(--set "$kv"); fi
+    if [ "$kv" = TORCH ]; then tflags=(--torch)
+    elif [ "$kv" = TORCH_COMPILE ]; then tflags=(--torch --torch-args=--compile)
+    elif [[ $kv == LADDER_* ]]; then envs+=("$kv"); else sets+=(--set "$kv"); fi
   done
+  if [ ${#tflags[@]} -gt 0 ] && [ $TORCH_OK != 1 ]; then
+    log "skipping $mp: the PyTorch baseline did not pass its check here"
+    continue
+  fi
   if [ ${#envs[@]} -gt 0 ] && [[ " ${envs[*]} " == *" LADDER_ATTN_MMA=0 "* ]] && [ $MMA_OK != 1 ]; then
     log "skipping $mp: every bench runs the WMMA attention already (the mma.sync kernels did not pass here)"
     continue
@@ -264,12 +310,17 @@ for mp in $MODELS; do
   # 370 s, not 420: the profiled benches below (about 12 s each in run 3) get the last minute.
   [ $(($(date +%s) - T0)) -lt 370 ] || { log "skipping $mp: over 370 s (the profiles come next)"; continue; }
   echo "=== $mp" >>"$OUT/models.log"
-  env "${envs[@]}" timeout 100 "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda "${sets[@]}" \
-    --steps 4 --json >>"$OUT/models.log" 2>&1
+  # A row with the baseline: Ladder's 6 steps, then PyTorch's start (import, CUDA context), 2 warm-up
+  # and 4 timed steps (torch.compile: its compilation too).
+  to=100
+  [ ${#tflags[@]} -gt 0 ] && to=200
+  env "${envs[@]}" timeout $to "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda "${sets[@]}" \
+    --steps 4 --json "${tflags[@]}" >"$OUT/row.tmp" 2>&1
   rc=$?
+  cat "$OUT/row.tmp" >>"$OUT/models.log"
   # Two MFUs: against the GEMM rate measured in the same run at this precision, and against the
   # H100/H200 datasheet's dense rate (bf16 989, tf32 495, fp32 67 TFLOP/s), the number papers quote.
-  row=$(tail -n 1 "$OUT/models.log" | PREC=$prec python3 -c 'import json,os,sys
+  row=$(grep '^{' "$OUT/row.tmp" | tail -n 1 | PREC=$prec python3 -c 'import json,os,sys
 try:
     j = json.loads(sys.stdin.read())
     peak = {"bf16": 989e3, "tf32": 494.7e3, "fp32": 66.9e3}[os.environ["PREC"]]
@@ -277,11 +328,20 @@ try:
     print("%10.0f %9.1f %9.1f %6.1f%% %6.1f%% %8.0f %8.0f%s" % (j["tokens_per_s"], j["train_gflops"] / 1e3,
           j["sgemm_gflops"] / 1e3, 100 * j["mfu"], 100 * j["train_gflops"] / peak, j.get("activation_mib", 0),
           j.get("device_mem_used_mib", -1),
-          " [C=%d ovf %.1f%% pad %.1f%%]" % (cap["C"], 100 * cap["overflow_frac"], 100 * cap["padding_frac"]) if cap else ""))
+          " [C=%d ovf %.1f%% pad %.1f%%]" % (cap["C"], 100 * cap["overflow_frac"], 100 * cap["padding_frac"]) if cap else ""), end="")
+    t = j.get("torch")  # the PyTorch baseline on the same model: tokens/s and Ladder / PyTorch
+    if t:
+        print(" [PyTorch %.0f tokens/s, Ladder %.2fx; %s%s, %s, GEMMs %s, %.0f MiB]" % (t["tokens_per_s"], j["speedup_vs_torch"],
+              t.get("attention", "?"), " compiled" if t.get("compile") else "", t.get("torch", "?"),
+              t.get("moe_gemm", "dense"), t.get("peak_mem_mib", -1)), end="")
+    elif "torch_error" in j:
+        print(" [PyTorch failed: see models.log]", end="")
+    print()
 except Exception:
     print("   (failed: see models.log)")' 2>/dev/null)
   MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rc" "$row" "$extra")"$'\n'
 done
+rm -f "$OUT/row.tmp"
 
 # ---- 5b. where the time goes: profiled benches (each op's device time from CUDA events on the
 # backend's stream, Backend::make_op_timer; no host wait per op) of the bf16 MoE at d=1024 and the
@@ -339,6 +399,8 @@ echo "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "CudaAttnBf16.AttentionCudnnM
 grep '^\[ cudnn    \]' "$OUT/tests.log" | head -n 12 | sed 's/^/  /'
 grep -hsE 'declined attention|runs attention|cuDNN attention is on|cuDNN attention not used' "$OUT/tests.log" \
   "$OUT/models.log" | sort -u | head -n 16 | sed 's/^/  /'
+echo "PyTorch baseline ($([ -n "$TORCH_PY" ] && "$TORCH_PY" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo "no CUDA torch")): $([ $TORCH_OK = 1 ] && echo "check_fast_model.py passed on this GPU in fp32" || echo "not checked or failed in fp32: see tests.log"); bf16 check exit $TORCH_BF16_RC"
+sed -n '/^=== TorchFast/,$p' "$OUT/tests.log" | grep -E '^\[FAIL\]|failed|passed|^torch ' | head -n 8 | sed 's/^/  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging; 'experts' rows: ThroughputAgainstBatchedCublasLt, the presets' expert GEMMs grouped vs one strided-batched cuBLASLt call at capacity C):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
 grep '^\[ thruput  \].*wgmma' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'

@@ -533,7 +533,9 @@ TEST_P(MoeParity, LogitsLossAndEveryGradientMatchPyTorch) {
   const double loss = (s.xent + c.model.z_loss * s.lse_sq + s.router_z) / double(N);
   const double ref_loss = ref.get_f32("loss")[0];
   EXPECT_NEAR(loss, ref_loss, 1e-5 * std::fabs(ref_loss));
-  if (pc.router_z > 0) EXPECT_GT(s.router_z / N, 1e-3 * loss) << "router z-loss must matter for the test";
+  if (pc.router_z > 0) {
+    EXPECT_GT(s.router_z / N, 1e-3 * loss) << "router z-loss must matter for the test";
+  }
   int checked = 0;
   for (auto& p : model.params()) {
     auto g = ref.get_f32("grad." + p.name);

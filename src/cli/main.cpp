@@ -66,7 +66,8 @@ int main(int argc, char** argv) {
   be->add_option("--config", bopt.config, "preset YAML")->capture_default_str();
   be->add_option("--set", bopt.overrides, "override a config key: key.path=value");
   be->add_option("--steps", bopt.steps, "timed steps (median reported)")->capture_default_str();
-  be->add_flag("--torch", bopt.torch, "also time the independent PyTorch model on the same shapes");
+  be->add_flag("--torch", bopt.torch, "also time the model in PyTorch (scripts/bench-torch.py) on the same shapes, device and precision");
+  be->add_option("--torch-args", bopt.torch_args, "extra arguments for scripts/bench-torch.py (e.g. \"--compile\")");
   be->add_flag("--json", bjson, "print one JSON object");
   be->add_flag("--profile", bopt.profile, "time every backend op and print each one's share of the step");
   bool boptim = false;
@@ -175,9 +176,12 @@ int main(int argc, char** argv) {
           for (size_t i = 0; i < shapes.size() && i < 10; ++i) fmt::print("{}\n", shapes[i].second);
         }
         if (j.contains("torch_tokens_per_s"))
-          fmt::print("PyTorch     {:.0f} tokens/s on the same model -> Ladder is {:.2f}x\n",
-                     j["torch_tokens_per_s"].get<double>(), j["speedup_vs_torch"].get<double>());
+          fmt::print("PyTorch     {:.0f} tokens/s on the same model ({} {}, {}, torch {}) -> Ladder is {:.2f}x\n",
+                     j["torch_tokens_per_s"].get<double>(), j["torch"].value("impl", "?"),
+                     j["torch"].value("device", "?"), j["torch"].value("precision", "?"),
+                     j["torch"].value("torch", "?"), j["speedup_vs_torch"].get<double>());
       }
+      if (j.contains("torch_error")) fail("{}", j["torch_error"].get<std::string>());
     } else if (sw->parsed()) {
       return sweep_cli(swopt);
     } else if (rp->parsed()) {

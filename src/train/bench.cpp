@@ -1,5 +1,6 @@
 #include "train/bench.h"
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,120 +66,154 @@ void synthetic_batch(const Config& cfg, std::vector<int32_t>& in, std::vector<in
   }
 }
 
+nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
+  const bool cuda = cfg.run.device == "cuda";
+  // Debian's torch on the CPU; on a GPU machine the python whose torch has CUDA.
+  const char* env = std::getenv("LADDER_TORCH_PYTHON");
+  const std::string python = env && *env ? env : cuda ? "python3" : "/usr/bin/python3";
+  // The scripts of this checkout: $LADDER_SOURCE_DIR where the binary runs away from its source tree
+  // (the prebuilt GPU bundle), else the tree it was built from.
+  const char* src_env = std::getenv("LADDER_SOURCE_DIR");
+  const std::string src = src_env && *src_env ? src_env : LADDER_SOURCE_DIR;
+  nlohmann::json mj = torch_model_json(cfg);
+  mj["optim"] = {{"lr", cfg.optim.lr},         {"beta1", cfg.optim.beta1}, {"beta2", cfg.optim.beta2},
+                 {"eps", cfg.optim.eps},       {"weight_decay", cfg.optim.weight_decay},
+                 {"clip", cfg.optim.clip}};
+  auto tmp = std::filesystem::temp_directory_path() / fmt::format("ladder-bench-{}.json", ::getpid());
+  write_file_atomic(tmp, mj.dump());
+  std::string cmd = fmt::format("{} {}/scripts/bench-torch.py --config-json {} --steps {} --threads {} --device {} --precision {} {}",
+                                python, src, tmp.string(), opt.steps, cpu_threads(), cuda ? "cuda" : "cpu",
+                                cuda ? cfg.run.precision : "fp32", opt.torch_args);
+  std::string out;
+  int rc = -1;
+  if (FILE* p = popen((cmd + " 2>&1").c_str(), "r")) {
+    char buf[4096];
+    while (fgets(buf, sizeof buf, p)) out += buf;
+    rc = pclose(p);
+  }
+  std::filesystem::remove(tmp);
+  if (rc != 0) fail("PyTorch benchmark failed (exit {}): {}\n{}", WIFEXITED(rc) ? WEXITSTATUS(rc) : rc, cmd, out.size() > 4000 ? out.substr(out.size() - 4000) : out);
+  auto pos = out.rfind("\n{");
+  pos = pos == std::string::npos ? out.find('{') : pos + 1;
+  if (pos == std::string::npos) fail("PyTorch benchmark printed no JSON: {}\n{}", cmd, out);
+  try {
+    return nlohmann::json::parse(out.substr(pos));
+  } catch (const std::exception& e) {
+    fail("PyTorch benchmark's last line is not JSON ({}): {}\n{}", e.what(), cmd, out);
+  }
+}
+
 nlohmann::json run_bench(const BenchOptions& opt) {
   Config cfg = load_bench_config(opt);
-  std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads, cfg.run.precision, cfg.run.attention);
-  ProfilingBackend* prof = nullptr;
-  if (opt.profile) {
-    auto p = make_profiling_backend(std::move(be));
-    prof = p.get();
-    be = std::move(p);
-  }
-  // The MFU denominator, measured in this run: OpenBLAS sgemm on the CPU; on a device the backend's
-  // own GEMM at its precision (fp32, TF32 or bf16), so MFU says how close the step gets to what
-  // this GPU's GEMMs reach today.
-  const double peak = be->is_host() ? sgemm_gflops(/*use_cache=*/false) : backend_gemm_gflops(*be);
-  Transformer model(cfg.model, cfg.run.batch_size, *be);
-  model.init(cfg.run.seed);
-  model.reserve_step(cfg.run.grad_accum);
-  auto optimizer = make_optimizer(cfg, model, *be);
-  const int N = cfg.run.batch_size * cfg.model.seq_len;
-  std::vector<int32_t> in, tgt;
-  synthetic_batch(cfg, in, tgt);
-  // Process CPU time (all threads) beside wall time: on a shared, overloaded machine it tracks the
-  // work of a step far better than wall time does (run with one thread to keep spin-waits out).
-  auto cpu_now = [] {
-    timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-  };
-  std::vector<double> times, cpu_times;
-  for (int s = 0; s < opt.steps + 2; ++s) {
-    auto t0 = std::chrono::steady_clock::now();
-    const double c0 = cpu_now();
-    train_step(cfg, s, model, *optimizer, *be, [&](int32_t*, int32_t*) {}, in.data(), tgt.data());
-    be->synchronize();  // a device step is over when its last kernel is (the optimizer's run async)
-    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (s >= 2) times.push_back(dt), cpu_times.push_back(cpu_now() - c0);
-    if (s == 1 && prof) prof->reset();  // profile only the timed steps
-  }
-  std::sort(times.begin(), times.end());
-  std::sort(cpu_times.begin(), cpu_times.end());
-  const double step_s = times[times.size() / 2];
-  const double tps = double(N) * cfg.run.grad_accum / step_s;
-  const auto fpt = flops_per_token(cfg.model);
-  const double train_gflops = tps * fpt.train(true) / 1e9;
-  nlohmann::json j = {{"config", opt.config.string()},  {"threads", cpu_threads()},
-                      {"backend", be->name()},          {"precision", cfg.run.precision},
-                      {"sgemm_gflops", peak},           {"train_gflops", train_gflops},
-                      {"tokens_per_s", tps},            {"mfu", train_gflops / peak},
-                      {"step_s_median", step_s},        {"step_cpu_s_median", cpu_times[cpu_times.size() / 2]},        {"steps_timed", opt.steps},
-                      {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total},
-                      {"params_active", count_params(cfg.model).active},
-                      {"activation_mib", double(model.activation_bytes()) / 1048576.0},
-                      {"device_mem_used_mib", be->device_memory_used() < 0 ? -1.0 : be->device_memory_used() / 1048576.0},
-                      {"saved_activations", cfg.model.saved_activations},
-                      {"mlp_bf16", cfg.model.mlp_bf16},
-                      {"moe_bf16", cfg.model.moe_bf16},
-                      {"moe_bf16_grads", cfg.model.moe_bf16_grads},
-                      {"mlp_bf16_grads", cfg.model.mlp_bf16_grads},
-                      {"attn_bf16", cfg.model.attn_bf16},
-                      {"norm_bf16", cfg.model.norm_bf16}};
-  // The capacity layout's split of the expert rows in the last step (all MoE layers): rows the
-  // batched GEMMs took, their padding, and the overflow left to the grouped GEMMs.
-  if (const std::vector<int> ov = model.capacity_overflow_rows(); !ov.empty()) {
-    const int C = cfg.model.expert_capacity(N);
-    const double rows = double(N) * cfg.model.moe_top_k * double(ov.size());
-    double over = 0;
-    for (int o : ov) over += o;
-    const double padding = double(cfg.model.moe_experts) * C * double(ov.size()) - (rows - over);
-    j["moe_capacity"] = {{"C", C}, {"rows", rows}, {"overflow_frac", over / rows}, {"padding_frac", padding / rows}};
-  }
-  if (prof) {
-    double total = 0;
-    for (auto& t : times) total += t;
-    // One entry per op (and again per GEMM shape): its share of the timed steps, ms per step, calls
-    // over all timed steps and, for GEMMs, GFLOP/s.
-    auto entry = [&](const OpTime& t) {
-      return nlohmann::json{{"share", t.seconds / total},
-                            {"ms_per_step", 1e3 * t.seconds / opt.steps},
-                            {"calls", t.calls},
-                            {"gflops", t.flops > 0 && t.seconds > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
-    };
-    nlohmann::json p = nlohmann::json::object(), ps = nlohmann::json::object();
-    double busy = 0;
-    for (auto& [op, t] : prof->times()) {
-      p[op] = entry(t);
-      busy += t.seconds;
+  nlohmann::json j;
+  double tps = 0;
+  {  // Ladder's run; its backend and device memory are gone before PyTorch's starts
+    std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads, cfg.run.precision, cfg.run.attention);
+    ProfilingBackend* prof = nullptr;
+    if (opt.profile) {
+      auto p = make_profiling_backend(std::move(be));
+      prof = p.get();
+      be = std::move(p);
     }
-    j["profile"] = p;
-    for (auto& [key, t] : prof->shape_times()) ps[key] = entry(t);
-    j["profile_shapes"] = ps;
-    // The ops' time over the steps' wall time. On a device the op times come from events on the
-    // stream, so the rest is the device idling inside a step: gaps between kernels (the host not
-    // keeping ahead, or waiting) plus the timer's own events. On the CPU: the rest is host-side
-    // model code between ops.
-    j["profile_busy"] = busy / total;
+    // The MFU denominator, measured in this run: OpenBLAS sgemm on the CPU; on a device the backend's
+    // own GEMM at its precision (fp32, TF32 or bf16), so MFU says how close the step gets to what
+    // this GPU's GEMMs reach today.
+    const double peak = be->is_host() ? sgemm_gflops(/*use_cache=*/false) : backend_gemm_gflops(*be);
+    Transformer model(cfg.model, cfg.run.batch_size, *be);
+    model.init(cfg.run.seed);
+    model.reserve_step(cfg.run.grad_accum);
+    auto optimizer = make_optimizer(cfg, model, *be);
+    const int N = cfg.run.batch_size * cfg.model.seq_len;
+    std::vector<int32_t> in, tgt;
+    synthetic_batch(cfg, in, tgt);
+    // Process CPU time (all threads) beside wall time: on a shared, overloaded machine it tracks the
+    // work of a step far better than wall time does (run with one thread to keep spin-waits out).
+    auto cpu_now = [] {
+      timespec ts;
+      clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+      return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+    };
+    std::vector<double> times, cpu_times;
+    for (int s = 0; s < opt.steps + 2; ++s) {
+      auto t0 = std::chrono::steady_clock::now();
+      const double c0 = cpu_now();
+      train_step(cfg, s, model, *optimizer, *be, [&](int32_t*, int32_t*) {}, in.data(), tgt.data());
+      be->synchronize();  // a device step is over when its last kernel is (the optimizer's run async)
+      double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (s >= 2) times.push_back(dt), cpu_times.push_back(cpu_now() - c0);
+      if (s == 1 && prof) prof->reset();  // profile only the timed steps
+    }
+    std::sort(times.begin(), times.end());
+    std::sort(cpu_times.begin(), cpu_times.end());
+    const double step_s = times[times.size() / 2];
+    tps = double(N) * cfg.run.grad_accum / step_s;
+    const auto fpt = flops_per_token(cfg.model);
+    const double train_gflops = tps * fpt.train(true) / 1e9;
+    j = {{"config", opt.config.string()},  {"threads", cpu_threads()},
+                        {"backend", be->name()},          {"precision", cfg.run.precision},
+                        {"sgemm_gflops", peak},           {"train_gflops", train_gflops},
+                        {"tokens_per_s", tps},            {"mfu", train_gflops / peak},
+                        {"step_s_median", step_s},        {"step_cpu_s_median", cpu_times[cpu_times.size() / 2]},        {"steps_timed", opt.steps},
+                        {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total},
+                        {"params_active", count_params(cfg.model).active},
+                        {"activation_mib", double(model.activation_bytes()) / 1048576.0},
+                        {"device_mem_used_mib", be->device_memory_used() < 0 ? -1.0 : be->device_memory_used() / 1048576.0},
+                        {"saved_activations", cfg.model.saved_activations},
+                        {"mlp_bf16", cfg.model.mlp_bf16},
+                        {"moe_bf16", cfg.model.moe_bf16},
+                        {"moe_bf16_grads", cfg.model.moe_bf16_grads},
+                        {"mlp_bf16_grads", cfg.model.mlp_bf16_grads},
+                        {"attn_bf16", cfg.model.attn_bf16},
+                        {"norm_bf16", cfg.model.norm_bf16}};
+    // The capacity layout's split of the expert rows in the last step (all MoE layers): rows the
+    // batched GEMMs took, their padding, and the overflow left to the grouped GEMMs.
+    if (const std::vector<int> ov = model.capacity_overflow_rows(); !ov.empty()) {
+      const int C = cfg.model.expert_capacity(N);
+      const double rows = double(N) * cfg.model.moe_top_k * double(ov.size());
+      double over = 0;
+      for (int o : ov) over += o;
+      const double padding = double(cfg.model.moe_experts) * C * double(ov.size()) - (rows - over);
+      j["moe_capacity"] = {{"C", C}, {"rows", rows}, {"overflow_frac", over / rows}, {"padding_frac", padding / rows}};
+    }
+    if (prof) {
+      double total = 0;
+      for (auto& t : times) total += t;
+      // One entry per op (and again per GEMM shape): its share of the timed steps, ms per step, calls
+      // over all timed steps and, for GEMMs, GFLOP/s.
+      auto entry = [&](const OpTime& t) {
+        return nlohmann::json{{"share", t.seconds / total},
+                              {"ms_per_step", 1e3 * t.seconds / opt.steps},
+                              {"calls", t.calls},
+                              {"gflops", t.flops > 0 && t.seconds > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
+      };
+      nlohmann::json p = nlohmann::json::object(), ps = nlohmann::json::object();
+      double busy = 0;
+      for (auto& [op, t] : prof->times()) {
+        p[op] = entry(t);
+        busy += t.seconds;
+      }
+      j["profile"] = p;
+      for (auto& [key, t] : prof->shape_times()) ps[key] = entry(t);
+      j["profile_shapes"] = ps;
+      // The ops' time over the steps' wall time. On a device the op times come from events on the
+      // stream, so the rest is the device idling inside a step: gaps between kernels (the host not
+      // keeping ahead, or waiting) plus the timer's own events. On the CPU: the rest is host-side
+      // model code between ops.
+      j["profile_busy"] = busy / total;
+    }
   }
   if (opt.torch) {
-    auto tmp = std::filesystem::temp_directory_path() / fmt::format("ladder-bench-{}.json", ::getpid());
-    write_file_atomic(tmp, torch_model_json(cfg).dump());
-    std::string cmd = fmt::format("/usr/bin/python3 {}/scripts/bench-torch.py --config-json {} --steps {} --threads {}",
-                                  LADDER_SOURCE_DIR, tmp.string(), opt.steps, cpu_threads());
-    std::string out;
-    if (FILE* p = popen(cmd.c_str(), "r")) {
-      char buf[4096];
-      while (fgets(buf, sizeof buf, p)) out += buf;
-      int rc = pclose(p);
-      std::filesystem::remove(tmp);
-      if (rc != 0) fail("PyTorch benchmark failed ({}): {}", cmd, out);
+    // A baseline that fails (no torch, out of memory) must not take Ladder's measurement with it:
+    // the error goes into the result, and the CLI prints both and exits non-zero.
+    try {
+      nlohmann::json tj = run_torch_bench(cfg, opt);
+      const double ttps = tj.at("tokens_per_s").get<double>();
+      j["torch_tokens_per_s"] = ttps;
+      j["speedup_vs_torch"] = tps / ttps;
+      j["torch"] = tj;
+    } catch (const std::exception& e) {
+      j["torch_error"] = e.what();
     }
-    auto pos = out.rfind("{");
-    if (pos == std::string::npos) fail("PyTorch benchmark printed no JSON: {}", out);
-    auto tj = nlohmann::json::parse(out.substr(pos));
-    double ttps = tj.at("tokens_per_s").get<double>();
-    j["torch_tokens_per_s"] = ttps;
-    j["speedup_vs_torch"] = tps / ttps;
   }
   return j;
 }

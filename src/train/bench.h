@@ -1,5 +1,6 @@
 // `ladder bench`: training throughput of a preset on synthetic tokens, as a ratio to the machine's
-// measured sgemm rate (MFU), optionally beside the independent PyTorch model on the same shapes.
+// measured sgemm rate (MFU), optionally beside PyTorch on the same model, shapes, device and
+// precision (`--torch`: scripts/bench-torch.py, after Ladder's run has released the device).
 #pragma once
 #include <filesystem>
 #include <string>
@@ -14,11 +15,17 @@ struct BenchOptions {
   std::filesystem::path config;  // preset YAML
   std::vector<std::string> overrides;
   int steps = 5;                 // timed steps (after 2 warm-up steps); the median is reported
-  bool torch = false;            // also time scripts/bench-torch.py on the same model
+  bool torch = false;            // also time scripts/bench-torch.py (PyTorch) on the same model
+  std::string torch_args;        // extra arguments for it (e.g. "--compile")
   bool profile = false;          // time every backend op; adds "profile" to the result
 };
 
 nlohmann::json run_bench(const BenchOptions& opt);
+// The PyTorch baseline on the same model and batch shape (scripts/bench-torch.py: its fast
+// implementation, checked against the reference by tests/reference/check_fast_model.py) at the
+// config's device and precision, with $LADDER_TORCH_PYTHON (else Debian's /usr/bin/python3 on the
+// CPU, python3 on a GPU machine); its JSON line. A failure is an error naming the command.
+nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt);
 // The config of a benchmark run: the preset with its overrides, validated. Synthetic tokens need no
 // data directory, so a vocabulary of 8192 and the tokenizer's </s> (id 2) stand in where it leaves
 // them open.
