@@ -3,6 +3,8 @@
 // GFLOP/s should be compared against. Times are wall-clock (the kernels are multi-threaded).
 #include <benchmark/benchmark.h>
 
+#include "backend/cpu/openblas_cores.h"
+
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -204,3 +206,13 @@ void BM_SoftmaxXentForward(benchmark::State& st) {
 BENCHMARK(BM_SoftmaxXentForward)->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
+
+// OpenBLAS's kernels for this CPU first (backend/cpu/openblas_cores.h), then Google Benchmark.
+int main(int argc, char** argv) {
+  ladder::ensure_openblas_kernels(argv);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -12,32 +12,41 @@
 #   GPU_CHECK_BUILD=0      skip the device build, use gpu-bundle/ directly (saves ~1-2 minutes)
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
 #   GPU_CHECK_PROFILE=0    skip the profiled benches (per-op shares of a step: MoE d=1024, dense d=2048)
-#   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark
-#                          (default: the four presets in bf16 (their bf16 activations); the d=1024 pair
-#                          and the d=2048 dense with fp32 activations (mlp_bf16 or moe_bf16, attn_bf16,
-#                          norm_bf16 = false); the d=1024 pair with MuonH (optim.name=muonh); the d=2048
-#                          MoE with bf16 saved activations; then, while under 370 s (the profiles get the last minute), the d=1024 MoE
-#                          with the WMMA grouped GEMM (LADDER_GROUPED_MMA=0) and the d=1024 dense with
-#                          the WMMA attention (LADDER_ATTN_MMA=0); where the wgmma grouped GEMM passed its
-#                          tests, the two MoE presets with LADDER_GROUPED_WGMMA=1 after the first four, and
-#                          where the wgmma attention passed, dense d=2048 and MoE d=1024 with
-#                          LADDER_ATTN_WGMMA=1); then the two MoE presets with bf16 expert gradients
-#                          (model.moe_bf16_grads=true), the d=1024 dense with bf16 MLP gradients
-#                          (model.mlp_bf16_grads=true), and the d=1024 pair with the CPU's 128-row LM
-#                          head chunks (LADDER_HEAD_CHUNK_MIB=16) against the GPU's 4096 rows;
-#                          and, right after the four presets, the MoE capacity layout
-#                          (model.moe_capacity=1.0 on both MoE presets, with bf16 gradients, and 1.1),
-#                          and the d=1024 pair with 4 micro-batches per optimizer step
-#                          (run.grad_accum=4: 64k tokens a step instead of 16k, still far under the
-#                          millions of a real run, so the optimizer's fixed cost is amortized);
-#                          where the PyTorch baseline passed its check (step 2a), the d=1024 pair with
-#                          TORCH after the cuDNN rows (`ladder bench --torch`: PyTorch on the same model
-#                          after Ladder's run), and at the end the d=2048 pair with TORCH and dense
-#                          d=1024 against torch.compile (TORCH_COMPILE);
-#                          key=value pairs go to `ladder bench --set`,
-#                          LADDER_*=value to the environment. The attention's default is the mma.sync
-#                          kernels; where they did not pass their tests in this run, every model bench
-#                          runs with LADDER_ATTN_MMA=0 (WMMA) instead
+#   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark;
+#                          key=value pairs go to `ladder bench --set`, LADDER_*=value to the
+#                          environment, TORCH adds the PyTorch baseline (`ladder bench --torch`: PyTorch
+#                          on the same model after Ladder's run), TORCH_COMPILE with torch.compile.
+#                          The default, in order of what a run decides first (rows start while under
+#                          370 s; the profiles get the minute after):
+#                           1. the four presets in bf16 (their bf16 activations);
+#                           2. the MoE capacity layout on both MoE presets (model.moe_capacity=1.0);
+#                           3. where cuDNN attention passed its test, MoE d=1024 and dense d=2048 with
+#                              run.attention=cudnn-nondeterministic;
+#                           4. where the wgmma grouped GEMM passed its tests, both MoE presets with
+#                              LADDER_GROUPED_WGMMA=1; where the wgmma attention passed, dense d=2048 and
+#                              MoE d=1024 with LADDER_ATTN_WGMMA=1; both together on MoE d=1024;
+#                           5. where the PyTorch baseline passed its check (step 2a), the d=1024 pair
+#                              with TORCH;
+#                           6. the other cuDNN rows (the other two presets nondeterministic; MoE d=1024
+#                              and dense d=2048 with the deterministic `cudnn`; MoE d=1024 with the
+#                              capacity layout and cuDNN);
+#                           7. capacity variants (with bf16 gradients; C = 1.1 x the mean load), the
+#                              d=1024 pair with 4 micro-batches per optimizer step (run.grad_accum=4:
+#                              64k tokens a step instead of 16k, still far under the millions of a real
+#                              run, so the optimizer's fixed cost is amortized);
+#                           8. both MoE presets with bf16 expert gradients (model.moe_bf16_grads), dense
+#                              d=1024 with bf16 MLP gradients (model.mlp_bf16_grads), the d=1024 pair with
+#                              the CPU's 128-row LM head chunks (LADDER_HEAD_CHUNK_MIB=16);
+#                           9. the d=1024 pair and dense d=2048 with fp32 activations (mlp_bf16 or
+#                              moe_bf16, attn_bf16, norm_bf16 = false), the d=1024 pair with MuonH
+#                              (optim.name=muonh), MoE d=2048 with bf16 saved activations, MoE d=1024 with
+#                              the WMMA grouped GEMM (LADDER_GROUPED_MMA=0), dense d=1024 with the WMMA
+#                              attention (LADDER_ATTN_MMA=0);
+#                          10. with the PyTorch baseline: the d=2048 pair (TORCH), and dense d=1024
+#                              against torch.compile (TORCH_COMPILE).
+#                          The attention's default is the mma.sync kernels; where they did not pass
+#                          their tests in this run, every model bench runs with LADDER_ATTN_MMA=0
+#                          (WMMA) instead.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -256,13 +265,16 @@ F32M=model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false
 # The capacity layout (model.moe_capacity, session 10): the expert GEMMs as strided-batched cuBLASLt
 # calls at C = 1.0 x the mean load, right after the presets: it is the MoE lever a run decides first.
 CAP=model.moe_capacity=1.0
-# cuDNN attention right after the presets (its test passed): the four presets with its
-# nondeterministic backward (atomic dQ; every cuDNN 9 runs it), two with the deterministic one (which
-# cuDNN before 9.25 would run on an S x S workspace: then declined, and the row is Ladder's kernels,
-# models.log says), and the MoE with the capacity layout too.
+# cuDNN attention where its test passed: MoE d=1024 and dense d=2048 with its nondeterministic
+# backward (atomic dQ; every cuDNN 9 runs it) right after the capacity rows; later the other two
+# presets, two with the deterministic one (which cuDNN before 9.25 would run on an S x S workspace:
+# then declined, and the row is Ladder's kernels, models.log says), and the MoE with the capacity
+# layout too.
 CUDNN_ROWS=""
+CUDNN_REST=""
 ND=run.attention=cudnn-nondeterministic
-[ $CUDNN_OK = 1 ] && CUDNN_ROWS="dense-d1024:bf16:$ND moe-d1024:bf16:$ND dense-d2048:bf16:$ND moe-d2048:bf16:$ND moe-d1024:bf16:run.attention=cudnn dense-d2048:bf16:run.attention=cudnn moe-d1024:bf16:$CAP,$ND "
+[ $CUDNN_OK = 1 ] && CUDNN_ROWS="moe-d1024:bf16:$ND dense-d2048:bf16:$ND " &&
+  CUDNN_REST="dense-d1024:bf16:$ND moe-d2048:bf16:$ND moe-d1024:bf16:run.attention=cudnn dense-d2048:bf16:run.attention=cudnn moe-d1024:bf16:$CAP,$ND "
 # The PyTorch baseline where it passed its check (TORCH: `ladder bench --torch`, PyTorch on the same
 # model after Ladder's run has freed the device; about 40 s a row): the d=1024 pair after the cuDNN
 # rows, the d=2048 pair and torch.compile (TORCH_COMPILE) at the end, while time is left.
@@ -270,7 +282,7 @@ TORCH_ROWS=""
 TORCH_LATE=""
 [ $TORCH_OK = 1 ] && TORCH_ROWS="dense-d1024:bf16:TORCH moe-d1024:bf16:TORCH " &&
   TORCH_LATE=" dense-d2048:bf16:TORCH moe-d2048:bf16:TORCH dense-d1024:bf16:TORCH_COMPILE"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 ${CUDNN_ROWS}${TORCH_ROWS}moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 ${WG_ROWS}moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0${TORCH_LATE}}
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP ${CUDNN_ROWS}${WG_ROWS}${TORCH_ROWS}${CUDNN_REST}moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0${TORCH_LATE}}
 : >"$OUT/models.log"
 MODEL_ROWS=""
 for mp in $MODELS; do

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cpu/openblas_cores.h"
 #include "core/error.h"
 #include "data/prepare.h"
 #include "ladder/cli.h"
@@ -21,6 +22,7 @@ namespace fs = std::filesystem;
 using namespace ladder;
 
 int main(int argc, char** argv) {
+  ensure_openblas_kernels(argv);  // before anything else: it may restart the program
   CLI::App app{"Ladder: pretraining language models and measuring what each recipe change buys"};
   app.require_subcommand(1);
 
@@ -140,11 +142,12 @@ int main(int argc, char** argv) {
       } else {
         const bool host = j["backend"].get<std::string>().rfind("cpu", 0) == 0;
         const std::string gemm = host ? "sgemm" : "GEMM (" + j["backend"].get<std::string>() + ")";
-        fmt::print("config      {}\nbackend     {} ({} CPU threads)\n{:<11} {:.1f} GFLOP/s (MFU denominator)\n"
+        fmt::print("config      {}\nbackend     {} ({} CPU threads)\n{:<11} {:.1f} GFLOP/s (MFU denominator{})\n"
                    "train       {:.1f} GFLOP/s model FLOPs, {:.0f} tokens/s, step {:.3f} s (median of {})\n"
                    "MFU         {:.1f}% of the measured {}\n",
                    j["config"].get<std::string>(), j["backend"].get<std::string>(), j["threads"].get<int>(),
                    host ? "sgemm" : "gemm", j["sgemm_gflops"].get<double>(),
+                   j.contains("openblas_core") ? "; OpenBLAS " + j["openblas_core"].get<std::string>() + " kernels" : "",
                    j["train_gflops"].get<double>(), j["tokens_per_s"].get<double>(), j["step_s_median"].get<double>(),
                    j["steps_timed"].get<int>(), 100 * j["mfu"].get<double>(), gemm);
         fmt::print("params      {} total, {} active per token\n", j["params"].get<int64_t>(),

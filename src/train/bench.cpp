@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/openblas_cores.h"
 #include "backend/profiling_backend.h"
 #include "core/error.h"
 #include "core/fileio.h"
@@ -201,6 +202,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
       // model code between ops.
       j["profile_busy"] = busy / total;
     }
+    if (be->is_host()) j["openblas_core"] = openblas_core();  // the kernels the CPU's sgemms ran
   }
   if (opt.torch) {
     // A baseline that fails (no torch, out of memory) must not take Ladder's measurement with it:

@@ -425,8 +425,9 @@ class CudaBackendImpl final : public CudaBackend {
                          const AttnShape& s) override {
     check_attn(s);
 #if LADDER_HAVE_CUDNN
-    // cuDNN on the bf16 copies, its bf16 o widened into the fp32 output.
-    if (CudnnAttention* c = cudnn_attention(s, {o, lse, q, k, v})) {
+    // cuDNN on the bf16 copies, its bf16 o widened into the fp32 output: of the caller's pointers it
+    // sees only lse (the casts take any alignment).
+    if (CudnnAttention* c = cudnn_attention(s, {lse})) {
       const AttnIn16 x = attn_in16(q, k, v, s);
       const CudnnGrads16 b = cudnn_scratch(s);
       c->forward(b.o, lse, x.q, x.k, x.v, s);
@@ -446,7 +447,7 @@ class CudaBackendImpl final : public CudaBackend {
                           const float* v, const float* o, const float* lse, const AttnShape& s) override {
     check_attn(s);
 #if LADDER_HAVE_CUDNN
-    if (CudnnAttention* c = cudnn_attention(s, {dq, dk, dv, dout, q, k, v, o, lse})) {
+    if (CudnnAttention* c = cudnn_attention(s, {lse})) {  // the rest reaches cuDNN through bf16 scratch
       const AttnIn16 x = attn_in16(q, k, v, s);
       const CudnnGrads16 b = cudnn_scratch(s);
       check(k::f32_to_bf16(b.o, o, size_t(s.B) * s.S * s.H * s.hd, st_), "cudnn attention backward (bf16 o)");
@@ -693,7 +694,8 @@ class CudaBackendImpl final : public CudaBackend {
                                const AttnShape& s) override {
     check_attn(s);
 #if LADDER_HAVE_CUDNN
-    if (CudnnAttention* c = cudnn_attention(s, {dq, dk, dv, dout, q, k, v, o, lse}))
+    // dq, dk, dv and dout go through bf16 scratch (cudnn_backward); the rest cuDNN reads in place.
+    if (CudnnAttention* c = cudnn_attention(s, {q, k, v, o, lse}))
       return cudnn_backward(c, dq, dk, dv, dout, q, k, v, o, lse, s);
 #endif
     float* scratch = attention_backward_scratch(s);
@@ -1076,7 +1078,8 @@ class CudaBackendImpl final : public CudaBackend {
   // cuDNN's attention for this shape and these pointers, or nullptr (CudaOptions::cudnn_attention).
   // cuDNN is loaded on the first call; a shape is built (forward and backward plans) on its first
   // call. What cannot be used is said once on stderr: a missing library, a declined shape, a
-  // pointer not 16-byte aligned.
+  // pointer not 16-byte aligned (`ptrs`: the caller's pointers cuDNN itself reads or writes; the
+  // ones that reach it through the backend's aligned bf16 scratch need no check).
   CudnnAttention* cudnn_attention(const AttnShape& s, std::initializer_list<const void*> ptrs) {
     if (!opt_.cudnn_attention || !opt_.bf16) return nullptr;
     if (!cudnn_ && cudnn_status_.empty()) {
