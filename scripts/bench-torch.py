@@ -26,6 +26,7 @@ python whose torch has CUDA (`ladder bench` takes $LADDER_TORCH_PYTHON, else pyt
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -159,7 +160,7 @@ def main():
         "threads": args.threads,
         "tokens_per_step": tokens,
         "n_params": sum(p.numel() for p in params.values()),
-        "last_loss": loss,
+        "last_loss": loss if math.isfinite(loss) else None,  # JSON has no NaN
         "torch": torch.__version__,
         "impl": args.impl,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -162,10 +162,12 @@ log "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "test passed, model benches wi
 export LADDER_SOURCE_DIR=$PWD  # the bundle's binaries find scripts/bench-torch.py here
 TORCH_OK=0
 TORCH_PY=""
-TORCH_BF16_RC=skipped
+TORCH_VERSION="no python with a CUDA torch"
+TORCH_RC=skipped
 for py in ${LADDER_TORCH_PYTHON:-} python3 /opt/torch/.venv/bin/python3; do
-  if timeout 90 "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  if v=$(timeout 60 "$py" -c 'import sys, torch; print("torch", torch.__version__); sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null); then
     TORCH_PY=$py
+    TORCH_VERSION="$v, $py"
     break
   fi
 done
@@ -173,14 +175,16 @@ if [ -n "$TORCH_PY" ]; then
   export LADDER_TORCH_PYTHON=$TORCH_PY
   log "PyTorch baseline check with $TORCH_PY (log: tests.log)"
   echo "=== TorchFast: check_fast_model.py --device cuda (fp32, then bf16)" >>"$OUT/tests.log"
-  # The gate is the fp32 check (the same model, SDPA on this GPU); the bf16 one (flash attention,
-  # grouped GEMMs, autocast: the benchmark's paths, bounds that catch a wrong layout) is reported.
-  timeout 120 "$TORCH_PY" tests/reference/check_fast_model.py --device cuda >>"$OUT/tests.log" 2>&1 && TORCH_OK=1
+  # Both gate the TORCH rows: fp32 (the same model, SDPA on this GPU) and bf16 (flash attention,
+  # grouped GEMMs and autocast: the paths the benchmark times, with bounds that catch a wrong layout).
+  timeout 90 "$TORCH_PY" tests/reference/check_fast_model.py --device cuda >>"$OUT/tests.log" 2>&1
+  TORCH_RC=$?
   echo "=== TorchFast bf16" >>"$OUT/tests.log"
-  timeout 120 "$TORCH_PY" tests/reference/check_fast_model.py --device cuda --precision bf16 >>"$OUT/tests.log" 2>&1
-  TORCH_BF16_RC=$?
+  timeout 90 "$TORCH_PY" tests/reference/check_fast_model.py --device cuda --precision bf16 >>"$OUT/tests.log" 2>&1
+  TORCH_RC="$TORCH_RC/$?"
+  [ "$TORCH_RC" = 0/0 ] && TORCH_OK=1
 fi
-log "PyTorch baseline: $([ $TORCH_OK = 1 ] && echo "same model as the reference on this GPU, TORCH rows added to the model benches" || echo "${TORCH_PY:-no python with a CUDA torch}: not checked or check failed, no torch column")"
+log "PyTorch baseline ($TORCH_VERSION): $([ $TORCH_OK = 1 ] && echo "same model as the reference on this GPU, TORCH rows added to the model benches" || echo "checks exit $TORCH_RC (fp32/bf16): no TORCH rows")"
 
 # ---- 2b. the wgmma grouped GEMM (sm_90a, off by default: LADDER_GROUPED_WGMMA=1), in its own
 # process (log: wgmma.log): its layout self-test first (CudaWgmma.*: accumulator layout, operand
@@ -284,6 +288,7 @@ TORCH_LATE=""
   TORCH_LATE=" dense-d2048:bf16:TORCH moe-d2048:bf16:TORCH dense-d1024:bf16:TORCH_COMPILE"
 MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP ${CUDNN_ROWS}${WG_ROWS}${TORCH_ROWS}${CUDNN_REST}moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0${TORCH_LATE}}
 : >"$OUT/models.log"
+ROW=$(mktemp)  # one row's output (outside $OUT: at most 8 files come back)
 MODEL_ROWS=""
 for mp in $MODELS; do
   IFS=: read -r m prec extra <<<"$mp"
@@ -321,18 +326,22 @@ for mp in $MODELS; do
   fi
   # 370 s, not 420: the profiled benches below (about 12 s each in run 3) get the last minute.
   [ $(($(date +%s) - T0)) -lt 370 ] || { log "skipping $mp: over 370 s (the profiles come next)"; continue; }
-  echo "=== $mp" >>"$OUT/models.log"
   # A row with the baseline: Ladder's 6 steps, then PyTorch's start (import, CUDA context), 2 warm-up
-  # and 4 timed steps (torch.compile: its compilation too).
+  # and 4 timed steps (torch.compile: its compilation too): up to 200 s, and never past 480 s.
   to=100
-  [ ${#tflags[@]} -gt 0 ] && to=200
+  if [ ${#tflags[@]} -gt 0 ]; then
+    to=$((480 - ($(date +%s) - T0)))
+    [ $to -gt 200 ] && to=200
+    [ $to -ge 90 ] || { log "skipping $mp: under 90 s left for a row with PyTorch"; continue; }
+  fi
+  echo "=== $mp" >>"$OUT/models.log"
   env "${envs[@]}" timeout $to "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda "${sets[@]}" \
-    --steps 4 --json "${tflags[@]}" >"$OUT/row.tmp" 2>&1
+    --steps 4 --json "${tflags[@]}" >"$ROW" 2>&1
   rc=$?
-  cat "$OUT/row.tmp" >>"$OUT/models.log"
+  cat "$ROW" >>"$OUT/models.log"
   # Two MFUs: against the GEMM rate measured in the same run at this precision, and against the
   # H100/H200 datasheet's dense rate (bf16 989, tf32 495, fp32 67 TFLOP/s), the number papers quote.
-  row=$(grep '^{' "$OUT/row.tmp" | tail -n 1 | PREC=$prec python3 -c 'import json,os,sys
+  row=$(grep '^{' "$ROW" | tail -n 1 | PREC=$prec python3 -c 'import json,os,sys
 try:
     j = json.loads(sys.stdin.read())
     peak = {"bf16": 989e3, "tf32": 494.7e3, "fp32": 66.9e3}[os.environ["PREC"]]
@@ -353,7 +362,7 @@ except Exception:
     print("   (failed: see models.log)")' 2>/dev/null)
   MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rc" "$row" "$extra")"$'\n'
 done
-rm -f "$OUT/row.tmp"
+rm -f "$ROW"
 
 # ---- 5b. where the time goes: profiled benches (each op's device time from CUDA events on the
 # backend's stream, Backend::make_op_timer; no host wait per op) of the bf16 MoE at d=1024 and the
@@ -411,7 +420,7 @@ echo "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "CudaAttnBf16.AttentionCudnnM
 grep '^\[ cudnn    \]' "$OUT/tests.log" | head -n 12 | sed 's/^/  /'
 grep -hsE 'declined attention|runs attention|cuDNN attention is on|cuDNN attention not used' "$OUT/tests.log" \
   "$OUT/models.log" | sort -u | head -n 16 | sed 's/^/  /'
-echo "PyTorch baseline ($([ -n "$TORCH_PY" ] && "$TORCH_PY" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo "no CUDA torch")): $([ $TORCH_OK = 1 ] && echo "check_fast_model.py passed on this GPU in fp32" || echo "not checked or failed in fp32: see tests.log"); bf16 check exit $TORCH_BF16_RC"
+echo "PyTorch baseline ($TORCH_VERSION): check_fast_model.py on this GPU, fp32/bf16 exit $TORCH_RC$([ $TORCH_OK = 1 ] && echo ": the same model" || echo ": see tests.log")"
 sed -n '/^=== TorchFast/,$p' "$OUT/tests.log" | grep -E '^\[FAIL\]|failed|passed|^torch ' | head -n 8 | sed 's/^/  /'
 echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging; 'experts' rows: ThroughputAgainstBatchedCublasLt, the presets' expert GEMMs grouped vs one strided-batched cuBLASLt call at capacity C):"
 grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'

@@ -38,7 +38,7 @@ def autocast(device, bf16):
     """bf16 autocast on the device when bf16 is true, else autocast off there (the CPU: no context
     unless bf16, which only the reference check asks for)."""
     kind = torch.device(device).type
-    if kind != "cuda" and not bf16:
+    if kind != "cuda" and not bf16 and not torch.is_autocast_cpu_enabled():
         return contextlib.nullcontext()
     return torch.autocast(kind, dtype=torch.bfloat16, enabled=bf16)
 
@@ -97,7 +97,10 @@ class FastModel:
     def sdpa(self, q, k, v, window):
         """q [B, H, S, hd], k and v [B, KV, S, hd] -> [B, H, S, hd]."""
         group, S = q.shape[1] // k.shape[1], q.shape[2]
-        native = HAS_SDPA and GQA_NATIVE and self.gqa == "native"
+        # enable_gqa only where the flash kernel takes it (on a GPU: no mask, 16-bit inputs); elsewhere
+        # SDPA would pick the math kernel, an S x S matrix, so K and V are repeated instead.
+        flash = not q.is_cuda or (window == 0 and q.dtype in (torch.bfloat16, torch.float16))
+        native = HAS_SDPA and GQA_NATIVE and self.gqa == "native" and flash
         if group > 1 and not native:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if HAS_SDPA:
@@ -152,17 +155,18 @@ class FastModel:
             return a.dtype == torch.bfloat16
         return VERSION >= (2, 9) and all(w * a.element_size() % 16 == 0 for w in widths)
 
-    def experts(self, xs, counts, wg, wu, wd):
-        """xs [T*K, d] sorted by expert, counts [E] -> SwiGLU_e of each row [T*K, d]."""
+    def experts(self, xs, ends, wg, wu, wd):
+        """xs [T*K, d] sorted by expert, ends [E] (int32: expert e's rows end at ends[e]) -> SwiGLU_e of
+        each row [T*K, d]."""
         if autocast_on(xs):  # autocast (bf16: the only one used here) does not cover grouped GEMMs
             dt = torch.bfloat16
             xs, wg, wu, wd = xs.to(dt), wg.to(dt), wu.to(dt), wd.to(dt)
         if self.use_grouped(xs, (xs.shape[1], wd.shape[2])):
-            offs = torch.cumsum(counts, 0).to(torch.int32)
             # weights [E, out, in]: the [E, in, out] operand of x @ W^T is the transposed view
-            mid = F.silu(GROUPED_MM(xs, wg.transpose(-2, -1), offs=offs)) * GROUPED_MM(xs, wu.transpose(-2, -1), offs=offs)
-            return GROUPED_MM(mid, wd.transpose(-2, -1), offs=offs)
-        outs = [self.swiglu(xe, wg[e], wu[e], wd[e]) for e, xe in enumerate(torch.split(xs, counts.tolist()))]
+            mid = F.silu(GROUPED_MM(xs, wg.transpose(-2, -1), offs=ends)) * GROUPED_MM(xs, wu.transpose(-2, -1), offs=ends)
+            return GROUPED_MM(mid, wd.transpose(-2, -1), offs=ends)
+        counts = torch.diff(ends.long(), prepend=ends.new_zeros(1).long()).tolist()  # the host needs the sizes
+        outs = [self.swiglu(xe, wg[e], wu[e], wd[e]) for e, xe in enumerate(torch.split(xs, counts))]
         return torch.cat(outs)
 
     def moe(self, x, p, bias, aux):
@@ -178,10 +182,12 @@ class FastModel:
         if c.moe_normalized:
             w = c.moe_route_scale * w / (w.sum(-1, keepdim=True) + 1e-9)
         flat = sel.reshape(-1)
-        order = torch.sort(flat, stable=True).indices  # rows grouped by expert
+        by_expert, order = torch.sort(flat, stable=True)  # rows grouped by expert
         tok = order // K
-        counts = torch.bincount(flat, minlength=E)
-        h = self.experts(t[tok], counts, p["experts.gate_proj.weight"], p["experts.up_proj.weight"],
+        # where each expert's rows end, found on the device (bincount would wait for the host)
+        ends = torch.searchsorted(by_expert, torch.arange(E, device=t.device), right=True).to(torch.int32)
+        src = t.to(torch.bfloat16) if autocast_on(t) else t  # gather the rows in the GEMMs' type
+        h = self.experts(src[tok], ends, p["experts.gate_proj.weight"], p["experts.up_proj.weight"],
                          p["experts.down_proj.weight"])
         out = torch.zeros(t.shape, dtype=acc, device=t.device)
         out = out.index_add(0, tok, h.to(acc) * w.reshape(-1)[order, None])

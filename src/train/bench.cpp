@@ -82,7 +82,7 @@ nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
                  {"clip", cfg.optim.clip}};
   auto tmp = std::filesystem::temp_directory_path() / fmt::format("ladder-bench-{}.json", ::getpid());
   write_file_atomic(tmp, mj.dump());
-  std::string cmd = fmt::format("{} {}/scripts/bench-torch.py --config-json {} --steps {} --threads {} --device {} --precision {} {}",
+  std::string cmd = fmt::format("'{}' '{}/scripts/bench-torch.py' --config-json '{}' --steps {} --threads {} --device {} --precision {} {}",
                                 python, src, tmp.string(), opt.steps, cpu_threads(), cuda ? "cuda" : "cpu",
                                 cuda ? cfg.run.precision : "fp32", opt.torch_args);
   std::string out;
@@ -94,14 +94,20 @@ nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
   }
   std::filesystem::remove(tmp);
   if (rc != 0) fail("PyTorch benchmark failed (exit {}): {}\n{}", WIFEXITED(rc) ? WEXITSTATUS(rc) : rc, cmd, out.size() > 4000 ? out.substr(out.size() - 4000) : out);
-  auto pos = out.rfind("\n{");
-  pos = pos == std::string::npos ? out.find('{') : pos + 1;
-  if (pos == std::string::npos) fail("PyTorch benchmark printed no JSON: {}\n{}", cmd, out);
-  try {
-    return nlohmann::json::parse(out.substr(pos));
-  } catch (const std::exception& e) {
-    fail("PyTorch benchmark's last line is not JSON ({}): {}\n{}", e.what(), cmd, out);
+  // Its JSON is one line; stderr is mixed in (and may follow it, e.g. at interpreter exit): the last
+  // line that parses as an object.
+  size_t end = out.size();
+  while (end > 0) {
+    const size_t start = out.rfind('\n', end - 1);
+    const size_t from = start == std::string::npos ? 0 : start + 1;
+    if (from < end && out[from] == '{') {
+      nlohmann::json tj = nlohmann::json::parse(out.substr(from, end - from), nullptr, /*allow_exceptions=*/false);
+      if (tj.is_object()) return tj;
+    }
+    if (start == std::string::npos) break;
+    end = start;
   }
+  fail("PyTorch benchmark printed no JSON line: {}\n{}", cmd, out);
 }
 
 nlohmann::json run_bench(const BenchOptions& opt) {

