@@ -18,18 +18,9 @@
 
 namespace ladder::test {
 
-// config.json as the reference reads it: the model (torch_model_json) plus the optimizer and schedule.
+// config.json as the reference reads it: the model, the optimizer and schedule (torch_config_json).
 inline void write_reference_config(const std::filesystem::path& dir, const Config& c) {
-  auto j = torch_model_json(c);
-  j["optim"] = {{"lr", c.optim.lr},
-                {"beta1", c.optim.beta1},
-                {"beta2", c.optim.beta2},
-                {"eps", c.optim.eps},
-                {"weight_decay", c.optim.weight_decay},
-                {"clip", c.optim.clip},
-                {"warmup", c.schedule.warmup},
-                {"total_steps", c.run.steps},
-                {"final_lr_frac", c.schedule.final_lr_frac}};
+  const auto j = torch_config_json(c);
   write_file_atomic(dir / "config.json", j.dump(2));
 }
 

@@ -48,6 +48,20 @@ nlohmann::json torch_model_json(const Config& c) {
           {"gated_norm_rank", m.gated_norm_rank}};
 }
 
+nlohmann::json torch_config_json(const Config& c) {
+  nlohmann::json j = torch_model_json(c);
+  j["optim"] = {{"lr", c.optim.lr},
+                {"beta1", c.optim.beta1},
+                {"beta2", c.optim.beta2},
+                {"eps", c.optim.eps},
+                {"weight_decay", c.optim.weight_decay},
+                {"clip", c.optim.clip},
+                {"warmup", c.schedule.warmup},
+                {"total_steps", c.run.steps},
+                {"final_lr_frac", c.schedule.final_lr_frac}};
+  return j;
+}
+
 Config load_bench_config(const BenchOptions& opt) {
   Config cfg = load_config(opt.config, opt.overrides);
   if (cfg.model.vocab_size == 0) cfg.model.vocab_size = 8192;  // synthetic tokens: no data directory needed
@@ -76,10 +90,7 @@ nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
   // (the prebuilt GPU bundle), else the tree it was built from.
   const char* src_env = std::getenv("LADDER_SOURCE_DIR");
   const std::string src = src_env && *src_env ? src_env : LADDER_SOURCE_DIR;
-  nlohmann::json mj = torch_model_json(cfg);
-  mj["optim"] = {{"lr", cfg.optim.lr},         {"beta1", cfg.optim.beta1}, {"beta2", cfg.optim.beta2},
-                 {"eps", cfg.optim.eps},       {"weight_decay", cfg.optim.weight_decay},
-                 {"clip", cfg.optim.clip}};
+  const nlohmann::json mj = torch_config_json(cfg);
   auto tmp = std::filesystem::temp_directory_path() / fmt::format("ladder-bench-{}.json", ::getpid());
   write_file_atomic(tmp, mj.dump());
   std::string cmd = fmt::format("'{}' '{}/scripts/bench-torch.py' --config-json '{}' --steps {} --threads {} --device {} --precision {} {}",

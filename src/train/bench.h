@@ -34,5 +34,8 @@ Config load_bench_config(const BenchOptions& opt);
 void synthetic_batch(const Config& cfg, std::vector<int32_t>& inputs, std::vector<int32_t>& targets);
 // A flat JSON description of the model and batch, as the PyTorch scripts read it.
 nlohmann::json torch_model_json(const Config& cfg);
+// The same plus "optim" (AdamW's hyperparameters, clip, and the schedule's warmup, total_steps and
+// final_lr_frac): the config.json of the PyTorch reference and of the PyTorch baseline.
+nlohmann::json torch_config_json(const Config& cfg);
 
 }  // namespace ladder
