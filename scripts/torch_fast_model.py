@@ -34,20 +34,25 @@ GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 XSA_EPS = 1e-12  # as the reference (ref_attn.py)
 
 
+def autocast_enabled(kind):
+    """Is autocast on for this device type? (torch 2.4+ takes the type; older ones had a CPU call.)"""
+    if VERSION >= (2, 4):
+        return torch.is_autocast_enabled(kind)
+    return torch.is_autocast_enabled() if kind == "cuda" else torch.is_autocast_cpu_enabled()
+
+
 def autocast(device, bf16):
     """bf16 autocast on the device when bf16 is true, else autocast off there (the CPU: no context
-    unless bf16, which only the reference check asks for)."""
+    unless bf16, which only the reference check asks for, or autocast is on already)."""
     kind = torch.device(device).type
-    if kind != "cuda" and not bf16 and not torch.is_autocast_cpu_enabled():
+    if kind != "cuda" and not bf16 and not autocast_enabled(kind):
         return contextlib.nullcontext()
     return torch.autocast(kind, dtype=torch.bfloat16, enabled=bf16)
 
 
 def autocast_on(t):
     """Is autocast on for t's device?"""
-    if t.is_cuda:
-        return torch.is_autocast_enabled()
-    return torch.is_autocast_cpu_enabled()
+    return autocast_enabled(t.device.type)
 
 
 def rms_norm(x, w, eps):
