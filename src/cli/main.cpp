@@ -67,9 +67,9 @@ int main(int argc, char** argv) {
   bool bjson = false;
   be->add_option("--config", bopt.config, "preset YAML")->capture_default_str();
   be->add_option("--set", bopt.overrides, "override a config key: key.path=value");
-  be->add_option("--steps", bopt.steps, "timed steps (median reported)")->capture_default_str();
+  be->add_option("--steps", bopt.steps, "timed steps (median reported)")->capture_default_str()->check(CLI::Range(1, 1000000));
   be->add_flag("--torch", bopt.torch, "also time the model in PyTorch (scripts/bench-torch.py) on the same shapes, device and precision");
-  be->add_option("--torch-args", bopt.torch_args, "extra arguments for scripts/bench-torch.py (e.g. \"--compile\")");
+  be->add_option("--torch-args", bopt.torch_args, "extra arguments for scripts/bench-torch.py, as a shell string (e.g. --torch-args=--compile)");
   be->add_flag("--json", bjson, "print one JSON object");
   be->add_flag("--profile", bopt.profile, "time every backend op and print each one's share of the step");
   bool boptim = false;

@@ -81,6 +81,17 @@ void synthetic_batch(const Config& cfg, std::vector<int32_t>& in, std::vector<in
   }
 }
 
+namespace {
+
+// One word for /bin/sh: single-quoted, each ' written as '\''.
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+}  // namespace
+
 nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
   const bool cuda = cfg.run.device == "cuda";
   // Debian's torch on the CPU; on a GPU machine the python whose torch has CUDA.
@@ -93,8 +104,10 @@ nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
   const nlohmann::json mj = torch_config_json(cfg);
   auto tmp = std::filesystem::temp_directory_path() / fmt::format("ladder-bench-{}.json", ::getpid());
   write_file_atomic(tmp, mj.dump());
-  std::string cmd = fmt::format("'{}' '{}/scripts/bench-torch.py' --config-json '{}' --steps {} --threads {} --device {} --precision {} {}",
-                                python, src, tmp.string(), opt.steps, cpu_threads(), cuda ? "cuda" : "cpu",
+  // torch_args is a shell string on purpose (several arguments); the rest is quoted.
+  std::string cmd = fmt::format("{} {} --config-json {} --steps {} --threads {} --device {} --precision {} {}",
+                                shell_quote(python), shell_quote(src + "/scripts/bench-torch.py"),
+                                shell_quote(tmp.string()), opt.steps, cpu_threads(), cuda ? "cuda" : "cpu",
                                 cuda ? cfg.run.precision : "fp32", opt.torch_args);
   std::string out;
   int rc = -1;
@@ -104,7 +117,13 @@ nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
     rc = pclose(p);
   }
   std::filesystem::remove(tmp);
-  if (rc != 0) fail("PyTorch benchmark failed (exit {}): {}\n{}", WIFEXITED(rc) ? WEXITSTATUS(rc) : rc, cmd, out.size() > 4000 ? out.substr(out.size() - 4000) : out);
+  const std::string tail = out.size() > 4000 ? out.substr(out.size() - 4000) : out;
+  if (rc != 0) {
+    const std::string how = WIFEXITED(rc)     ? fmt::format("exit {}", WEXITSTATUS(rc))
+                            : WIFSIGNALED(rc) ? fmt::format("killed by signal {}", WTERMSIG(rc))
+                                              : fmt::format("status {}", rc);
+    fail("PyTorch benchmark failed ({}): {}\n{}", how, cmd, tail);
+  }
   // Its JSON is one line; stderr is mixed in (and may follow it, e.g. at interpreter exit): the last
   // line that parses as an object.
   size_t end = out.size();
@@ -118,7 +137,7 @@ nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
     if (start == std::string::npos) break;
     end = start;
   }
-  fail("PyTorch benchmark printed no JSON line: {}\n{}", cmd, out);
+  fail("PyTorch benchmark printed no JSON line: {}\n{}", cmd, tail);
 }
 
 nlohmann::json run_bench(const BenchOptions& opt) {

@@ -48,13 +48,31 @@ void ensure_openblas_kernels(char** argv) {
   const std::string detected = openblas_core();
   const std::string better = better_openblas_core(detected, cpu_vector_isa());
   if (better.empty()) return;
-  setenv("OPENBLAS_CORETYPE", better.c_str(), 1);
-  setenv("LADDER_OPENBLAS_DETECTED", detected.c_str(), 1);  // what OpenBLAS chose itself, for the tests
-  execv("/proc/self/exe", argv);
+  // The program's own file: /proc/self/exe resolved (under valgrind the link itself names the
+  // tool, but readlink is answered with the program). Not when the program was started through the
+  // dynamic loader or a valgrind tool: restarting that file would not run the program.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  std::string why;
+  if (n <= 0) {
+    why = std::string("cannot read /proc/self/exe: ") + std::strerror(errno);
+  } else {
+    self[n] = '\0';
+    const char* base = std::strrchr(self, '/');
+    base = base ? base + 1 : self;
+    if (std::strncmp(base, "ld-", 3) == 0 || std::strstr(base, "valgrind") || std::strstr(base, "memcheck")) {
+      why = std::string("the process is ") + self + ", not the program";
+    } else {
+      setenv("OPENBLAS_CORETYPE", better.c_str(), 1);
+      setenv("LADDER_OPENBLAS_DETECTED", detected.c_str(), 1);  // what OpenBLAS chose itself, for the tests
+      execv(self, argv);
+      why = std::string("exec: ") + std::strerror(errno);
+    }
+  }
   std::fprintf(stderr,
                "ladder: OpenBLAS chose its generic %s kernels on this CPU and the restart with "
-               "OPENBLAS_CORETYPE=%s failed (%s): CPU GEMMs run several times slower; set it yourself\n",
-               detected.c_str(), better.c_str(), std::strerror(errno));
+               "OPENBLAS_CORETYPE=%s did not happen (%s): CPU GEMMs run several times slower; set it yourself\n",
+               detected.c_str(), better.c_str(), why.c_str());
 }
 
 }  // namespace ladder
