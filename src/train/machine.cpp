@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/openblas_cores.h"
 #include "core/fileio.h"
 #include <fmt/format.h>
 
@@ -22,7 +23,9 @@ static std::filesystem::path cache_file() {
   std::filesystem::path base = xdg && *xdg ? xdg : (home ? std::filesystem::path(home) / ".cache" : "/tmp");
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
-  return base / "ladder" / fmt::format("sgemm-{}-t{}.json", host, cpu_threads());
+  // The rate depends on the kernels OpenBLAS runs (backend/cpu/openblas_cores.h), so they are part of
+  // the key: a rate measured with other kernels is not this process's.
+  return base / "ladder" / fmt::format("sgemm-{}-t{}-{}.json", host, cpu_threads(), openblas_core());
 }
 
 double sgemm_gflops(bool use_cache) {
