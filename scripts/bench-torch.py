@@ -108,7 +108,6 @@ def main():
         if args.compile and dev.type == "cpu" and moe_gemm == "auto":
             moe_gemm = "loop"  # torch.compile traces the grouped GEMM with its CUDA rule (bf16 only)
         model = fm.FastModel(cfg, dev, moe_gemm=moe_gemm, gqa=args.gqa)
-        opt = fm.make_optimizer(params, optim, dev)
 
         def forward_loss(params, inputs, targets, biases):
             aux = {}
@@ -116,13 +115,9 @@ def main():
                 logits = model.forward(params, inputs, biases, aux)
             return model.loss(logits, targets, aux), aux.get("router_scores", [])
     else:
-        opt = torch.optim.AdamW(
-            [{"params": [p for n, p in params.items() if rm.uses_weight_decay(n)], "weight_decay": optim.get("weight_decay", 0.1)},
-             {"params": [p for n, p in params.items() if not rm.uses_weight_decay(n)], "weight_decay": 0.0}],
-            lr=optim.get("lr", 3e-4), betas=(optim.get("beta1", 0.9), optim.get("beta2", 0.95)), eps=optim.get("eps", 1e-8))
-
         def forward_loss(params, inputs, targets, biases):
             return rm.loss_fn(rm.forward(params, cfg, inputs), targets, cfg.z_loss), []
+    opt = fm.make_optimizer(params, optim, dev)  # torch's AdamW with the reference's decay groups
     if args.compile:
         if not hasattr(torch, "compile"):
             raise SystemExit(f"bench-torch: --compile needs torch 2.0+ (this is {torch.__version__})")
@@ -151,7 +146,6 @@ def main():
         times.append(time.perf_counter() - t0)
 
     tokens = batch * cfg.seq_len
-    a = torch.empty(16, 32, device=dev, dtype=torch.bfloat16 if bf16 else torch.float32)
     out = {
         "tokens_per_s": tokens / statistics.median(times),
         "tokens_per_s_best": tokens / min(times),
@@ -169,9 +163,9 @@ def main():
     }
     if args.impl == "fast":
         out["attention"] = "sdpa" if fm.HAS_SDPA else "explicit"
-        out["gqa"] = "native" if fm.HAS_SDPA and fm.GQA_NATIVE and args.gqa == "native" else "repeat"
+        out["gqa"] = "+".join(sorted(model.gqa_used)) or "none (MHA)"
         if moe_layers:
-            out["moe_gemm"] = "grouped" if model.use_grouped(a, (cfg.d_model, cfg.moe_expert_ff)) else "loop"
+            out["moe_gemm"] = model.moe_gemm_used
     if dev.type == "cuda":
         out["peak_mem_mib"] = round(torch.cuda.max_memory_allocated(dev) / 2**20)
     print(json.dumps(out))

@@ -70,6 +70,7 @@ class FastModel:
     def __init__(self, cfg: rm.ModelConfig, device="cpu", moe_gemm="auto", gqa="native"):
         self.cfg, self.device = cfg, torch.device(device)
         self.moe_gemm, self.gqa = moe_gemm, gqa
+        self.moe_gemm_used, self.gqa_used = None, set()
         if moe_gemm == "grouped" and GROUPED_MM is None:
             raise SystemExit(f"--moe-gemm grouped: torch {torch.__version__} has no grouped GEMM")
         half = cfg.rope_dims // 2
@@ -106,6 +107,8 @@ class FastModel:
         # SDPA would pick the math kernel, an S x S matrix, so K and V are repeated instead.
         flash = not q.is_cuda or (window == 0 and q.dtype in (torch.bfloat16, torch.float16))
         native = HAS_SDPA and GQA_NATIVE and self.gqa == "native" and flash
+        if group > 1:
+            self.gqa_used.add("native" if native else "repeat")  # what ran, for the benchmark's report
         if group > 1 and not native:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if HAS_SDPA:
@@ -166,7 +169,9 @@ class FastModel:
         if autocast_on(xs):  # autocast (bf16: the only one used here) does not cover grouped GEMMs
             dt = torch.bfloat16
             xs, wg, wu, wd = xs.to(dt), wg.to(dt), wu.to(dt), wd.to(dt)
-        if self.use_grouped(xs, (xs.shape[1], wd.shape[2])):
+        grouped = self.use_grouped(xs, (xs.shape[1], wd.shape[2]))
+        self.moe_gemm_used = "grouped" if grouped else "loop"  # what ran, for the benchmark's report
+        if grouped:
             # weights [E, out, in]: the [E, in, out] operand of x @ W^T is the transposed view
             mid = F.silu(GROUPED_MM(xs, wg.transpose(-2, -1), offs=ends)) * GROUPED_MM(xs, wu.transpose(-2, -1), offs=ends)
             return GROUPED_MM(mid, wd.transpose(-2, -1), offs=ends)

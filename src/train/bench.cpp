@@ -140,106 +140,113 @@ nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
   fail("PyTorch benchmark printed no JSON line: {}\n{}", cmd, tail);
 }
 
-nlohmann::json run_bench(const BenchOptions& opt) {
-  Config cfg = load_bench_config(opt);
-  nlohmann::json j;
-  double tps = 0;
-  {  // Ladder's run; its backend and device memory are gone before PyTorch's starts
-    std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads, cfg.run.precision, cfg.run.attention);
-    ProfilingBackend* prof = nullptr;
-    if (opt.profile) {
-      auto p = make_profiling_backend(std::move(be));
-      prof = p.get();
-      be = std::move(p);
-    }
-    // The MFU denominator, measured in this run: OpenBLAS sgemm on the CPU; on a device the backend's
-    // own GEMM at its precision (fp32, TF32 or bf16), so MFU says how close the step gets to what
-    // this GPU's GEMMs reach today.
-    const double peak = be->is_host() ? sgemm_gflops(/*use_cache=*/false) : backend_gemm_gflops(*be);
-    Transformer model(cfg.model, cfg.run.batch_size, *be);
-    model.init(cfg.run.seed);
-    model.reserve_step(cfg.run.grad_accum);
-    auto optimizer = make_optimizer(cfg, model, *be);
-    const int N = cfg.run.batch_size * cfg.model.seq_len;
-    std::vector<int32_t> in, tgt;
-    synthetic_batch(cfg, in, tgt);
-    // Process CPU time (all threads) beside wall time: on a shared, overloaded machine it tracks the
-    // work of a step far better than wall time does (run with one thread to keep spin-waits out).
-    auto cpu_now = [] {
-      timespec ts;
-      clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-      return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-    };
-    std::vector<double> times, cpu_times;
-    for (int s = 0; s < opt.steps + 2; ++s) {
-      auto t0 = std::chrono::steady_clock::now();
-      const double c0 = cpu_now();
-      train_step(cfg, s, model, *optimizer, *be, [&](int32_t*, int32_t*) {}, in.data(), tgt.data());
-      be->synchronize();  // a device step is over when its last kernel is (the optimizer's run async)
-      double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (s >= 2) times.push_back(dt), cpu_times.push_back(cpu_now() - c0);
-      if (s == 1 && prof) prof->reset();  // profile only the timed steps
-    }
-    std::sort(times.begin(), times.end());
-    std::sort(cpu_times.begin(), cpu_times.end());
-    const double step_s = times[times.size() / 2];
-    tps = double(N) * cfg.run.grad_accum / step_s;
-    const auto fpt = flops_per_token(cfg.model);
-    const double train_gflops = tps * fpt.train(true) / 1e9;
-    j = {{"config", opt.config.string()},  {"threads", cpu_threads()},
-                        {"backend", be->name()},          {"precision", cfg.run.precision},
-                        {"sgemm_gflops", peak},           {"train_gflops", train_gflops},
-                        {"tokens_per_s", tps},            {"mfu", train_gflops / peak},
-                        {"step_s_median", step_s},        {"step_cpu_s_median", cpu_times[cpu_times.size() / 2]},        {"steps_timed", opt.steps},
-                        {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total},
-                        {"params_active", count_params(cfg.model).active},
-                        {"activation_mib", double(model.activation_bytes()) / 1048576.0},
-                        {"device_mem_used_mib", be->device_memory_used() < 0 ? -1.0 : be->device_memory_used() / 1048576.0},
-                        {"saved_activations", cfg.model.saved_activations},
-                        {"mlp_bf16", cfg.model.mlp_bf16},
-                        {"moe_bf16", cfg.model.moe_bf16},
-                        {"moe_bf16_grads", cfg.model.moe_bf16_grads},
-                        {"mlp_bf16_grads", cfg.model.mlp_bf16_grads},
-                        {"attn_bf16", cfg.model.attn_bf16},
-                        {"norm_bf16", cfg.model.norm_bf16}};
-    // The capacity layout's split of the expert rows in the last step (all MoE layers): rows the
-    // batched GEMMs took, their padding, and the overflow left to the grouped GEMMs.
-    if (const std::vector<int> ov = model.capacity_overflow_rows(); !ov.empty()) {
-      const int C = cfg.model.expert_capacity(N);
-      const double rows = double(N) * cfg.model.moe_top_k * double(ov.size());
-      double over = 0;
-      for (int o : ov) over += o;
-      const double padding = double(cfg.model.moe_experts) * C * double(ov.size()) - (rows - over);
-      j["moe_capacity"] = {{"C", C}, {"rows", rows}, {"overflow_frac", over / rows}, {"padding_frac", padding / rows}};
-    }
-    if (prof) {
-      double total = 0;
-      for (auto& t : times) total += t;
-      // One entry per op (and again per GEMM shape): its share of the timed steps, ms per step, calls
-      // over all timed steps and, for GEMMs, GFLOP/s.
-      auto entry = [&](const OpTime& t) {
-        return nlohmann::json{{"share", t.seconds / total},
-                              {"ms_per_step", 1e3 * t.seconds / opt.steps},
-                              {"calls", t.calls},
-                              {"gflops", t.flops > 0 && t.seconds > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
-      };
-      nlohmann::json p = nlohmann::json::object(), ps = nlohmann::json::object();
-      double busy = 0;
-      for (auto& [op, t] : prof->times()) {
-        p[op] = entry(t);
-        busy += t.seconds;
-      }
-      j["profile"] = p;
-      for (auto& [key, t] : prof->shape_times()) ps[key] = entry(t);
-      j["profile_shapes"] = ps;
-      // The ops' time over the steps' wall time. On a device the op times come from events on the
-      // stream, so the rest is the device idling inside a step: gaps between kernels (the host not
-      // keeping ahead, or waiting) plus the timer's own events. On the CPU: the rest is host-side
-      // model code between ops.
-      j["profile_busy"] = busy / total;
-    }
-    if (be->is_host()) j["openblas_core"] = openblas_core();  // the kernels the CPU's sgemms ran
+namespace {
+
+// Ladder's side of `ladder bench`: the backend, model and optimizer live only in here, so their
+// device memory is released when it returns (before PyTorch's run, which shares the GPU).
+nlohmann::json bench_ladder(const Config& cfg, const BenchOptions& opt) {
+  std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads, cfg.run.precision, cfg.run.attention);
+  ProfilingBackend* prof = nullptr;
+  if (opt.profile) {
+    auto p = make_profiling_backend(std::move(be));
+    prof = p.get();
+    be = std::move(p);
   }
+  // The MFU denominator, measured in this run: OpenBLAS sgemm on the CPU; on a device the backend's
+  // own GEMM at its precision (fp32, TF32 or bf16), so MFU says how close the step gets to what
+  // this GPU's GEMMs reach today.
+  const double peak = be->is_host() ? sgemm_gflops(/*use_cache=*/false) : backend_gemm_gflops(*be);
+  Transformer model(cfg.model, cfg.run.batch_size, *be);
+  model.init(cfg.run.seed);
+  model.reserve_step(cfg.run.grad_accum);
+  auto optimizer = make_optimizer(cfg, model, *be);
+  const int N = cfg.run.batch_size * cfg.model.seq_len;
+  std::vector<int32_t> in, tgt;
+  synthetic_batch(cfg, in, tgt);
+  // Process CPU time (all threads) beside wall time: on a shared, overloaded machine it tracks the
+  // work of a step far better than wall time does (run with one thread to keep spin-waits out).
+  auto cpu_now = [] {
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+  };
+  std::vector<double> times, cpu_times;
+  for (int s = 0; s < opt.steps + 2; ++s) {
+    auto t0 = std::chrono::steady_clock::now();
+    const double c0 = cpu_now();
+    train_step(cfg, s, model, *optimizer, *be, [&](int32_t*, int32_t*) {}, in.data(), tgt.data());
+    be->synchronize();  // a device step is over when its last kernel is (the optimizer's run async)
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s >= 2) times.push_back(dt), cpu_times.push_back(cpu_now() - c0);
+    if (s == 1 && prof) prof->reset();  // profile only the timed steps
+  }
+  std::sort(times.begin(), times.end());
+  std::sort(cpu_times.begin(), cpu_times.end());
+  const double step_s = times[times.size() / 2];
+  const double tps = double(N) * cfg.run.grad_accum / step_s;
+  const auto fpt = flops_per_token(cfg.model);
+  const double train_gflops = tps * fpt.train(true) / 1e9;
+  nlohmann::json j = {{"config", opt.config.string()},  {"threads", cpu_threads()},
+                      {"backend", be->name()},          {"precision", cfg.run.precision},
+                      {"sgemm_gflops", peak},           {"train_gflops", train_gflops},
+                      {"tokens_per_s", tps},            {"mfu", train_gflops / peak},
+                      {"step_s_median", step_s},        {"step_cpu_s_median", cpu_times[cpu_times.size() / 2]},        {"steps_timed", opt.steps},
+                      {"flops_per_token_train", fpt.train(true)}, {"params", count_params(cfg.model).total},
+                      {"params_active", count_params(cfg.model).active},
+                      {"activation_mib", double(model.activation_bytes()) / 1048576.0},
+                      {"device_mem_used_mib", be->device_memory_used() < 0 ? -1.0 : be->device_memory_used() / 1048576.0},
+                      {"saved_activations", cfg.model.saved_activations},
+                      {"mlp_bf16", cfg.model.mlp_bf16},
+                      {"moe_bf16", cfg.model.moe_bf16},
+                      {"moe_bf16_grads", cfg.model.moe_bf16_grads},
+                      {"mlp_bf16_grads", cfg.model.mlp_bf16_grads},
+                      {"attn_bf16", cfg.model.attn_bf16},
+                      {"norm_bf16", cfg.model.norm_bf16}};
+  // The capacity layout's split of the expert rows in the last step (all MoE layers): rows the
+  // batched GEMMs took, their padding, and the overflow left to the grouped GEMMs.
+  if (const std::vector<int> ov = model.capacity_overflow_rows(); !ov.empty()) {
+    const int C = cfg.model.expert_capacity(N);
+    const double rows = double(N) * cfg.model.moe_top_k * double(ov.size());
+    double over = 0;
+    for (int o : ov) over += o;
+    const double padding = double(cfg.model.moe_experts) * C * double(ov.size()) - (rows - over);
+    j["moe_capacity"] = {{"C", C}, {"rows", rows}, {"overflow_frac", over / rows}, {"padding_frac", padding / rows}};
+  }
+  if (prof) {
+    double total = 0;
+    for (auto& t : times) total += t;
+    // One entry per op (and again per GEMM shape): its share of the timed steps, ms per step, calls
+    // over all timed steps and, for GEMMs, GFLOP/s.
+    auto entry = [&](const OpTime& t) {
+      return nlohmann::json{{"share", t.seconds / total},
+                            {"ms_per_step", 1e3 * t.seconds / opt.steps},
+                            {"calls", t.calls},
+                            {"gflops", t.flops > 0 && t.seconds > 0 ? t.flops / t.seconds / 1e9 : 0.0}};
+    };
+    nlohmann::json p = nlohmann::json::object(), ps = nlohmann::json::object();
+    double busy = 0;
+    for (auto& [op, t] : prof->times()) {
+      p[op] = entry(t);
+      busy += t.seconds;
+    }
+    j["profile"] = p;
+    for (auto& [key, t] : prof->shape_times()) ps[key] = entry(t);
+    j["profile_shapes"] = ps;
+    // The ops' time over the steps' wall time. On a device the op times come from events on the
+    // stream, so the rest is the device idling inside a step: gaps between kernels (the host not
+    // keeping ahead, or waiting) plus the timer's own events. On the CPU: the rest is host-side
+    // model code between ops.
+    j["profile_busy"] = busy / total;
+  }
+  if (be->is_host()) j["openblas_core"] = openblas_core();  // the kernels the CPU's sgemms ran
+  return j;
+}
+
+}  // namespace
+
+nlohmann::json run_bench(const BenchOptions& opt) {
+  const Config cfg = load_bench_config(opt);
+  nlohmann::json j = bench_ladder(cfg, opt);
   if (opt.torch) {
     // A baseline that fails (no torch, out of memory) must not take Ladder's measurement with it:
     // the error goes into the result, and the CLI prints both and exits non-zero.
@@ -247,7 +254,7 @@ nlohmann::json run_bench(const BenchOptions& opt) {
       nlohmann::json tj = run_torch_bench(cfg, opt);
       const double ttps = tj.at("tokens_per_s").get<double>();
       j["torch_tokens_per_s"] = ttps;
-      j["speedup_vs_torch"] = tps / ttps;
+      j["speedup_vs_torch"] = j["tokens_per_s"].get<double>() / ttps;
       j["torch"] = tj;
     } catch (const std::exception& e) {
       j["torch_error"] = e.what();
