@@ -412,6 +412,34 @@ TEST_F(SafetensorsTest, FailureMidWriteLeavesOldFileIntact) {
   EXPECT_EQ(SafeTensors::open(p).get_f32("a"), a);
 }
 
+// The temporary is created with O_EXCL: a file (here a symlink to a victim) already sitting at the
+// next temporary name is skipped, never written through, and both writers share the one helper.
+TEST_F(SafetensorsTest, TemporaryNeverWritesThroughAFileAtItsName) {
+  const fs::path victim = dir_ / "victim.txt";
+  write_bytes(victim, "keep me");
+  const fs::path p = dir_ / "out.json";
+  fs::path next;
+  {
+    AtomicFileWriter probe(p);  // learns this process's naming; removed unwritten on scope exit
+    const std::string name = probe.temp_path().filename().string();
+    const auto dot = name.rfind('.');
+    next = dir_ / (name.substr(0, dot + 1) + std::to_string(std::stoull(name.substr(dot + 1)) + 1));
+  }
+  EXPECT_EQ(dir_entries(dir_), std::vector<std::string>{"victim.txt"}) << "uncommitted temp left behind";
+  fs::create_symlink(victim, next);
+  write_file_atomic(p, "{}\n");
+  EXPECT_EQ(read_file(victim), "keep me");
+  EXPECT_EQ(read_file(p), "{}\n");
+  EXPECT_TRUE(fs::is_symlink(next));
+  fs::remove(next);
+  std::vector<float> a = {1, 2};
+  fs::create_symlink(victim, next.string() + "0");  // unrelated names are left alone too
+  save_safetensors(dir_ / "c.safetensors", {{"a", DType::F32, {2}, a.data()}});
+  EXPECT_EQ(read_file(victim), "keep me");
+  fs::remove(next.string() + "0");
+  EXPECT_EQ(dir_entries(dir_), (std::vector<std::string>{"c.safetensors", "out.json", "victim.txt"}));
+}
+
 // A file assembled by hand, byte by byte: header deliberately NOT padded (137 bytes), so the
 // data buffer starts at an odd offset; a reader must accept that and cope with unaligned data.
 TEST_F(SafetensorsTest, ReadsHandAssembledFile) {

@@ -3,6 +3,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -20,33 +22,57 @@ void fsync_dir(const std::filesystem::path& dir) {
   }
 }
 
-void write_file_atomic(const std::filesystem::path& path, std::string_view data) {
-  auto tmp = path;
-  tmp += fmt::format(".tmp.{}", ::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) fail("{}: cannot create file: {}", tmp.string(), std::strerror(errno));
-  size_t off = 0;
-  while (off < data.size()) {
-    ssize_t w = ::write(fd, data.data() + off, data.size() - off);
+AtomicFileWriter::AtomicFileWriter(const std::filesystem::path& path) : path_(path) {
+  // pid + a process-wide counter keeps concurrent writers (threads or processes) apart; O_EXCL
+  // makes a leftover of a crashed process whose pid was reused, or a file someone placed at
+  // the name, a retry under the next name rather than a file written through.
+  static std::atomic<uint64_t> counter{0};
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    tmp_ = path;
+    tmp_ += fmt::format(".tmp.{}.{}", ::getpid(), counter.fetch_add(1));
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ >= 0) return;
+    if (errno != EEXIST) break;
+  }
+  const int e = errno;
+  tmp_.clear();  // nothing of ours to remove
+  fail("{}: cannot create a temporary file beside it: {}", path.string(), std::strerror(e));
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!done_ && !tmp_.empty()) ::unlink(tmp_.c_str());
+}
+
+void AtomicFileWriter::write(const void* data, size_t n) {
+  auto* c = static_cast<const char*>(data);
+  while (n > 0) {
+    // write(2) may write less than asked (at most ~2 GiB per call on Linux): loop.
+    ssize_t w = ::write(fd_, c, std::min<size_t>(n, size_t(1) << 30));
     if (w < 0) {
       if (errno == EINTR) continue;
-      int e = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      fail("{}: write failed: {}", tmp.string(), std::strerror(e));
+      fail("{}: write failed: {}", path_.string(), std::strerror(errno));
     }
-    off += size_t(w);
+    c += w;
+    n -= size_t(w);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    fail("{}: fsync/close failed: {}", tmp.string(), std::strerror(errno));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int e = errno;
-    ::unlink(tmp.c_str());
-    fail("{}: rename failed: {}", path.string(), std::strerror(e));
-  }
-  fsync_dir(path.parent_path());
+}
+
+void AtomicFileWriter::commit() {
+  if (::fsync(fd_) != 0) fail("{}: fsync failed: {}", path_.string(), std::strerror(errno));
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) fail("{}: close failed: {}", path_.string(), std::strerror(errno));
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+    fail("{}: rename failed: {}", path_.string(), std::strerror(errno));
+  done_ = true;                    // the temporary is `path` now
+  fsync_dir(path_.parent_path());  // make the rename itself durable
+}
+
+void write_file_atomic(const std::filesystem::path& path, std::string_view data) {
+  AtomicFileWriter w(path);
+  w.write(data);
+  w.commit();
 }
 
 std::string read_file(const std::filesystem::path& path) {

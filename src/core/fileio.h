@@ -9,7 +9,29 @@
 
 namespace ladder {
 
-// Writes `data` to `path` atomically. Throws ladder::Error naming the path on failure.
+// Streams a file into being: bytes go to a new temporary beside `path` (created with O_EXCL under a
+// name unique to this process and call, so neither a concurrent writer nor a file planted at a
+// guessable name is ever written through), and commit() fsyncs it, renames it over `path` and
+// fsyncs the directory. Destroyed before commit() (an error, an exception), it removes the
+// temporary: a failed write leaves `path` as it was and nothing beside it. Errors name `path`.
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(const std::filesystem::path& path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+  void write(const void* data, size_t n);
+  void write(std::string_view s) { write(s.data(), s.size()); }
+  void commit();
+  const std::filesystem::path& temp_path() const { return tmp_; }
+
+ private:
+  std::filesystem::path path_, tmp_;
+  int fd_ = -1;
+  bool done_ = false;
+};
+
+// Writes `data` to `path` atomically (AtomicFileWriter). Throws ladder::Error naming the path.
 void write_file_atomic(const std::filesystem::path& path, std::string_view data);
 // fsyncs a directory (after renames inside it).
 void fsync_dir(const std::filesystem::path& dir);

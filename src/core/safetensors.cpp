@@ -65,32 +65,6 @@ bool checked_nbytes(int64_t numel, DType d, size_t* out) {
   return !__builtin_mul_overflow(static_cast<size_t>(numel), dtype_size(d), out);
 }
 
-// write(2) may write less than asked (and at most ~2 GiB per call on Linux), so loop.
-bool write_all(int fd, const void* p, size_t n) {
-  auto* c = static_cast<const char*>(p);
-  while (n > 0) {
-    ssize_t w = ::write(fd, c, std::min<size_t>(n, size_t(1) << 30));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    c += w;
-    n -= size_t(w);
-  }
-  return true;
-}
-
-// Removes the temporary file unless the write completed, so a failed save leaves nothing behind.
-struct TempFile {
-  std::filesystem::path path;
-  int fd = -1;
-  bool keep = false;
-  ~TempFile() {
-    if (fd >= 0) ::close(fd);
-    if (!keep) ::unlink(path.c_str());
-  }
-};
-
 }  // namespace
 
 size_t dtype_size(DType d) {
@@ -172,32 +146,15 @@ void save_safetensors(const std::filesystem::path& path, const std::vector<Tenso
   text.append((8 - text.size() % 8) % 8, ' ');
   const uint64_t header_len = text.size();
 
-  // Stream to a unique temporary in the same directory (rename is only atomic within one
-  // filesystem), then fsync + rename. Streaming avoids a second in-memory copy of a multi-GB
-  // checkpoint. pid + counter keeps concurrent saves (threads or processes) from colliding.
-  static std::atomic<uint64_t> counter{0};
-  TempFile tmp;
-  tmp.path = path;
-  tmp.path += fmt::format(".tmp.{}.{}", ::getpid(), counter.fetch_add(1));
-  tmp.fd = ::open(tmp.path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (tmp.fd < 0) {
-    tmp.keep = true;  // nothing was created, and it may be someone else's file on EEXIST
-    fail("{}: cannot create {}: {}", file, tmp.path.filename().string(), std::strerror(errno));
-  }
-  auto io_fail = [&](const char* what) {
-    fail("{}: {} failed while saving: {}", file, what, std::strerror(errno));
-  };
-  if (!write_all(tmp.fd, &header_len, 8) || !write_all(tmp.fd, text.data(), text.size())) io_fail("write");
+  // Stream to a temporary beside `path` (rename is atomic only within one filesystem), then
+  // fsync + rename. Streaming avoids a second in-memory copy of a multi-GB checkpoint.
+  AtomicFileWriter out(path);
+  out.write(&header_len, 8);
+  out.write(text);
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (sizes[i] > 0 && !write_all(tmp.fd, tensors[i].data, sizes[i])) io_fail("write");
+    if (sizes[i] > 0) out.write(tensors[i].data, sizes[i]);
   }
-  if (::fsync(tmp.fd) != 0) io_fail("fsync");
-  int fd = tmp.fd;
-  tmp.fd = -1;
-  if (::close(fd) != 0) io_fail("close");
-  if (::rename(tmp.path.c_str(), path.c_str()) != 0) io_fail("rename");
-  tmp.keep = true;  // it is now `path`
-  fsync_dir(path.parent_path());  // make the rename itself durable
+  out.commit();
 }
 
 // ------------------------------------------------------------------------------------------------

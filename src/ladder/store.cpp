@@ -88,7 +88,7 @@ std::vector<nlohmann::json> ResultStore::all_results() const {
   std::vector<fs::path> files;
   if (fs::exists(dir_ / "results"))
     for (auto& e : fs::directory_iterator(dir_ / "results"))
-      if (e.path().extension() == ".json") files.push_back(e.path());  // temp files end in .tmp.<pid>
+      if (e.path().extension() == ".json") files.push_back(e.path());  // temp files end in .tmp.<pid>.<n>
   std::sort(files.begin(), files.end());
   std::vector<nlohmann::json> out;
   for (auto& f : files) {
