@@ -153,6 +153,7 @@ PowerLaw fit_power_law(const std::vector<LawPoint>& pts, double E0, double alpha
   const double ymin = *std::min_element(y.begin(), y.end());
   PowerLaw law;
   law.n_points = int(pts.size());
+  law.n_distinct = int(distinct.size());
   law.fit_E = distinct.size() >= 2;
   law.fit_alpha = distinct.size() >= 3;
 
@@ -180,6 +181,9 @@ PowerLaw fit_power_law(const std::vector<LawPoint>& pts, double E0, double alpha
   law.alpha = best.alpha;
   law.A = std::exp(best.a + best.alpha * m);
   law.rmse = std::sqrt(sse(lx, y, best) / double(pts.size()));
+  // Relative to the loss scale: the grid's first point is E = 0 exactly and its last 1e-9 below
+  // the lowest loss; a fit that stays within 0.1% of either end did not find an interior floor.
+  law.E_at_bound = law.fit_E && (law.E < 1e-3 * ymin || law.E > ymin * (1 - 1e-3));
   return law;
 }
 
@@ -190,8 +194,8 @@ double marin_theoretical_speedup(double C_base, double L_base, double C_variant,
   return base.compute_for(L_variant) / C_variant;
 }
 
-double realized_speedup(double theoretical, double tps_variant, double tps_base) {
-  return theoretical * tps_variant / tps_base;
+double realized_speedup(double theoretical, double flops_per_s_variant, double flops_per_s_base) {
+  return theoretical * flops_per_s_variant / flops_per_s_base;
 }
 
 double law_speedup(const PowerLaw& base, const PowerLaw& variant, double C_variant) {

@@ -18,6 +18,14 @@ struct PowerLaw {
   bool fit_E = false, fit_alpha = false;
   double rmse = 0;  // root-mean-square residual in loss units over the fitted points
   int n_points = 0;
+  int n_distinct = 0;  // distinct compute values among the points (seeds repeat a compute value)
+  // E ended at an end of its range [0, min loss): the data did not locate the floor (the law is
+  // then a near-straight line in log space, or bends at the last point); speedups read inside the
+  // data are still interpolations, but E itself means nothing.
+  bool E_at_bound = false;
+  // Distinct compute values left over after the free parameters: 0 means the law goes exactly
+  // through the cells' means and nothing in the data tests its shape.
+  int residual_dof() const { return n_distinct - 1 - int(fit_E) - int(fit_alpha); }
   double loss(double C) const;
   // Compute at which the law reaches `loss`; +inf when loss <= E (unreachable), NaN when the law is
   // not decreasing (alpha <= 0 or A <= 0).
@@ -40,8 +48,13 @@ PowerLaw fit_power_law(const std::vector<LawPoint>& pts, double E0, double alpha
 // +inf when L_variant <= E.
 double marin_theoretical_speedup(double C_base, double L_base, double C_variant, double L_variant, double E,
                                  double alpha);
-// realized = theoretical * tokens_per_s(variant) / tokens_per_s(baseline)
-double realized_speedup(double theoretical, double tps_variant, double tps_base);
+// Wall-clock speedup: the baseline's time to reach the variant's loss over the variant's time,
+// = theoretical * model FLOP/s(variant) / model FLOP/s(baseline), FLOP/s counted as C is (no LM
+// head), i.e. theoretical times the change in hardware utilization (RECIPE.md section 1: "realized is wall-clock, i.e. it includes the change in hardware
+// utilization (MFU)"). Section 4 writes the ratio as tokens/s, which is the same number only when
+// both models spend the same FLOPs per token (not so for dense -> MoE); Ladder passes model FLOP/s
+// (C per token x tokens/s), following section 1 where the two disagree.
+double realized_speedup(double theoretical, double flops_per_s_variant, double flops_per_s_base);
 // Ladder's: the baseline law's compute for the loss the variant's law predicts at C_variant, over C_variant.
 double law_speedup(const PowerLaw& base, const PowerLaw& variant, double C_variant);
 

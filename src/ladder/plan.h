@@ -3,6 +3,7 @@
 // here, before any training starts.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,12 @@ struct Plan {
   std::vector<PlannedRun> runs;       // ordered by scale, then variant (baselines first), then seed
   std::vector<std::string> pending;   // one line per pending variant: its state against this build's schema
   double peak_gflops = 0;             // measured sgemm rate used for the time estimates
+  // Run id -> config hash for every run: what ladder.json records as the plan the report keeps.
+  std::map<std::string, std::string> hashes() const {
+    std::map<std::string, std::string> h;
+    for (auto& r : runs) h[r.id] = r.config_hash;
+    return h;
+  }
 };
 
 // Resolves every run. `peak_gflops` <= 0: measured (cached per host). Errors name the spec file,

@@ -7,7 +7,6 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
-#include "core/rng.h"
 #include "ladder/store.h"
 #include "ladder/svg.h"
 #include "train/metrics.h"
@@ -22,21 +21,24 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 struct Obs {
   double C, L, tps;
+  double fps;  // model FLOP/s without the head: C / tokens * tokens/s (what realized speedups compare)
+  uint64_t seed;
+  std::string host;
 };
 // variant -> width -> one observation per seed
 using Cells = std::map<std::string, std::map<int, std::vector<Obs>>>;
 
 struct Mean {
-  double C = kNaN, L = kNaN, tps = kNaN;
+  double C = kNaN, L = kNaN, tps = kNaN, fps = kNaN;
   int n = 0;
 };
 Mean mean_of(const std::vector<Obs>& v) {
   Mean m;
   if (v.empty()) return m;
-  m.C = m.L = m.tps = 0;
-  for (auto& o : v) m.C += o.C, m.L += o.L, m.tps += o.tps;
+  m.C = m.L = m.tps = m.fps = 0;
+  for (auto& o : v) m.C += o.C, m.L += o.L, m.tps += o.tps, m.fps += o.fps;
   m.n = int(v.size());
-  m.C /= m.n, m.L /= m.n, m.tps /= m.n;
+  m.C /= m.n, m.L /= m.n, m.tps /= m.n, m.fps /= m.n;
   return m;
 }
 
@@ -45,7 +47,7 @@ struct VariantInfo {
   std::vector<std::string> stacks;
 };
 
-// Point estimates of one data set (the real one or a bootstrap resample): per variant its law and,
+// Point estimates of one data set (all seeds pooled, or one seed's runs): per variant its law and,
 // per width, {Marin theoretical, Marin realized, law theoretical, law realized}.
 struct Estimates {
   std::map<std::string, PowerLaw> laws;
@@ -75,10 +77,10 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
       if (bit != cells.end() && bit->second.count(d)) {
         Mean mv = mean_of(obs), mb = mean_of(bit->second.at(d));
         s[0] = marin_theoretical_speedup(mb.C, mb.L, mv.C, mv.L, E, alpha);
-        s[1] = realized_speedup(s[0], mv.tps, mb.tps);
+        s[1] = realized_speedup(s[0], mv.fps, mb.fps);
         if (est.law_ok[v] && est.law_ok[b]) {
           s[2] = law_speedup(est.laws[b], est.laws[v], mv.C);
-          s[3] = realized_speedup(s[2], mv.tps, mb.tps);
+          s[3] = realized_speedup(s[2], mv.fps, mb.fps);
         }
       }
       est.sp[v][d] = s;
@@ -98,6 +100,24 @@ double percentile(std::vector<double> v, double q) {
   if (i + 1 >= v.size()) return v.back();
   if (std::isinf(v[i]) || std::isinf(v[i + 1])) return f < 0.5 ? v[i] : v[i + 1];
   return v[i] * (1 - f) + v[i + 1] * f;
+}
+
+// Two-sided 97.5% quantile of Student's t with df degrees of freedom (table; 1/df interpolation
+// between entries, the normal's 1.96 beyond 30).
+double t975(int df) {
+  static const std::pair<int, double> tab[] = {{1, 12.706}, {2, 4.303}, {3, 3.182}, {4, 2.776}, {5, 2.571},
+                                               {6, 2.447},  {7, 2.365}, {8, 2.306}, {9, 2.262}, {10, 2.228},
+                                               {12, 2.179}, {15, 2.131}, {20, 2.086}, {30, 2.042}};
+  if (df <= 1) return tab[0].second;
+  for (size_t i = 1; i < std::size(tab); ++i)
+    if (df <= tab[i].first) {
+      auto [d0, t0] = tab[i - 1];
+      auto [d1, t1] = tab[i];
+      double f = (1.0 / df - 1.0 / d0) / (1.0 / d1 - 1.0 / d0);
+      return t0 + f * (t1 - t0);
+    }
+  double f = 30.0 / df;  // toward the normal quantile as df grows
+  return 1.960 + f * (2.042 - 1.960);
 }
 
 std::string gate(const std::vector<double>& xs) {
@@ -131,12 +151,11 @@ std::string format_cell(const SpeedupCell& c, bool law, bool with_interval) {
   return s;
 }
 
-Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha, int bootstrap,
-                      uint64_t seed, const std::vector<std::string>& order) {
+Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha,
+                      const std::vector<std::string>& order) {
   Report rep;
   rep.E = E;
   rep.alpha = alpha;
-  rep.bootstrap = bootstrap;
   rep.results = results;
   Cells cells;
   std::map<std::string, VariantInfo> info;
@@ -146,13 +165,19 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     std::string v = r.at("variant");
     int d = r.at("d");
     info[v] = {r.value("baseline", ""), r.value("stacks", std::vector<std::string>{})};
-    cells[v][d].push_back({r.at("compute").get<double>(), r.at("final_val_loss").get<double>(),
-                           r.at("tokens_per_s").get<double>()});
+    const double C = r.at("compute").get<double>(), tps = r.at("tokens_per_s").get<double>();
+    const double tokens = r.value("tokens", 0.0);
+    cells[v][d].push_back({C, r.at("final_val_loss").get<double>(), tps, tokens > 0 ? C / tokens * tps : kNaN,
+                           r.value("seed", uint64_t(0)), r.value("host", "")});
     scales.insert(d);
     revs.insert(r.value("revision", "unknown"));
   }
   rep.scales.assign(scales.begin(), scales.end());
   rep.revisions.assign(revs.begin(), revs.end());
+  if (rep.revisions.size() > 1)
+    rep.warnings.push_back(fmt::format("the results come from {} code revisions ({}): their compute and losses are "
+                                       "compared as if one program had produced them",
+                                       rep.revisions.size(), fmt::join(rep.revisions, ", ")));
 
   // Variant order: the spec's when known, else roots first then by name; baselines before dependents.
   std::vector<std::string> names;
@@ -169,28 +194,41 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
 
   Estimates point = evaluate(cells, info, E, alpha);
 
-  // Bootstrap over seeds: every (variant, width) cell resamples its seeds with replacement; laws are
-  // refitted and speedups recomputed on each resample; intervals are the 2.5 and 97.5 percentiles.
-  std::map<std::string, std::map<int, std::array<std::vector<double>, 4>>> samples;
+  // Intervals: one estimate per seed, and Student's t across them. Each seed's results alone (one
+  // run per cell) give a law per variant and a speedup per cell, exactly as the pooled data do;
+  // the interval is the pooled point estimate times exp(-/+ t(m-1) * s / sqrt(m)), s the standard
+  // deviation of the m per-seed log speedups. The seed is the unit because it is what repeats: a
+  // variant and its baseline trained with the same seed read the same data in the same order, so
+  // the noise they share cancels inside each seed's estimate. Measured on synthetic ladders with a
+  // known speedup (docs/ladder.md, "Intervals"), this covers the true value 94-99% of the time
+  // with 2, 3 or 5 seeds; bootstrap percentile intervals over so few seeds covered 53-91%.
+  std::set<uint64_t> seed_set;
   for (auto& [v, byd] : cells)
-    for (auto& [d, obs] : byd) rep.intervals |= obs.size() > 1;
-  if (rep.intervals && bootstrap > 0) {
-    Philox rng(seed, 0xB007);
-    uint64_t ctr = 0;
-    for (int b = 0; b < bootstrap; ++b) {
-      Cells rs;
-      for (auto& [v, byd] : cells)
-        for (auto& [d, obs] : byd) {
-          auto& out = rs[v][d];
-          for (size_t i = 0; i < obs.size(); ++i) out.push_back(obs[rng.u64(ctr++) % obs.size()]);
-        }
-      Estimates e = evaluate(rs, info, E, alpha);
-      for (auto& [v, byd] : e.sp)
-        for (auto& [d, s] : byd)
-          for (int k = 0; k < 4; ++k) samples[v][d][k].push_back(s[k]);
+    for (auto& [d, obs] : byd) {
+      rep.intervals |= obs.size() > 1;
+      for (auto& o : obs) seed_set.insert(o.seed);
     }
-  }
+  rep.n_seeds = int(seed_set.size());
+  // variant -> width -> per speedup kind: the log estimates of the seeds that gave a finite one,
+  // and how many seeds had results in that cell.
+  std::map<std::string, std::map<int, std::array<std::vector<double>, 4>>> per_seed;
+  std::map<std::string, std::map<int, int>> seeds_in_cell;
+  if (rep.intervals)
+    for (uint64_t sd : seed_set) {
+      Cells one;
+      for (auto& [v, byd] : cells)
+        for (auto& [d, obs] : byd)
+          for (auto& o : obs)
+            if (o.seed == sd) one[v][d].push_back(o);
+      for (auto& [v, byd] : evaluate(one, info, E, alpha).sp)
+        for (auto& [d, s] : byd) {
+          ++seeds_in_cell[v][d];
+          for (int k = 0; k < 4; ++k)
+            if (std::isfinite(s[k]) && s[k] > 0) per_seed[v][d][k].push_back(std::log(s[k]));
+        }
+    }
 
+  std::vector<std::string> E_at_bound;
   for (auto& n : names) {
     VariantRow row;
     row.name = n;
@@ -198,6 +236,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     row.stacks = info[n].stacks;
     row.law = point.laws[n];
     row.law_ok = point.law_ok[n];
+    if (row.law_ok && row.law.E_at_bound) E_at_bound.push_back(n);
     std::vector<double> gm, gl, gci;
     for (int d : rep.scales) {
       SpeedupCell c;
@@ -208,16 +247,38 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
         if (!row.baseline.empty() && cells.count(row.baseline) && cells[row.baseline].count(d)) {
           Mean mb = mean_of(cells[row.baseline][d]);
           c.n_base = mb.n, c.base_C = mb.C, c.base_loss = mb.L, c.base_tps = mb.tps;
+          std::set<std::string> hosts;
+          for (auto* obs : {&cells[n][d], &cells[row.baseline][d]})
+            for (auto& o : *obs) hosts.insert(o.host);
+          if (hosts.size() > 1)
+            rep.warnings.push_back(fmt::format(
+                "{} vs {} d={}: runs from different hosts ({}); the realized speedup then also compares the machines",
+                n, row.baseline, d, fmt::join(hosts, ", ")));
         }
         if (!row.baseline.empty()) {
           auto s = point.sp[n][d];
           Interval* iv[4] = {&c.marin_theo, &c.marin_real, &c.law_theo, &c.law_real};
+          if (std::isinf(s[0]) || std::isinf(s[2]))
+            rep.warnings.push_back(fmt::format(
+                "{} d={}: the variant's loss is at or below the baseline law's floor E, which no baseline compute "
+                "reaches: the speedup is unbounded (inf) and counts as > 1 in the gate",
+                n, d));
           for (int k = 0; k < 4; ++k) {
             iv[k]->value = s[k];
-            if (samples.count(n) && samples[n].count(d)) {
-              iv[k]->lo = percentile(samples[n][d][k], 0.025);
-              iv[k]->hi = percentile(samples[n][d][k], 0.975);
+            const auto& ps = per_seed[n][d][k];
+            if (ps.size() >= 2 && std::isfinite(s[k]) && s[k] > 0) {
+              double m = 0, q = 0;
+              for (double x : ps) m += x / double(ps.size());
+              for (double x : ps) q += (x - m) * (x - m);
+              const double half = t975(int(ps.size()) - 1) * std::sqrt(q / double(ps.size() - 1) / double(ps.size()));
+              iv[k]->lo = s[k] * std::exp(-half);
+              iv[k]->hi = s[k] * std::exp(half);
             }
+            if (k == 2 && seeds_in_cell[n][d] > 1 && int(ps.size()) < seeds_in_cell[n][d])
+              rep.warnings.push_back(fmt::format(
+                  "{} d={}: {} of {} seeds gave no finite speedup of their own (no law, or unbounded); {}", n, d,
+                  seeds_in_cell[n][d] - int(ps.size()), seeds_in_cell[n][d],
+                  ps.size() >= 2 ? fmt::format("the interval is over the other {}", ps.size()) : "no interval"));
           }
         }
       }
@@ -235,6 +296,11 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     }
     rep.variants.push_back(std::move(row));
   }
+  if (!E_at_bound.empty())
+    rep.warnings.push_back(fmt::format(
+        "the fitted E of {} is at an end of its range [0, lowest loss): the data do not locate the loss floor; "
+        "speedups read inside the data are interpolations, E itself is not an estimate",
+        fmt::join(E_at_bound, ", ")));
   return rep;
 }
 
@@ -300,17 +366,20 @@ std::vector<Table> tables(const Report& r) {
   };
   Table marin{"Speedup over baseline, Marin's method: theoretical (realized)",
               fmt::format("Loss law E + A*C^-alpha with E = {:g}, alpha = {:g} fixed and A refit through the baseline's "
-                          "point at each scale (RECIPE.md section 4); realized = theoretical x tokens/s ratio. Gate: "
-                          "theoretical > 1 at every scale.",
+                          "point at each scale (RECIPE.md section 4); realized (wall-clock) = theoretical x the ratio of "
+                          "model FLOP/s (C per token x tokens/s): the baseline's time to the variant's loss over the "
+                          "variant's time. Gate: theoretical > 1 at every scale.",
                           r.E, r.alpha),
               scale_head({"variant", "vs"}),
               {}};
   marin.head.push_back("gate");
   Table law{"Speedup over baseline, Ladder's fitted laws: theoretical (realized) [95% interval]",
             r.intervals ? fmt::format("A law E + A*C^-alpha fitted per variant over every scale and seed; speedup read "
-                                      "at equal loss at the variant's compute. Intervals: {} bootstrap resamples of the "
-                                      "seeds of every cell (2.5 and 97.5 percentiles of the theoretical speedup).",
-                                      r.bootstrap)
+                                      "at equal loss at the variant's compute; realized as in Marin's table. Intervals "
+                                      "(theoretical speedup, 95%): the same speedup estimated from each of the {} seeds' "
+                                      "runs alone, Student's t across them around the pooled estimate (a variant and "
+                                      "its baseline share a seed's data order; docs/ladder.md).",
+                                      r.n_seeds)
                         : "A law E + A*C^-alpha fitted per variant over every scale and seed; speedup read at equal "
                           "loss at the variant's compute. One seed per cell: no intervals.",
             scale_head({"variant", "vs"}),
@@ -350,11 +419,15 @@ std::vector<Table> tables(const Report& r) {
   }
 
   Table laws{"Fitted laws (loss = E + A*C^-alpha, C in FLOPs)",
-             "Free parameters depend on the distinct compute values of a variant: 3 or more: E, A, alpha; 2: E, A; 1: A.",
-             {"variant", "law", "fitted", "points", "rmse"},
+             "Free parameters depend on the distinct compute values of a variant: 3 or more: E, A, alpha; 2: E, A; 1: A. "
+             "Residual dof: distinct compute values left after the free parameters (0: nothing in the data tests "
+             "the law's shape; unless a bound holds E, it goes through the cells' means exactly).",
+             {"variant", "law", "fitted", "points", "compute values", "residual dof", "rmse"},
              {}};
   for (auto& v : r.variants)
-    laws.rows.push_back({v.name, law_text(v), fitted_text(v.law), std::to_string(v.law.n_points), fmt::format("{:.4f}", v.law.rmse)});
+    laws.rows.push_back({v.name, law_text(v), fitted_text(v.law) + (v.law_ok && v.law.E_at_bound ? "; E at a bound" : ""),
+                         std::to_string(v.law.n_points), std::to_string(v.law.n_distinct),
+                         std::to_string(v.law.residual_dof()), fmt::format("{:.4f}", v.law.rmse)});
   t.push_back(laws);
 
   Table runs{"Runs", "As stored in results/ (final and best validation loss over the run's evaluations).",
@@ -384,6 +457,10 @@ std::string md_cell(std::string s) {
 std::string report_markdown(const Report& r) {
   std::string o = fmt::format("# Ladder report: {}\n\n{} runs, {} scales (d = {}), code revision(s): {}.\n", r.name,
                               r.results.size(), r.scales.size(), fmt::join(r.scales, ", "), fmt::join(r.revisions, ", "));
+  if (!r.warnings.empty()) {
+    o += "\n## Warnings\n\n";
+    for (auto& w : r.warnings) o += "- " + w + "\n";
+  }
   for (auto& t : tables(r)) {
     o += fmt::format("\n## {}\n\n{}\n\n|", t.title, t.note);
     for (auto& h : t.head) o += fmt::format(" {} |", md_cell(h));
@@ -528,6 +605,11 @@ std::string report_html(const Report& r) {
       "font-size:13px}\nth{background:#f3f3f3}\n.note{color:#555;font-size:13px}\n</style>\n</head>\n<body>\n";
   o += fmt::format("<h1>Ladder report: {}</h1>\n<p>{} runs, {} scales, code revision(s): {}.</p>\n", html_escape(r.name),
                    r.results.size(), r.scales.size(), html_escape(fmt::format("{}", fmt::join(r.revisions, ", "))));
+  if (!r.warnings.empty()) {
+    o += "<h2>Warnings</h2>\n<ul>\n";
+    for (auto& w : r.warnings) o += "<li>" + html_escape(w) + "</li>\n";
+    o += "</ul>\n";
+  }
   o += "<h2>Plots</h2>\n" + loss_plot_svg(r) + speedup_plot_svg(r);
   int ti = 0;
   for (auto& t : tables(r)) {
@@ -551,12 +633,31 @@ std::string write_report(const ReportOptions& opt) {
   auto manifest = store.read_manifest();
   auto results = store.all_results();
   if (results.empty()) fail("{}: no finished runs yet (results/ is empty); run `ladder sweep` first", opt.dir.string());
+  // Only the results of the spec's current plan: a seed, scale or variant since removed from the
+  // spec, or a run made with another config, would otherwise enter the fits and the intervals.
+  // (ladder.json of directories from before the plan was recorded has no "runs": all are kept.)
+  std::vector<std::string> excluded;
+  if (manifest.contains("runs") && manifest["runs"].is_object()) {
+    const auto& planned = manifest["runs"];
+    std::erase_if(results, [&](const nlohmann::json& x) {
+      const std::string id = x.value("run", "");
+      const bool keep = planned.contains(id) && planned[id] == x.value("config_hash", "");
+      if (!keep) excluded.push_back(id + (planned.contains(id) ? " (made with another config)" : " (not in the plan)"));
+      return !keep;
+    });
+    if (results.empty())
+      fail("{}: none of the {} stored results belongs to the current plan of {} ({}); run `ladder sweep` first",
+           opt.dir.string(), excluded.size(), manifest.value("spec_file", "the spec"), fmt::join(excluded, ", "));
+  }
   const auto& rs = manifest.value("report", nlohmann::json::object());
   double E = opt.E.value_or(rs.value("E", 1.6));
   double alpha = opt.alpha.value_or(rs.value("alpha", 0.0941));
-  int boot = opt.bootstrap.value_or(rs.value("bootstrap", 1000));
-  Report r = compute_report(results, E, alpha, boot, 1, manifest.value("variants", std::vector<std::string>{}));
+  Report r = compute_report(results, E, alpha, manifest.value("variants", std::vector<std::string>{}));
   r.name = manifest.value("spec_name", opt.dir.filename().string());
+  if (!excluded.empty())
+    r.warnings.insert(r.warnings.begin(),
+                      fmt::format("{} stored result(s) left out, not part of the spec's current plan: {}", excluded.size(),
+                                  fmt::join(excluded, ", ")));
   fs::path out = opt.out.empty() ? opt.dir / "report" : opt.out;
   fs::create_directories(out);
   std::string md = report_markdown(r);

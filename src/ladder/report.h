@@ -1,5 +1,5 @@
 // `ladder report DIR`: speedups of every variant over its baseline at every scale, by Marin's method
-// and by Ladder's fitted laws with bootstrap intervals over seeds; the gate verdict; the stacked
+// and by Ladder's fitted laws with 95% intervals over seeds (Student's t over per-seed estimates); the gate verdict; the stacked
 // variant against the product of its rungs. Writes report.md, loss_vs_compute.svg, speedups.svg and
 // a self-contained report.html under DIR/report (or --out).
 #pragma once
@@ -41,8 +41,9 @@ struct VariantRow {
 struct Report {
   std::string name;
   double E = 1.6, alpha = 0.0941;
-  int bootstrap = 0;
   bool intervals = false;  // some cell has more than one seed
+  int n_seeds = 0;         // distinct seeds: the intervals' unit
+  std::vector<std::string> warnings;  // what a reader must know before trusting a number, in order found
   std::vector<int> scales;
   std::vector<VariantRow> variants;        // baselines first
   std::vector<nlohmann::json> results;     // as stored, sorted by run id
@@ -50,8 +51,8 @@ struct Report {
 };
 
 // Computes the report from stored results. `variant_order` (optional) lists variants in spec order.
-Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha, int bootstrap,
-                      uint64_t seed = 1, const std::vector<std::string>& variant_order = {});
+Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha,
+                      const std::vector<std::string>& variant_order = {});
 
 std::string format_speedup(double x);                 // "1.32x", "inf", "n/a"
 std::string format_cell(const SpeedupCell& c, bool law, bool with_interval);  // "1.32x (0.95x) [1.10-1.50]"
@@ -63,7 +64,6 @@ std::string report_html(const Report& r);  // embeds both plots
 struct ReportOptions {
   std::filesystem::path dir, out;           // out empty: DIR/report
   std::optional<double> E, alpha;           // default: the spec's report settings stored in DIR/ladder.json
-  std::optional<int> bootstrap;
 };
 // Reads DIR, writes the four files, returns the Markdown (also printed by the CLI).
 std::string write_report(const ReportOptions& opt);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <ctime>
 #include <fstream>
+#include <map>
 #include <set>
 
 #include "core/error.h"
@@ -116,6 +117,7 @@ nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
 SweepSummary sweep(const SweepOptions& opt) {
   LadderSpec spec = load_spec(opt.spec_file);
   Plan plan = make_plan(spec, opt.peak_gflops);
+  const auto planned_hashes = plan.hashes();  // the whole plan, --only or not: what the report keeps
   if (!opt.only.empty()) {
     std::set<std::string> want(opt.only.begin(), opt.only.end()), known;
     for (auto& r : plan.runs) known.insert(r.id);
@@ -130,7 +132,7 @@ SweepSummary sweep(const SweepOptions& opt) {
     fmt::print("{}", format_plan(plan));
     return sum;
   }
-  store.open_for_sweep(spec);
+  store.open_for_sweep(spec, planned_hashes);
   // A directory from an earlier version of the spec: refuse before training anything.
   for (auto& r : plan.runs) {
     if (auto res = store.read_result(r.id); res && res->value("config_hash", "") != r.config_hash)

@@ -39,7 +39,6 @@ struct VariantSpec {
 
 struct ReportSettings {
   double E = 1.6, alpha = 0.0941;  // Marin's fixed law constants (RECIPE.md 4); tiny models need others
-  int bootstrap = 1000;            // bootstrap resamples over seeds
   double mfu_estimate = 0.3;       // plan: assumed MFU for the time estimate
 };
 

@@ -35,7 +35,7 @@ nlohmann::json parse_file(const fs::path& f) {
 
 }  // namespace
 
-void ResultStore::open_for_sweep(const LadderSpec& spec) {
+void ResultStore::open_for_sweep(const LadderSpec& spec, const std::map<std::string, std::string>& planned_hashes) {
   const fs::path m = dir_ / "ladder.json";
   if (fs::exists(m)) {
     auto j = parse_file(m);
@@ -60,7 +60,8 @@ void ResultStore::open_for_sweep(const LadderSpec& spec) {
                          for (auto& x : spec.variants) v.push_back(x.name);
                          return v;
                        }()},
-                      {"report", {{"E", spec.report.E}, {"alpha", spec.report.alpha}, {"bootstrap", spec.report.bootstrap}}}};
+                      {"report", {{"E", spec.report.E}, {"alpha", spec.report.alpha}}},
+                      {"runs", planned_hashes}};
   write_file_atomic(m, j.dump(2) + "\n");
 }
 

@@ -8,6 +8,7 @@
 // Why files and not SQLite: README.md, "Ladder sweeps".
 #pragma once
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,7 +31,9 @@ class ResultStore {
 
   // Creates the layout (or checks an existing DIR/ladder.json: format and version, and that it belongs
   // to the spec of the same name). Errors before anything is trained.
-  void open_for_sweep(const LadderSpec& spec);
+  // Creates the layout and (re)writes ladder.json with the spec's report settings and the plan's
+  // runs (id -> config hash), from which the report keeps only the results of the current plan.
+  void open_for_sweep(const LadderSpec& spec, const std::map<std::string, std::string>& planned_hashes);
   // Reads DIR/ladder.json for the report; errors if missing or from an incompatible version.
   nlohmann::json read_manifest() const;
 
