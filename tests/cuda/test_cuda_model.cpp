@@ -385,6 +385,12 @@ TEST_F(CudaModel, MoeBf16GradsMatchesTheCpu) {
 // bf16 activation tests. A misplaced row, or a padding row that is not zero, moves the expert
 // gradients by O(1).
 constexpr double kCapacityBf16CpuTol = 6e-2;
+// Capacity against sorted layout on the same bf16 backend: bitwise on the emulated backend, but on a
+// GPU cuBLASLt's batched GEMM and the grouped GEMM sum in different orders and every fp32
+// difference can flip later bf16 roundings. Held to the bounds the H200 measured for such flips in
+// the bf16 attention/norm tests (run 1: worst gradient tensor 3.6e-3, above the 3e-3 of the saved-
+// activation tests), not to a bound never calibrated on a device.
+constexpr double kCapacityVsSortedFwdTol = 5e-3, kCapacityVsSortedGradTol = 1e-2;
 TEST_F(CudaModel, MoeCapacityMatchesTheCpu) {
   auto bf = make_cuda_backend("bf16");
   for (auto [capacity, C, tag] : {std::tuple{0.5, 8, "0.5"}, std::tuple{4.0, 64, "4"}}) {
@@ -412,14 +418,14 @@ TEST_F(CudaModel, MoeCapacityMatchesTheCpu) {
     const double ls = loss_of(c, ms.forward_backward(in.data(), tg.data(), 1.0f / float(in.size())));
     const std::string t2 = std::string("moe-capacity+bf16 vs sorted ") + tag;
     print_err(t2 + " loss", std::fabs(lc - ls) / std::fabs(ls));
-    EXPECT_NEAR(lc, ls, kFwdTolMlpBf16 * std::fabs(ls)) << t2;
+    EXPECT_NEAR(lc, ls, kCapacityVsSortedFwdTol * std::fabs(ls)) << t2;
     double worst = 0;
     for (size_t i = 0; i < ms.params().size(); ++i) {
       const auto gc = mc.download_grad(mc.params()[i]), gs = ms.download_grad(ms.params()[i]);
       const double e = rel_err(gc.data(), gs.data(), gs.size());
       print_tensor_err(t2 + " d " + ms.params()[i].name, e);
       worst = std::max(worst, e);
-      EXPECT_LT(e, kGradTolBf16Saved) << t2 << " " << ms.params()[i].name;
+      EXPECT_LT(e, kCapacityVsSortedGradTol) << t2 << " " << ms.params()[i].name;
     }
     print_err(t2 + " gradients (worst tensor)", worst);
   }

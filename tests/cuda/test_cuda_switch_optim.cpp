@@ -605,8 +605,13 @@ TEST_F(CudaSwitchOptim, OptimizerUpdatesKeepTheWeightMirrorCurrent) {
   ASSERT_NE(cb, nullptr);
   const int M = 24, N = 40, K = 56;
   // The arena: two weight matrices [N, K] with a gap between them (untouched by the optimizer).
-  // Past the registered range: 32 more floats (a tensor straddling the end goes there).
-  const size_t wn = size_t(N) * K, gap = 13, total = 2 * wn + gap, beyond = 32;
+  // Past the registered range: 32 more floats (a tensor straddling the end goes there). The gap
+  // keeps the second matrix at a 128-element offset (256 bytes in the mirror) so that the mirror's
+  // GEMM and the fresh cast's, whose scratch is 256-byte aligned, get the same cuBLASLt algorithm:
+  // cuBLASLt picks kernels by operand alignment, and two kernels may sum in different orders (the
+  // emulator cannot show this: its GEMM is the CPU's at any alignment).
+  const size_t wn = size_t(N) * K, gap = 64, total = 2 * wn + gap, beyond = 32;
+  static_assert((56 * 40 + 64) % 128 == 0, "the second matrix's offset must stay 128-element aligned");
   DeviceBuffer<float> W(total + beyond), Wc(total + beyond);
   const auto w0 = randv(total + beyond);
   W.upload(w0);
