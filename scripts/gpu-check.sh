@@ -1,32 +1,58 @@
 #!/usr/bin/env bash
-# The GPU session's one script (an H200 with 16 cores; docs/cuda.md): builds for sm_90, runs the
-# GPU tests, runs the micro-benchmark and the model benchmarks (dense and MoE presets at d=1024 and
-# d=2048, configs/gpu/), writes logs under $OUT and prints a short table last.
-# Budget: under 8 minutes (each step has its own timeout). At most 8 files under $OUT come back:
-# env (with the build's log), tests (with the PyTorch baseline's check), wgmma, sanitizer, bench,
-# models and profile logs, and the console log the call tees.
+# The GPU session's one script (an H200 with 16 cores; docs/cuda.md "The GPU session: exact commands"):
+# the GPU tests, the model benchmarks (dense and MoE presets at d=1024 and d=2048, configs/gpu/) and
+# their profiles, the micro-benchmark, then what the time left allows (the PyTorch bf16 check,
+# compute-sanitizer). Logs go under $OUT; a compact verdict block (under ~10 KB) is printed LAST, so
+# the device tool's 12,000-character output tail holds all of it. The device call (timeout_s=540):
+#   GPU_CHECK_BUILD=0 timeout -k 5 525 bash scripts/gpu-check.sh >$OUT/console.log 2>&1; tail -c 11500 $OUT/console.log
+# The script keeps its own deadline (GPU_CHECK_DEADLINE, 500 s from its start); the outer timeout only
+# bounds a step that would not die, and the tail runs either way (a pipe into tail would be killed
+# with the command at the device's limit and return nothing).
 #
-# Build: on the GPU machine (-DCMAKE_CUDA_ARCHITECTURES=90, -j16) when its image has this
-# project's CPU dependencies; otherwise the prebuilt gpu-bundle/ from scripts/gpu-prepare.sh
-# (carried with the call). Which one ran is printed.
-#   GPU_CHECK_BUILD=0      skip the device build, use gpu-bundle/ directly (saves ~1-2 minutes)
+# Time. Every step runs under `timeout -k 5 T`, T = min(the step's cap, its phase's end - now); a
+# step with too little time left is skipped and says so (rc 124/137: "timed out").
+#   1. checks, ending GPU_CHECK_PRE_S (225 s) after the setup, 210 s before the deadline at the
+#      latest: the GPU tests (cap 150 s; without the wgmma and cuDNN tests), the cuDNN tests in a
+#      process of their own (60), the wgmma self-test, grouped GEMM and attention tests, each in its
+#      own process (30/60/45), the PyTorch probe (30 per interpreter) and its fp32 check (60), the
+#      micro-benchmark (60; moved to phase 4 when phase 1 has under 25 s left);
+#   2. the model rows, from their start for GPU_CHECK_ROWS_S (240 s), never past the deadline less
+#      the profiles' reserve (15 s each); a row 60 s at most, a row with PyTorch 200 s;
+#   3. the profiles (90 s each), while 20 s are left;
+#   4. with what is left before the deadline: the micro-benchmark if moved, the PyTorch bf16 check
+#      (reported, not a gate), compute-sanitizer memcheck (120) and racecheck (90), the wgmma
+#      memchecks (60 each). The sanitizer was clean in all three runs so far; it comes last.
+# Files under $OUT (the device tool brings back at most 8; with the call's console.log, 8):
+#   env.log      setup, the device build's log, ldd, the PyTorch probe's stderr
+#   tests.log    the main test process, then the cuDNN process, then the PyTorch checks
+#   wgmma.log    the three wgmma processes
+#   bench.log    the micro-benchmark
+#   models.log   each model row's and each profile's full output
+#   sanitizer.log
+#   results.log  each model row and profile as it finishes, then the long lists (per-op relative
+#                errors, throughput lines, cuDNN notes) and the verdict block again
+#
+# Build: with GPU_CHECK_BUILD=1 (the default) on the GPU machine (-DCMAKE_CUDA_ARCHITECTURES=90,
+# -j16) when its image has this project's CPU dependencies; otherwise (and with GPU_CHECK_BUILD=0)
+# the prebuilt gpu-bundle/ from scripts/gpu-prepare.sh, carried with the call.
+#   GPU_CHECK_DEADLINE=500 GPU_CHECK_PRE_S=225 GPU_CHECK_ROWS_S=240   the time limits above (seconds)
 #   GPU_CHECK_SANITIZER=0  skip the compute-sanitizer pass
 #   GPU_CHECK_PROFILE=0    skip the profiled benches (per-op shares of a step: MoE d=1024, dense d=2048)
 #   GPU_CHECK_MODELS="dense-d1024:bf16 moe-d1024:bf16"   preset:precision[:key=value,...] to benchmark;
 #                          key=value pairs go to `ladder bench --set`, LADDER_*=value to the
 #                          environment, TORCH adds the PyTorch baseline (`ladder bench --torch`: PyTorch
 #                          on the same model after Ladder's run), TORCH_COMPILE with torch.compile.
-#                          The default, in order of what a run decides first (rows start while under
-#                          370 s; the profiles get the minute after):
+#                          The default, in order of what a run decides first (the rows run in this
+#                          order until phase 2's time is spent):
 #                           1. the four presets in bf16 (their bf16 activations);
 #                           2. the MoE capacity layout on both MoE presets (model.moe_capacity=1.0);
-#                           3. where cuDNN attention passed its test, MoE d=1024 and dense d=2048 with
+#                           3. where cuDNN attention passed its tests, MoE d=1024 and dense d=2048 with
 #                              run.attention=cudnn-nondeterministic;
 #                           4. where the wgmma grouped GEMM passed its tests, both MoE presets with
 #                              LADDER_GROUPED_WGMMA=1; where the wgmma attention passed, dense d=2048 and
 #                              MoE d=1024 with LADDER_ATTN_WGMMA=1; both together on MoE d=1024;
-#                           5. where the PyTorch baseline passed its check (step 2a), the d=1024 pair
-#                              with TORCH;
+#                           5. where the PyTorch baseline passed its fp32 check (phase 1), the d=1024
+#                              pair with TORCH;
 #                           6. the other cuDNN rows (the other two presets nondeterministic; MoE d=1024
 #                              and dense d=2048 with the deterministic `cudnn`; MoE d=1024 with the
 #                              capacity layout and cuDNN);
@@ -44,43 +70,89 @@
 #                              attention (LADDER_ATTN_MMA=0);
 #                          10. with the PyTorch baseline: the d=2048 pair (TORCH), and dense d=1024
 #                              against torch.compile (TORCH_COMPILE).
-#                          The attention's default is the mma.sync kernels; where they did not pass
-#                          their tests in this run, every model bench runs with LADDER_ATTN_MMA=0
-#                          (WMMA) instead.
+#                          The attention's and grouped GEMM's defaults are the mma.sync kernels; where
+#                          one of their tests failed or crashed in this run, every model bench runs the
+#                          WMMA kernels instead (LADDER_ATTN_MMA=0, LADDER_GROUPED_MMA=0).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
-log() { echo "[gpu-check +$(($(date +%s) - T0))s] $*"; }
+DEADLINE=$((T0 + ${GPU_CHECK_DEADLINE:-500}))
+now() { date +%s; }
+log() { echo "[gpu-check +$(($(now) - T0))s] $*"; }
+# run_step CAP END MIN cmd...: cmd under `timeout -k 5 T`, T = min(CAP, END - now); not run (status
+# 200) where T < MIN. Status 124 or 137: killed at T (-k: KILL 5 s after TERM, for a process stuck
+# after a hung kernel).
+run_step() {
+  local cap=$1 end=$2 min=$3 t
+  shift 3
+  t=$((end - $(now)))
+  [ "$t" -gt "$cap" ] && t=$cap
+  [ "$t" -ge "$min" ] || return 200
+  timeout -k 5 "$t" "$@"
+}
+rcword() {
+  case $1 in
+    0) echo "passed" ;;
+    124 | 137) echo "timed out" ;;
+    200) echo "not run (no time left)" ;;
+    skipped) echo "skipped" ;;
+    *) echo "exit $1" ;;
+  esac
+}
+# Scratch files outside $OUT (at most 8 files come back from there).
+TMPD=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+trap 'rm -rf "$TMPD"' EXIT
+RES=$OUT/results.log
+: >"$RES"
+# The machine's own LD_LIBRARY_PATH: Python and PyTorch run with it, not with the bundle's libraries
+# (Debian's libgomp, libz, ...) and the toolkit folders added below.
+if [ -n "${LD_LIBRARY_PATH+x}" ]; then ORIG=(env "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"); else ORIG=(env -u LD_LIBRARY_PATH); fi
+# OpenBLAS (the CPU reference in the tests, the bench's CPU parts) picks generic kernels on CPUs its
+# Debian build does not know, and ladder then re-executes itself with OPENBLAS_CORETYPE
+# (src/backend/cpu/openblas_cores.cpp): set it once here instead (no re-exec under compute-sanitizer).
+if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+  if [[ $flags == *" avx512f "* && $flags == *" avx512bw "* && $flags == *" avx512dq "* && $flags == *" avx512vl "* ]]; then
+    export OPENBLAS_CORETYPE=SkylakeX
+  elif [[ $flags == *" avx2 "* && $flags == *" fma "* ]]; then
+    export OPENBLAS_CORETYPE=Haswell
+  fi
+fi
 
 {
   date -u
   echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"
-  nvidia-smi
+  timeout -k 5 30 nvidia-smi
   nvcc --version
   cmake --version
   nproc
+  grep -m1 '^model name' /proc/cpuinfo
+  echo "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}"
   cat /etc/os-release
 } >"$OUT/env.log" 2>&1
-log "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi failed')"
+GPU_NAME=$(timeout -k 5 30 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+log "$(timeout -k 5 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null ||
+  echo 'nvidia-smi failed'); deadline +$((DEADLINE - T0))s; OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}"
 
 # ---- 1. build -----------------------------------------------------------------------------------
 BIN=""
 if [ "${GPU_CHECK_BUILD:-1}" != 0 ] && command -v nvcc >/dev/null && command -v cmake >/dev/null; then
   gen=""
   command -v ninja >/dev/null && gen="-G Ninja"
-  # The build log goes into env.log: $OUT may bring back 8 files, and the call tees console.log too.
   log "building for sm_90 on the device (log: env.log)"
-  if timeout 60 cmake -S . -B build-gpu $gen -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON \
+  # shellcheck disable=SC2086  # $gen: no argument or two
+  if run_step 60 $((DEADLINE - 300)) 10 cmake -S . -B build-gpu $gen -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DLADDER_TESTS=ON >>"$OUT/env.log" 2>&1 &&
-    timeout 300 cmake --build build-gpu -j 16 --target ladder_cuda_tests ladder_cuda_bench ladder >>"$OUT/env.log" 2>&1; then
+    run_step 300 $((DEADLINE - 300)) 60 cmake --build build-gpu -j 16 --target ladder_cuda_tests ladder_cuda_bench ladder \
+      >>"$OUT/env.log" 2>&1; then
     BIN=build-gpu
     log "built on the device"
     grep -q "cuDNN attention: compiled" "$OUT/env.log" ||
       log "this build has no cuDNN attention (no .deps/cudnn-frontend here: carry it, or GPU_CHECK_BUILD=0 with gpu-bundle)"
   else
-    log "device build failed (last lines of env.log follow); falling back to gpu-bundle/"
+    log "device build failed or out of time (last lines of env.log follow); falling back to gpu-bundle/"
     tail -n 4 "$OUT/env.log"
   fi
 fi
@@ -94,171 +166,214 @@ if [ -z "$BIN" ]; then
   cat "$BIN/BUILD_INFO"
   export LD_LIBRARY_PATH="$PWD/$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-# cuBLASLt 13: the toolkit's, else one shipped in Python wheels (PyTorch's).
-if ldd "$BIN/ladder_cuda_tests" | grep -q "libcublasLt.so.13 => not found"; then
-  lt=$(find /usr/local /usr/lib /opt -name 'libcublasLt.so.13' 2>/dev/null | head -n 1)
-  [ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt"):${LD_LIBRARY_PATH:-}" && log "cuBLASLt from $(dirname "$lt")"
-fi
-# cuDNN for LADDER_ATTN_CUDNN (attention_cudnn.h), loaded at run time: libcudnn.so.9 from the machine
-# (the toolkit's, else PyTorch's wheel), the CUDA 13 runtime that cuDNN's frontend loads, and NVRTC,
-# which cuDNN's runtime-compiled attention engines need. Only what the loader cannot find already
-# is looked up, in one pass, the toolkit's folders first.
+# The libraries the binaries link (ldd, which follows LD_LIBRARY_PATH: cuBLASLt 13, the CUDA runtime)
+# and those cuDNN attention (attention_cudnn.h) loads at run time: libcudnn.so.9 and NVRTC, which
+# cuDNN's runtime-compiled engines need. What neither the loader's cache nor LD_LIBRARY_PATH has is
+# looked up in one pass (the toolkit's folders first, then PyTorch's wheels under /usr/lib or /opt).
+in_path() {  # true where the loader finds $1: its cache, or a folder of LD_LIBRARY_PATH
+  local d
+  ldconfig -p 2>/dev/null | awk -v l="$1" '$1 == l {f = 1} END {exit !f}' && return 0
+  IFS=: read -ra dirs <<<"${LD_LIBRARY_PATH:-}"
+  for d in "${dirs[@]}"; do [ -n "$d" ] && [ -e "$d/$1" ] && return 0; done
+  return 1
+}
 missing=()
-for lib in libcudnn.so.9 libcudart.so.13 libnvrtc.so.13; do
-  ldconfig -p 2>/dev/null | awk -v l="$lib" '$1 == l {f = 1} END {exit !f}' || missing+=("$lib")
-done
+for b in ladder_cuda_tests ladder_cuda_bench ladder; do
+  timeout -k 5 30 ldd "$BIN/$b" 2>/dev/null | awk '/=> not found/ {print $1}'
+done | sort -u >"$TMPD/ldd-missing"
+while read -r lib; do missing+=("$lib"); done <"$TMPD/ldd-missing"
+for lib in libcudnn.so.9 libnvrtc.so.13; do in_path "$lib" || missing+=("$lib"); done
 if [ ${#missing[@]} -gt 0 ]; then
-  found=$(find /usr/local /usr/lib /opt \( -name libcudnn.so.9 -o -name libcudart.so.13 -o -name libnvrtc.so.13 \) \
-    2>/dev/null)
+  expr=()
+  for lib in "${missing[@]}"; do
+    [ ${#expr[@]} -gt 0 ] && expr+=(-o)
+    expr+=(-name "$lib")
+  done
+  found=$(timeout -k 5 30 find /usr/local /usr/lib /opt \( "${expr[@]}" \) 2>/dev/null)
   for lib in "${missing[@]}"; do
     d=$(grep -m1 "/$lib\$" <<<"$found")
-    [ -n "$d" ] && export LD_LIBRARY_PATH="$(dirname "$d"):${LD_LIBRARY_PATH:-}" && log "$lib from $(dirname "$d")"
+    if [ -n "$d" ]; then
+      LD_LIBRARY_PATH="$(dirname "$d"):${LD_LIBRARY_PATH:-}"
+      export LD_LIBRARY_PATH
+      log "$lib from $(dirname "$d")"
+    else
+      log "$lib: not found on this machine"
+    fi
   done
 fi
-if ldd "$BIN/ladder_cuda_tests" | grep "not found"; then
+{
+  echo "=== ldd (LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-})"
+  timeout -k 5 30 ldd "$BIN/ladder_cuda_tests"
+} >>"$OUT/env.log" 2>&1
+if timeout -k 5 30 ldd "$BIN/ladder_cuda_tests" "$BIN/ladder_cuda_bench" "$BIN/ladder" 2>/dev/null | grep "not found"; then
   echo "gpu-check: libraries above not found on this machine"
   exit 1
 fi
 
-# ---- 2. GPU tests -------------------------------------------------------------------------------
-log "GPU tests (log: tests.log)"
-# The wgmma grouped GEMM's tests run apart (step 2b): a wgmma kernel that faults ends the CUDA
-# context of its process, which must not be this one (LADDER_TEST_WGMMA=0 leaves them out here).
-LADDER_TEST_WGMMA=0 timeout 300 "$BIN/ladder_cuda_tests" --gtest_color=no >"$OUT/tests.log" 2>&1
-TEST_RC=$?
-grep -E "^\[  (FAILED|PASSED)  \]" "$OUT/tests.log" | sort -u | head -n 20
-echo "skipped: $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log")"
-grep -B1 -A3 "Failure" "$OUT/tests.log" | head -n 40
-
-# The register-resident mma.sync attention (the default) is benchmarked only where its layout check
-# and its attention tests all passed on this device; a faulting kernel would end the process it runs
-# in, so otherwise the model benches run on the WMMA kernels (LADDER_ATTN_MMA=0).
-MMA_OK=0
-if grep -q '^\[       OK \] CudaMmaPtx.FragmentLayoutsMatchACpuProduct' "$OUT/tests.log" &&
-   [ "$(grep -c '^\[       OK \] CudaAttentionMma\.' "$OUT/tests.log")" -ge 3 ] &&
-   ! grep -q '^\[  FAILED  \] CudaAttentionMma\.\|^\[  FAILED  \] CudaMmaPtx\.' "$OUT/tests.log"; then
-  MMA_OK=1
-fi
-log "mma.sync attention: $([ $MMA_OK = 1 ] && echo "tests passed, benchmarked beside WMMA" || echo "tests not passed, not benchmarked: LADDER_ATTN_MMA=0")"
-[ $MMA_OK = 1 ] || export LADDER_ATTN_MMA=0
-# Likewise the grouped GEMM's mma.sync tile product (the default; its tests run both it and WMMA):
-# where any CudaGroupedTc test failed here, the model benches use WMMA (LADDER_GROUPED_MMA=0).
-GG_OK=1
-if ! grep -q '^\[       OK \] CudaGroupedTc.BothShapes' "$OUT/tests.log" ||
-   grep -q '^\[  FAILED  \] CudaGroupedTc\.' "$OUT/tests.log"; then
-  GG_OK=0
-  export LADDER_GROUPED_MMA=0
-fi
-log "grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "tests passed" || echo "tests not passed: model benches on WMMA (LADDER_GROUPED_MMA=0)")"
-# cuDNN's fused attention (run.attention: cudnn, cudnn-nondeterministic; off by default): benchmarked in the models only where
-# its test ran on cuDNN and passed (the test is skipped where libcudnn does not load).
-CUDNN_OK=0
-if grep -q '^\[       OK \] CudaAttnBf16.AttentionCudnnMatchesTheCpu' "$OUT/tests.log"; then CUDNN_OK=1; fi
-log "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "test passed, model benches with run.attention=cudnn* added" || echo "test not passed or skipped: not benchmarked") ($(grep -m1 '^\[ cudnn    \]' "$OUT/tests.log" | cut -c14- ))"
-# ---- 2a. PyTorch on this GPU: the baseline of the presets' "x torch" column (`ladder bench --torch`:
-# scripts/bench-torch.py's fast model: SDPA, grouped GEMMs, bf16 autocast, fused AdamW). First the check
-# that it is Ladder's model (tests/reference/check_fast_model.py against the reference: fp32 on the
-# GPU, then bf16 autocast with flash attention and grouped GEMMs; log appended to tests.log).
+# Tests of a gtest log that did not pass: those with a "[  FAILED  ]" line, and those a crash or a
+# timeout ended in (a "[ RUN      ]" line with no result after it; a log may hold several processes).
+# Tests that never started (after a crash) are not listed: they did not fail.
+notok() {
+  awk '$1 == "[" && $3 == "]" && $4 ~ /\./ {
+      n = $4; sub(/,$/, "", n)
+      if ($2 == "RUN") run[n] = 1
+      else if ($2 == "OK" || $2 == "SKIPPED") delete run[n]
+      else if ($2 == "FAILED") { delete run[n]; bad[n] = 1 }
+    }
+    END { for (t in bad) print t; for (t in run) print t " (crashed or timed out in it)" }' "$@" | sort -u
+}
 export LADDER_SOURCE_DIR=$PWD  # the bundle's binaries find scripts/bench-torch.py here
+# Phase 1 ends GPU_CHECK_PRE_S after the setup, and leaves the rows and profiles 210 s at least.
+PRE_END=$(($(now) + ${GPU_CHECK_PRE_S:-225}))
+[ $PRE_END -gt $((DEADLINE - 210)) ] && PRE_END=$((DEADLINE - 210))
+
+# ---- 2. GPU tests -------------------------------------------------------------------------------
+# Without the wgmma tests (LADDER_TEST_WGMMA=0; 2c) and the cuDNN ones (*Cudnn*; 2b): a kernel that
+# faults ends its process's CUDA context, so each of those runs in a process of its own.
+log "GPU tests (log: tests.log)"
+run_step 150 $PRE_END 30 env LADDER_TEST_WGMMA=0 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='-*Cudnn*' \
+  >"$OUT/tests.log" 2>&1
+TEST_RC=$?
+MAIN_NOTOK=$(notok "$OUT/tests.log")
+TESTS_TOTAL=$(grep -m1 -o 'Running [0-9]* tests' "$OUT/tests.log" | awk '{print $2}')
+TESTS_RAN=$(grep -c '^\[ RUN      \]' "$OUT/tests.log")
+log "GPU tests: $(rcword $TEST_RC); ran ${TESTS_RAN} of ${TESTS_TOTAL:-?}; $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep -c . <<<"$MAIN_NOTOK") not ok"
+[ -n "$MAIN_NOTOK" ] && head -n 12 <<<"$MAIN_NOTOK" | sed 's/^/  not ok: /'
+grep -B1 -A3 "Failure" "$OUT/tests.log" | head -n 12
+# The register-resident mma.sync attention and the grouped GEMM's mma.sync tile product (the
+# defaults): the model benches use them unless one of their tests failed or crashed here (a test
+# that never started, after another one's crash, is no failure); else WMMA (LADDER_ATTN_MMA=0,
+# LADDER_GROUPED_MMA=0).
+MMA_OK=1
+grep -qE '^(CudaAttentionMma|CudaMmaPtx)\.' <<<"$MAIN_NOTOK" && MMA_OK=0
+[ $MMA_OK = 1 ] || export LADDER_ATTN_MMA=0
+GG_OK=1
+grep -q '^CudaGroupedTc\.' <<<"$MAIN_NOTOK" && GG_OK=0
+[ $GG_OK = 1 ] || export LADDER_GROUPED_MMA=0
+MMA_RAN=$(grep -cE '^\[       OK \] (CudaAttentionMma|CudaMmaPtx)\.' "$OUT/tests.log")
+log "mma.sync attention: $([ $MMA_OK = 1 ] && echo "no test failed ($MMA_RAN passed): the default" || echo "a test failed: LADDER_ATTN_MMA=0 (WMMA) for every bench"); grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "no test failed" || echo "a test failed: LADDER_GROUPED_MMA=0 (WMMA) for every bench")"
+
+# ---- 2b. cuDNN attention (run.attention: cudnn, cudnn-nondeterministic; off by default), in a process
+# of its own (appended to tests.log): a cuDNN fault must not take the other tests' results with it.
+# Its model rows, and the micro-benchmark's cudnn rows, only where its op test ran on cuDNN and passed
+# (it is skipped where libcudnn does not load) and neither it nor the model test failed or crashed.
+log "cuDNN tests (log: tests.log)"
+run_step 60 $PRE_END 20 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='*Cudnn*' >"$TMPD/cudnn.log" 2>&1
+CUDNN_RC=$?
+{
+  echo "=== cuDNN tests (*Cudnn*, a process of their own): $(rcword $CUDNN_RC)"
+  cat "$TMPD/cudnn.log"
+} >>"$OUT/tests.log"
+CUDNN_NOTOK=$(notok "$TMPD/cudnn.log")
+CUDNN_OK=0
+grep -q '^\[       OK \] CudaAttnBf16.AttentionCudnnMatchesTheCpu' "$TMPD/cudnn.log" &&
+  ! grep -qE '^(CudaAttnBf16.AttentionCudnnMatchesTheCpu|CudaModel.CudnnAttentionStepsFollowTheCpu)' <<<"$CUDNN_NOTOK" &&
+  CUDNN_OK=1
+log "cuDNN attention: $(rcword $CUDNN_RC), $([ $CUDNN_OK = 1 ] && echo "passed: model rows with run.attention=cudnn* added" || echo "not passed, crashed or skipped: not benchmarked")"
+grep -m3 '^\[ cudnn    \]' "$TMPD/cudnn.log" | cut -c1-160
+
+# ---- 2c. the wgmma grouped GEMM (sm_90a, off by default: LADDER_GROUPED_WGMMA=1), in processes of its
+# own (log: wgmma.log): its layout self-test first, on a fresh context (CudaWgmma.*: accumulator
+# layout, operand layouts, MN-major strides, the planted swizzle bug: the '[ wgmma    ]' lines say
+# which fact failed); where it passed, the grouped GEMM with wgmma as a third tile product
+# (CudaGroupedTc.BothShapes), on its cp.async path and at MoE sizes (CudaGroupedTc.Wgmma*), and the
+# throughput rows (CudaGroupedTc.Throughput: mma vs wgmma, printed only here). Benchmarked in the
+# model only where all of it passed.
+log "wgmma grouped GEMM tests (log: wgmma.log)"
+: >"$OUT/wgmma.log"
+run_step 30 $PRE_END 15 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='CudaWgmma.*' >"$TMPD/wg1.log" 2>&1
+WG1=$?
+{ echo "=== CudaWgmma (self-test): $(rcword $WG1)"; cat "$TMPD/wg1.log"; } >>"$OUT/wgmma.log"
+WG2=skipped
+if [ $WG1 = 0 ] && [ "$(grep -c '^\[       OK \] CudaWgmma\.' "$TMPD/wg1.log")" -ge 4 ]; then
+  run_step 60 $PRE_END 20 "$BIN/ladder_cuda_tests" --gtest_color=no \
+    --gtest_filter='CudaGroupedTc.BothShapes:CudaGroupedTc.Wgmma*:CudaGroupedTc.Throughput' >"$TMPD/wg2.log" 2>&1
+  WG2=$?
+  { echo "=== CudaGroupedTc with wgmma: $(rcword $WG2)"; cat "$TMPD/wg2.log"; } >>"$OUT/wgmma.log"
+fi
+WG_RC="$WG1/$WG2"
+WG_OK=0
+if [ "$WG_RC" = 0/0 ] && [ "$(grep -c '^\[       OK \] CudaGroupedTc\.Wgmma' "$TMPD/wg2.log")" -ge 3 ] &&
+  ! grep -q '^\[  FAILED  \]' "$OUT/wgmma.log"; then
+  WG_OK=1
+fi
+log "grouped GEMM wgmma: $([ $WG_OK = 1 ] && echo "tests passed, MoE rows with LADDER_GROUPED_WGMMA=1 added" || echo "self-test $(rcword $WG1), grouped GEMM $(rcword $WG2): not benchmarked")"
+
+# ---- 2d. the wgmma attention (sm_90a, off by default: LADDER_ATTN_WGMMA=1), in its own process
+# (appended to wgmma.log): the mma.sync attention's cases with the wgmma forward and backward, the
+# register-A layout self-test and the planted swizzle bug. Only where all of it passed do the model
+# rows add dense-d2048 and moe-d1024 with LADDER_ATTN_WGMMA=1.
+log "wgmma attention tests (log: wgmma.log)"
+run_step 45 $PRE_END 15 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='CudaAttentionWgmma.*' >"$TMPD/aw.log" 2>&1
+AW_RC=$?
+{ echo "=== CudaAttentionWgmma: $(rcword $AW_RC)"; cat "$TMPD/aw.log"; } >>"$OUT/wgmma.log"
+AW_OK=0
+[ $AW_RC = 0 ] && [ "$(grep -c '^\[       OK \] CudaAttentionWgmma\.' "$TMPD/aw.log")" -ge 6 ] && AW_OK=1
+log "attention wgmma: $([ $AW_OK = 1 ] && echo "tests passed, rows with LADDER_ATTN_WGMMA=1 added" || echo "$(rcword $AW_RC), not passed (or skipped): not benchmarked")"
+
+# ---- 2e. PyTorch on this GPU: the baseline of the presets' "x torch" column (`ladder bench --torch`:
+# scripts/bench-torch.py's fast model: SDPA, grouped GEMMs, bf16 autocast, fused AdamW), first checked
+# to be Ladder's model (tests/reference/check_fast_model.py against the reference, fp32 on the GPU:
+# the gate of the TORCH rows; the bf16 check, flash attention and grouped GEMMs, runs in phase 4 and
+# is reported). Python runs with the machine's LD_LIBRARY_PATH (ORIG), and `ladder bench --torch`
+# starts it through a wrapper that restores it.
 TORCH_OK=0
 TORCH_PY=""
 TORCH_VERSION="no python with a CUDA torch"
 TORCH_RC=skipped
+TORCH_BF16_RC=skipped
+declare -A seen=()
 for py in ${LADDER_TORCH_PYTHON:-} python3 /opt/torch/.venv/bin/python3; do
-  if v=$(timeout 60 "$py" -c 'import sys, torch; print("torch", torch.__version__); sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null); then
-    TORCH_PY=$py
-    TORCH_VERSION="$v, $py"
+  p=$(command -v "$py" 2>/dev/null) || continue
+  # One try per interpreter: by its resolved file, and its venv where it sits in one (a venv's
+  # python3 resolves to the base interpreter, but has other packages).
+  key=$(readlink -f "$p")
+  [ -f "$(dirname "$p")/../pyvenv.cfg" ] && key="$key venv $(readlink -f "$(dirname "$p")/..")"
+  [ -n "${seen[$key]:-}" ] && continue
+  seen[$key]=1
+  echo "=== PyTorch probe: $p ($key)" >>"$OUT/env.log"
+  if v=$(run_step 30 $PRE_END 10 "${ORIG[@]}" "$p" -c \
+    'import sys, torch; print("torch", torch.__version__, "cuda", torch.version.cuda); sys.exit(0 if torch.cuda.is_available() else 1)' \
+    2>>"$OUT/env.log"); then
+    TORCH_PY=$p
+    TORCH_VERSION="$v, $p"
+    break
+  elif [ $? = 200 ]; then
+    TORCH_VERSION="no time left to look for a python with a CUDA torch"
     break
   fi
 done
 if [ -n "$TORCH_PY" ]; then
-  export LADDER_TORCH_PYTHON=$TORCH_PY
-  log "PyTorch baseline check with $TORCH_PY (log: tests.log)"
-  echo "=== TorchFast: check_fast_model.py --device cuda (fp32, then bf16)" >>"$OUT/tests.log"
-  # Both gate the TORCH rows: fp32 (the same model, SDPA on this GPU) and bf16 (flash attention,
-  # grouped GEMMs and autocast: the paths the benchmark times, with bounds that catch a wrong layout).
-  timeout 90 "$TORCH_PY" tests/reference/check_fast_model.py --device cuda >>"$OUT/tests.log" 2>&1
+  W=$(mktemp "$TMPD/torch-python.XXXXXX")
+  {
+    echo '#!/usr/bin/env bash'
+    echo "# gpu-check: $TORCH_PY with the machine's LD_LIBRARY_PATH, not the bundle's"
+    if [ "${ORIG[1]}" = -u ]; then echo 'unset LD_LIBRARY_PATH'; else printf 'export %q\n' "${ORIG[1]}"; fi
+    printf 'exec %q "$@"\n' "$TORCH_PY"
+  } >"$W"
+  chmod +x "$W"
+  export LADDER_TORCH_PYTHON=$W
+  log "PyTorch baseline fp32 check with $TORCH_PY (log: tests.log)"
+  echo "=== TorchFast: check_fast_model.py --device cuda (fp32)" >>"$OUT/tests.log"
+  run_step 60 $PRE_END 20 "${ORIG[@]}" "$TORCH_PY" tests/reference/check_fast_model.py --device cuda >>"$OUT/tests.log" 2>&1
   TORCH_RC=$?
-  echo "=== TorchFast bf16" >>"$OUT/tests.log"
-  timeout 90 "$TORCH_PY" tests/reference/check_fast_model.py --device cuda --precision bf16 >>"$OUT/tests.log" 2>&1
-  TORCH_RC="$TORCH_RC/$?"
-  [ "$TORCH_RC" = 0/0 ] && TORCH_OK=1
+  [ "$TORCH_RC" = 0 ] && TORCH_OK=1
 fi
-log "PyTorch baseline ($TORCH_VERSION): $([ $TORCH_OK = 1 ] && echo "same model as the reference on this GPU, TORCH rows added to the model benches" || echo "checks exit $TORCH_RC (fp32/bf16): no TORCH rows")"
+log "PyTorch baseline ($TORCH_VERSION): fp32 check $(rcword $TORCH_RC)$([ $TORCH_OK = 1 ] && echo ": TORCH rows added")"
 
-# ---- 2b. the wgmma grouped GEMM (sm_90a, off by default: LADDER_GROUPED_WGMMA=1), in its own
-# process (log: wgmma.log): its layout self-test first (CudaWgmma.*: accumulator layout, operand
-# layouts, MN-major strides, the planted swizzle bug: the '[ wgmma    ]' lines say which fact failed),
-# then the grouped GEMM tests with wgmma as a third tile product (CudaGroupedTc.*) and on its cp.async
-# path (CudaGroupedTc.Wgmma*), and the throughput rows (mma vs wgmma). Benchmarked in the model only
-# where all of it passed: then the MoE presets run once more with it, beside the mma.sync rows.
-log "wgmma grouped GEMM tests (log: wgmma.log)"
-# Two processes, the self-test on a fresh context first: its diagnosis must not depend on what a
-# faulting grouped GEMM left behind.
-timeout 60 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='CudaWgmma.*' >"$OUT/wgmma.log" 2>&1
-WG_RC=$?
-timeout 150 "$BIN/ladder_cuda_tests" --gtest_color=no \
-  --gtest_filter='CudaGroupedTc.*-CudaGroupedTc.LargeShapes:CudaGroupedTc.LargeShapesWmma' >>"$OUT/wgmma.log" 2>&1
-WG_RC="$WG_RC/$?"
-WG_OK=0
-if [ "$WG_RC" = 0/0 ] && [ "$(grep -c '^\[       OK \] CudaWgmma\.' "$OUT/wgmma.log")" -ge 4 ] &&
-   [ "$(grep -c '^\[       OK \] CudaGroupedTc\.Wgmma' "$OUT/wgmma.log")" -ge 3 ] &&
-   ! grep -q '^\[  FAILED  \]' "$OUT/wgmma.log"; then
-  WG_OK=1
-fi
-log "grouped GEMM wgmma: $([ $WG_OK = 1 ] && echo "tests passed, MoE benches with LADDER_GROUPED_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
+# ---- 3. micro-benchmark (log: bench.log): last of phase 1, else in phase 4 -----------------------
+BENCH_RC=skipped
+run_bench() {
+  log "benchmark (log: bench.log)"
+  run_step 60 "$1" 25 env LADDER_BENCH_ATTN_MMA=$MMA_OK LADDER_BENCH_ATTN_WGMMA=$AW_OK LADDER_BENCH_CUDNN=$CUDNN_OK \
+    "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
+  BENCH_RC=$?
+  log "benchmark: $(rcword $BENCH_RC)"
+}
+if [ $((PRE_END - $(now))) -ge 25 ]; then run_bench $PRE_END; else log "benchmark moved after the profiles (phase 1's time is spent)"; fi
 
-# ---- 2c. the wgmma attention (sm_90a, off by default: LADDER_ATTN_WGMMA=1), in its own process too
-# (log appended to wgmma.log): CudaAttentionWgmma.* (the mma.sync attention's cases with the wgmma
-# forward and backward, against the CPU and the mma.sync kernels, the register-A layout self-test and
-# the planted swizzle bug). Only
-# where all of it passed do the model benches add dense-d2048 and moe-d1024 with LADDER_ATTN_WGMMA=1.
-log "wgmma attention tests (log: wgmma.log)"
-echo "=== CudaAttentionWgmma" >>"$OUT/wgmma.log"
-timeout 90 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='CudaAttentionWgmma.*' >>"$OUT/wgmma.log" 2>&1
-AW_RC=$?
-AW_OK=0
-if [ $AW_RC = 0 ] && [ "$(sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -c '^\[       OK \] CudaAttentionWgmma\.')" -ge 6 ]; then
-  AW_OK=1
-fi
-log "attention wgmma: $([ $AW_OK = 1 ] && echo "tests passed, dense-d2048 / moe-d1024 benches with LADDER_ATTN_WGMMA=1 added" || echo "tests not passed (or skipped): not benchmarked")"
-
-# ---- 3. memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races) ----
-SAN_RC=skipped
-if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null && [ $(($(date +%s) - T0)) -lt 240 ]; then
-  log "compute-sanitizer memcheck + racecheck (log: sanitizer.log)"
-  f='CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaAttnBf16.*-*Throughput*:*LargeShapesWmma*'
-  # Without the wgmma tests (LADDER_TEST_WGMMA=0: the 120 s were sized without them); they get a
-  # memcheck of their own below where they passed in 2b.
-  LADDER_TEST_WGMMA=0 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" --gtest_filter="$f" \
-    >"$OUT/sanitizer.log" 2>&1
-  SAN_RC=$?
-  LADDER_TEST_WGMMA=0 timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
-    --gtest_filter='CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaGroupedTc.BothShapes' >>"$OUT/sanitizer.log" 2>&1
-  SAN_RC="$SAN_RC/$?"
-  # The wgmma kernels: both staging paths (BothShapes' third tile product: registers; WgmmaBothShapes:
-  # cp.async) and the self-test.
-  if [ $WG_OK = 1 ]; then
-    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
-      --gtest_filter='CudaWgmma.*:CudaGroupedTc.BothShapes:CudaGroupedTc.WgmmaBothShapes' >>"$OUT/sanitizer.log" 2>&1
-    SAN_RC="$SAN_RC/wgmma $?"
-  fi
-  if [ $AW_OK = 1 ]; then
-    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/ladder_cuda_tests" \
-      --gtest_filter='CudaAttentionWgmma.UnalignedInputs:CudaAttentionWgmma.RegisterAFragmentLayout' >>"$OUT/sanitizer.log" 2>&1
-    SAN_RC="$SAN_RC/attn-wgmma $?"
-  fi
-  tail -n 3 "$OUT/sanitizer.log"
-fi
-
-# ---- 4. micro-benchmark -------------------------------------------------------------------------------
-log "benchmark (log: bench.log)"
-LADDER_BENCH_ATTN_MMA=$MMA_OK LADDER_BENCH_ATTN_WGMMA=$AW_OK timeout 240 "$BIN/ladder_cuda_bench" >"$OUT/bench.log" 2>&1
-BENCH_RC=$?
-
-# ---- 5. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
+# ---- 4. model benchmarks: `ladder bench --device cuda` on the configs/gpu presets, each at a GEMM
 # precision (run.precision); MFU is against the GEMM rate the same run measures at that precision.
-log "model benchmarks (log: models.log)"
 WG_ROWS=""
 [ $WG_OK = 1 ] && WG_ROWS="moe-d1024:bf16:LADDER_GROUPED_WGMMA=1 moe-d2048:bf16:LADDER_GROUPED_WGMMA=1 "
 [ $AW_OK = 1 ] && WG_ROWS="${WG_ROWS}dense-d2048:bf16:LADDER_ATTN_WGMMA=1 moe-d1024:bf16:LADDER_ATTN_WGMMA=1 "
@@ -269,7 +384,7 @@ F32M=model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false
 # The capacity layout (model.moe_capacity, session 10): the expert GEMMs as strided-batched cuBLASLt
 # calls at C = 1.0 x the mean load, right after the presets: it is the MoE lever a run decides first.
 CAP=model.moe_capacity=1.0
-# cuDNN attention where its test passed: MoE d=1024 and dense d=2048 with its nondeterministic
+# cuDNN attention where its tests passed: MoE d=1024 and dense d=2048 with its nondeterministic
 # backward (atomic dQ; every cuDNN 9 runs it) right after the capacity rows; later the other two
 # presets, two with the deterministic one (which cuDNN before 9.25 would run on an S x S workspace:
 # then declined, and the row is Ladder's kernels, models.log says), and the MoE with the capacity
@@ -287,61 +402,64 @@ TORCH_LATE=""
 [ $TORCH_OK = 1 ] && TORCH_ROWS="dense-d1024:bf16:TORCH moe-d1024:bf16:TORCH " &&
   TORCH_LATE=" dense-d2048:bf16:TORCH moe-d2048:bf16:TORCH dense-d1024:bf16:TORCH_COMPILE"
 MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP ${CUDNN_ROWS}${WG_ROWS}${TORCH_ROWS}${CUDNN_REST}moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0${TORCH_LATE}}
+# The profiles: the bf16 MoE at d=1024 and dense at d=2048 (the presets the MFU goals are furthest
+# from / closest to), the MoE with the capacity layout (its batched GEMMs show apart: "batched
+# gemm") and, where cuDNN attention passed, the MoE with it (what attention costs then).
+PROFILES="moe-d1024 dense-d2048 moe-d1024:$CAP"
+[ $CUDNN_OK = 1 ] && PROFILES="$PROFILES moe-d1024:$ND"
+PROF_RESERVE=0
+[ "${GPU_CHECK_PROFILE:-1}" != 0 ] && PROF_RESERVE=$((15 * $(wc -w <<<"$PROFILES")))
+R0=$(now)
+ROW_END=$((R0 + ${GPU_CHECK_ROWS_S:-240}))
+[ $ROW_END -gt $((DEADLINE - PROF_RESERVE)) ] && ROW_END=$((DEADLINE - PROF_RESERVE))
+log "model benchmarks until +$((ROW_END - T0))s (log: models.log; each row also in results.log)"
 : >"$OUT/models.log"
-ROW=$(mktemp)  # one row's output (outside $OUT: at most 8 files come back)
+HDR="preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@ds  act MiB  dev MiB  (settings)"
+echo "== model rows (ladder bench --device cuda, median of 4 steps; MFU = model TFLOP/s / same-run GEMM TFLOP/s)" >>"$RES"
+echo "$HDR" >>"$RES"
+ROW=$TMPD/row.out  # one row's output, then appended to models.log
 MODEL_ROWS=""
+NOT_RUN=""
 for mp in $MODELS; do
   IFS=: read -r m prec extra <<<"$mp"
   sets=(--set "run.precision=$prec")
-  envs=()  # LADDER_* items are environment variables (LADDER_ATTN_MMA=0: the WMMA attention)
+  envs=()    # LADDER_* items are environment variables (LADDER_ATTN_MMA=0: the WMMA attention)
   tflags=()  # TORCH: the PyTorch baseline too; TORCH_COMPILE: with torch.compile
   for kv in ${extra//,/ }; do
     if [ "$kv" = TORCH ]; then tflags=(--torch)
     elif [ "$kv" = TORCH_COMPILE ]; then tflags=(--torch --torch-args=--compile)
     elif [[ $kv == LADDER_* ]]; then envs+=("$kv"); else sets+=(--set "$kv"); fi
   done
-  if [ ${#tflags[@]} -gt 0 ] && [ $TORCH_OK != 1 ]; then
-    log "skipping $mp: the PyTorch baseline did not pass its check here"
+  skip=""
+  if [ ${#tflags[@]} -gt 0 ] && [ $TORCH_OK != 1 ]; then skip="the PyTorch baseline did not pass its check here"
+  elif [[ " ${envs[*]} " == *" LADDER_ATTN_MMA=0 "* ]] && [ $MMA_OK != 1 ]; then skip="every bench runs the WMMA attention already"
+  elif [[ " ${envs[*]} " == *" LADDER_GROUPED_MMA=0 "* ]] && [ $GG_OK != 1 ]; then skip="every bench runs the WMMA grouped GEMM already"
+  elif [[ " ${envs[*]} " == *" LADDER_ATTN_WGMMA=1 "* ]] && [ $AW_OK != 1 ]; then skip="the wgmma attention did not pass its tests here"
+  elif [[ ",$extra," == *",run.attention=cudnn"* ]] && [ $CUDNN_OK != 1 ]; then skip="cuDNN attention did not pass its tests here"
+  elif [[ " ${envs[*]} " == *" LADDER_GROUPED_WGMMA=1 "* ]] && [ $WG_OK != 1 ]; then skip="the wgmma grouped GEMM did not pass its tests here"
+  fi
+  if [ -n "$skip" ]; then
+    log "skipping $mp: $skip"
     continue
   fi
-  if [ ${#envs[@]} -gt 0 ] && [[ " ${envs[*]} " == *" LADDER_ATTN_MMA=0 "* ]] && [ $MMA_OK != 1 ]; then
-    log "skipping $mp: every bench runs the WMMA attention already (the mma.sync kernels did not pass here)"
+  # A row: 60 s at most (about 10 s in run 3; grad_accum=4 rows take longer). With the baseline: Ladder's 6 steps, then PyTorch's start (import, CUDA
+  # context), 2 warm-up and 4 timed steps (torch.compile: its compilation too): up to 200 s, started
+  # only with 45 s of the rows' time and 90 s before the deadline left.
+  cap=60
+  need=1
+  [ ${#tflags[@]} -gt 0 ] && cap=200 && need=45
+  if [ $((ROW_END - $(now))) -lt $need ] || { [ ${#tflags[@]} -gt 0 ] && [ $((DEADLINE - $(now))) -lt 90 ]; }; then
+    NOT_RUN="$NOT_RUN $mp"
     continue
-  fi
-  if [[ " ${envs[*]} " == *" LADDER_GROUPED_MMA=0 "* ]] && [ $GG_OK != 1 ]; then
-    log "skipping $mp: every bench runs the WMMA grouped GEMM already"
-    continue
-  fi
-  if [[ " ${envs[*]} " == *" LADDER_ATTN_WGMMA=1 "* ]] && [ $AW_OK != 1 ]; then
-    log "skipping $mp: the wgmma attention did not pass its tests here"
-    continue
-  fi
-  if [[ ",$extra," == *",run.attention=cudnn"* ]] && [ $CUDNN_OK != 1 ]; then
-    log "skipping $mp: cuDNN attention did not pass its test here"
-    continue
-  fi
-  if [[ " ${envs[*]} " == *" LADDER_GROUPED_WGMMA=1 "* ]] && [ $WG_OK != 1 ]; then
-    log "skipping $mp: the wgmma grouped GEMM did not pass its tests here"
-    continue
-  fi
-  # 370 s, not 420: the profiled benches below (about 12 s each in run 3) get the last minute.
-  [ $(($(date +%s) - T0)) -lt 370 ] || { log "skipping $mp: over 370 s (the profiles come next)"; continue; }
-  # A row with the baseline: Ladder's 6 steps, then PyTorch's start (import, CUDA context), 2 warm-up
-  # and 4 timed steps (torch.compile: its compilation too): up to 200 s, and never past 480 s.
-  to=100
-  if [ ${#tflags[@]} -gt 0 ]; then
-    to=$((480 - ($(date +%s) - T0)))
-    [ $to -gt 200 ] && to=200
-    [ $to -ge 90 ] || { log "skipping $mp: under 90 s left for a row with PyTorch"; continue; }
   fi
   echo "=== $mp" >>"$OUT/models.log"
-  env "${envs[@]}" timeout $to "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda "${sets[@]}" \
+  run_step $cap $DEADLINE 20 env "${envs[@]}" "$BIN/ladder" bench --config "configs/gpu/$m.yaml" --device cuda "${sets[@]}" \
     --steps 4 --json "${tflags[@]}" >"$ROW" 2>&1
   rc=$?
   cat "$ROW" >>"$OUT/models.log"
   # Two MFUs: against the GEMM rate measured in the same run at this precision, and against the
   # H100/H200 datasheet's dense rate (bf16 989, tf32 495, fp32 67 TFLOP/s), the number papers quote.
-  row=$(grep '^{' "$ROW" | tail -n 1 | PREC=$prec python3 -c 'import json,os,sys
+  row=$(grep '^{' "$ROW" | tail -n 1 | PREC=$prec "${ORIG[@]}" python3 -c 'import json,os,sys
 try:
     j = json.loads(sys.stdin.read())
     peak = {"bf16": 989e3, "tf32": 494.7e3, "fp32": 66.9e3}[os.environ["PREC"]]
@@ -360,30 +478,35 @@ try:
     print()
 except Exception:
     print("   (failed: see models.log)")' 2>/dev/null)
-  MODEL_ROWS="$MODEL_ROWS$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rc" "$row" "$extra")"$'\n'
+  case $rc in 124 | 137) rcs=TO ;; 200) rcs=NR ;; *) rcs=$rc ;; esac
+  line=$(printf '%-12s %-5s rc=%-3s %s %s' "$m" "$prec" "$rcs" "${row:-   (failed: see models.log)}" "$extra")
+  MODEL_ROWS="$MODEL_ROWS$line"$'\n'
+  echo "$line" >>"$RES"
+  log "row: $line"
 done
-rm -f "$ROW"
+if [ -n "$NOT_RUN" ]; then
+  log "$(wc -w <<<"$NOT_RUN") rows not run (the rows' time was spent; listed in results.log)"
+  echo "not run (the rows' time was spent):$NOT_RUN" >>"$RES"
+fi
 
-# ---- 5b. where the time goes: profiled benches (each op's device time from CUDA events on the
-# backend's stream, Backend::make_op_timer; no host wait per op) of the bf16 MoE at d=1024 and the
-# bf16 dense at d=2048 (the presets the MFU goals are furthest from / closest to).
+# ---- 5. where the time goes: profiled benches (each op's device time from CUDA events on the
+# backend's stream, Backend::make_op_timer; no host wait per op), while 20 s are left.
 PROFILE_ROWS=""
-# The third: the MoE with the capacity layout, where its batched GEMMs show apart ("batched gemm").
-# The fourth, where cuDNN attention passed its test: the MoE with it (what attention costs then).
-PROFILES="moe-d1024 dense-d2048 moe-d1024:$CAP"
-[ $CUDNN_OK = 1 ] && PROFILES="$PROFILES moe-d1024:$ND"
+PROF=$TMPD/profile.out
+[ "${GPU_CHECK_PROFILE:-1}" != 0 ] && echo "== profiles (bf16, ladder bench --profile: device time per op from CUDA events, top 12; then the 8 slowest GEMM shapes)" >>"$RES"
 for pm in $PROFILES; do
-  [ "${GPU_CHECK_PROFILE:-1}" != 0 ] && [ $(($(date +%s) - T0)) -lt 420 ] || break
+  [ "${GPU_CHECK_PROFILE:-1}" != 0 ] || break
+  [ $((DEADLINE - $(now))) -ge 20 ] || { log "profiles stopped: under 20 s before the deadline"; break; }
   IFS=: read -r pp pset <<<"$pm"
   psets=(--set run.precision=bf16)
   penv=()  # a LADDER_* item is an environment variable, as in the model list
   if [[ $pset == LADDER_* ]]; then penv+=("$pset"); elif [ -n "$pset" ]; then psets+=(--set "$pset"); fi
-  log "profiled bench: $pm bf16 (log: profile.log)"
-  # One log for all (the device tool brings back at most 8 files from $OUT).
-  env "${penv[@]}" timeout 90 "$BIN/ladder" bench --config "configs/gpu/$pp.yaml" --device cuda "${psets[@]}" \
-    --steps 2 --profile --json >"$OUT/profile-run.tmp" 2>&1
-  { echo "=== $pm"; cat "$OUT/profile-run.tmp"; } >>"$OUT/profile.log"
-  PROFILE_ROWS="$PROFILE_ROWS$(tail -n 1 "$OUT/profile-run.tmp" | PM=$pm python3 -c 'import json,os,sys
+  log "profiled bench: $pm bf16 (log: models.log)"
+  run_step 90 $DEADLINE 20 env "${penv[@]}" "$BIN/ladder" bench --config "configs/gpu/$pp.yaml" --device cuda "${psets[@]}" \
+    --steps 2 --profile --json >"$PROF" 2>&1
+  prc=$?
+  { echo "=== profile $pm: $(rcword $prc)"; cat "$PROF"; } >>"$OUT/models.log"
+  full=$(grep '^{' "$PROF" | tail -n 1 | PM=$pm "${ORIG[@]}" python3 -c 'import json,os,sys
 try:
     j = json.loads(sys.stdin.read())
     p, steps = j["profile"], max(1, j["steps_timed"])
@@ -398,41 +521,130 @@ try:
         print("    %5.1f%% %8.2f ms/step %5d calls %6.1f TFLOP/s  %s" % (100 * t["share"], t["ms_per_step"], t["calls"] // steps,
               t["gflops"] / 1e3, key))
 except Exception:
-    print("%s: (failed: see profile.log)" % os.environ["PM"])' 2>/dev/null)"$'\n'
+    print("%s: (failed: see models.log)" % os.environ["PM"])' 2>/dev/null)
+  [ -n "$full" ] || full="$pm: (failed: see models.log)"
+  echo "$full" >>"$RES"
+  # The verdict keeps the 6 largest ops and the 3 slowest GEMM shapes.
+  short=$(awk '/^    / {if (s++ < 3) print; next} /^  / {if (o++ < 6) print; next} {sub(/ of the steps .*/, ""); print}' <<<"$full")
+  PROFILE_ROWS="$PROFILE_ROWS$short"$'\n'
+  echo "$short"
 done
-rm -f "$OUT/profile-run.tmp"
 
-# ---- 6. the table, last -------------------------------------------------------------------------
-echo
-echo "== gpu-check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), build: $BIN, $(($(date +%s) - T0)) s =="
-echo "GPU tests: exit $TEST_RC; $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep '^\[  FAILED  \] Cuda' "$OUT/tests.log" | awk '{print $4}' | sort -u | wc -l) failed; sanitizer exit: $SAN_RC"
-echo "largest relative error per op (vs the CPU kernels):"
-grep '^\[ rel err  \]' "$OUT/tests.log" | awk '{
-  op = $5; for (i = 6; i <= NF && $i !~ /^[0-9.]+e[-+][0-9]+$/; ++i) if ($i !~ /=|[0-9]x[0-9]/) op = op " " $i;
-  v = $i + 0; if (!(op in mx) || v > mx[op]) mx[op] = v } END { for (o in mx) printf "  %-26s %.2e\n", o, mx[o] }' | sort
-echo "grouped GEMM wgmma (sm_90a): exit $WG_RC, $([ $WG_OK = 1 ] && echo "CudaWgmma + CudaGroupedTc with wgmma passed" || echo "not passed or skipped: see wgmma.log ('[ wgmma    ]' lines name the layout fact at fault)")"
-grep -E '^\[  (FAILED|SKIPPED) \] Cuda|^\[ wgmma    \]' "$OUT/wgmma.log" | sort -u | head -n 16 | sed 's/^/  /'
-grep '^\[ rel err  \] wgmma' "$OUT/wgmma.log" | sed 's/^\[ rel err  \] /  /'
-echo "attention wgmma (sm_90a): exit $AW_RC, $([ $AW_OK = 1 ] && echo "CudaAttentionWgmma passed" || echo "not passed or skipped: see wgmma.log")"
-sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep -E '^\[  (FAILED|SKIPPED) \] Cuda|\[ wgmma    \] register A' | sort -u | head -n 8 | sed 's/^/  /'
-sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '^\[ rel err  \] attn_wgmma .* vs mma' | sed 's/^\[ rel err  \] /  /'
-echo "cuDNN attention: $([ $CUDNN_OK = 1 ] && echo "CudaAttnBf16.AttentionCudnnMatchesTheCpu passed" || echo "not passed or skipped")"
-grep '^\[ cudnn    \]' "$OUT/tests.log" | head -n 12 | sed 's/^/  /'
-grep -hsE 'declined attention|runs attention|cuDNN attention is on|cuDNN attention not used' "$OUT/tests.log" \
-  "$OUT/models.log" | sort -u | head -n 16 | sed 's/^/  /'
-echo "PyTorch baseline ($TORCH_VERSION): check_fast_model.py on this GPU, fp32/bf16 exit $TORCH_RC$([ $TORCH_OK = 1 ] && echo ": the same model" || echo ": see tests.log")"
-sed -n '/^=== TorchFast/,$p' "$OUT/tests.log" | grep -E '^\[FAIL\]|failed|passed|^torch ' | head -n 8 | sed 's/^/  /'
-echo "grouped GEMM throughput (CudaGroupedTc.Throughput: E=64 experts, fp32 kernel vs tensor cores by operand staging; 'experts' rows: ThroughputAgainstBatchedCublasLt, the presets' expert GEMMs grouped vs one strided-batched cuBLASLt call at capacity C):"
-grep '^\[ thruput  \]' "$OUT/tests.log" | sed 's/^\[ thruput  \] /  /'
-grep '^\[ thruput  \].*wgmma' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'
-echo "benchmark: exit $BENCH_RC"
-sed -n '/^| what/,$p' "$OUT/bench.log"
-[ "$BENCH_RC" = 0 ] || tail -n 5 "$OUT/bench.log"
-echo "model benchmarks (ladder bench --device cuda, median of 4 steps; MFU = model TFLOP/s / same-run GEMM TFLOP/s):"
-echo "preset       prec  rc      tokens/s  TFLOP/s  GEMM TF/s    MFU  MFU@ds  act MiB  dev MiB  (settings)"
-printf '%s' "$MODEL_ROWS"
-if [ -n "$PROFILE_ROWS" ]; then
-  echo "where a step's time goes (bf16, ladder bench --profile: device time per op from CUDA events, top 12; then the 8 slowest GEMM shapes):"
-  printf '%s' "$PROFILE_ROWS"
+# ---- 6. with the time left before the deadline ----------------------------------------------------
+[ "$BENCH_RC" = skipped ] && run_bench $DEADLINE
+if [ -n "$TORCH_PY" ]; then
+  echo "=== TorchFast bf16: check_fast_model.py --device cuda --precision bf16" >>"$OUT/tests.log"
+  run_step 60 $DEADLINE 20 "${ORIG[@]}" "$TORCH_PY" tests/reference/check_fast_model.py --device cuda --precision bf16 \
+    >>"$OUT/tests.log" 2>&1
+  TORCH_BF16_RC=$?
+  log "PyTorch bf16 check: $(rcword $TORCH_BF16_RC)"
 fi
-[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
+# The memory checker on the small kernel tests (out-of-bounds, uninitialized reads, races), without
+# the wgmma tests (LADDER_TEST_WGMMA=0; they get a memcheck of their own where they passed), cuDNN's
+# (its library is no kernel of ours) and the large shapes. A part killed at its time says "timed out".
+SAN="skipped"
+if [ "${GPU_CHECK_SANITIZER:-1}" != 0 ] && command -v compute-sanitizer >/dev/null; then
+  log "compute-sanitizer memcheck + racecheck while time is left (log: sanitizer.log)"
+  : >"$OUT/sanitizer.log"
+  san() {  # name cap min filter [env...]: one compute-sanitizer pass
+    local name=$1 cap=$2 min=$3 tool=memcheck rc
+    [[ $name == racecheck* ]] && tool=racecheck
+    echo "=== $name" >>"$OUT/sanitizer.log"
+    run_step "$cap" $DEADLINE "$min" env LADDER_TEST_WGMMA="$5" compute-sanitizer --tool $tool --error-exitcode 9 \
+      "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter="$4" >>"$OUT/sanitizer.log" 2>&1
+    rc=$?
+    case $rc in 0) r=clean ;; 9) r="ERRORS" ;; *) r=$(rcword $rc) ;; esac
+    SAN="$SAN, $name $r"
+  }
+  SAN="sanitizer:"
+  san memcheck 120 45 'CudaKernels.Embedding*:CudaKernels.RmsNorm*:CudaKernels.Rope*:CudaKernels.Attention*:CudaKernels.Softmax*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaMmaPtx.*:CudaMoe.Sort*:CudaMoe.GroupedGemm*:CudaMoe.GatherAndCombine*:CudaSwitchOptim.*:CudaGroupedTc.*:CudaAttnBf16.*-*Throughput*:*LargeShapes*:*Cudnn*' 0
+  san racecheck 90 30 'CudaKernels.AttentionForwardBackward:CudaKernels.RmsNorm*:CudaAttentionTc.UnalignedInputs:CudaAttentionMma.UnalignedInputs:CudaGroupedTc.BothShapes' 0
+  # The wgmma kernels: both staging paths (BothShapes' third tile product: registers; WgmmaBothShapes:
+  # cp.async) and the self-test.
+  [ $WG_OK = 1 ] && san memcheck-wgmma 60 30 'CudaWgmma.*:CudaGroupedTc.BothShapes:CudaGroupedTc.WgmmaBothShapes' 1
+  [ $AW_OK = 1 ] && san memcheck-attn-wgmma 60 30 'CudaAttentionWgmma.UnalignedInputs:CudaAttentionWgmma.RegisterAFragmentLayout' 1
+  SAN=${SAN/sanitizer:, /}
+  log "compute-sanitizer: $SAN"
+fi
+
+# ---- 7. the long lists (results.log), then the verdict, last ----------------------------------------
+{
+  echo "== largest relative error per op (vs the CPU kernels)"
+  cat "$OUT/tests.log" "$OUT/wgmma.log" | grep '^\[ rel err  \]' | awk '{
+    op = $5; for (i = 6; i <= NF && $i !~ /^[0-9.]+e[-+][0-9]+$/; ++i) if ($i !~ /=|[0-9]x[0-9]/) op = op " " $i;
+    v = $i + 0; if (!(op in mx) || v > mx[op]) mx[op] = v } END { for (o in mx) printf "  %-40s %.2e\n", o, mx[o] }' | sort
+  echo "== grouped GEMM throughput (CudaGroupedTc.Throughput*; wgmma rows from wgmma.log)"
+  grep -h '^\[ thruput  \]' "$OUT/tests.log" "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'
+  echo "== wgmma self-test lines"
+  grep -h '^\[ wgmma    \]' "$OUT/wgmma.log" | sort -u
+  echo "== cuDNN lines"
+  grep -h '^\[ cudnn    \]' "$OUT/tests.log"
+  grep -hsE 'declined attention|runs attention|cuDNN attention is on|cuDNN attention not used' "$OUT/tests.log" "$OUT/models.log" | sort -u
+  echo "== tests not passed: main process"
+  echo "$MAIN_NOTOK"
+  echo "== tests not passed: cuDNN process"
+  echo "$CUDNN_NOTOK"
+  echo "== tests not passed: wgmma processes"
+  notok "$OUT/wgmma.log"
+} >>"$RES" 2>&1
+
+V=$TMPD/verdict
+{
+  echo
+  echo "== gpu-check verdict: ${GPU_NAME:-no GPU name}, build: $BIN, $(($(now) - T0)) s (deadline $((DEADLINE - T0)) s) =="
+  [ -f "$BIN/BUILD_INFO" ] && grep -E '^(commit|dirty|cuDNN)' "$BIN/BUILD_INFO" | tr '\n' ';' && echo
+  NOTOK_ALL=$(printf '%s\n%s\n' "$MAIN_NOTOK" "$CUDNN_NOTOK" | grep .)
+  echo "GPU tests (main and cuDNN processes): $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep -c . <<<"$NOTOK_ALL") not ok, $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log") skipped; main process $(rcword $TEST_RC), ran ${TESTS_RAN} of ${TESTS_TOTAL:-?}"
+  [ -n "$NOTOK_ALL" ] && head -n 10 <<<"$NOTOK_ALL" | sed 's/^/  not ok: /'
+  echo "mma.sync attention: $([ $MMA_OK = 1 ] && echo "on ($MMA_RAN tests passed)" || echo "OFF: a test failed, benches on WMMA"); grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo on || echo "OFF: a test failed, benches on WMMA")"
+  echo "cuDNN attention: $(rcword $CUDNN_RC), $([ $CUDNN_OK = 1 ] && echo "PASSED (rows added)" || echo "not passed or skipped")"
+  [ -n "$CUDNN_NOTOK" ] && head -n 4 <<<"$CUDNN_NOTOK" | awk '{print "  not ok: " $0}' 
+  grep '^\[ cudnn    \]' "$OUT/tests.log" | head -n 4 | cut -c1-150 | sed 's/^/  /'
+  grep -hsE 'declined attention|runs attention|cuDNN attention is on|cuDNN attention not used' "$OUT/models.log" | sort -u | head -n 4 | cut -c1-150 | sed 's/^/  /'
+  echo "grouped GEMM wgmma: self-test $(rcword $WG1), grouped GEMM $(rcword $WG2): $([ $WG_OK = 1 ] && echo "PASSED (rows added)" || echo "not passed")"
+  if [ $WG_OK != 1 ]; then
+    # The self-test's lines name the layout fact at fault; then what did not pass, a hang included.
+    [ "$WG1" = 0 ] || grep '^\[ wgmma    \]' "$OUT/wgmma.log" | sort -u | head -n 6 | cut -c1-150 | sed 's/^/  /'
+    notok "$OUT/wgmma.log" | grep -v '^CudaAttentionWgmma' | head -n 4 | sed 's/^/  not ok: /'
+  fi
+  grep '^\[ thruput  \].*(all bf16)' "$OUT/wgmma.log" | sed 's/^\[ thruput  \] /  /'
+  echo "attention wgmma: $(rcword $AW_RC): $([ $AW_OK = 1 ] && echo "PASSED (rows added)" || echo "not passed")"
+  if [ $AW_OK != 1 ]; then
+    sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '\[ wgmma    \] register A' | sort -u | head -n 2 | cut -c1-150 | sed 's/^/  /'
+    notok "$OUT/wgmma.log" | grep '^CudaAttentionWgmma' | head -n 4 | sed 's/^/  not ok: /'
+  fi
+  sed -n '/^=== CudaAttentionWgmma/,$p' "$OUT/wgmma.log" | grep '^\[ rel err  \] attn_wgmma .* vs mma' | head -n 6 | sed 's/^\[ rel err  \] /  /'
+  echo "PyTorch ($TORCH_VERSION): fp32 check (the gate) $(rcword $TORCH_RC), bf16 check (reported) $(rcword $TORCH_BF16_RC)"
+  sed -n '/^=== TorchFast/,$p' "$OUT/tests.log" | grep -E '^\[FAIL\]' | head -n 4 | cut -c1-150 | sed 's/^/  /'
+  echo "compute-sanitizer: $SAN"
+  echo "relative errors: $(grep -c '^\[ rel err  \]' "$OUT/tests.log") comparisons; the largest per op in results.log"
+  echo "benchmark: $(rcword $BENCH_RC); the GEMM ceiling and attention (full table: bench.log):"
+  grep -E '^\| (gemm .*8192|attn fwd\+bwd .* hd64 W0|attn cudnn|d2d copy)' "$OUT/bench.log" | cut -c1-100 | sed 's/^/  /'
+  grep -E '^attn cudnn rows skipped|not run:' "$OUT/bench.log" | head -n 2 | sed 's/^/  /'
+  [ "$BENCH_RC" = 0 ] || [ "$BENCH_RC" = skipped ] || tail -n 3 "$OUT/bench.log" | cut -c1-150 | sed 's/^/  /'
+  if [ -n "$PROFILE_ROWS" ]; then
+    echo "where a step's time goes (top 6 ops, 3 slowest GEMM shapes; all in results.log):"
+    printf '%s' "$PROFILE_ROWS"
+  fi
+  echo "model rows ($(grep -c . <<<"$MODEL_ROWS") run$([ -n "$NOT_RUN" ] && echo ", $(wc -w <<<"$NOT_RUN") not run: no time"); rc TO = timed out):"
+  echo "$HDR"
+  printf '%s' "$MODEL_ROWS"
+} >"$V" 2>&1
+# The verdict must fit the device tool's output tail with room to spare: where it does not, the
+# profiles (in results.log in full) shrink to their 3 largest ops, then go.
+if [ "$(wc -c <"$V")" -gt 10000 ] && [ -n "$PROFILE_ROWS" ]; then
+  awk '/^where a step.s time goes/ {p = 1; print "where a step'"'"'s time goes (top 3 ops; the rest in results.log):"; next}
+    /^model rows / {p = 0}
+    p && /^    / {next}
+    p && /^  / {if (n++ < 3) print; next}
+    p {n = 0}
+    {print}' "$V" >"$V.2" && mv "$V.2" "$V"
+fi
+if [ "$(wc -c <"$V")" -gt 10000 ] && [ -n "$PROFILE_ROWS" ]; then
+  awk '/^where a step.s time goes/ {p = 1; print "where a step'"'"'s time goes: left out (verdict over 10 KB); see results.log"; next}
+    /^model rows / {p = 0} !p' "$V" >"$V.2" && mv "$V.2" "$V"
+fi
+echo "== files under \$OUT: $(find "$OUT" -maxdepth 1 -type f | wc -l) (the device tool brings back at most 8); verdict $(wc -c <"$V") bytes" >>"$V"
+cat "$V" >>"$RES"
+cat "$V"
+[ "$TEST_RC" = 0 ] && { [ "$BENCH_RC" = 0 ] || [ "$BENCH_RC" = skipped ]; }

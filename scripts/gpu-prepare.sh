@@ -10,13 +10,23 @@ B=${GPU_PREP_BUILD_DIR:-build-sm90}
 if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDACXX=/usr/local/cuda/bin/nvcc
 fi
+# Allowed, but the bundle then holds changes no commit names: say so loudly (BUILD_INFO counts them).
+dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+if [ "$dirty" -gt 0 ]; then
+  echo "gpu-prepare: WARNING: $dirty tracked files have uncommitted changes; the bundle is built from the working tree," \
+    "not from commit $(git rev-parse --short HEAD 2>/dev/null)" >&2
+fi
+# The old bundle goes first: a failed build must not leave a stale one to be carried.
+rm -rf gpu-bundle
 # LADDER_NATIVE=OFF: AVX2+FMA only, so the host code also runs on the GPU machine's processor.
+# The configure output is kept (its "cuDNN attention: compiled / not compiled" line goes into BUILD_INFO).
+mkdir -p "$B"
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DLADDER_NATIVE=OFF -DLADDER_TESTS=ON >/dev/null
+  -DLADDER_NATIVE=OFF -DLADDER_TESTS=ON >"$B/gpu-prepare-configure.log" 2>&1 ||
+  { tail -n 30 "$B/gpu-prepare-configure.log"; exit 1; }
 cmake --build "$B" -j "${JOBS:-2}" --target ladder_cuda_tests ladder_cuda_bench ladder
 # Staged in gpu-bundle/stage, then packed into one gzip'd tar: the device tool carries at most 64 MiB,
 # and the three binaries (each with every kernel) plus OpenBLAS are ~66 MB raw, ~21 MB packed.
-rm -rf gpu-bundle
 S=gpu-bundle/stage
 mkdir -p "$S/lib"
 cp "$B/ladder_cuda_tests" "$B/ladder_cuda_bench" "$B/ladder" "$S/"
@@ -30,7 +40,10 @@ done | sort -u | while read -r name path; do
 done
 {
   echo "commit $(git rev-parse HEAD)"
-  echo "dirty $(git status --porcelain --untracked-files=no | wc -l) tracked files changed"
+  echo "dirty $dirty tracked files changed"
+  # "cuDNN attention: compiled (...)" or "not compiled (...)": from this build's configure output.
+  grep -m1 -o 'cuDNN attention: .*' "$B/gpu-prepare-configure.log" ||
+    echo 'cuDNN attention: unknown (no such line in the configure output)'
   echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(nvcc --version 2>/dev/null | tail -1)"
 } > "$S/BUILD_INFO"
 cp "$S/BUILD_INFO" gpu-bundle/BUILD_INFO
@@ -39,3 +52,7 @@ tar czf gpu-bundle/bundle.tgz -C "$S" .
 rm -rf "$S"
 ls -la gpu-bundle
 du -sh gpu-bundle
+cat gpu-bundle/BUILD_INFO
+if [ "$dirty" -gt 0 ]; then
+  echo "gpu-prepare: WARNING: built from a dirty tree ($dirty tracked files changed since $(git rev-parse --short HEAD))" >&2
+fi

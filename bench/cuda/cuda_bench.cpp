@@ -8,7 +8,8 @@
 // reference path (" ref" rows); cuDNN's fused attention (LADDER_ATTN_CUDNN's path, rows "... cudnn"
 // and, with its nondeterministic backward, "... cudnn-nd",
 // where the build compiled it and libcudnn loads) through the backend's bf16 attention ops at the
-// tensor-core rows' shapes. Random data (never zeros),
+// tensor-core rows' shapes (LADDER_BENCH_CUDNN=0 skips them: gpu-check sets it where cuDNN's tests did
+// not pass, since a cuDNN fault would end this benchmark). Random data (never zeros),
 // warm-up first, CUDA events around each repetition, the median reported. Prints a table last.
 //   ladder_cuda_bench [--quick]     (--quick: 4096^3 GEMMs, one attention and one Newton-Schulz shape only)
 #include <cuda_runtime.h>
@@ -193,7 +194,11 @@ int main(int argc, char** argv) {
     // Both backward modes: "cudnn" (deterministic: cuDNN may decline it, see attention_cudnn.h) and
     // "cudnn-nd" (its atomic dQ).
     std::unique_ptr<CudaBackend> dnns[2];
-    for (int i = 0; i < 2; ++i) {
+    const char* env_dnn = std::getenv("LADDER_BENCH_CUDNN");
+    const bool with_dnn = !(env_dnn && std::string(env_dnn) == "0");
+    if (!with_dnn)
+      std::printf("attn cudnn rows skipped: LADDER_BENCH_CUDNN=0 (cuDNN's tests did not pass in this run)\n");
+    for (int i = 0; i < 2 && with_dnn; ++i) {
       CudaOptions o;
       o.bf16 = true;
       o.cudnn_attention = true;
@@ -281,7 +286,7 @@ int main(int argc, char** argv) {
       }
       k::attention_tc_set_kernels(saved);
 #if LADDER_HAVE_CUDNN
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < 2 && with_dnn; ++i) {
         CudaBackend* dnn = dnns[i].get();
         const std::string fam = i ? "cudnn-nd" : "cudnn";
         const uint64_t c0 = dnn->cudnn_attention_calls();
