@@ -7,6 +7,7 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <map>
 #include <tuple>
@@ -288,6 +289,17 @@ class CudnnAttentionImpl final : public CudnnAttention {
 
 }  // namespace
 
+// libcudnn.so.9 is a shim that opens its sub-libraries (libcudnn_graph, libcudnn_engines_*) by name
+// through the loader's search: a library named by a path in LADDER_CUDNN_LIB loads, and then cuDNN
+// fails to find the rest unless that folder is on LD_LIBRARY_PATH. Said where such a failure shows.
+static std::string sublibrary_hint() {
+  const char* env = std::getenv("LADDER_CUDNN_LIB");
+  if (!env || !std::strchr(env, '/')) return "";
+  return fmt::format(" (cuDNN 9 opens libcudnn_graph and its engine libraries by name: put the folder of "
+                     "LADDER_CUDNN_LIB={} on LD_LIBRARY_PATH)",
+                     env);
+}
+
 std::unique_ptr<CudnnAttention> CudnnAttention::open(cudaStream_t stream, bool deterministic, std::string* why) {
   if (std::string e = load_cudnn(); !e.empty()) {
     *why = e;
@@ -308,7 +320,7 @@ std::unique_ptr<CudnnAttention> CudnnAttention::open(cudaStream_t stream, bool d
     cudnnHandle_t h = nullptr;
     const cudnnStatus_t st = fe::detail::create_handle(&h);
     if (st != CUDNN_STATUS_SUCCESS) {
-      *why = fmt::format("cudnnCreate: {}", fe::detail::get_error_string(st));
+      *why = fmt::format("cudnnCreate: {}{}", fe::detail::get_error_string(st), sublibrary_hint());
       return nullptr;
     }
     const cudnnStatus_t ss = fe::detail::set_stream(h, stream);
@@ -323,7 +335,7 @@ std::unique_ptr<CudnnAttention> CudnnAttention::open(cudaStream_t stream, bool d
     if (deterministic) setenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT", "0", 0);
     return std::make_unique<CudnnAttentionImpl>(h, stream, v, major, deterministic);
   } catch (const std::exception& e) {
-    *why = e.what();
+    *why = e.what() + sublibrary_hint();
     return nullptr;
   }
 }
