@@ -3,7 +3,11 @@
 #include <yaml-cpp/yaml.h>
 
 #include <nlohmann/json.hpp>
+#include <cctype>
 #include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string_view>
 #include <functional>
 #include <cmath>
 #include <algorithm>
@@ -132,6 +136,62 @@ const char* type_name(const Ref& r) {
       r);
 }
 
+// An integer written as digits or as an exact decimal (64, -3, 1e6, 64.0: configs write step counts
+// as 1e6), read without going through double so that nothing is rounded (2^53 + 1 stays odd, a seed
+// keeps every digit) and no value wraps into another. nullopt: not such a number, a fraction, or
+// a magnitude past 2^64 (beyond every integer field's range; the caller names the range).
+std::optional<__int128> parse_integer(std::string_view s) {
+  size_t i = 0;
+  bool neg = false;
+  if (i < s.size() && (s[i] == '+' || s[i] == '-')) neg = s[i++] == '-';
+  std::string digits;  // the mantissa's digits, integer and fraction parts together
+  int64_t exp10 = 0;   // the value is digits x 10^exp10
+  bool any = false;
+  for (; i < s.size() && std::isdigit((unsigned char)s[i]); ++i, any = true) digits += s[i];
+  if (i < s.size() && s[i] == '.')
+    for (++i; i < s.size() && std::isdigit((unsigned char)s[i]); ++i, any = true, --exp10) digits += s[i];
+  if (!any) return std::nullopt;
+  if (i < s.size() && (s[i] == 'e' || s[i] == 'E')) {
+    ++i;
+    bool eneg = false;
+    if (i < s.size() && (s[i] == '+' || s[i] == '-')) eneg = s[i++] == '-';
+    if (i == s.size()) return std::nullopt;
+    int64_t e = 0;
+    for (; i < s.size() && std::isdigit((unsigned char)s[i]); ++i) e = std::min<int64_t>(e * 10 + (s[i] - '0'), 100000);
+    exp10 += eneg ? -e : e;
+  }
+  if (i != s.size()) return std::nullopt;
+  digits.erase(0, std::min(digits.find_first_not_of('0'), digits.size()));
+  if (digits.empty()) return __int128(0);
+  // A negative exponent drops digits, which must be zeros (64.0, 1.5e1); any other is a fraction.
+  for (; exp10 < 0; ++exp10) {
+    if (digits.back() != '0') return std::nullopt;
+    digits.pop_back();
+  }
+  if (int64_t(digits.size()) + exp10 > 21) return std::nullopt;  // >= 10^21 > 2^64
+  digits.append(size_t(exp10), '0');
+  unsigned __int128 v = 0;
+  for (char ch : digits) v = v * 10 + unsigned(ch - '0');
+  if (v > (unsigned __int128)(1) << 64) return std::nullopt;
+  return neg ? -__int128(v) : __int128(v);
+}
+
+// "an integer in [lo, hi]" for T: the range every error about an integer field states.
+template <class T>
+std::string integer_range() {
+  return fmt::format("an integer in [{}, {}]", std::numeric_limits<T>::min(), std::numeric_limits<T>::max());
+}
+
+// Converts `text` (a YAML scalar's text, or JSON's) for an integer field of type T; nullopt if it is
+// not an integer or does not fit T (the old path through double wrapped 4294967360 into an int 64).
+template <class T>
+std::optional<T> integer_for(std::string_view text) {
+  auto v = parse_integer(text);
+  if (!v || *v < __int128(std::numeric_limits<T>::min()) || *v > __int128(std::numeric_limits<T>::max()))
+    return std::nullopt;
+  return T(*v);
+}
+
 // Parses a scalar into the field; `where` prefixes errors ("cfg.yaml:12: model.d_model").
 void set_scalar(Config& c, const Field& f, const std::string& text, const std::string& where) {
   Ref r = f.ref(c);
@@ -145,28 +205,24 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
           if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front())
             v = v.substr(1, v.size() - 2);
           *p = v;
-          return;
-        }
-        try {
-          YAML::Node n = YAML::Load(text);
-          if (!n.IsScalar()) throw YAML::Exception(YAML::Mark::null_mark(), "not a scalar");
-          if constexpr (std::is_same_v<T, std::string>) {
-            *p = n.as<std::string>();
-          } else if constexpr (std::is_same_v<T, bool>) {
-            *p = n.as<bool>();
-          } else if constexpr (std::is_same_v<T, double>) {
-            *p = n.as<double>();
-          } else {
-            // Integers may be written 1e6 or 1_000? Accept plain integers and exact floats.
-            double d = n.as<double>();
-            if (d != (double)(int64_t)d) throw YAML::Exception(YAML::Mark::null_mark(), "not an integer");
-            if constexpr (std::is_same_v<T, uint64_t>) {
-              if (d < 0) throw YAML::Exception(YAML::Mark::null_mark(), "negative");
+        } else {
+          std::string expected = type_name(r);
+          if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) expected = integer_range<T>();
+          try {
+            YAML::Node n = YAML::Load(text);
+            if (!n.IsScalar()) throw YAML::Exception(YAML::Mark::null_mark(), "not a scalar");
+            if constexpr (std::is_same_v<T, bool>) {
+              *p = n.as<bool>();
+            } else if constexpr (std::is_same_v<T, double>) {
+              *p = n.as<double>();
+            } else {
+              auto v = integer_for<T>(n.Scalar());
+              if (!v) throw YAML::Exception(YAML::Mark::null_mark(), "not an integer of this type");
+              *p = *v;
             }
-            *p = (T)(int64_t)d;
+          } catch (const YAML::Exception&) {
+            fail("{}: {} expects {}, got '{}'", where, f.key, expected, text);
           }
-        } catch (const YAML::Exception&) {
-          fail("{}: {} expects {}, got '{}'", where, f.key, type_name(r), text);
         }
       },
       r);
