@@ -40,6 +40,17 @@ std::string error_of(Fn fn) {
       EXPECT_NE(m_.find(n_), std::string::npos) << n_ << " not in: " << m_;      \
   } while (0)
 
+// A small config that validates on this build.
+Config small() {
+  Config c;
+  c.source = "small";
+  c.model.d_model = 32;
+  c.model.n_layers = 4;
+  c.model.n_heads = 4;
+  c.run.steps = 1000;
+  return c;
+}
+
 TEST(ConfigInput, IntegersAreReadExactlyAndRangeChecked) {
   test::TempDir d("cfg-int");
   const fs::path ok = d.path / "ok.yaml";
@@ -70,6 +81,83 @@ TEST(ConfigInput, IntegersAreReadExactlyAndRangeChecked) {
   EXPECT_EQ(load_config(ok, {"run.steps=2.5e3"}).run.steps, 2500);
   EXPECT_EQ(load_config(ok, {"model.d_model=128.0"}).model.d_model, 128);
   EXPECT_EQ(load_config(ok, {"run.seed=1.8446744073709551615e19"}).run.seed, std::numeric_limits<uint64_t>::max());
+}
+
+// Every number of the schema (the float fields of to_json) refuses NaN and inf, from a file or --set.
+TEST(ConfigInput, EveryNumberMustBeFinite) {
+  test::TempDir d("cfg-finite");
+  const fs::path ok = d.path / "ok.yaml";
+  write_file_atomic(ok, "model:\n  d_model: 64\n");
+  int numbers = 0;
+  const nlohmann::json defaults = to_json(Config{});
+  for (auto& [sec, fields] : defaults.items())
+    for (auto& [name, v] : fields.items()) {
+      if (!v.is_number_float()) continue;
+      ++numbers;
+      const std::string key = sec + "." + name;
+      for (const char* bad : {".nan", ".inf", "-.inf", ".NaN"})
+        EXPECT_ERROR_HAS(error_of([&] { load_config(ok, {key + "=" + bad}); }), key.c_str(), "a finite number", bad);
+      const fs::path f = d.path / (name + ".yaml");
+      write_file_atomic(f, fmt::format("{}:\n  {}: .nan\n", sec, name));
+      EXPECT_ERROR_HAS(error_of([&] { load_config(f); }), (name + ".yaml:2").c_str(), key.c_str(), "finite");
+    }
+  EXPECT_GT(numbers, 10);  // the schema's doubles were found (the loop is not vacuous)
+
+  // validate() refuses them in a config built by code, where a NaN passed every `x < 0` check.
+  auto nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  std::vector<std::pair<const char*, std::function<void(Config&)>>> cases = {
+      {"model.norm_eps", [&](Config& c) { c.model.norm_eps = nan; }},
+      {"model.z_loss", [&](Config& c) { c.model.z_loss = nan; }},
+      {"model.rope_theta", [&](Config& c) { c.model.rope_theta = inf; }},
+      {"optim.lr", [&](Config& c) { c.optim.lr = nan; }},
+      {"optim.clip", [&](Config& c) { c.optim.clip = inf; }},
+      {"optim.embed_lr_mult", [&](Config& c) { c.optim.embed_lr_mult = nan; }},
+      {"schedule.warmup", [&](Config& c) { c.schedule.warmup = nan; }},
+      {"schedule.final_lr_frac", [&](Config& c) { c.schedule.final_lr_frac = nan; }},
+  };
+  for (auto& [key, set] : cases) {
+    Config c = small();
+    set(c);
+    EXPECT_ERROR_HAS(error_of([&] { validate(c); }), "small", key, "finite");
+  }
+}
+
+TEST(ConfigInput, RecipeNumbersOutOfRangeNameTheField) {
+  std::vector<std::tuple<const char*, std::function<void(Config&)>, const char*>> bad = {
+      {"model.rope_theta", [](Config& c) { c.model.rope_theta = 0; }, "> 0"},
+      {"model.rope_theta", [](Config& c) { c.model.rope_theta = -10000; }, "> 0"},
+      {"optim.eps", [](Config& c) { c.optim.eps = -1; }, "> 0"},
+      {"optim.eps", [](Config& c) { c.optim.eps = 0; }, "> 0"},
+      {"optim.eps", [](Config& c) { c.optim.eps = 1e-50; }, "smallest float"},  // 0 as a float
+      {"optim.weight_decay", [](Config& c) { c.optim.weight_decay = -10; }, ">= 0"},
+      {"optim.embed_lr_mult", [](Config& c) { c.optim.embed_lr_mult = -1; }, ">= 0"},
+      {"optim.clip", [](Config& c) { c.optim.clip = -1; }, ">= 0"},
+      {"optim.adam_lr", [](Config& c) { c.optim.adam_lr = "inf"; }, "learning rate >= 0"},
+      {"optim.muon_lr", [](Config& c) { c.optim.muon_lr = "nan"; }, "learning rate >= 0"},
+      {"schedule.warmup", [](Config& c) { c.schedule.warmup = 1e30; }, "from 1 to run.steps"},
+      {"schedule.warmup", [](Config& c) { c.schedule.warmup = 1001; }, "(1000)"},
+      {"schedule.warmup", [](Config& c) { c.schedule.warmup = 10.5; }, "whole number"},
+      {"schedule.warmup", [](Config& c) { c.schedule.warmup = -0.1; }, ">= 0"},
+  };
+  for (auto& [key, set, why] : bad) {
+    Config c = small();
+    set(c);
+    EXPECT_ERROR_HAS(error_of([&] { validate(c); }), "small", key, why);
+  }
+  // The ends of each range are settings, not errors: 0 turns clipping, decay, the embedding's
+  // updates and warmup off; a warmup of every step is allowed.
+  std::vector<std::function<void(Config&)>> good = {
+      [](Config& c) { c.optim.clip = 0; },          [](Config& c) { c.optim.weight_decay = 0; },
+      [](Config& c) { c.optim.embed_lr_mult = 0; }, [](Config& c) { c.schedule.warmup = 0; },
+      [](Config& c) { c.schedule.warmup = 0.999; }, [](Config& c) { c.schedule.warmup = 1; },
+      [](Config& c) { c.schedule.warmup = 1000; },  [](Config& c) { c.model.rope_theta = 1e4; },
+      [](Config& c) { c.optim.eps = 1e-30; },
+  };
+  for (auto& set : good) {
+    Config c = small();
+    set(c);
+    EXPECT_NO_THROW(validate(c));
+  }
 }
 
 }  // namespace

@@ -42,8 +42,8 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, head_dim, "head dimension; 0 = d_model / n_heads"),
       LADDER_FIELD(model, d_ff, "SwiGLU hidden size I; 0 = 4 * d_model"),
       LADDER_FIELD(model, seq_len, "training sequence length S"),
-      LADDER_FIELD(model, rope_theta, "RoPE base"),
-      LADDER_FIELD(model, norm_eps, "RMSNorm epsilon"),
+      LADDER_FIELD(model, rope_theta, "RoPE base (> 0)"),
+      LADDER_FIELD(model, norm_eps, "RMSNorm epsilon (> 0)"),
       LADDER_FIELD(model, qk_norm, "RMSNorm (learned gain per head dim) on queries and keys"),
       LADDER_FIELD(model, window, "sliding attention window in tokens; 0 = full causal"),
       LADDER_FIELD(model, init_std, "init std (truncated normal, +-3 sigma); 0 = 0.5/sqrt(d_model)"),
@@ -81,10 +81,10 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(optim, lr, "peak learning rate"),
       LADDER_FIELD(optim, beta1, "Adam beta1"),
       LADDER_FIELD(optim, beta2, "Adam beta2"),
-      LADDER_FIELD(optim, eps, "Adam epsilon"),
-      LADDER_FIELD(optim, weight_decay, "decoupled weight decay of the matrix group (attention, MLP, LM head)"),
-      LADDER_FIELD(optim, embed_lr_mult, "learning-rate multiplier of the embedding group"),
-      LADDER_FIELD(optim, clip, "global gradient-norm clipping threshold; 0 = off"),
+      LADDER_FIELD(optim, eps, "Adam epsilon (> 0; the update is computed in float, so at least 1.4e-45)"),
+      LADDER_FIELD(optim, weight_decay, "decoupled weight decay of the matrix group (attention, MLP, LM head); >= 0, 0 = off"),
+      LADDER_FIELD(optim, embed_lr_mult, "learning-rate multiplier of the embedding group (>= 0; 0 freezes the embedding)"),
+      LADDER_FIELD(optim, clip, "global gradient-norm clipping threshold (>= 0); 0 = off"),
       LADDER_FIELD(optim, adam_lr, "peak lr of the adam groups: a number, `auto` (RECIPE.md's fitted heuristic) or empty = optim.lr"),
       LADDER_FIELD(optim, adamh_lr, "peak lr of the adamh groups (angular step): a number, `auto` (13/3 adam_lr, cap 0.05) or empty = optim.lr"),
       LADDER_FIELD(optim, muon_lr, "peak lr of the muon groups: a number or empty = optim.lr (no published heuristic)"),
@@ -96,7 +96,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(optim, muon_params, "tensors moved to muon (selectors as optim.adamw_params)"),
       LADDER_FIELD(optim, muonh_params, "tensors moved to muonh (selectors as optim.adamw_params)"),
       LADDER_FIELD(schedule, type, "learning-rate schedule: linear | cosine | wsd | constant"),
-      LADDER_FIELD(schedule, warmup, "linear warmup: < 1 = fraction of steps, >= 1 = steps"),
+      LADDER_FIELD(schedule, warmup, "linear warmup: < 1 = fraction of steps, >= 1 = steps (a whole number, at most run.steps)"),
       LADDER_FIELD(schedule, final_lr_frac, "learning rate at the last step, as a fraction of the peak"),
       LADDER_FIELD(schedule, decay_frac, "wsd: fraction of the steps spent in the final decay"),
       LADDER_FIELD(data, path, "data directory written by `ladder data` (relative paths: to the working directory)"),
@@ -207,6 +207,7 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
           *p = v;
         } else {
           std::string expected = type_name(r);
+          if constexpr (std::is_same_v<T, double>) expected = "a finite number";
           if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) expected = integer_range<T>();
           try {
             YAML::Node n = YAML::Load(text);
@@ -214,7 +215,11 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
             if constexpr (std::is_same_v<T, bool>) {
               *p = n.as<bool>();
             } else if constexpr (std::is_same_v<T, double>) {
-              *p = n.as<double>();
+              // YAML reads .nan and .inf as numbers; no setting means them (and JSON, which the
+              // checkpoint's config is written in, cannot hold them).
+              const double d = n.as<double>();
+              if (!std::isfinite(d)) throw YAML::Exception(YAML::Mark::null_mark(), "not finite");
+              *p = d;
             } else {
               auto v = integer_for<T>(n.Scalar());
               if (!v) throw YAML::Exception(YAML::Mark::null_mark(), "not an integer of this type");
@@ -404,6 +409,15 @@ void validate(const Config& c) {
   auto pos = [&](const char* key, int64_t v) {
     if (v <= 0) fail("{}: {} must be > 0, got {}", where, key, v);
   };
+  // Every number must be finite: a NaN passes every `x < 0` test below, and NaN or inf is written
+  // as null in the checkpoint's JSON, which then no longer loads. (Code can set them directly;
+  // load_config already refuses them.)
+  {
+    Config copy = c;  // the schema's references are to a mutable Config
+    for (auto& f : schema())
+      if (Ref r = f.ref(copy); std::holds_alternative<double*>(r) && !std::isfinite(*std::get<double*>(r)))
+        fail("{}: {} must be a finite number, got {}", where, f.key, *std::get<double*>(r));
+  }
   pos("model.d_model", m.d_model);
   pos("model.n_layers", m.n_layers);
   pos("model.n_heads", m.n_heads);
@@ -419,8 +433,11 @@ void validate(const Config& c) {
   if (m.hd() % 2 != 0) fail("{}: head dimension must be even for RoPE, got {}", where, m.hd());
   if (m.head_dim < 0 || m.d_ff < 0 || m.window < 0 || m.vocab_size < 0)
     fail("{}: model.head_dim, model.d_ff, model.window and model.vocab_size must be >= 0", where);
-  if (m.norm_eps <= 0) fail("{}: model.norm_eps must be > 0", where);
-  if (m.init_std < 0 || m.z_loss < 0) fail("{}: model.init_std and model.z_loss must be >= 0", where);
+  if (!(m.norm_eps > 0)) fail("{}: model.norm_eps must be > 0, got {}", where, m.norm_eps);
+  // RoPE's frequencies are theta^(-2i/hd): a base <= 0 has no such powers (log of it is NaN or -inf).
+  if (!(m.rope_theta > 0)) fail("{}: model.rope_theta must be > 0, got {}", where, m.rope_theta);
+  if (!(m.init_std >= 0)) fail("{}: model.init_std must be >= 0 (0 = 0.5/sqrt(d_model)), got {}", where, m.init_std);
+  if (!(m.z_loss >= 0)) fail("{}: model.z_loss must be >= 0 (0 = off), got {}", where, m.z_loss);
   validate_moe(c, where);
   validate_attention_switches(m, where);
   if (m.saved_activations != "fp32" && m.saved_activations != "bf16")
@@ -457,22 +474,40 @@ void validate(const Config& c) {
     if (v->empty() || *v == "auto") continue;
     char* end = nullptr;
     const double x = std::strtod(v->c_str(), &end);
-    if (end == v->c_str() || *end != '\0' || !(x >= 0))
+    if (end == v->c_str() || *end != '\0' || !(x >= 0) || !std::isfinite(x))  // strtod also reads inf, nan
       fail("{}: {} expects a learning rate >= 0, `auto` or empty (= optim.lr), got '{}'", where, key, *v);
   }
   if (!(c.optim.muon_momentum >= 0 && c.optim.muon_momentum < 1))
     fail("{}: optim.muon_momentum must be in [0, 1), got {}", where, c.optim.muon_momentum);
-  if (c.optim.lr < 0) fail("{}: optim.lr must be >= 0", where);
-  if (!(c.optim.beta1 >= 0 && c.optim.beta1 < 1 && c.optim.beta2 >= 0 && c.optim.beta2 < 1))
-    fail("{}: optim.beta1 and optim.beta2 must be in [0, 1)", where);
-  if (c.optim.clip < 0) fail("{}: optim.clip must be >= 0", where);
+  const auto& o = c.optim;
+  if (!(o.lr >= 0)) fail("{}: optim.lr must be >= 0, got {}", where, o.lr);
+  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1))
+    fail("{}: optim.beta1 and optim.beta2 must be in [0, 1), got {} and {}", where, o.beta1, o.beta2);
+  // Adam divides by sqrt(v) + eps in float: an eps <= 0 (or one that rounds to 0 as a float) divides
+  // by zero on a parameter whose gradient is 0.
+  if (!(float(o.eps) > 0))
+    fail("{}: optim.eps must be > 0 and at least {} (the smallest float; the update is computed in float), got {}",
+         where, std::numeric_limits<float>::denorm_min(), o.eps);
+  // Decoupled decay multiplies weights by 1 - lr * weight_decay: a negative one grows them.
+  if (!(o.weight_decay >= 0)) fail("{}: optim.weight_decay must be >= 0 (0 = off), got {}", where, o.weight_decay);
+  // 0 freezes the embedding, as optim.lr 0 freezes everything; a negative one climbs the loss.
+  if (!(o.embed_lr_mult >= 0)) fail("{}: optim.embed_lr_mult must be >= 0, got {}", where, o.embed_lr_mult);
+  if (!(o.clip >= 0)) fail("{}: optim.clip must be >= 0 (0 = off), got {}", where, o.clip);
   const auto& s = c.schedule;
   if (s.type != "linear" && s.type != "cosine" && s.type != "wsd" && s.type != "constant")
     fail("{}: schedule.type '{}' is not known (expected linear, cosine, wsd or constant)", where, s.type);
-  if (s.warmup < 0) fail("{}: schedule.warmup must be >= 0", where);
-  if (s.final_lr_frac < 0 || s.final_lr_frac > 1) fail("{}: schedule.final_lr_frac must be in [0, 1]", where);
-  if (s.decay_frac < 0 || s.decay_frac > 1) fail("{}: schedule.decay_frac must be in [0, 1]", where);
   pos("run.steps", c.run.steps);
+  // warmup_steps() reads a warmup < 1 as a fraction of run.steps and one >= 1 as a step count, which
+  // it converts to int64: a fraction of a step would be dropped silently, and a count past run.steps
+  // never reaches the peak lr (past 2^63 the conversion is undefined).
+  if (!(s.warmup >= 0)) fail("{}: schedule.warmup must be >= 0, got {}", where, s.warmup);
+  if (s.warmup >= 1 && (s.warmup != std::floor(s.warmup) || s.warmup > double(c.run.steps)))
+    fail("{}: schedule.warmup must be a fraction of the steps (< 1) or a whole number of steps from 1 to run.steps "
+         "({}), got {}", where, c.run.steps, s.warmup);
+  if (!(s.final_lr_frac >= 0 && s.final_lr_frac <= 1))
+    fail("{}: schedule.final_lr_frac must be in [0, 1], got {}", where, s.final_lr_frac);
+  if (!(s.decay_frac >= 0 && s.decay_frac <= 1))
+    fail("{}: schedule.decay_frac must be in [0, 1], got {}", where, s.decay_frac);
   if (c.run.precision != "fp32" && c.run.precision != "tf32" && c.run.precision != "bf16")
     fail("{}: run.precision '{}' is not known (expected fp32, tf32 or bf16)", where, c.run.precision);
   if (c.run.precision != "fp32" && c.run.device != "cuda")

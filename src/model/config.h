@@ -139,7 +139,8 @@ struct Config {
 Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides = {});
 // Applies one "key.path=value" override.
 void apply_override(Config& cfg, const std::string& kv);
-// Shape checks (heads divide d, kv heads divide heads, ...); errors name the field.
+// Shape checks (heads divide d, kv heads divide heads, ...), ranges (every number finite, eps > 0,
+// ...) and whether this build can run run.device; errors name the field.
 void validate(const Config& cfg);
 // The checks of the attention/norm recipe switches (part of validate()); `where` prefixes errors.
 void validate_attention_switches(const ModelConfig& m, const std::string& where);
