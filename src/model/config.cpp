@@ -403,7 +403,11 @@ void validate_attention_switches(const ModelConfig& m, const std::string& where)
   }
 }
 
-void validate(const Config& c) {
+namespace {
+
+// validate(); `this_build` false leaves out whether this build can run run.device: a checkpoint's
+// config (from_json) may come from a CUDA run and still be sampled on the CPU.
+void validate_settings(const Config& c, bool this_build) {
   const auto& m = c.model;
   auto where = c.source.empty() ? std::string("config") : c.source;
   auto pos = [&](const char* key, int64_t v) {
@@ -524,6 +528,11 @@ void validate(const Config& c) {
   if (c.run.eval_every < 0 || c.run.ckpt_every < 0 || c.run.eval_batches < 0 || c.run.threads < 0)
     fail("{}: run.eval_every, run.ckpt_every, run.eval_batches and run.threads must be >= 0", where);
   if (c.run.keep_checkpoints < 1) fail("{}: run.keep_checkpoints must be >= 1", where);
+  if (!this_build) {
+    if (c.run.device != "cpu" && c.run.device != "cuda")
+      fail("{}: run.device '{}' is not known (expected cpu or cuda)", where, c.run.device);
+    return;
+  }
 #ifdef LADDER_HAVE_CUDA
   if (c.run.device != "cpu" && c.run.device != "cuda")
     fail("{}: run.device '{}' is not known (expected cpu or cuda)", where, c.run.device);
@@ -533,6 +542,10 @@ void validate(const Config& c) {
   if (c.run.device != "cpu") fail("{}: run.device '{}' is not known (expected cpu)", where, c.run.device);
 #endif
 }
+
+}  // namespace
+
+void validate(const Config& c) { validate_settings(c, /*this_build=*/true); }
 
 std::string to_yaml(const Config& cin) {
   Config c = cin;
@@ -562,15 +575,46 @@ nlohmann::json to_json(const Config& cin) {
   return j;
 }
 
+// A checkpoint's config is input like any other (state.json can be edited or damaged): each value is
+// checked for its field's type and range, and the whole config goes through validate()'s checks,
+// every error naming `source` and the key. Without that, `d_model: -64` surfaced as an allocation of
+// 17592186044415.7 MiB and `d_model: "x"` as nlohmann's bare type_error.
 Config from_json(const nlohmann::json& j, const std::string& source) {
   Config c;
   c.source = source;
+  if (!j.is_object()) fail("{}: config: expected an object of sections (model, optim, ...), got {}", source, j.dump());
   for (auto& f : schema()) {
     auto dot = f.key.find('.');
     auto sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
-    if (!j.contains(sec) || !j[sec].contains(name)) fail("{}: config is missing key {}", source, f.key);
-    std::visit([&](auto* p) { *p = j[sec][name].get<std::remove_pointer_t<decltype(p)>>(); }, f.ref(c));
+    if (!j.contains(sec) || !j[sec].is_object() || !j[sec].contains(name))
+      fail("{}: config is missing key {}", source, f.key);
+    const nlohmann::json& v = j[sec][name];
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, std::string>) {
+            if (!v.is_string()) fail("{}: {} expects a string, got {}", source, f.key, v.dump());
+            *p = v.get<std::string>();
+          } else if constexpr (std::is_same_v<T, bool>) {
+            if (!v.is_boolean()) fail("{}: {} expects true or false, got {}", source, f.key, v.dump());
+            *p = v.get<bool>();
+          } else if constexpr (std::is_same_v<T, double>) {
+            // JSON has no NaN or inf (nlohmann writes them as null), so null is refused here too.
+            if (!v.is_number() || !std::isfinite(v.get<double>()))
+              fail("{}: {} expects a finite number, got {}", source, f.key, v.dump());
+            *p = v.get<double>();
+          } else {
+            // Through the number's text, as set_scalar reads YAML: get<int>() would wrap an
+            // out-of-range value and truncate a fraction without a word.
+            std::optional<T> x;
+            if (v.is_number()) x = integer_for<T>(v.dump());
+            if (!x) fail("{}: {} expects {}, got {}", source, f.key, integer_range<T>(), v.dump());
+            *p = *x;
+          }
+        },
+        f.ref(c));
   }
+  validate_settings(c, /*this_build=*/false);
   return c;
 }
 
