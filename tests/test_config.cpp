@@ -253,5 +253,32 @@ TEST(ConfigInput, ShippedConfigsStillValidate) {
   EXPECT_GT(runs, 0);
 }
 
+// to_yaml's strings read back as written, whatever they hold.
+TEST(ConfigInput, YamlRoundTripsAnyString) {
+  test::TempDir d("cfg-yaml");
+  const std::vector<std::string> paths = {
+      "a\"b",           "back\\slash\\",   "c:\\data\\x",        "key: value # not a comment",
+      "  lead and trail  ", "h\xc3\xa9llo \xe2\x9c\x93 \xe6\x97\xa5\xe6\x9c\xac", "tab\there\nnewline\r",
+      "'single'",       "\"\"",            "null",               "*alias",
+      "&anchor",        "- dash",          "{a: 1}",             "[x]",
+      "%YAML",          "@at",             "`tick`",             "",
+      "~",              "true",            "0x10",               "#hash",
+      "\x01\x7f",       "trailing\\",      "\\\"",               "a\\nb",
+  };
+  int i = 0;
+  for (const std::string& p : paths) {
+    Config c = small();
+    c.data.path = p;
+    c.optim.adamw_params = "*.q_proj.weight," + p;
+    const fs::path f = d.path / fmt::format("c{}.yaml", i++);
+    write_file_atomic(f, to_yaml(c));
+    Config back;
+    ASSERT_NO_THROW(back = load_config(f)) << p << "\n" << to_yaml(c);
+    EXPECT_EQ(back.data.path, p);
+    EXPECT_EQ(back.optim.adamw_params, c.optim.adamw_params);
+    EXPECT_EQ(to_json(back), to_json(c)) << p;
+  }
+}
+
 }  // namespace
 }  // namespace ladder

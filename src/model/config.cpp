@@ -200,11 +200,8 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
         using T = std::remove_pointer_t<decltype(p)>;
         if constexpr (std::is_same_v<T, std::string>) {
           // Strings are taken as written (YAML has already unquoted a file's scalar; re-parsing
-          // would turn a glob like *.q_proj.weight into an alias); --set may quote them.
-          std::string v = text;
-          if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front())
-            v = v.substr(1, v.size() - 2);
-          *p = v;
+          // would turn a glob like *.q_proj.weight into an alias); apply_override unquotes --set's.
+          *p = text;
         } else {
           std::string expected = type_name(r);
           if constexpr (std::is_same_v<T, double>) expected = "a finite number";
@@ -357,6 +354,10 @@ void apply_override(Config& c, const std::string& kv) {
   std::string key = kv.substr(0, eq), val = kv.substr(eq + 1);
   const Field* f = find_field(key);
   if (!f) fail("--set {}: unknown config key '{}' (see docs/config.md)", kv, key);
+  // --set may quote a string; a file's scalar arrives unquoted by YAML and must not be unquoted
+  // again (to_yaml writes a path '"x"' as "\"x\"", which reads back as "x" in quotes).
+  const bool quoted = val.size() >= 2 && (val.front() == '"' || val.front() == '\'') && val.back() == val.front();
+  if (quoted && std::holds_alternative<std::string*>(f->ref(c))) val = val.substr(1, val.size() - 2);
   set_scalar(c, *f, val, "--set");
 }
 
@@ -559,8 +560,15 @@ std::string to_yaml(const Config& cin) {
       section = sec;
     }
     std::string v = get_scalar(c, f);
-    bool is_str = std::holds_alternative<std::string*>(f.ref(c));
-    out << "  " << name << ": " << (is_str ? "\"" + v + "\"" : v) << "\n";
+    if (std::holds_alternative<std::string*>(f.ref(c))) {
+      // yaml-cpp's own double-quoted form, so that load_config reads back exactly this string: a
+      // quote, backslash, control character or `: #` in data.path must neither end the scalar nor
+      // change its value.
+      YAML::Emitter e;
+      e << YAML::DoubleQuoted << v;
+      v = e.c_str();
+    }
+    out << "  " << name << ": " << v << "\n";
   }
   return out.str();
 }
