@@ -280,5 +280,37 @@ TEST(ConfigInput, YamlRoundTripsAnyString) {
   }
 }
 
+TEST(ConfigInput, DuplicateAndNonNameKeysNameTheLines) {
+  test::TempDir d("cfg-keys");
+  auto load = [&](const std::string& name, const std::string& text) {
+    write_file_atomic(d.path / name, text);
+    return error_of([&] { load_config(d.path / name); });
+  };
+  EXPECT_ERROR_HAS(load("dup.yaml", "model:\n  d_model: 64\n  n_layers: 2\n  d_model: 128\n"), "dup.yaml:4",
+                   "model.d_model", "lines 2 and 4");
+  EXPECT_ERROR_HAS(load("dupsec.yaml", "model:\n  d_model: 64\nrun:\n  steps: 3\nmodel:\n  n_layers: 2\n"),
+                   "dupsec.yaml:5", "'model'", "lines 1 and 5");
+  EXPECT_ERROR_HAS(load("list.yaml", "model:\n  ? [a, b]\n  : 1\n"), "list.yaml:2", "key name", "section 'model'",
+                   "list");
+  EXPECT_ERROR_HAS(load("map.yaml", "? {a: 1}\n: 2\n"), "map.yaml:1", "key name", "mapping");
+  EXPECT_ERROR_HAS(load("null.yaml", "model:\n  ~: 1\n"), "null.yaml:2", "key name");
+}
+
+TEST(ConfigInput, MoeLayersRefusesEmptyElements) {
+  for (const char* layers : {"1,", ",1", "1,,2", "1, ", ""}) {
+    Config c = small();
+    c.model.moe_experts = 8;
+    c.model.moe_top_k = 2;
+    c.model.moe_layers = layers;
+    EXPECT_ERROR_HAS(error_of([&] { validate(c); }), "small", "model.moe_layers", "empty element");
+  }
+  Config c = small();
+  c.model.moe_experts = 8;
+  c.model.moe_top_k = 2;
+  c.model.moe_layers = "1, 3";
+  EXPECT_NO_THROW(validate(c));
+  EXPECT_EQ(c.model.n_moe_layers(), 2);
+}
+
 }  // namespace
 }  // namespace ladder

@@ -243,11 +243,22 @@ std::string get_scalar(Config& c, const Field& f) {
 }
 
 void walk(Config& c, const YAML::Node& node, const std::string& prefix, const std::string& file) {
+  // yaml-cpp keeps every pair of a mapping, so a key written twice would silently take its last
+  // value; YAML forbids duplicate keys, and the first one is usually the one being edited.
+  std::map<std::string, int> seen;  // key -> line
   for (auto it = node.begin(); it != node.end(); ++it) {
-    std::string k = it->first.as<std::string>();
+    const int line = it->first.Mark().line + 1;
+    std::string where = fmt::format("{}:{}", file, line);
+    // A key must be a name: as<std::string>() of a [list] or {map} key throws yaml-cpp's bare "bad
+    // conversion", which names neither the file nor the line.
+    if (!it->first.IsScalar())
+      fail("{}: expected a key name{}, got a {}", where, prefix.empty() ? "" : " in section '" + prefix + "'",
+           it->first.IsSequence() ? "list" : it->first.IsMap() ? "mapping" : "null key");
+    std::string k = it->first.Scalar();
     std::string key = prefix.empty() ? k : prefix + "." + k;
+    if (auto [at, fresh] = seen.emplace(k, line); !fresh)
+      fail("{}: '{}' is given twice (lines {} and {}): keep one", where, key, at->second, line);
     const YAML::Node& v = it->second;
-    std::string where = fmt::format("{}:{}", file, it->first.Mark().line + 1);
     if (v.IsMap()) {
       bool known_section = false;
       for (auto& f : schema())
@@ -270,9 +281,13 @@ std::vector<bool> moe_layer_mask(const ModelConfig& m, const std::string& where)
     std::fill(mask.begin(), mask.end(), true);
     return mask;
   }
-  std::stringstream ss(m.moe_layers);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
+  // Split on every comma by hand: std::getline drops an empty last piece, so "1," passed as "1".
+  std::vector<std::string> items(1);
+  for (char ch : m.moe_layers) {
+    if (ch == ',') items.emplace_back();
+    else items.back() += ch;
+  }
+  for (const std::string& item : items) {
     size_t used = 0;
     int l = -1;
     try {
@@ -281,6 +296,9 @@ std::vector<bool> moe_layer_mask(const ModelConfig& m, const std::string& where)
       used = 0;
     }
     while (used < item.size() && item[used] == ' ') ++used;
+    if (item.find_first_not_of(' ') == std::string::npos)
+      fail("{}: model.moe_layers '{}' has an empty element (expected \"all\" or comma-separated layer indices, "
+           "e.g. \"1,3\")", where, m.moe_layers);
     if (used == 0 || used != item.size())
       fail("{}: model.moe_layers expects \"all\" or comma-separated layer indices, got '{}'", where, m.moe_layers);
     if (l < 0 || l >= m.n_layers)
