@@ -3,7 +3,11 @@
 #include <yaml-cpp/yaml.h>
 
 #include <nlohmann/json.hpp>
+#include <cctype>
 #include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string_view>
 #include <functional>
 #include <cmath>
 #include <algorithm>
@@ -38,8 +42,8 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, head_dim, "head dimension; 0 = d_model / n_heads"),
       LADDER_FIELD(model, d_ff, "SwiGLU hidden size I; 0 = 4 * d_model"),
       LADDER_FIELD(model, seq_len, "training sequence length S"),
-      LADDER_FIELD(model, rope_theta, "RoPE base"),
-      LADDER_FIELD(model, norm_eps, "RMSNorm epsilon"),
+      LADDER_FIELD(model, rope_theta, "RoPE base (> 0)"),
+      LADDER_FIELD(model, norm_eps, "RMSNorm epsilon (> 0)"),
       LADDER_FIELD(model, qk_norm, "RMSNorm (learned gain per head dim) on queries and keys"),
       LADDER_FIELD(model, window, "sliding attention window in tokens; 0 = full causal"),
       LADDER_FIELD(model, init_std, "init std (truncated normal, +-3 sigma); 0 = 0.5/sqrt(d_model)"),
@@ -77,10 +81,10 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(optim, lr, "peak learning rate"),
       LADDER_FIELD(optim, beta1, "Adam beta1"),
       LADDER_FIELD(optim, beta2, "Adam beta2"),
-      LADDER_FIELD(optim, eps, "Adam epsilon"),
-      LADDER_FIELD(optim, weight_decay, "decoupled weight decay of the matrix group (attention, MLP, LM head)"),
-      LADDER_FIELD(optim, embed_lr_mult, "learning-rate multiplier of the embedding group"),
-      LADDER_FIELD(optim, clip, "global gradient-norm clipping threshold; 0 = off"),
+      LADDER_FIELD(optim, eps, "Adam epsilon (> 0; the update is computed in float, so at least 1.4e-45)"),
+      LADDER_FIELD(optim, weight_decay, "decoupled weight decay of the matrix group (attention, MLP, LM head); >= 0, 0 = off"),
+      LADDER_FIELD(optim, embed_lr_mult, "learning-rate multiplier of the embedding group (>= 0; 0 freezes the embedding)"),
+      LADDER_FIELD(optim, clip, "global gradient-norm clipping threshold (>= 0); 0 = off"),
       LADDER_FIELD(optim, adam_lr, "peak lr of the adam groups: a number, `auto` (RECIPE.md's fitted heuristic) or empty = optim.lr"),
       LADDER_FIELD(optim, adamh_lr, "peak lr of the adamh groups (angular step): a number, `auto` (13/3 adam_lr, cap 0.05) or empty = optim.lr"),
       LADDER_FIELD(optim, muon_lr, "peak lr of the muon groups: a number or empty = optim.lr (no published heuristic)"),
@@ -92,7 +96,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(optim, muon_params, "tensors moved to muon (selectors as optim.adamw_params)"),
       LADDER_FIELD(optim, muonh_params, "tensors moved to muonh (selectors as optim.adamw_params)"),
       LADDER_FIELD(schedule, type, "learning-rate schedule: linear | cosine | wsd | constant"),
-      LADDER_FIELD(schedule, warmup, "linear warmup: < 1 = fraction of steps, >= 1 = steps"),
+      LADDER_FIELD(schedule, warmup, "linear warmup: < 1 = fraction of steps, >= 1 = steps (a whole number, at most run.steps)"),
       LADDER_FIELD(schedule, final_lr_frac, "learning rate at the last step, as a fraction of the peak"),
       LADDER_FIELD(schedule, decay_frac, "wsd: fraction of the steps spent in the final decay"),
       LADDER_FIELD(data, path, "data directory written by `ladder data` (relative paths: to the working directory)"),
@@ -132,6 +136,62 @@ const char* type_name(const Ref& r) {
       r);
 }
 
+// An integer written as digits or as an exact decimal (64, -3, 1e6, 64.0: configs write step counts
+// as 1e6), read without going through double so that nothing is rounded (2^53 + 1 stays odd, a seed
+// keeps every digit) and no value wraps into another. nullopt: not such a number, a fraction, or
+// a magnitude past 2^64 (beyond every integer field's range; the caller names the range).
+std::optional<__int128> parse_integer(std::string_view s) {
+  size_t i = 0;
+  bool neg = false;
+  if (i < s.size() && (s[i] == '+' || s[i] == '-')) neg = s[i++] == '-';
+  std::string digits;  // the mantissa's digits, integer and fraction parts together
+  int64_t exp10 = 0;   // the value is digits x 10^exp10
+  bool any = false;
+  for (; i < s.size() && std::isdigit((unsigned char)s[i]); ++i, any = true) digits += s[i];
+  if (i < s.size() && s[i] == '.')
+    for (++i; i < s.size() && std::isdigit((unsigned char)s[i]); ++i, any = true, --exp10) digits += s[i];
+  if (!any) return std::nullopt;
+  if (i < s.size() && (s[i] == 'e' || s[i] == 'E')) {
+    ++i;
+    bool eneg = false;
+    if (i < s.size() && (s[i] == '+' || s[i] == '-')) eneg = s[i++] == '-';
+    if (i == s.size()) return std::nullopt;
+    int64_t e = 0;
+    for (; i < s.size() && std::isdigit((unsigned char)s[i]); ++i) e = std::min<int64_t>(e * 10 + (s[i] - '0'), 100000);
+    exp10 += eneg ? -e : e;
+  }
+  if (i != s.size()) return std::nullopt;
+  digits.erase(0, std::min(digits.find_first_not_of('0'), digits.size()));
+  if (digits.empty()) return __int128(0);
+  // A negative exponent drops digits, which must be zeros (64.0, 1.5e1); any other is a fraction.
+  for (; exp10 < 0; ++exp10) {
+    if (digits.back() != '0') return std::nullopt;
+    digits.pop_back();
+  }
+  if (int64_t(digits.size()) + exp10 > 21) return std::nullopt;  // >= 10^21 > 2^64
+  digits.append(size_t(exp10), '0');
+  unsigned __int128 v = 0;
+  for (char ch : digits) v = v * 10 + unsigned(ch - '0');
+  if (v > (unsigned __int128)(1) << 64) return std::nullopt;
+  return neg ? -__int128(v) : __int128(v);
+}
+
+// "an integer in [lo, hi]" for T: the range every error about an integer field states.
+template <class T>
+std::string integer_range() {
+  return fmt::format("an integer in [{}, {}]", std::numeric_limits<T>::min(), std::numeric_limits<T>::max());
+}
+
+// Converts `text` (a YAML scalar's text, or JSON's) for an integer field of type T; nullopt if it is
+// not an integer or does not fit T (the old path through double wrapped 4294967360 into an int 64).
+template <class T>
+std::optional<T> integer_for(std::string_view text) {
+  auto v = parse_integer(text);
+  if (!v || *v < __int128(std::numeric_limits<T>::min()) || *v > __int128(std::numeric_limits<T>::max()))
+    return std::nullopt;
+  return T(*v);
+}
+
 // Parses a scalar into the field; `where` prefixes errors ("cfg.yaml:12: model.d_model").
 void set_scalar(Config& c, const Field& f, const std::string& text, const std::string& where) {
   Ref r = f.ref(c);
@@ -140,33 +200,31 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
         using T = std::remove_pointer_t<decltype(p)>;
         if constexpr (std::is_same_v<T, std::string>) {
           // Strings are taken as written (YAML has already unquoted a file's scalar; re-parsing
-          // would turn a glob like *.q_proj.weight into an alias); --set may quote them.
-          std::string v = text;
-          if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front())
-            v = v.substr(1, v.size() - 2);
-          *p = v;
-          return;
-        }
-        try {
-          YAML::Node n = YAML::Load(text);
-          if (!n.IsScalar()) throw YAML::Exception(YAML::Mark::null_mark(), "not a scalar");
-          if constexpr (std::is_same_v<T, std::string>) {
-            *p = n.as<std::string>();
-          } else if constexpr (std::is_same_v<T, bool>) {
-            *p = n.as<bool>();
-          } else if constexpr (std::is_same_v<T, double>) {
-            *p = n.as<double>();
-          } else {
-            // Integers may be written 1e6 or 1_000? Accept plain integers and exact floats.
-            double d = n.as<double>();
-            if (d != (double)(int64_t)d) throw YAML::Exception(YAML::Mark::null_mark(), "not an integer");
-            if constexpr (std::is_same_v<T, uint64_t>) {
-              if (d < 0) throw YAML::Exception(YAML::Mark::null_mark(), "negative");
+          // would turn a glob like *.q_proj.weight into an alias); apply_override unquotes --set's.
+          *p = text;
+        } else {
+          std::string expected = type_name(r);
+          if constexpr (std::is_same_v<T, double>) expected = "a finite number";
+          if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) expected = integer_range<T>();
+          try {
+            YAML::Node n = YAML::Load(text);
+            if (!n.IsScalar()) throw YAML::Exception(YAML::Mark::null_mark(), "not a scalar");
+            if constexpr (std::is_same_v<T, bool>) {
+              *p = n.as<bool>();
+            } else if constexpr (std::is_same_v<T, double>) {
+              // YAML reads .nan and .inf as numbers; no setting means them (and JSON, which the
+              // checkpoint's config is written in, cannot hold them).
+              const double d = n.as<double>();
+              if (!std::isfinite(d)) throw YAML::Exception(YAML::Mark::null_mark(), "not finite");
+              *p = d;
+            } else {
+              auto v = integer_for<T>(n.Scalar());
+              if (!v) throw YAML::Exception(YAML::Mark::null_mark(), "not an integer of this type");
+              *p = *v;
             }
-            *p = (T)(int64_t)d;
+          } catch (const YAML::Exception&) {
+            fail("{}: {} expects {}, got '{}'", where, f.key, expected, text);
           }
-        } catch (const YAML::Exception&) {
-          fail("{}: {} expects {}, got '{}'", where, f.key, type_name(r), text);
         }
       },
       r);
@@ -185,11 +243,22 @@ std::string get_scalar(Config& c, const Field& f) {
 }
 
 void walk(Config& c, const YAML::Node& node, const std::string& prefix, const std::string& file) {
+  // yaml-cpp keeps every pair of a mapping, so a key written twice would silently take its last
+  // value; YAML forbids duplicate keys, and the first one is usually the one being edited.
+  std::map<std::string, int> seen;  // key -> line
   for (auto it = node.begin(); it != node.end(); ++it) {
-    std::string k = it->first.as<std::string>();
+    const int line = it->first.Mark().line + 1;
+    std::string where = fmt::format("{}:{}", file, line);
+    // A key must be a name: as<std::string>() of a [list] or {map} key throws yaml-cpp's bare "bad
+    // conversion", which names neither the file nor the line.
+    if (!it->first.IsScalar())
+      fail("{}: expected a key name{}, got a {}", where, prefix.empty() ? "" : " in section '" + prefix + "'",
+           it->first.IsSequence() ? "list" : it->first.IsMap() ? "mapping" : "null key");
+    std::string k = it->first.Scalar();
     std::string key = prefix.empty() ? k : prefix + "." + k;
+    if (auto [at, fresh] = seen.emplace(k, line); !fresh)
+      fail("{}: '{}' is given twice (lines {} and {}): keep one", where, key, at->second, line);
     const YAML::Node& v = it->second;
-    std::string where = fmt::format("{}:{}", file, it->first.Mark().line + 1);
     if (v.IsMap()) {
       bool known_section = false;
       for (auto& f : schema())
@@ -212,9 +281,13 @@ std::vector<bool> moe_layer_mask(const ModelConfig& m, const std::string& where)
     std::fill(mask.begin(), mask.end(), true);
     return mask;
   }
-  std::stringstream ss(m.moe_layers);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
+  // Split on every comma by hand: std::getline drops an empty last piece, so "1," passed as "1".
+  std::vector<std::string> items(1);
+  for (char ch : m.moe_layers) {
+    if (ch == ',') items.emplace_back();
+    else items.back() += ch;
+  }
+  for (const std::string& item : items) {
     size_t used = 0;
     int l = -1;
     try {
@@ -223,6 +296,9 @@ std::vector<bool> moe_layer_mask(const ModelConfig& m, const std::string& where)
       used = 0;
     }
     while (used < item.size() && item[used] == ' ') ++used;
+    if (item.find_first_not_of(' ') == std::string::npos)
+      fail("{}: model.moe_layers '{}' has an empty element (expected \"all\" or comma-separated layer indices, "
+           "e.g. \"1,3\")", where, m.moe_layers);
     if (used == 0 || used != item.size())
       fail("{}: model.moe_layers expects \"all\" or comma-separated layer indices, got '{}'", where, m.moe_layers);
     if (l < 0 || l >= m.n_layers)
@@ -296,6 +372,10 @@ void apply_override(Config& c, const std::string& kv) {
   std::string key = kv.substr(0, eq), val = kv.substr(eq + 1);
   const Field* f = find_field(key);
   if (!f) fail("--set {}: unknown config key '{}' (see docs/config.md)", kv, key);
+  // --set may quote a string; a file's scalar arrives unquoted by YAML and must not be unquoted
+  // again (to_yaml writes a path '"x"' as "\"x\"", which reads back as "x" in quotes).
+  const bool quoted = val.size() >= 2 && (val.front() == '"' || val.front() == '\'') && val.back() == val.front();
+  if (quoted && std::holds_alternative<std::string*>(f->ref(c))) val = val.substr(1, val.size() - 2);
   set_scalar(c, *f, val, "--set");
 }
 
@@ -342,12 +422,25 @@ void validate_attention_switches(const ModelConfig& m, const std::string& where)
   }
 }
 
-void validate(const Config& c) {
+namespace {
+
+// validate(); `this_build` false leaves out whether this build can run run.device: a checkpoint's
+// config (from_json) may come from a CUDA run and still be sampled on the CPU.
+void validate_settings(const Config& c, bool this_build) {
   const auto& m = c.model;
   auto where = c.source.empty() ? std::string("config") : c.source;
   auto pos = [&](const char* key, int64_t v) {
     if (v <= 0) fail("{}: {} must be > 0, got {}", where, key, v);
   };
+  // Every number must be finite: a NaN passes every `x < 0` test below, and NaN or inf is written
+  // as null in the checkpoint's JSON, which then no longer loads. (Code can set them directly;
+  // load_config already refuses them.)
+  {
+    Config copy = c;  // the schema's references are to a mutable Config
+    for (auto& f : schema())
+      if (Ref r = f.ref(copy); std::holds_alternative<double*>(r) && !std::isfinite(*std::get<double*>(r)))
+        fail("{}: {} must be a finite number, got {}", where, f.key, *std::get<double*>(r));
+  }
   pos("model.d_model", m.d_model);
   pos("model.n_layers", m.n_layers);
   pos("model.n_heads", m.n_heads);
@@ -363,8 +456,11 @@ void validate(const Config& c) {
   if (m.hd() % 2 != 0) fail("{}: head dimension must be even for RoPE, got {}", where, m.hd());
   if (m.head_dim < 0 || m.d_ff < 0 || m.window < 0 || m.vocab_size < 0)
     fail("{}: model.head_dim, model.d_ff, model.window and model.vocab_size must be >= 0", where);
-  if (m.norm_eps <= 0) fail("{}: model.norm_eps must be > 0", where);
-  if (m.init_std < 0 || m.z_loss < 0) fail("{}: model.init_std and model.z_loss must be >= 0", where);
+  if (!(m.norm_eps > 0)) fail("{}: model.norm_eps must be > 0, got {}", where, m.norm_eps);
+  // RoPE's frequencies are theta^(-2i/hd): a base <= 0 has no such powers (log of it is NaN or -inf).
+  if (!(m.rope_theta > 0)) fail("{}: model.rope_theta must be > 0, got {}", where, m.rope_theta);
+  if (!(m.init_std >= 0)) fail("{}: model.init_std must be >= 0 (0 = 0.5/sqrt(d_model)), got {}", where, m.init_std);
+  if (!(m.z_loss >= 0)) fail("{}: model.z_loss must be >= 0 (0 = off), got {}", where, m.z_loss);
   validate_moe(c, where);
   validate_attention_switches(m, where);
   if (m.saved_activations != "fp32" && m.saved_activations != "bf16")
@@ -401,22 +497,40 @@ void validate(const Config& c) {
     if (v->empty() || *v == "auto") continue;
     char* end = nullptr;
     const double x = std::strtod(v->c_str(), &end);
-    if (end == v->c_str() || *end != '\0' || !(x >= 0))
+    if (end == v->c_str() || *end != '\0' || !(x >= 0) || !std::isfinite(x))  // strtod also reads inf, nan
       fail("{}: {} expects a learning rate >= 0, `auto` or empty (= optim.lr), got '{}'", where, key, *v);
   }
   if (!(c.optim.muon_momentum >= 0 && c.optim.muon_momentum < 1))
     fail("{}: optim.muon_momentum must be in [0, 1), got {}", where, c.optim.muon_momentum);
-  if (c.optim.lr < 0) fail("{}: optim.lr must be >= 0", where);
-  if (!(c.optim.beta1 >= 0 && c.optim.beta1 < 1 && c.optim.beta2 >= 0 && c.optim.beta2 < 1))
-    fail("{}: optim.beta1 and optim.beta2 must be in [0, 1)", where);
-  if (c.optim.clip < 0) fail("{}: optim.clip must be >= 0", where);
+  const auto& o = c.optim;
+  if (!(o.lr >= 0)) fail("{}: optim.lr must be >= 0, got {}", where, o.lr);
+  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1))
+    fail("{}: optim.beta1 and optim.beta2 must be in [0, 1), got {} and {}", where, o.beta1, o.beta2);
+  // Adam divides by sqrt(v) + eps in float: an eps <= 0 (or one that rounds to 0 as a float) divides
+  // by zero on a parameter whose gradient is 0.
+  if (!(float(o.eps) > 0))
+    fail("{}: optim.eps must be > 0 and at least {} (the smallest float; the update is computed in float), got {}",
+         where, std::numeric_limits<float>::denorm_min(), o.eps);
+  // Decoupled decay multiplies weights by 1 - lr * weight_decay: a negative one grows them.
+  if (!(o.weight_decay >= 0)) fail("{}: optim.weight_decay must be >= 0 (0 = off), got {}", where, o.weight_decay);
+  // 0 freezes the embedding, as optim.lr 0 freezes everything; a negative one climbs the loss.
+  if (!(o.embed_lr_mult >= 0)) fail("{}: optim.embed_lr_mult must be >= 0, got {}", where, o.embed_lr_mult);
+  if (!(o.clip >= 0)) fail("{}: optim.clip must be >= 0 (0 = off), got {}", where, o.clip);
   const auto& s = c.schedule;
   if (s.type != "linear" && s.type != "cosine" && s.type != "wsd" && s.type != "constant")
     fail("{}: schedule.type '{}' is not known (expected linear, cosine, wsd or constant)", where, s.type);
-  if (s.warmup < 0) fail("{}: schedule.warmup must be >= 0", where);
-  if (s.final_lr_frac < 0 || s.final_lr_frac > 1) fail("{}: schedule.final_lr_frac must be in [0, 1]", where);
-  if (s.decay_frac < 0 || s.decay_frac > 1) fail("{}: schedule.decay_frac must be in [0, 1]", where);
   pos("run.steps", c.run.steps);
+  // warmup_steps() reads a warmup < 1 as a fraction of run.steps and one >= 1 as a step count, which
+  // it converts to int64: a fraction of a step would be dropped silently, and a count past run.steps
+  // never reaches the peak lr (past 2^63 the conversion is undefined).
+  if (!(s.warmup >= 0)) fail("{}: schedule.warmup must be >= 0, got {}", where, s.warmup);
+  if (s.warmup >= 1 && (s.warmup != std::floor(s.warmup) || s.warmup > double(c.run.steps)))
+    fail("{}: schedule.warmup must be a fraction of the steps (< 1) or a whole number of steps from 1 to run.steps "
+         "({}), got {}", where, c.run.steps, s.warmup);
+  if (!(s.final_lr_frac >= 0 && s.final_lr_frac <= 1))
+    fail("{}: schedule.final_lr_frac must be in [0, 1], got {}", where, s.final_lr_frac);
+  if (!(s.decay_frac >= 0 && s.decay_frac <= 1))
+    fail("{}: schedule.decay_frac must be in [0, 1], got {}", where, s.decay_frac);
   if (c.run.precision != "fp32" && c.run.precision != "tf32" && c.run.precision != "bf16")
     fail("{}: run.precision '{}' is not known (expected fp32, tf32 or bf16)", where, c.run.precision);
   if (c.run.precision != "fp32" && c.run.device != "cuda")
@@ -433,6 +547,11 @@ void validate(const Config& c) {
   if (c.run.eval_every < 0 || c.run.ckpt_every < 0 || c.run.eval_batches < 0 || c.run.threads < 0)
     fail("{}: run.eval_every, run.ckpt_every, run.eval_batches and run.threads must be >= 0", where);
   if (c.run.keep_checkpoints < 1) fail("{}: run.keep_checkpoints must be >= 1", where);
+  if (!this_build) {
+    if (c.run.device != "cpu" && c.run.device != "cuda")
+      fail("{}: run.device '{}' is not known (expected cpu or cuda)", where, c.run.device);
+    return;
+  }
 #ifdef LADDER_HAVE_CUDA
   if (c.run.device != "cpu" && c.run.device != "cuda")
     fail("{}: run.device '{}' is not known (expected cpu or cuda)", where, c.run.device);
@@ -442,6 +561,10 @@ void validate(const Config& c) {
   if (c.run.device != "cpu") fail("{}: run.device '{}' is not known (expected cpu)", where, c.run.device);
 #endif
 }
+
+}  // namespace
+
+void validate(const Config& c) { validate_settings(c, /*this_build=*/true); }
 
 std::string to_yaml(const Config& cin) {
   Config c = cin;
@@ -455,8 +578,15 @@ std::string to_yaml(const Config& cin) {
       section = sec;
     }
     std::string v = get_scalar(c, f);
-    bool is_str = std::holds_alternative<std::string*>(f.ref(c));
-    out << "  " << name << ": " << (is_str ? "\"" + v + "\"" : v) << "\n";
+    if (std::holds_alternative<std::string*>(f.ref(c))) {
+      // yaml-cpp's own double-quoted form, so that load_config reads back exactly this string: a
+      // quote, backslash, control character or `: #` in data.path must neither end the scalar nor
+      // change its value.
+      YAML::Emitter e;
+      e << YAML::DoubleQuoted << v;
+      v = e.c_str();
+    }
+    out << "  " << name << ": " << v << "\n";
   }
   return out.str();
 }
@@ -471,15 +601,46 @@ nlohmann::json to_json(const Config& cin) {
   return j;
 }
 
+// A checkpoint's config is input like any other (state.json can be edited or damaged): each value is
+// checked for its field's type and range, and the whole config goes through validate()'s checks,
+// every error naming `source` and the key. Without that, `d_model: -64` surfaced as an allocation of
+// 17592186044415.7 MiB and `d_model: "x"` as nlohmann's bare type_error.
 Config from_json(const nlohmann::json& j, const std::string& source) {
   Config c;
   c.source = source;
+  if (!j.is_object()) fail("{}: config: expected an object of sections (model, optim, ...), got {}", source, j.dump());
   for (auto& f : schema()) {
     auto dot = f.key.find('.');
     auto sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
-    if (!j.contains(sec) || !j[sec].contains(name)) fail("{}: config is missing key {}", source, f.key);
-    std::visit([&](auto* p) { *p = j[sec][name].get<std::remove_pointer_t<decltype(p)>>(); }, f.ref(c));
+    if (!j.contains(sec) || !j[sec].is_object() || !j[sec].contains(name))
+      fail("{}: config is missing key {}", source, f.key);
+    const nlohmann::json& v = j[sec][name];
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, std::string>) {
+            if (!v.is_string()) fail("{}: {} expects a string, got {}", source, f.key, v.dump());
+            *p = v.get<std::string>();
+          } else if constexpr (std::is_same_v<T, bool>) {
+            if (!v.is_boolean()) fail("{}: {} expects true or false, got {}", source, f.key, v.dump());
+            *p = v.get<bool>();
+          } else if constexpr (std::is_same_v<T, double>) {
+            // JSON has no NaN or inf (nlohmann writes them as null), so null is refused here too.
+            if (!v.is_number() || !std::isfinite(v.get<double>()))
+              fail("{}: {} expects a finite number, got {}", source, f.key, v.dump());
+            *p = v.get<double>();
+          } else {
+            // Through the number's text, as set_scalar reads YAML: get<int>() would wrap an
+            // out-of-range value and truncate a fraction without a word.
+            std::optional<T> x;
+            if (v.is_number()) x = integer_for<T>(v.dump());
+            if (!x) fail("{}: {} expects {}, got {}", source, f.key, integer_range<T>(), v.dump());
+            *p = *x;
+          }
+        },
+        f.ref(c));
   }
+  validate_settings(c, /*this_build=*/false);
   return c;
 }
 

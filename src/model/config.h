@@ -139,13 +139,17 @@ struct Config {
 Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides = {});
 // Applies one "key.path=value" override.
 void apply_override(Config& cfg, const std::string& kv);
-// Shape checks (heads divide d, kv heads divide heads, ...); errors name the field.
+// Shape checks (heads divide d, kv heads divide heads, ...), ranges (every number finite, eps > 0,
+// ...) and whether this build can run run.device; errors name the field.
 void validate(const Config& cfg);
 // The checks of the attention/norm recipe switches (part of validate()); `where` prefixes errors.
 void validate_attention_switches(const ModelConfig& m, const std::string& where);
 // The resolved config as YAML text (every key) and as JSON.
 std::string to_yaml(const Config& cfg);
 nlohmann::json to_json(const Config& cfg);
+// The inverse of to_json, for a checkpoint's config: every value type- and range-checked, then
+// validate()'s checks except the device one (a CUDA run's checkpoint can be sampled on the CPU);
+// errors name `source` (the file) and the key.
 Config from_json(const nlohmann::json& j, const std::string& source);
 // Markdown table of every key, type, default and meaning (docs/config.md is generated from it).
 std::string schema_markdown();

@@ -20,8 +20,18 @@ std::string sample_text(const std::filesystem::path& path, const SampleOptions& 
   if (opt.max_tokens < 0) fail("--max-tokens must be >= 0, got {}", opt.max_tokens);
   auto dir = resolve_checkpoint(path);
   CheckpointState st = read_checkpoint_state(dir);
-  Config cfg = from_json(st.config, (dir / "state.json").string());
+  const std::string state_file = (dir / "state.json").string();
+  Config cfg = from_json(st.config, state_file);  // type-, range- and shape-checked
+  // Training resolves vocab_size 0 from the data before the first checkpoint, so a checkpoint's is
+  // the logits' width; 0 would leave nothing to sample from.
+  if (cfg.model.vocab_size <= 0)
+    fail("{}: model.vocab_size must be > 0 in a checkpoint's config (training resolves it from the data), got {}",
+         state_file, cfg.model.vocab_size);
   auto tok = data::Tokenizer::load(dir / "tokenizer.model");
+  // The prompt's token ids index the embedding: the model must have a row for each of them.
+  if (tok.vocab_size() > cfg.model.vocab_size)
+    fail("{}: model.vocab_size is {} but the checkpoint's tokenizer.model has {} tokens", state_file,
+         cfg.model.vocab_size, tok.vocab_size());
   auto be = make_cpu_backend(opt.threads);
   Transformer model(cfg.model, 1, *be);
   load_checkpoint_weights(dir, model, nullptr);
