@@ -312,5 +312,17 @@ TEST(ConfigInput, MoeLayersRefusesEmptyElements) {
   EXPECT_EQ(c.model.n_moe_layers(), 2);
 }
 
+// RECIPE.md section 2: expert hidden I = ceil(d/2/128)*128 by default, exactly, also for odd d.
+TEST(ConfigInput, DefaultExpertHiddenIsTheRecipesRounding) {
+  ModelConfig m;
+  for (auto [d, want] : {std::pair{64, 128}, {256, 128}, {257, 256}, {511, 256}, {513, 384}, {1024, 512}, {2048, 1024}}) {
+    m.d_model = d;
+    EXPECT_EQ(m.expert_ff(), want) << "d=" << d;
+    EXPECT_EQ(m.expert_ff(), int(std::ceil(d / 2.0 / 128) * 128)) << "d=" << d;
+  }
+  m.moe_expert_ff = 96;
+  EXPECT_EQ(m.expert_ff(), 96);
+}
+
 }  // namespace
 }  // namespace ladder

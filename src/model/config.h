@@ -66,7 +66,8 @@ struct ModelConfig {
   // tokens * top_k / experts, rounded up to a multiple of 8 (16-byte rows of bf16 matrices), at most
   // `tokens` (no expert takes a token twice, so more would only pad); 0 when off.
   int expert_capacity(int64_t tokens) const;
-  int expert_ff() const { return moe_expert_ff > 0 ? moe_expert_ff : (d_model / 2 + 127) / 128 * 128; }
+  // ceil(d/2/128)*128 = ceil(d/256)*128 in integers (halving d first would floor an odd d's half).
+  int expert_ff() const { return moe_expert_ff > 0 ? moe_expert_ff : (d_model + 255) / 256 * 128; }
   int shared_ff() const { return !moe_shared_expert ? 0 : moe_shared_ff > 0 ? moe_shared_ff : d_model; }
   bool moe_normalized() const { return moe_combine == "normalized"; }
   bool moe_quantile_balance() const { return moe() && moe_balance != "none"; }
