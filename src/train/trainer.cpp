@@ -8,6 +8,8 @@
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "core/error.h"
@@ -35,18 +37,61 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Refuses to resume with a config that would make the continuation a different run.
+// What a config change means for a resume (check_resume_compatible).
+enum class OnChange {
+  kRefuse,  // the weights, data order or optimizer state would not fit: refused
+  kWarn,    // legitimate (extending a run, lowering the lr) but not the uninterrupted run: one warning
+};
+
+// The fields outside model.* and data.* (which are all refused) that a resume looks at. optim.name
+// and the group selectors decide which state tensors exist and what they mean (an Adam moment is not
+// a Muon momentum; moving a tensor between groups reinterprets its state), so they are refused like
+// the model; the rest of optim.* and schedule.* only change the update from here on, and run.steps
+// changes the schedule's horizon (and `auto` learning rates): a user may mean that, so it warns.
+// Unlisted run.* keys (eval, logging, checkpointing, device) do not change the trajectory's meaning.
+OnChange on_change(const std::string& sec, const std::string& key) {
+  if (sec == "model" || sec == "data") return OnChange::kRefuse;
+  if (sec == "run") return key == "steps" ? OnChange::kWarn : OnChange::kRefuse;
+  if (sec == "optim" && (key == "name" || key.ends_with("_params"))) return OnChange::kRefuse;
+  return OnChange::kWarn;
+}
+
+// Refuses to resume with a config that would make the continuation a different run, and warns (one
+// stderr line per field) about changes that are allowed but make it differ from the uninterrupted
+// run. The saved config is read with find(): a hand-edited or truncated state.json must give an
+// error naming the file and the key, not undefined behaviour (operator[] on a missing key of a const
+// json) or a bare nlohmann type_error.
 void check_resume_compatible(const Config& cur, const nlohmann::json& saved, const fs::path& ckpt) {
-  nlohmann::json now = to_json(cur);
-  for (const char* sec : {"model", "data"})
-    for (auto& [k, v] : now[sec].items())
-      if (!saved.contains(sec) || saved[sec][k] != v)
-        fail("{}: cannot resume: {}.{} is {} in the checkpoint but {} now", (ckpt / "state.json").string(), sec, k,
-             saved.contains(sec) ? saved[sec].value(k, nlohmann::json()).dump() : "missing", v.dump());
-  for (const char* k : {"batch_size", "grad_accum", "seed"})
-    if (saved["run"][k] != now["run"][k])
-      fail("{}: cannot resume: run.{} is {} in the checkpoint but {} now", (ckpt / "state.json").string(), k,
-           saved["run"][k].dump(), now["run"][k].dump());
+  const std::string file = (ckpt / "state.json").string();
+  const nlohmann::json now = to_json(cur);
+  if (!saved.is_object()) fail("{}: cannot resume: 'config' is {}, expected an object", file, saved.type_name());
+  const std::vector<std::pair<const char*, std::vector<std::string>>> checked = {
+      {"model", {}}, {"data", {}},  // every key
+      {"optim", {}}, {"schedule", {}},
+      {"run", {"batch_size", "grad_accum", "seed", "steps"}}};
+  for (const auto& [sec, only] : checked) {
+    std::vector<std::string> keys = only;
+    if (keys.empty())
+      for (auto& [k, v] : now.at(sec).items()) keys.push_back(k);
+    auto s = saved.find(sec);
+    if (s == saved.end()) fail("{}: cannot resume: config.{} is missing in the checkpoint", file, sec);
+    if (!s->is_object())
+      fail("{}: cannot resume: config.{} is {} in the checkpoint, expected an object", file, sec, s->type_name());
+    for (const std::string& k : keys) {
+      const nlohmann::json& v = now.at(sec).at(k);
+      auto it = s->find(k);
+      if (it != s->end() && *it == v) continue;
+      if (on_change(sec, k) == OnChange::kRefuse) {
+        if (it == s->end())
+          fail("{}: cannot resume: config.{}.{} is missing in the checkpoint (it is {} now)", file, sec, k, v.dump());
+        fail("{}: cannot resume: {}.{} is {} in the checkpoint but {} now{}", file, sec, k, it->dump(), v.dump(),
+             sec == std::string("optim") ? " (the optimizer state would not fit; start a new run)" : "");
+      }
+      fmt::print(stderr, "warning: resuming with {}.{} = {} but the checkpoint {} {}: the continuation is not the "
+                 "uninterrupted run's\n", sec, k, v.dump(), file,
+                 it == s->end() ? std::string("does not record it") : "was trained with " + it->dump());
+    }
+  }
 }
 
 }  // namespace

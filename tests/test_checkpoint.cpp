@@ -1,0 +1,164 @@
+// Checkpoints: what a resume accepts (config changes, hand-edited or damaged files), how checkpoint
+// directories are found, replaced and pruned, and what a checkpoint needs for `ladder sample`.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/safetensors.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+
+namespace ladder {
+namespace {
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  static inline test::TempDir* dir = nullptr;
+  static void SetUpTestSuite() {
+    dir = new test::TempDir("ckpt");
+    test::make_word_salad_data(dir->path, 200, 7);
+  }
+  static void TearDownTestSuite() {
+    delete dir;
+    dir = nullptr;
+  }
+  static Config tiny() {
+    Config c;
+    c.source = "tiny";
+    c.model.d_model = 32;
+    c.model.n_layers = 2;
+    c.model.n_heads = 4;
+    c.model.n_kv_heads = 2;
+    c.model.seq_len = 32;
+    c.optim.lr = 5e-3;
+    c.data.path = (dir->path / "data").string();
+    c.run.steps = 6;
+    c.run.batch_size = 2;
+    c.run.grad_accum = 1;
+    c.run.ckpt_every = 3;
+    c.run.eval_every = 0;
+    c.run.eval_batches = 1;
+    c.run.log_every = 1;
+    c.run.keep_checkpoints = 5;
+    return c;
+  }
+  static TrainSummary run(const Config& c, const fs::path& run_dir, bool resume = false, int64_t stop_after = -1) {
+    TrainOptions o;
+    o.cfg = c;
+    o.run_dir = run_dir;
+    o.resume = resume;
+    o.quiet = true;
+    o.stop_after = stop_after;
+    return train(o);
+  }
+  // A fresh run directory "killed" after step 4 (newest checkpoint: step 3).
+  static fs::path killed_run(const std::string& name, const Config& c) {
+    fs::path r = dir->path / name;
+    fs::remove_all(r);
+    run(c, r, false, 4);
+    return r;
+  }
+  static void edit_json(const fs::path& f, const std::function<void(nlohmann::json&)>& fn) {
+    auto j = nlohmann::json::parse(read_file(f));
+    fn(j);
+    write_file_atomic(f, j.dump(2));
+  }
+  // The error of fn(), which must throw ladder::Error.
+  template <class F>
+  static std::string error_of(F fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    ADD_FAILURE() << "expected an error";
+    return "";
+  }
+};
+
+#define EXPECT_HAS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
+
+// Defect: a key missing from the saved config was read with the const operator[] (undefined
+// behaviour: "run.seed is  in the checkpoint"), a missing section gave a bare type_error.
+TEST_F(CheckpointTest, ResumeNamesAKeyMissingFromTheSavedConfig) {
+  Config c = tiny();
+  fs::path r = killed_run("missing-key", c);
+  fs::path state = checkpoint_dir(r, 3) / "state.json";
+  const std::string orig = read_file(state);
+  for (auto [sec, key] : {std::pair{"run", "seed"}, {"model", "d_model"}, {"optim", "name"}}) {
+    edit_json(state, [&](nlohmann::json& j) { j["config"][sec].erase(key); });
+    std::string e = error_of([&] { run(c, r, true); });
+    EXPECT_HAS(e, "state.json");
+    EXPECT_HAS(e, fmt::format("config.{}.{} is missing in the checkpoint", sec, key));
+    write_file_atomic(state, orig);
+  }
+  edit_json(state, [](nlohmann::json& j) { j["config"].erase("run"); });
+  std::string e = error_of([&] { run(c, r, true); });
+  EXPECT_HAS(e, "state.json");
+  EXPECT_HAS(e, "config.run is missing");
+  edit_json(state, [](nlohmann::json& j) { j["config"]["run"] = 3; });
+  e = error_of([&] { run(c, r, true); });
+  EXPECT_HAS(e, "config.run is number in the checkpoint, expected an object");
+}
+
+// Defect: optim.name and the group selectors changed on resume were accepted silently (adamw state
+// read as adam's; lm_head's AdamW moments reused under another group's settings), or failed on a
+// missing state tensor without naming the setting.
+TEST_F(CheckpointTest, ResumeRefusesAChangedOptimizerStructure) {
+  Config c = tiny();
+  fs::path r = killed_run("optim-structure", c);
+  auto expect_refused = [&](const Config& changed, const std::string& what) {
+    std::string e = error_of([&] { run(changed, r, true); });
+    EXPECT_HAS(e, "state.json");
+    EXPECT_HAS(e, what);
+  };
+  Config d = c;
+  d.optim.name = "adam";
+  expect_refused(d, R"(optim.name is "adamw" in the checkpoint but "adam" now)");
+  d.optim.name = "muonh";
+  expect_refused(d, R"(optim.name is "adamw" in the checkpoint but "muonh" now)");
+  d = c;
+  d.optim.adam_params = "role:lm_head";
+  expect_refused(d, R"(optim.adam_params is "" in the checkpoint but "role:lm_head" now)");
+  // Refused before anything was written: the run still resumes unchanged.
+  EXPECT_EQ(run(c, r, true).start_step, 3);
+}
+
+// Changes that only alter the update from here on are allowed, each with one warning line.
+TEST_F(CheckpointTest, ResumeWarnsOncePerChangedOptimizerOrScheduleSetting) {
+  Config c = tiny();
+  fs::path r = killed_run("optim-warn", c);
+  Config d = c;
+  d.optim.lr = 1e-3;
+  d.optim.weight_decay = 0.05;
+  d.schedule.type = "cosine";
+  d.run.steps = 8;
+  d.run.log_every = 2;  // not a trajectory setting: no warning
+  ::testing::internal::CaptureStderr();
+  TrainSummary s = run(d, r, true);
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(s.start_step, 3);
+  EXPECT_EQ(s.end_step, 8);
+  int lines = 0;
+  for (size_t p = 0; (p = err.find("warning: ", p)) != std::string::npos; ++p) ++lines;
+  EXPECT_EQ(lines, 4) << err;
+  for (const char* f : {"optim.lr = 0.001 ", "optim.weight_decay = 0.05 ", "schedule.type = \"cosine\" ", "run.steps = 8 "})
+    EXPECT_HAS(err, f);
+  EXPECT_HAS(err, "trained with 0.005: the continuation is not the uninterrupted run's");
+  // An unchanged resume warns about nothing.
+  fs::path r2 = killed_run("optim-nowarn", c);
+  ::testing::internal::CaptureStderr();
+  run(c, r2, true);
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("warning"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace ladder
