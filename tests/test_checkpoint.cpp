@@ -70,6 +70,22 @@ class CheckpointTest : public ::testing::Test {
     fn(j);
     write_file_atomic(f, j.dump(2));
   }
+  // Rewrites a safetensors file with its tensors (plus `extra`, a 1-element tensor when not empty)
+  // and `meta` as metadata.
+  static void rewrite_safetensors(const fs::path& f, const std::map<std::string, std::string>& meta,
+                                  const std::string& extra = "") {
+    std::vector<std::vector<float>> data;
+    std::vector<TensorRef> t;
+    {
+      auto st = SafeTensors::open(f);
+      for (auto& n : st.names()) data.push_back(st.get_f32(n));
+      size_t i = 0;
+      for (auto& n : st.names()) t.push_back({n, DType::F32, st.shape(n), data[i++].data()});
+    }
+    static const float one = 1;
+    if (!extra.empty()) t.push_back({extra, DType::F32, {1}, &one});
+    save_safetensors(f, t, meta);
+  }
   // The error of fn(), which must throw ladder::Error.
   template <class F>
   static std::string error_of(F fn) {
@@ -158,6 +174,53 @@ TEST_F(CheckpointTest, ResumeWarnsOncePerChangedOptimizerOrScheduleSetting) {
   run(c, r2, true);
   err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(err.find("warning"), std::string::npos) << err;
+}
+
+// Defect: the optimizer's step counter (Adam's bias correction) was read with std::stoll: "abc" gave
+// "error: stoll", "3xyz" and "-7" were accepted, and it was never checked against state.json.
+TEST_F(CheckpointTest, OptimizerStepCounterIsStrictAndMatchesTheState) {
+  Config c = tiny();
+  fs::path r = killed_run("opt-steps", c);
+  fs::path f = checkpoint_dir(r, 3) / "optimizer.safetensors";
+  const std::string orig = read_file(f);
+  for (const char* bad : {"abc", "3xyz", "-7", "", " 3", "+3", "99999999999999999999"}) {
+    rewrite_safetensors(f, {{"optimizer_steps", bad}});
+    std::string e = error_of([&] { run(c, r, true); });
+    EXPECT_HAS(e, "optimizer.safetensors");
+    EXPECT_HAS(e, fmt::format("'optimizer_steps' is \"{}\", expected a non-negative integer", bad));
+  }
+  rewrite_safetensors(f, {{"optimizer_steps", "2"}});
+  std::string e = error_of([&] { run(c, r, true); });
+  EXPECT_HAS(e, "optimizer.safetensors: metadata 'optimizer_steps' is 2 but");
+  EXPECT_HAS(e, "state.json records 3");
+  write_file_atomic(f, orig);
+  EXPECT_EQ(run(c, r, true).start_step, 3);
+}
+
+// Defect: read_checkpoint_state took step: -5 (and 3.5 as 3), and never compared the step with the
+// optimizer's count or the directory's name.
+TEST_F(CheckpointTest, StateCountsAreCheckedAgainstEachOtherAndTheDirectory) {
+  Config c = tiny();
+  fs::path r = killed_run("state-steps", c);
+  fs::path ck = checkpoint_dir(r, 3), state = ck / "state.json";
+  const std::string orig = read_file(state);
+  auto expect_bad = [&](const std::function<void(nlohmann::json&)>& edit, const std::string& what) {
+    edit_json(state, edit);
+    std::string e = error_of([&] { read_checkpoint_state(ck); });
+    EXPECT_HAS(e, "state.json");
+    EXPECT_HAS(e, what);
+    write_file_atomic(state, orig);
+  };
+  expect_bad([](auto& j) { j["step"] = -5; }, "'step' is -5, expected a non-negative integer");
+  expect_bad([](auto& j) { j["step"] = 3.5; }, "'step' is 3.5, expected a non-negative integer");
+  expect_bad([](auto& j) { j["tokens_seen"] = -1; }, "'tokens_seen' is -1");
+  expect_bad([](auto& j) { j.erase("optimizer_steps"); }, "'optimizer_steps' is missing");
+  expect_bad([](auto& j) { j["optimizer_steps"] = 2; }, "optimizer_steps is 2 but step is 3");
+  expect_bad([](auto& j) { j["optimizer_steps"] = j["step"] = 4; },
+             "step is 4 but the directory is step_00000003 (step 3)");
+  // A copy under another name (for sampling, say) is not held to a step name.
+  fs::copy(ck, r / "best", fs::copy_options::recursive);
+  EXPECT_EQ(read_checkpoint_state(r / "best").step, 3);
 }
 
 }  // namespace

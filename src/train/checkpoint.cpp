@@ -3,7 +3,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
+#include <climits>
 #include <fstream>
+#include <string_view>
 
 #include "core/error.h"
 #include "core/fileio.h"
@@ -46,6 +49,33 @@ void read_into(const SafeTensors& st, const std::string& name, const std::vector
   std::vector<float> host(numel_of(shape));
   st.read_f32(name, shape, host.data());
   space.upload(dst, host.data(), host.size() * sizeof(float));
+}
+
+// A non-negative decimal integer that fits int64: digits only, no sign, space or suffix
+// (std::stoll took "3xyz" as 3 and "-7" as -7, and threw a bare "stoll" on "abc").
+std::optional<int64_t> parse_count(std::string_view s) {
+  uint64_t v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size() || v > uint64_t(INT64_MAX)) return std::nullopt;
+  return int64_t(v);
+}
+
+// The step of a checkpoint directory's name: exactly "step_" and digits (checkpoint_dir's form;
+// "step_00000003.bak" or "step_1_mybackup" are a user's copies, not checkpoints).
+std::optional<int64_t> step_of_dir_name(const std::string& name) {
+  if (name.rfind("step_", 0) != 0) return std::nullopt;
+  return parse_count(std::string_view(name).substr(5));
+}
+
+// A non-negative integer field of state.json (get<int64_t>() would take 3.7 as 3 and -5 as -5).
+int64_t count_field(const nlohmann::json& j, const char* key, const fs::path& f) {
+  auto it = j.find(key);
+  if (it == j.end()) fail("{}: corrupt checkpoint state: '{}' is missing", f.string(), key);
+  const bool ok = it->is_number_unsigned() ? it->get<uint64_t>() <= uint64_t(INT64_MAX)
+                                           : it->is_number_integer() && it->get<int64_t>() >= 0;
+  if (!ok)
+    fail("{}: corrupt checkpoint state: '{}' is {}, expected a non-negative integer", f.string(), key, it->dump());
+  return it->get<int64_t>();
 }
 
 }  // namespace
@@ -100,6 +130,9 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   fs::create_directories(tmp, ec);
   if (ec) fail("{}: cannot create checkpoint directory: {}", tmp.string(), ec.message());
 
+  // A step count the optimizer does not share would make the checkpoint unloadable (the load checks
+  // they agree): refuse to write it.
+  LADDER_ASSERT(opt.steps_taken() == st.step);
   save_weights(tmp / "model.safetensors", model);
   HostStaging host(opt.memory());
   std::vector<TensorRef> os;
@@ -149,16 +182,28 @@ CheckpointState read_checkpoint_state(const fs::path& dir) {
     fail("{}: checkpoint format_version {} is not supported (expected {})", f.string(), j["format_version"].dump(),
          kCheckpointVersion);
   CheckpointState st;
+  st.step = count_field(j, "step", f);
+  st.tokens_seen = count_field(j, "tokens_seen", f);
+  st.optimizer_steps = count_field(j, "optimizer_steps", f);
+  const int64_t threads = count_field(j, "threads", f);
+  if (threads > INT32_MAX) fail("{}: corrupt checkpoint state: 'threads' is {}, expected an int", f.string(), threads);
+  st.threads = int(threads);
   try {
-    st.step = j.at("step").get<int64_t>();
-    st.tokens_seen = j.at("tokens_seen").get<int64_t>();
-    st.threads = j.at("threads").get<int>();
     st.elapsed_s = j.at("elapsed_s").get<double>();
     st.loader = j.at("loader");
     st.config = j.at("config");
   } catch (const nlohmann::json::exception& e) {
     fail("{}: corrupt checkpoint state: {}", f.string(), e.what());
   }
+  // The trainer steps the optimizer once per step, and names the directory after the step: files
+  // that disagree were mixed from different checkpoints (or edited), and would resume a different
+  // schedule position, bias correction or data position than the weights were trained to.
+  if (st.optimizer_steps != st.step)
+    fail("{}: corrupt checkpoint state: optimizer_steps is {} but step is {} (they must be equal)", f.string(),
+         st.optimizer_steps, st.step);
+  if (auto n = step_of_dir_name(dir.filename().string()); n && *n != st.step)
+    fail("{}: corrupt checkpoint state: step is {} but the directory is {} (step {})", f.string(), st.step,
+         dir.filename().string(), *n);
   return st;
 }
 
@@ -167,10 +212,19 @@ void load_checkpoint_weights(const fs::path& dir, Transformer& model, Optimizer*
   if (!opt) return;
   fs::path f = dir / "optimizer.safetensors";
   auto st = SafeTensors::open(f);
-  for (auto& s : opt->state()) read_into(st, s.name, s.shape, opt->memory(), s.data);
+  // The step counter first: nothing of the optimizer is touched when it is bad. It sets Adam's bias
+  // correction, so it must be a count and the one state.json (and the directory name) records.
   auto it = st.metadata().find("optimizer_steps");
   if (it == st.metadata().end()) fail("{}: missing metadata 'optimizer_steps'", f.string());
-  opt->set_steps_taken(std::stoll(it->second));
+  auto steps = parse_count(it->second);
+  if (!steps)
+    fail("{}: metadata 'optimizer_steps' is \"{}\", expected a non-negative integer", f.string(), it->second);
+  const CheckpointState state = read_checkpoint_state(dir);
+  if (*steps != state.optimizer_steps)
+    fail("{}: metadata 'optimizer_steps' is {} but {} records {} (files from different checkpoints?)", f.string(),
+         *steps, (dir / "state.json").string(), state.optimizer_steps);
+  for (auto& s : opt->state()) read_into(st, s.name, s.shape, opt->memory(), s.data);
+  opt->set_steps_taken(*steps);
 }
 
 }  // namespace ladder

@@ -30,6 +30,7 @@ struct CheckpointState {
   nlohmann::json loader;     // data-loader state after `step` steps
   nlohmann::json config;     // resolved config
   double elapsed_s = 0;      // training wall time so far
+  int64_t optimizer_steps = 0;  // read back from state.json (save_checkpoint writes the optimizer's own count)
 };
 
 std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
@@ -41,10 +42,11 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 // Resolves a path given by a user: a checkpoint directory, or a run directory (-> its latest).
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
-// Reads state.json (validated).
+// Reads state.json (validated: counts are non-negative integers, optimizer_steps equals step, and a
+// directory named step_N holds step N). Errors name the file and field.
 CheckpointState read_checkpoint_state(const std::filesystem::path& ckpt_dir);
 // Loads weights (and optimizer state when opt != nullptr); every tensor's name, dtype and shape
-// must match the model: errors name the file and tensor.
+// must match the model, and the optimizer's step counter must be the one state.json records: errors name the file and tensor.
 void load_checkpoint_weights(const std::filesystem::path& ckpt_dir, Transformer& model, Optimizer* opt);
 
 // Saves / loads just the weights as one safetensors file.
