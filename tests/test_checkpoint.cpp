@@ -223,5 +223,16 @@ TEST_F(CheckpointTest, StateCountsAreCheckedAgainstEachOtherAndTheDirectory) {
   EXPECT_EQ(read_checkpoint_state(r / "best").step, 3);
 }
 
+// Defect: optimizer.safetensors tensors this optimizer does not have were ignored (model.safetensors
+// rejected them).
+TEST_F(CheckpointTest, UnknownOptimizerTensorsAreRejected) {
+  Config c = tiny();
+  fs::path r = killed_run("opt-unknown", c);
+  fs::path f = checkpoint_dir(r, 3) / "optimizer.safetensors";
+  rewrite_safetensors(f, {{"optimizer_steps", "3"}}, "momentum.model.norm.weight");
+  std::string e = error_of([&] { run(c, r, true); });
+  EXPECT_HAS(e, "optimizer.safetensors: tensor 'momentum.model.norm.weight' is not a state tensor of this optimizer");
+}
+
 }  // namespace
 }  // namespace ladder

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <climits>
 #include <fstream>
+#include <set>
 #include <string_view>
 
 #include "core/error.h"
@@ -223,6 +224,14 @@ void load_checkpoint_weights(const fs::path& dir, Transformer& model, Optimizer*
   if (*steps != state.optimizer_steps)
     fail("{}: metadata 'optimizer_steps' is {} but {} records {} (files from different checkpoints?)", f.string(),
          *steps, (dir / "state.json").string(), state.optimizer_steps);
+  // Like load_weights: a tensor this optimizer does not have means a different optimizer or grouping
+  // wrote the file (its state would be silently dropped).
+  std::set<std::string> known;
+  for (auto& s : opt->state()) known.insert(s.name);
+  for (auto& n : st.names())
+    if (!known.count(n))
+      fail("{}: tensor '{}' is not a state tensor of this optimizer (optim.name or optim.*_params mismatch?)",
+           f.string(), n);
   for (auto& s : opt->state()) read_into(st, s.name, s.shape, opt->memory(), s.data);
   opt->set_steps_taken(*steps);
 }

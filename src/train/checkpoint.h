@@ -46,7 +46,8 @@ std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 // directory named step_N holds step N). Errors name the file and field.
 CheckpointState read_checkpoint_state(const std::filesystem::path& ckpt_dir);
 // Loads weights (and optimizer state when opt != nullptr); every tensor's name, dtype and shape
-// must match the model, and the optimizer's step counter must be the one state.json records: errors name the file and tensor.
+// must match the model (a tensor the model or optimizer does not have is an error too), and the
+// optimizer's step counter must be the one state.json records: errors name the file and tensor.
 void load_checkpoint_weights(const std::filesystem::path& ckpt_dir, Transformer& model, Optimizer* opt);
 
 // Saves / loads just the weights as one safetensors file.
