@@ -2,13 +2,19 @@
 // directories are found, replaced and pruned, and what a checkpoint needs for `ladder sample`.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <functional>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/safetensors.h"
+#include "backend/backend.h"
+#include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 #include "test_util.h"
@@ -232,6 +238,108 @@ TEST_F(CheckpointTest, UnknownOptimizerTensorsAreRejected) {
   rewrite_safetensors(f, {{"optimizer_steps", "3"}}, "momentum.model.norm.weight");
   std::string e = error_of([&] { run(c, r, true); });
   EXPECT_HAS(e, "optimizer.safetensors: tensor 'momentum.model.norm.weight' is not a state tensor of this optimizer");
+}
+
+// Defect: any directory starting with "step_" and digits counted (std::stoll ignores a suffix): a
+// step_00000003.bak copy was picked as the latest and pruning then removed the real step_00000003;
+// a user's step_1_mybackup was pruned.
+TEST_F(CheckpointTest, OnlyStepDigitsDirectoriesAreResumedFromOrPruned) {
+  Config c = tiny();
+  c.run.keep_checkpoints = 1;
+  fs::path r = killed_run("strict-names", c);
+  fs::path ck = r / "checkpoints";
+  for (const char* copy : {"step_00000003.bak", "step_1_mybackup", "step_00000009x", "step_"})
+    fs::copy(ck / "step_00000003", ck / copy, fs::copy_options::recursive);
+  fs::create_directories(ck / "step_00000099");  // no state.json: not a checkpoint
+  ASSERT_EQ(latest_checkpoint(r), ck / "step_00000003");
+  TrainSummary s = run(c, r, true);
+  EXPECT_EQ(s.start_step, 3);
+  std::set<std::string> left;
+  for (auto& e : fs::directory_iterator(ck)) left.insert(e.path().filename().string());
+  EXPECT_EQ(left, (std::set<std::string>{"step_00000006", "step_00000003.bak", "step_1_mybackup", "step_00000009x",
+                                         "step_", "step_00000099"}));
+}
+
+// A pid that is certainly not running: a child that has exited and been reaped.
+static int64_t dead_pid() {
+  pid_t p = fork();
+  if (p == 0) _exit(0);
+  waitpid(p, nullptr, 0);
+  return p;
+}
+
+// Defect: the .partial_* directories of killed saves were never removed. Now those of processes that
+// are gone are, at the next save; a live process's are not.
+TEST_F(CheckpointTest, SavesRemoveTemporariesOfKilledSavesOnly) {
+  Config c = tiny();
+  fs::path r = killed_run("stale-partial", c);
+  fs::path ck = r / "checkpoints";
+  const std::string dead = fmt::format(".partial_step_00000005_{}", dead_pid());
+  const std::string live = fmt::format(".partial_step_00000005_{}", getppid());  // our parent is alive
+  const std::string dead_replaced = fmt::format(".replaced_step_00000003_{}", dead_pid());  // step 3 exists
+  const std::string foreign = ".partial_notes";  // not a name save_checkpoint uses
+  for (auto& d : {dead, live, dead_replaced, foreign}) {
+    fs::create_directories(ck / d);
+    write_file_atomic(ck / d / "model.safetensors", "x");
+  }
+  run(c, r, true);  // saves step 6
+  EXPECT_FALSE(fs::exists(ck / dead));
+  EXPECT_FALSE(fs::exists(ck / dead_replaced));
+  EXPECT_TRUE(fs::exists(ck / live / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(ck / foreign / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(ck / "step_00000006" / "state.json"));
+}
+
+// Saving a step that already has a directory replaces it without a moment where neither exists: the
+// old one is moved aside, the new one renamed in, and only then the old one removed. A save killed
+// in between leaves the old copy, which the next training start puts back. (Defect: the replacement
+// was remove_all then rename; a second Ctrl-C in between left no checkpoint of that step.)
+TEST_F(CheckpointTest, ReplacingAStepDirectoryNeverLeavesNone) {
+  Config c = tiny();
+  fs::path r = killed_run("replace", c);
+  // Saves checkpoint `step` again from its own files.
+  auto resave = [&](int64_t step) {
+    fs::path ck = checkpoint_dir(r, step);
+    Config rc = c;
+    resolve_data(rc);
+    auto be = make_backend("cpu", 1, "fp32", "ladder");
+    Transformer m(rc.model, rc.run.batch_size, *be);
+    auto o = make_optimizer(rc, m, *be);
+    load_checkpoint_weights(ck, m, o.get());
+    return save_checkpoint(r, read_checkpoint_state(ck), m, *o, dir->path / "data" / "tokenizer.model", 5);
+  };
+  auto entries = [&] {
+    std::set<std::string> out;
+    for (auto& e : fs::directory_iterator(r / "checkpoints")) out.insert(e.path().filename().string());
+    return out;
+  };
+  const fs::path ck3 = checkpoint_dir(r, 3);
+  const std::string weights = read_file(ck3 / "model.safetensors");
+  // A clean replacement leaves exactly the step directory, with the same bytes (same state).
+  EXPECT_EQ(resave(3), ck3);
+  EXPECT_EQ(entries(), std::set<std::string>{"step_00000003"});
+  EXPECT_EQ(read_file(ck3 / "model.safetensors"), weights);
+  // Killed between the renames: the old copy is kept aside and put back by the next training start.
+  set_checkpoint_save_hook_for_tests([](std::string_view at) {
+    if (at == "moved-aside") throw std::runtime_error("simulated kill");
+  });
+  EXPECT_THROW(resave(3), std::runtime_error);
+  set_checkpoint_save_hook_for_tests(nullptr);
+  EXPECT_FALSE(fs::exists(ck3));
+  TrainSummary s = run(c, r, true);
+  EXPECT_EQ(s.start_step, 3);
+  EXPECT_EQ(s.end_step, 6);
+  // A save that fails before the renames (here: once every file is written) leaves the existing
+  // checkpoint as it was and nothing beside it.
+  const fs::path ck6 = checkpoint_dir(r, 6);
+  const std::string w6 = read_file(ck6 / "model.safetensors");
+  set_checkpoint_save_hook_for_tests([](std::string_view at) {
+    if (at == "written") throw Error("simulated write error");
+  });
+  EXPECT_THROW(resave(6), Error);
+  set_checkpoint_save_hook_for_tests(nullptr);
+  EXPECT_EQ(read_file(ck6 / "model.safetensors"), w6);
+  EXPECT_EQ(entries(), (std::set<std::string>{"step_00000003", "step_00000006"}));
 }
 
 }  // namespace

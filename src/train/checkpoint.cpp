@@ -1,11 +1,15 @@
 #include "train/checkpoint.h"
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <charconv>
 #include <climits>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <string_view>
 
@@ -106,34 +110,111 @@ void load_weights(const fs::path& file, Transformer& model) {
   }
 }
 
+// The complete checkpoints of a run, oldest first: directories named exactly step_<digits> that hold
+// a state.json (written last but one, before the directory's rename). Anything else under
+// checkpoints/ (a user's step_00000003.bak or step_1_mybackup copy, a save in progress) is neither
+// resumed from nor pruned.
 static std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& run_dir) {
   std::vector<std::pair<int64_t, fs::path>> out;
   fs::path dir = run_dir / "checkpoints";
-  if (!fs::is_directory(dir)) return out;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
   for (auto& e : fs::directory_iterator(dir)) {
-    auto name = e.path().filename().string();
-    if (!e.is_directory() || name.rfind("step_", 0) != 0) continue;
-    try {
-      out.emplace_back(std::stoll(name.substr(5)), e.path());
-    } catch (...) {
-    }
+    auto step = step_of_dir_name(e.path().filename().string());
+    if (step && e.is_directory(ec) && fs::is_regular_file(e.path() / "state.json", ec)) out.emplace_back(*step, e.path());
   }
   std::sort(out.begin(), out.end());
   return out;
 }
 
+namespace {
+
+// Names of save_checkpoint's own directories beside the checkpoints: ".partial_step_N_<pid>" (being
+// assembled) and ".replaced_step_N_<pid>" (an older copy of step N moved aside while the new one is
+// renamed into place). Returns {step directory name, pid} for such a name.
+std::optional<std::pair<std::string, int64_t>> parse_temp_name(const std::string& name, const std::string& prefix) {
+  if (name.rfind(prefix, 0) != 0) return std::nullopt;
+  const size_t us = name.rfind('_');
+  if (us == std::string::npos || us < prefix.size()) return std::nullopt;
+  std::string step_name = name.substr(prefix.size(), us - prefix.size());
+  auto pid = parse_count(std::string_view(name).substr(us + 1));
+  if (!step_of_dir_name(step_name) || !pid || *pid <= 0 || *pid > INT32_MAX) return std::nullopt;
+  return std::pair{step_name, *pid};
+}
+
+// Whether the process that wrote a temporary directory is gone. Our own pid counts as gone: saves are
+// not concurrent within a process, so its temporaries are leftovers of a save that failed. A live
+// process (including another user's: EPERM) keeps its directory; a pid reused since only delays the
+// clean-up until that process exits.
+bool writer_gone(int64_t pid) {
+  if (pid == ::getpid()) return true;
+  return ::kill(pid_t(pid), 0) != 0 && errno == ESRCH;
+}
+
+// Test hook (checkpoint.h): called at named points of save_checkpoint.
+std::function<void(std::string_view)> g_save_hook;
+
+// Removes what killed saves left: ".partial_*" directories, and ".replaced_*" ones whose checkpoint
+// is in place; a ".replaced_step_N" whose step_N is missing (a save killed between its two renames)
+// is renamed back, since it is then the only copy of that checkpoint. Only directories of writers
+// that are gone are touched. Best effort: a directory that cannot be removed is left for next time.
+void tidy_checkpoints(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  std::vector<fs::path> entries;
+  for (auto& e : fs::directory_iterator(dir, ec)) entries.push_back(e.path());
+  for (const fs::path& p : entries) {
+    const std::string name = p.filename().string();
+    if (!fs::is_directory(fs::symlink_status(p, ec))) continue;
+    if (auto t = parse_temp_name(name, ".partial_"); t && writer_gone(t->second)) {
+      fs::remove_all(p, ec);
+    } else if (auto r = parse_temp_name(name, ".replaced_"); r && writer_gone(r->second)) {
+      const fs::path step_dir = dir / r->first;
+      if (!fs::exists(fs::symlink_status(step_dir, ec)) && fs::is_regular_file(p / "state.json", ec))
+        fs::rename(p, step_dir, ec);
+      else
+        fs::remove_all(p, ec);
+    }
+  }
+}
+
+// Removes a directory unless release()d: a save that fails leaves nothing beside the checkpoints.
+class RemoveOnError {
+ public:
+  explicit RemoveOnError(fs::path p) : p_(std::move(p)) {}
+  ~RemoveOnError() {
+    std::error_code ec;
+    if (!p_.empty()) fs::remove_all(p_, ec);
+  }
+  void release() { p_.clear(); }
+
+ private:
+  fs::path p_;
+};
+
+}  // namespace
+
+void set_checkpoint_save_hook_for_tests(std::function<void(std::string_view)> hook) { g_save_hook = std::move(hook); }
+
+void recover_checkpoints(const fs::path& run_dir) { tidy_checkpoints(run_dir / "checkpoints"); }
+
 fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, const Transformer& model,
                          Optimizer& opt, const fs::path& tokenizer_model, int keep) {
-  fs::path final_dir = checkpoint_dir(run_dir, st.step);
-  fs::path tmp = final_dir.parent_path() / fmt::format(".partial_{}_{}", final_dir.filename().string(), ::getpid());
-  std::error_code ec;
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp, ec);
-  if (ec) fail("{}: cannot create checkpoint directory: {}", tmp.string(), ec.message());
-
   // A step count the optimizer does not share would make the checkpoint unloadable (the load checks
   // they agree): refuse to write it.
   LADDER_ASSERT(opt.steps_taken() == st.step);
+  LADDER_ASSERT(keep >= 1);
+  const fs::path final_dir = checkpoint_dir(run_dir, st.step), parent = final_dir.parent_path();
+  const std::string name = final_dir.filename().string();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  if (ec) fail("{}: cannot create checkpoint directory: {}", parent.string(), ec.message());
+  tidy_checkpoints(parent);
+  const fs::path tmp = parent / fmt::format(".partial_{}_{}", name, ::getpid());
+  fs::create_directory(tmp, ec);
+  if (ec) fail("{}: cannot create checkpoint directory: {}", tmp.string(), ec.message());
+  RemoveOnError tmp_guard(tmp);
+
   save_weights(tmp / "model.safetensors", model);
   HostStaging host(opt.memory());
   std::vector<TensorRef> os;
@@ -147,13 +228,32 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   if (!tokenizer_model.empty() && fs::exists(tokenizer_model))
     write_file_atomic(tmp / "tokenizer.model", read_file(tokenizer_model));
   fsync_dir(tmp);
-  if (fs::exists(final_dir)) fs::remove_all(final_dir);  // a stale copy of the same step
-  fs::rename(tmp, final_dir, ec);
-  if (ec) fail("{}: cannot rename checkpoint into place: {}", final_dir.string(), ec.message());
-  fsync_dir(final_dir.parent_path());
+  if (g_save_hook) g_save_hook("written");
 
+  // An existing directory of this step is moved aside, not removed, until the new one is in place:
+  // killed in between, the old copy survives as .replaced_* and recover_checkpoints (at the next
+  // save or training start) renames it back.
+  const fs::path aside = parent / fmt::format(".replaced_{}_{}", name, ::getpid());
+  const bool replacing = fs::exists(fs::symlink_status(final_dir, ec));
+  if (replacing) {
+    fs::rename(final_dir, aside, ec);
+    if (ec) fail("{}: cannot move the existing checkpoint aside: {}", final_dir.string(), ec.message());
+    if (g_save_hook) g_save_hook("moved-aside");
+  }
+  fs::rename(tmp, final_dir, ec);
+  if (ec) {
+    std::error_code ec2;
+    if (replacing) fs::rename(aside, final_dir, ec2);
+    fail("{}: cannot rename checkpoint into place: {}", final_dir.string(), ec.message());
+  }
+  tmp_guard.release();
+  fsync_dir(parent);
+  if (replacing) fs::remove_all(aside, ec);
+
+  // Prune the oldest complete checkpoints beyond `keep`, never the one just written.
   auto all = list_checkpoints(run_dir);
-  for (size_t i = 0; i + size_t(keep) < all.size(); ++i) fs::remove_all(all[i].second, ec);
+  for (size_t i = 0; i + size_t(keep) < all.size(); ++i)
+    if (all[i].second != final_dir) fs::remove_all(all[i].second, ec);
   return final_dir;
 }
 

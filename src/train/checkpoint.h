@@ -10,7 +10,9 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -34,10 +36,18 @@ struct CheckpointState {
 };
 
 std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
-// Writes a checkpoint atomically; prunes all but the newest `keep` complete ones.
+// Writes a checkpoint atomically; prunes all but the newest `keep` complete ones. A complete
+// checkpoint is a directory named exactly step_<digits> holding a state.json; nothing else under
+// checkpoints/ is pruned. An existing directory of the same step is replaced by moving it aside
+// until the new one is in place. Temporaries left by killed saves (of processes that are gone) are
+// cleaned up first (recover_checkpoints).
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const CheckpointState& st,
                                       const Transformer& model, Optimizer& opt,
                                       const std::filesystem::path& tokenizer_model, int keep);
+// Cleans up after saves that were killed: removes their temporaries, and renames back a checkpoint
+// that was moved aside to be replaced when its replacement never arrived. Only touches temporaries of
+// processes that are gone. Call before latest_checkpoint when about to train.
+void recover_checkpoints(const std::filesystem::path& run_dir);
 // The newest complete checkpoint directory of a run, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 // Resolves a path given by a user: a checkpoint directory, or a run directory (-> its latest).
@@ -49,6 +59,11 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& ckpt_dir);
 // must match the model (a tensor the model or optimizer does not have is an error too), and the
 // optimizer's step counter must be the one state.json records: errors name the file and tensor.
 void load_checkpoint_weights(const std::filesystem::path& ckpt_dir, Transformer& model, Optimizer* opt);
+
+// Tests only: save_checkpoint calls the hook at "written" (every file of the new checkpoint written,
+// nothing renamed yet) and "moved-aside" (an existing directory of the step moved aside, the new one
+// not yet renamed into place); a throw there simulates a save that fails or is killed at that moment.
+void set_checkpoint_save_hook_for_tests(std::function<void(std::string_view)> hook);
 
 // Saves / loads just the weights as one safetensors file.
 void save_weights(const std::filesystem::path& file, const Transformer& model);

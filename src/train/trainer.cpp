@@ -174,7 +174,9 @@ TrainSummary train(const TrainOptions& opt) {
   const fs::path run_dir = opt.run_dir;
   const auto& rc = cfg.run;
 
-  // Never overwrite a run by accident.
+  // Never overwrite a run by accident. (A checkpoint that a killed save had moved aside is put back
+  // first, so that it is found.)
+  recover_checkpoints(run_dir);
   auto latest = latest_checkpoint(run_dir);
   if (latest && !opt.resume)
     fail("{}: the run directory already holds checkpoints; pass --resume to continue it or choose another --run-dir",
