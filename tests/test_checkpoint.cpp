@@ -342,5 +342,38 @@ TEST_F(CheckpointTest, ReplacingAStepDirectoryNeverLeavesNone) {
   EXPECT_EQ(entries(), (std::set<std::string>{"step_00000003", "step_00000006"}));
 }
 
+// Defect: SIGINT during the last step saved that step in the loop and again after it (replacing the
+// first, after the signal handler was restored), and printed "interrupted ... --resume" for a
+// complete run. A signal on a periodic checkpoint's step saved that step twice too.
+TEST_F(CheckpointTest, InterruptSavesEachStepOnceAndACompleteRunIsNotInterrupted) {
+  TrainOptions o;
+  o.cfg = tiny();  // 6 steps, a checkpoint every 3
+  o.run_dir = dir->path / "sigint-last";
+  o.interrupt_at = 6;
+  ::testing::internal::CaptureStdout();
+  TrainSummary s = train(o);
+  std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_EQ(s.end_step, 6);
+  EXPECT_EQ(s.checkpoint_steps, (std::vector<int64_t>{3, 6}));
+  EXPECT_EQ(out.find("interrupted"), std::string::npos) << out;
+  EXPECT_HAS(out, "done: 6 steps");
+
+  o.run_dir = dir->path / "sigint-periodic";
+  o.interrupt_at = 3;
+  ::testing::internal::CaptureStdout();
+  s = train(o);
+  out = ::testing::internal::GetCapturedStdout();
+  EXPECT_EQ(s.end_step, 3);
+  EXPECT_EQ(s.checkpoint_steps, (std::vector<int64_t>{3}));
+  EXPECT_HAS(out, "interrupted: checkpoint written at step 3; continue with --resume");
+  // ... and it resumes from there to the end.
+  o.resume = true;
+  o.interrupt_at = -1;
+  o.quiet = true;
+  s = train(o);
+  EXPECT_EQ(s.start_step, 3);
+  EXPECT_EQ(s.checkpoint_steps, (std::vector<int64_t>{6}));
+}
+
 }  // namespace
 }  // namespace ladder

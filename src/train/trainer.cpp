@@ -274,11 +274,21 @@ TrainSummary train(const TrainOptions& opt) {
   auto checkpoint = [&](int64_t step) {
     CheckpointState st{step, tokens_seen, threads, train_loader.state(), to_json(cfg), elapsed_total()};
     sum.last_checkpoint = save_checkpoint(run_dir, st, model, *optimizer, tokenizer, rc.keep_checkpoints);
+    sum.checkpoint_steps.push_back(step);
   };
 
   g_stop = false;
-  auto old_int = std::signal(SIGINT, on_signal);
-  auto old_term = std::signal(SIGTERM, on_signal);
+  // SIGINT/SIGTERM only set g_stop from here until train() returns (or throws): a signal during the
+  // final evaluation or checkpoint is noted, not fatal. (A killed save leaves the previous checkpoint,
+  // but the run would then end unfinished.)
+  struct SignalGuard {
+    void (*old_int)(int) = std::signal(SIGINT, on_signal);
+    void (*old_term)(int) = std::signal(SIGTERM, on_signal);
+    ~SignalGuard() {
+      std::signal(SIGINT, old_int);
+      std::signal(SIGTERM, old_term);
+    }
+  } signal_guard;
   const bool tty = isatty(1);
   double interval_s = 0;
   int64_t interval_tokens = 0;
@@ -343,15 +353,18 @@ TrainSummary train(const TrainOptions& opt) {
       killed = true;
       break;
     }
-    if (rc.ckpt_every > 0 && step % rc.ckpt_every == 0 && step != rc.steps) checkpoint(step);
+    if (step == opt.interrupt_at) g_stop = true;  // simulated SIGINT during this step (tests)
+    // The last step's checkpoint is the final one below, whether or not a signal came: written once
+    // (a second save of the same step replaced the first, with a window where a second Ctrl-C left
+    // none), and the run is complete, not interrupted.
+    if (step == rc.steps) break;
     if (g_stop) {
       checkpoint(step);
       if (!opt.quiet) fmt::print("\ninterrupted: checkpoint written at step {}; continue with --resume\n", step);
       break;
     }
+    if (rc.ckpt_every > 0 && step % rc.ckpt_every == 0) checkpoint(step);
   }
-  std::signal(SIGINT, old_int);
-  std::signal(SIGTERM, old_term);
   sum.end_step = step;
   if (step == rc.steps && !killed) {
     evaluate(step);
