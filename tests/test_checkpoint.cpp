@@ -375,5 +375,20 @@ TEST_F(CheckpointTest, InterruptSavesEachStepOnceAndACompleteRunIsNotInterrupted
   EXPECT_EQ(s.checkpoint_steps, (std::vector<int64_t>{6}));
 }
 
+// Defect: the data loader's restore errors said "data loader state ..." without naming the file.
+TEST_F(CheckpointTest, LoaderStateErrorsNameStateJson) {
+  Config c = tiny();
+  fs::path r = killed_run("loader-state", c);
+  fs::path state = checkpoint_dir(r, 3) / "state.json";
+  const std::string orig = read_file(state);
+  edit_json(state, [](nlohmann::json& j) { j["loader"]["fingerprint"] = 12345; });
+  std::string e = error_of([&] { run(c, r, true); });
+  EXPECT_HAS(e, state.string() + ", field 'loader': data loader state does not match this loader: 'fingerprint'");
+  write_file_atomic(state, orig);
+  edit_json(state, [](nlohmann::json& j) { j["loader"]["consumed"] = -3; });
+  e = error_of([&] { run(c, r, true); });
+  EXPECT_HAS(e, state.string() + ", field 'loader': data loader state: field 'consumed'");
+}
+
 }  // namespace
 }  // namespace ladder

@@ -200,7 +200,7 @@ TrainSummary train(const TrainOptions& opt) {
     CheckpointState st = read_checkpoint_state(*latest);
     check_resume_compatible(cfg, st.config, *latest);
     load_checkpoint_weights(*latest, model, optimizer.get());
-    train_loader.restore(st.loader);
+    train_loader.restore(st.loader, fmt::format("{}, field 'loader'", (*latest / "state.json").string()));
     start_step = st.step;
     tokens_seen = st.tokens_seen;
     elapsed_prev = st.elapsed_s;
