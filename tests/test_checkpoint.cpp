@@ -390,5 +390,46 @@ TEST_F(CheckpointTest, LoaderStateErrorsNameStateJson) {
   EXPECT_HAS(e, state.string() + ", field 'loader': data loader state: field 'consumed'");
 }
 
+// Defect: a data directory without tokenizer.model gave checkpoints without one, silently; `ladder
+// sample` then failed with "tokenizer model not found (run `ladder data` to train one)".
+TEST_F(CheckpointTest, ACheckpointWithoutTokenizerSaysSoWhereSamplingNeedsIt) {
+  fs::path data = dir->path / "data-no-tokenizer";
+  fs::remove_all(data);
+  fs::copy(dir->path / "data", data, fs::copy_options::recursive);
+  fs::remove(data / "tokenizer.model");
+  Config c = tiny();
+  c.data.path = data.string();
+  c.run.steps = 3;
+  fs::path r = dir->path / "no-tokenizer";
+  fs::remove_all(r);
+  ::testing::internal::CaptureStderr();
+  run(c, r);
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_HAS(err, "warning: " + (data / "tokenizer.model").string() + " not found: checkpoints will have no tokenizer");
+  fs::path ck = checkpoint_dir(r, 3);
+  ASSERT_TRUE(fs::exists(ck / "state.json"));
+  std::string e = error_of([&] { checkpoint_tokenizer(ck); });
+  EXPECT_HAS(e, (ck / "tokenizer.model").string() + ": missing: the checkpoint has no tokenizer (its data directory " +
+                    data.string() + " had no tokenizer.model when it was saved)");
+  EXPECT_HAS(e, "(hash ");
+  // `ladder sample` gives that error.
+  std::string cmd = fmt::format("{}/ladder sample {} --prompt hi 2>{} >/dev/null", LADDER_BINARY_DIR, r.string(),
+                                (r / "err").string());
+  EXPECT_NE(std::system(cmd.c_str()), 0);
+  EXPECT_HAS(read_file(r / "err"), "error: " + (ck / "tokenizer.model").string() + ": missing: the checkpoint has no tokenizer");
+  // A tokenizer copied in must be the data's.
+  write_file_atomic(ck / "tokenizer.model", "not this one");
+  EXPECT_HAS(error_of([&] { checkpoint_tokenizer(ck); }), "is not the one the training data was encoded with");
+  fs::copy_file(dir->path / "data" / "tokenizer.model", ck / "tokenizer.model", fs::copy_options::overwrite_existing);
+  EXPECT_EQ(checkpoint_tokenizer(ck), ck / "tokenizer.model");
+  // A checkpoint trained from data with a tokenizer has it, and no warning was printed.
+  ::testing::internal::CaptureStderr();
+  c.data.path = (dir->path / "data").string();
+  run(c, dir->path / "with-tokenizer");
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(checkpoint_tokenizer(checkpoint_dir(dir->path / "with-tokenizer", 3)),
+            checkpoint_dir(dir->path / "with-tokenizer", 3) / "tokenizer.model");
+}
+
 }  // namespace
 }  // namespace ladder

@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/safetensors.h"
+#include "data/tokenizer.h"
 
 namespace fs = std::filesystem;
 
@@ -225,6 +226,8 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
                       {"optimizer_steps", opt.steps_taken()}, {"elapsed_s", st.elapsed_s},
                       {"loader", st.loader},                 {"config", st.config}};
   write_file_atomic(tmp / "state.json", j.dump(2));
+  // Without one (data prepared elsewhere) the checkpoint has none: the trainer warns at the start,
+  // and checkpoint_tokenizer says what is missing when `ladder sample` needs it.
   if (!tokenizer_model.empty() && fs::exists(tokenizer_model))
     write_file_atomic(tmp / "tokenizer.model", read_file(tokenizer_model));
   fsync_dir(tmp);
@@ -306,6 +309,31 @@ CheckpointState read_checkpoint_state(const fs::path& dir) {
     fail("{}: corrupt checkpoint state: step is {} but the directory is {} (step {})", f.string(), st.step,
          dir.filename().string(), *n);
   return st;
+}
+
+fs::path checkpoint_tokenizer(const fs::path& dir) {
+  const fs::path f = dir / "tokenizer.model";
+  const CheckpointState st = read_checkpoint_state(dir);
+  // The hash the training data was encoded with (0: not recorded).
+  uint64_t want = 0;
+  if (auto h = st.loader.find("tokenizer_hash"); h != st.loader.end() && h->is_number_unsigned()) want = h->get<uint64_t>();
+  std::error_code ec;
+  if (!fs::is_regular_file(f, ec)) {
+    std::string data = "its data directory";
+    if (auto d = st.config.find("data"); d != st.config.end() && d->is_object() && d->contains("path") &&
+                                         (*d)["path"].is_string())
+      data = fmt::format("its data directory {}", (*d)["path"].get<std::string>());
+    fail("{}: missing: the checkpoint has no tokenizer ({} had no tokenizer.model when it was saved); copy there "
+         "the tokenizer.model the data was encoded with{}",
+         f.string(), data, want ? fmt::format(" (hash {:016x})", want) : "");
+  }
+  if (want) {
+    const uint64_t h = data::tokenizer_file_hash(f);
+    if (h != want)
+      fail("{}: tokenizer hash {:016x} is not the one the training data was encoded with ({:016x}, state.json "
+           "loader.tokenizer_hash)", f.string(), h, want);
+  }
+  return f;
 }
 
 void load_checkpoint_weights(const fs::path& dir, Transformer& model, Optimizer* opt) {

@@ -55,6 +55,10 @@ std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 // Reads state.json (validated: counts are non-negative integers, optimizer_steps equals step, and a
 // directory named step_N holds step N). Errors name the file and field.
 CheckpointState read_checkpoint_state(const std::filesystem::path& ckpt_dir);
+// The checkpoint's tokenizer.model (what `ladder sample` needs besides the weights). A checkpoint
+// saved from a data directory without one has none: the error says so, with the data directory and
+// the tokenizer hash the data was encoded with; a tokenizer copied in must have that hash.
+std::filesystem::path checkpoint_tokenizer(const std::filesystem::path& ckpt_dir);
 // Loads weights (and optimizer state when opt != nullptr); every tensor's name, dtype and shape
 // must match the model (a tensor the model or optimizer does not have is an error too), and the
 // optimizer's step counter must be the one state.json records: errors name the file and tensor.

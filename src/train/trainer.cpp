@@ -248,6 +248,10 @@ TrainSummary train(const TrainOptions& opt) {
   const int N = rc.batch_size * cfg.model.seq_len;
   std::vector<int32_t> inputs(N), targets(N);
   const fs::path tokenizer = data_dir / "tokenizer.model";
+  // Checkpoints carry the data's tokenizer for `ladder sample`; data prepared elsewhere may have none.
+  if (std::error_code ec; !fs::is_regular_file(tokenizer, ec))
+    fmt::print(stderr, "warning: {} not found: checkpoints will have no tokenizer; `ladder sample` needs the data's "
+               "tokenizer.model copied into the checkpoint directory\n", tokenizer.string());
   TrainSummary sum;
   sum.start_step = start_step;
   std::vector<double> rates, mfus;
