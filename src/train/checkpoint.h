@@ -4,9 +4,11 @@
 //                                        momentum.<name>, radius.<name>: docs/optimizers.md)
 //   step_00000100/state.json             format_version, step, resolved config, data-loader state,
 //                                        tokens seen, thread count, the optimizer's step counter
-//   step_00000100/tokenizer.model        copy of the tokenizer, so `ladder sample` needs nothing else
-// The directory is assembled under a temporary name, every file fsynced, then renamed: a directory
-// named step_* is always complete. RNG state is not stored: randomness is counter-based.
+//   step_00000100/tokenizer.model        copy of the data's tokenizer, so `ladder sample` needs nothing
+//                                        else (absent when the data directory has none)
+// The directory is assembled under a temporary name (.partial_step_N_<pid>), every file fsynced,
+// then renamed: a directory named step_<digits> is always complete, and only such directories (with
+// a state.json) are resumed from or pruned. RNG state is not stored: randomness is counter-based.
 #pragma once
 #include <cstdint>
 #include <filesystem>
