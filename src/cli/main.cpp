@@ -14,6 +14,7 @@
 #include "model/config.h"
 #include "optim/optimizer.h"
 #include "train/bench.h"
+#include "train/checkpoint.h"
 #include "train/optim_bench.h"
 #include "train/sampler.h"
 #include "train/trainer.h"
@@ -126,6 +127,9 @@ int main(int argc, char** argv) {
       o.resume = resume;
       train(o);
     } else if (sa->parsed()) {
+      // The checkpoint's tokenizer first: a checkpoint saved without one gets an error that says why
+      // and what to copy where (sample_text's own would only say the file is not found).
+      checkpoint_tokenizer(resolve_checkpoint(ckpt));
       std::cout << sample_text(ckpt, sopt) << std::endl;
     } else if (be->parsed() && boptim) {
       // The optimizer benchmark times host buffers (Newton-Schulz on host matrices): CPU only.

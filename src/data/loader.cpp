@@ -205,14 +205,16 @@ json DataLoader::state() const {
               {"epoch", consumed_ / n_windows_}};
 }
 
-void DataLoader::restore(const json& s) {
-  if (!s.is_object()) fail("data loader state: expected a JSON object, found {}", s.dump());
+void DataLoader::restore(const json& s, const std::string& source) {
+  // Errors name where the state came from (a checkpoint's state.json), not just "data loader state".
+  const std::string what = source.empty() ? "data loader state" : source + ": data loader state";
+  if (!s.is_object()) fail("{}: expected a JSON object, found {}", what, s.dump());
   auto check = [&](const char* name, const json& here) {
     auto it = s.find(name);
-    if (it == s.end()) fail("data loader state: missing field '{}'", name);
+    if (it == s.end()) fail("{}: missing field '{}'", what, name);
     if (*it != here)
-      fail("data loader state does not match this loader: '{}' is {} in the saved state but {} here", name,
-           it->dump(), here.dump());
+      fail("{} does not match this loader: '{}' is {} in the saved state but {} here", what, name, it->dump(),
+           here.dump());
   };
   check("version", 1);
   check("split", split_);
@@ -224,7 +226,7 @@ void DataLoader::restore(const json& s) {
   check("shuffle", shuffle_);
   auto it = s.find("consumed");
   if (it == s.end() || !it->is_number_integer() || (!it->is_number_unsigned() && it->get<int64_t>() < 0))
-    fail("data loader state: field 'consumed' missing or not a non-negative integer");
+    fail("{}: field 'consumed' missing or not a non-negative integer", what);
   consumed_ = it->get<uint64_t>();
 }
 

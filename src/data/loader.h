@@ -40,7 +40,8 @@ class DataLoader {
   // Fills batch_size*seq_len ids into each of inputs and targets, row-major [batch, seq].
   void next(int32_t* inputs, int32_t* targets);
   nlohmann::json state() const;
-  void restore(const nlohmann::json& s);
+  // Errors name `source` (e.g. "<checkpoint>/state.json, field 'loader'") when given.
+  void restore(const nlohmann::json& s, const std::string& source = {});
   void reset();  // back to the first batch (validation passes)
 
   size_t n_windows() const { return n_windows_; }

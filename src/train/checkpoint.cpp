@@ -1,13 +1,22 @@
 #include "train/checkpoint.h"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 #include <algorithm>
+#include <charconv>
+#include <climits>
 #include <fstream>
+#include <functional>
+#include <set>
+#include <string_view>
 
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/safetensors.h"
+#include "data/tokenizer.h"
 
 namespace fs = std::filesystem;
 
@@ -48,6 +57,33 @@ void read_into(const SafeTensors& st, const std::string& name, const std::vector
   space.upload(dst, host.data(), host.size() * sizeof(float));
 }
 
+// A non-negative decimal integer that fits int64: digits only, no sign, space or suffix
+// (std::stoll took "3xyz" as 3 and "-7" as -7, and threw a bare "stoll" on "abc").
+std::optional<int64_t> parse_count(std::string_view s) {
+  uint64_t v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size() || v > uint64_t(INT64_MAX)) return std::nullopt;
+  return int64_t(v);
+}
+
+// The step of a checkpoint directory's name: exactly "step_" and digits (checkpoint_dir's form;
+// "step_00000003.bak" or "step_1_mybackup" are a user's copies, not checkpoints).
+std::optional<int64_t> step_of_dir_name(const std::string& name) {
+  if (name.rfind("step_", 0) != 0) return std::nullopt;
+  return parse_count(std::string_view(name).substr(5));
+}
+
+// A non-negative integer field of state.json (get<int64_t>() would take 3.7 as 3 and -5 as -5).
+int64_t count_field(const nlohmann::json& j, const char* key, const fs::path& f) {
+  auto it = j.find(key);
+  if (it == j.end()) fail("{}: corrupt checkpoint state: '{}' is missing", f.string(), key);
+  const bool ok = it->is_number_unsigned() ? it->get<uint64_t>() <= uint64_t(INT64_MAX)
+                                           : it->is_number_integer() && it->get<int64_t>() >= 0;
+  if (!ok)
+    fail("{}: corrupt checkpoint state: '{}' is {}, expected a non-negative integer", f.string(), key, it->dump());
+  return it->get<int64_t>();
+}
+
 }  // namespace
 
 fs::path checkpoint_dir(const fs::path& run_dir, int64_t step) {
@@ -75,30 +111,110 @@ void load_weights(const fs::path& file, Transformer& model) {
   }
 }
 
+// The complete checkpoints of a run, oldest first: directories named exactly step_<digits> that hold
+// a state.json (written last but one, before the directory's rename). Anything else under
+// checkpoints/ (a user's step_00000003.bak or step_1_mybackup copy, a save in progress) is neither
+// resumed from nor pruned.
 static std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& run_dir) {
   std::vector<std::pair<int64_t, fs::path>> out;
   fs::path dir = run_dir / "checkpoints";
-  if (!fs::is_directory(dir)) return out;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
   for (auto& e : fs::directory_iterator(dir)) {
-    auto name = e.path().filename().string();
-    if (!e.is_directory() || name.rfind("step_", 0) != 0) continue;
-    try {
-      out.emplace_back(std::stoll(name.substr(5)), e.path());
-    } catch (...) {
-    }
+    auto step = step_of_dir_name(e.path().filename().string());
+    if (step && e.is_directory(ec) && fs::is_regular_file(e.path() / "state.json", ec)) out.emplace_back(*step, e.path());
   }
   std::sort(out.begin(), out.end());
   return out;
 }
 
+namespace {
+
+// Names of save_checkpoint's own directories beside the checkpoints: ".partial_step_N_<pid>" (being
+// assembled) and ".replaced_step_N_<pid>" (an older copy of step N moved aside while the new one is
+// renamed into place). Returns {step directory name, pid} for such a name.
+std::optional<std::pair<std::string, int64_t>> parse_temp_name(const std::string& name, const std::string& prefix) {
+  if (name.rfind(prefix, 0) != 0) return std::nullopt;
+  const size_t us = name.rfind('_');
+  if (us == std::string::npos || us < prefix.size()) return std::nullopt;
+  std::string step_name = name.substr(prefix.size(), us - prefix.size());
+  auto pid = parse_count(std::string_view(name).substr(us + 1));
+  if (!step_of_dir_name(step_name) || !pid || *pid <= 0 || *pid > INT32_MAX) return std::nullopt;
+  return std::pair{step_name, *pid};
+}
+
+// Whether the process that wrote a temporary directory is gone. Our own pid counts as gone: saves are
+// not concurrent within a process, so its temporaries are leftovers of a save that failed. A live
+// process (including another user's: EPERM) keeps its directory; a pid reused since only delays the
+// clean-up until that process exits.
+bool writer_gone(int64_t pid) {
+  if (pid == ::getpid()) return true;
+  return ::kill(pid_t(pid), 0) != 0 && errno == ESRCH;
+}
+
+// Test hook (checkpoint.h): called at named points of save_checkpoint.
+std::function<void(std::string_view)> g_save_hook;
+
+// Removes what killed saves left: ".partial_*" directories, and ".replaced_*" ones whose checkpoint
+// is in place; a ".replaced_step_N" whose step_N is missing (a save killed between its two renames)
+// is renamed back, since it is then the only copy of that checkpoint. Only directories of writers
+// that are gone are touched. Best effort: a directory that cannot be removed is left for next time.
+void tidy_checkpoints(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  std::vector<fs::path> entries;
+  for (auto& e : fs::directory_iterator(dir, ec)) entries.push_back(e.path());
+  for (const fs::path& p : entries) {
+    const std::string name = p.filename().string();
+    if (!fs::is_directory(fs::symlink_status(p, ec))) continue;
+    if (auto t = parse_temp_name(name, ".partial_"); t && writer_gone(t->second)) {
+      fs::remove_all(p, ec);
+    } else if (auto r = parse_temp_name(name, ".replaced_"); r && writer_gone(r->second)) {
+      const fs::path step_dir = dir / r->first;
+      if (!fs::exists(fs::symlink_status(step_dir, ec)) && fs::is_regular_file(p / "state.json", ec))
+        fs::rename(p, step_dir, ec);
+      else
+        fs::remove_all(p, ec);
+    }
+  }
+}
+
+// Removes a directory unless release()d: a save that fails leaves nothing beside the checkpoints.
+class RemoveOnError {
+ public:
+  explicit RemoveOnError(fs::path p) : p_(std::move(p)) {}
+  ~RemoveOnError() {
+    std::error_code ec;
+    if (!p_.empty()) fs::remove_all(p_, ec);
+  }
+  void release() { p_.clear(); }
+
+ private:
+  fs::path p_;
+};
+
+}  // namespace
+
+void set_checkpoint_save_hook_for_tests(std::function<void(std::string_view)> hook) { g_save_hook = std::move(hook); }
+
+void recover_checkpoints(const fs::path& run_dir) { tidy_checkpoints(run_dir / "checkpoints"); }
+
 fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, const Transformer& model,
                          Optimizer& opt, const fs::path& tokenizer_model, int keep) {
-  fs::path final_dir = checkpoint_dir(run_dir, st.step);
-  fs::path tmp = final_dir.parent_path() / fmt::format(".partial_{}_{}", final_dir.filename().string(), ::getpid());
+  // A step count the optimizer does not share would make the checkpoint unloadable (the load checks
+  // they agree): refuse to write it.
+  LADDER_ASSERT(opt.steps_taken() == st.step);
+  LADDER_ASSERT(keep >= 1);
+  const fs::path final_dir = checkpoint_dir(run_dir, st.step), parent = final_dir.parent_path();
+  const std::string name = final_dir.filename().string();
   std::error_code ec;
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp, ec);
+  fs::create_directories(parent, ec);
+  if (ec) fail("{}: cannot create checkpoint directory: {}", parent.string(), ec.message());
+  tidy_checkpoints(parent);
+  const fs::path tmp = parent / fmt::format(".partial_{}_{}", name, ::getpid());
+  fs::create_directory(tmp, ec);
   if (ec) fail("{}: cannot create checkpoint directory: {}", tmp.string(), ec.message());
+  RemoveOnError tmp_guard(tmp);
 
   save_weights(tmp / "model.safetensors", model);
   HostStaging host(opt.memory());
@@ -110,16 +226,37 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
                       {"optimizer_steps", opt.steps_taken()}, {"elapsed_s", st.elapsed_s},
                       {"loader", st.loader},                 {"config", st.config}};
   write_file_atomic(tmp / "state.json", j.dump(2));
+  // Without one (data prepared elsewhere) the checkpoint has none: the trainer warns at the start,
+  // and checkpoint_tokenizer says what is missing when `ladder sample` needs it.
   if (!tokenizer_model.empty() && fs::exists(tokenizer_model))
     write_file_atomic(tmp / "tokenizer.model", read_file(tokenizer_model));
   fsync_dir(tmp);
-  if (fs::exists(final_dir)) fs::remove_all(final_dir);  // a stale copy of the same step
-  fs::rename(tmp, final_dir, ec);
-  if (ec) fail("{}: cannot rename checkpoint into place: {}", final_dir.string(), ec.message());
-  fsync_dir(final_dir.parent_path());
+  if (g_save_hook) g_save_hook("written");
 
+  // An existing directory of this step is moved aside, not removed, until the new one is in place:
+  // killed in between, the old copy survives as .replaced_* and recover_checkpoints (at the next
+  // save or training start) renames it back.
+  const fs::path aside = parent / fmt::format(".replaced_{}_{}", name, ::getpid());
+  const bool replacing = fs::exists(fs::symlink_status(final_dir, ec));
+  if (replacing) {
+    fs::rename(final_dir, aside, ec);
+    if (ec) fail("{}: cannot move the existing checkpoint aside: {}", final_dir.string(), ec.message());
+    if (g_save_hook) g_save_hook("moved-aside");
+  }
+  fs::rename(tmp, final_dir, ec);
+  if (ec) {
+    std::error_code ec2;
+    if (replacing) fs::rename(aside, final_dir, ec2);
+    fail("{}: cannot rename checkpoint into place: {}", final_dir.string(), ec.message());
+  }
+  tmp_guard.release();
+  fsync_dir(parent);
+  if (replacing) fs::remove_all(aside, ec);
+
+  // Prune the oldest complete checkpoints beyond `keep`, never the one just written.
   auto all = list_checkpoints(run_dir);
-  for (size_t i = 0; i + size_t(keep) < all.size(); ++i) fs::remove_all(all[i].second, ec);
+  for (size_t i = 0; i + size_t(keep) < all.size(); ++i)
+    if (all[i].second != final_dir) fs::remove_all(all[i].second, ec);
   return final_dir;
 }
 
@@ -149,17 +286,54 @@ CheckpointState read_checkpoint_state(const fs::path& dir) {
     fail("{}: checkpoint format_version {} is not supported (expected {})", f.string(), j["format_version"].dump(),
          kCheckpointVersion);
   CheckpointState st;
+  st.step = count_field(j, "step", f);
+  st.tokens_seen = count_field(j, "tokens_seen", f);
+  st.optimizer_steps = count_field(j, "optimizer_steps", f);
+  const int64_t threads = count_field(j, "threads", f);
+  if (threads > INT32_MAX) fail("{}: corrupt checkpoint state: 'threads' is {}, expected an int", f.string(), threads);
+  st.threads = int(threads);
   try {
-    st.step = j.at("step").get<int64_t>();
-    st.tokens_seen = j.at("tokens_seen").get<int64_t>();
-    st.threads = j.at("threads").get<int>();
     st.elapsed_s = j.at("elapsed_s").get<double>();
     st.loader = j.at("loader");
     st.config = j.at("config");
   } catch (const nlohmann::json::exception& e) {
     fail("{}: corrupt checkpoint state: {}", f.string(), e.what());
   }
+  // The trainer steps the optimizer once per step, and names the directory after the step: files
+  // that disagree were mixed from different checkpoints (or edited), and would resume a different
+  // schedule position, bias correction or data position than the weights were trained to.
+  if (st.optimizer_steps != st.step)
+    fail("{}: corrupt checkpoint state: optimizer_steps is {} but step is {} (they must be equal)", f.string(),
+         st.optimizer_steps, st.step);
+  if (auto n = step_of_dir_name(dir.filename().string()); n && *n != st.step)
+    fail("{}: corrupt checkpoint state: step is {} but the directory is {} (step {})", f.string(), st.step,
+         dir.filename().string(), *n);
   return st;
+}
+
+fs::path checkpoint_tokenizer(const fs::path& dir) {
+  const fs::path f = dir / "tokenizer.model";
+  const CheckpointState st = read_checkpoint_state(dir);
+  // The hash the training data was encoded with (0: not recorded).
+  uint64_t want = 0;
+  if (auto h = st.loader.find("tokenizer_hash"); h != st.loader.end() && h->is_number_unsigned()) want = h->get<uint64_t>();
+  std::error_code ec;
+  if (!fs::is_regular_file(f, ec)) {
+    std::string data = "its data directory";
+    if (auto d = st.config.find("data"); d != st.config.end() && d->is_object() && d->contains("path") &&
+                                         (*d)["path"].is_string())
+      data = fmt::format("its data directory {}", (*d)["path"].get<std::string>());
+    fail("{}: missing: the checkpoint has no tokenizer ({} had no tokenizer.model when it was saved); copy there "
+         "the tokenizer.model the data was encoded with{}",
+         f.string(), data, want ? fmt::format(" (hash {:016x})", want) : "");
+  }
+  if (want) {
+    const uint64_t h = data::tokenizer_file_hash(f);
+    if (h != want)
+      fail("{}: tokenizer hash {:016x} is not the one the training data was encoded with ({:016x}, state.json "
+           "loader.tokenizer_hash)", f.string(), h, want);
+  }
+  return f;
 }
 
 void load_checkpoint_weights(const fs::path& dir, Transformer& model, Optimizer* opt) {
@@ -167,10 +341,27 @@ void load_checkpoint_weights(const fs::path& dir, Transformer& model, Optimizer*
   if (!opt) return;
   fs::path f = dir / "optimizer.safetensors";
   auto st = SafeTensors::open(f);
-  for (auto& s : opt->state()) read_into(st, s.name, s.shape, opt->memory(), s.data);
+  // The step counter first: nothing of the optimizer is touched when it is bad. It sets Adam's bias
+  // correction, so it must be a count and the one state.json (and the directory name) records.
   auto it = st.metadata().find("optimizer_steps");
   if (it == st.metadata().end()) fail("{}: missing metadata 'optimizer_steps'", f.string());
-  opt->set_steps_taken(std::stoll(it->second));
+  auto steps = parse_count(it->second);
+  if (!steps)
+    fail("{}: metadata 'optimizer_steps' is \"{}\", expected a non-negative integer", f.string(), it->second);
+  const CheckpointState state = read_checkpoint_state(dir);
+  if (*steps != state.optimizer_steps)
+    fail("{}: metadata 'optimizer_steps' is {} but {} records {} (files from different checkpoints?)", f.string(),
+         *steps, (dir / "state.json").string(), state.optimizer_steps);
+  // Like load_weights: a tensor this optimizer does not have means a different optimizer or grouping
+  // wrote the file (its state would be silently dropped).
+  std::set<std::string> known;
+  for (auto& s : opt->state()) known.insert(s.name);
+  for (auto& n : st.names())
+    if (!known.count(n))
+      fail("{}: tensor '{}' is not a state tensor of this optimizer (optim.name or optim.*_params mismatch?)",
+           f.string(), n);
+  for (auto& s : opt->state()) read_into(st, s.name, s.shape, opt->memory(), s.data);
+  opt->set_steps_taken(*steps);
 }
 
 }  // namespace ladder

@@ -8,6 +8,8 @@
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "core/error.h"
@@ -35,18 +37,61 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Refuses to resume with a config that would make the continuation a different run.
+// What a config change means for a resume (check_resume_compatible).
+enum class OnChange {
+  kRefuse,  // the weights, data order or optimizer state would not fit: refused
+  kWarn,    // legitimate (extending a run, lowering the lr) but not the uninterrupted run: one warning
+};
+
+// The fields outside model.* and data.* (which are all refused) that a resume looks at. optim.name
+// and the group selectors decide which state tensors exist and what they mean (an Adam moment is not
+// a Muon momentum; moving a tensor between groups reinterprets its state), so they are refused like
+// the model; the rest of optim.* and schedule.* only change the update from here on, and run.steps
+// changes the schedule's horizon (and `auto` learning rates): a user may mean that, so it warns.
+// Unlisted run.* keys (eval, logging, checkpointing, device) do not change the trajectory's meaning.
+OnChange on_change(const std::string& sec, const std::string& key) {
+  if (sec == "model" || sec == "data") return OnChange::kRefuse;
+  if (sec == "run") return key == "steps" ? OnChange::kWarn : OnChange::kRefuse;
+  if (sec == "optim" && (key == "name" || key.ends_with("_params"))) return OnChange::kRefuse;
+  return OnChange::kWarn;
+}
+
+// Refuses to resume with a config that would make the continuation a different run, and warns (one
+// stderr line per field) about changes that are allowed but make it differ from the uninterrupted
+// run. The saved config is read with find(): a hand-edited or truncated state.json must give an
+// error naming the file and the key, not undefined behaviour (operator[] on a missing key of a const
+// json) or a bare nlohmann type_error.
 void check_resume_compatible(const Config& cur, const nlohmann::json& saved, const fs::path& ckpt) {
-  nlohmann::json now = to_json(cur);
-  for (const char* sec : {"model", "data"})
-    for (auto& [k, v] : now[sec].items())
-      if (!saved.contains(sec) || saved[sec][k] != v)
-        fail("{}: cannot resume: {}.{} is {} in the checkpoint but {} now", (ckpt / "state.json").string(), sec, k,
-             saved.contains(sec) ? saved[sec].value(k, nlohmann::json()).dump() : "missing", v.dump());
-  for (const char* k : {"batch_size", "grad_accum", "seed"})
-    if (saved["run"][k] != now["run"][k])
-      fail("{}: cannot resume: run.{} is {} in the checkpoint but {} now", (ckpt / "state.json").string(), k,
-           saved["run"][k].dump(), now["run"][k].dump());
+  const std::string file = (ckpt / "state.json").string();
+  const nlohmann::json now = to_json(cur);
+  if (!saved.is_object()) fail("{}: cannot resume: 'config' is {}, expected an object", file, saved.type_name());
+  const std::vector<std::pair<const char*, std::vector<std::string>>> checked = {
+      {"model", {}}, {"data", {}},  // every key
+      {"optim", {}}, {"schedule", {}},
+      {"run", {"batch_size", "grad_accum", "seed", "steps"}}};
+  for (const auto& [sec, only] : checked) {
+    std::vector<std::string> keys = only;
+    if (keys.empty())
+      for (auto& [k, v] : now.at(sec).items()) keys.push_back(k);
+    auto s = saved.find(sec);
+    if (s == saved.end()) fail("{}: cannot resume: config.{} is missing in the checkpoint", file, sec);
+    if (!s->is_object())
+      fail("{}: cannot resume: config.{} is {} in the checkpoint, expected an object", file, sec, s->type_name());
+    for (const std::string& k : keys) {
+      const nlohmann::json& v = now.at(sec).at(k);
+      auto it = s->find(k);
+      if (it != s->end() && *it == v) continue;
+      if (on_change(sec, k) == OnChange::kRefuse) {
+        if (it == s->end())
+          fail("{}: cannot resume: config.{}.{} is missing in the checkpoint (it is {} now)", file, sec, k, v.dump());
+        fail("{}: cannot resume: {}.{} is {} in the checkpoint but {} now{}", file, sec, k, it->dump(), v.dump(),
+             sec == std::string("optim") ? " (the optimizer state would not fit; start a new run)" : "");
+      }
+      fmt::print(stderr, "warning: resuming with {}.{} = {} but the checkpoint {} {}: the continuation is not the "
+                 "uninterrupted run's\n", sec, k, v.dump(), file,
+                 it == s->end() ? std::string("does not record it") : "was trained with " + it->dump());
+    }
+  }
 }
 
 }  // namespace
@@ -129,7 +174,9 @@ TrainSummary train(const TrainOptions& opt) {
   const fs::path run_dir = opt.run_dir;
   const auto& rc = cfg.run;
 
-  // Never overwrite a run by accident.
+  // Never overwrite a run by accident. (A checkpoint that a killed save had moved aside is put back
+  // first, so that it is found.)
+  recover_checkpoints(run_dir);
   auto latest = latest_checkpoint(run_dir);
   if (latest && !opt.resume)
     fail("{}: the run directory already holds checkpoints; pass --resume to continue it or choose another --run-dir",
@@ -153,7 +200,7 @@ TrainSummary train(const TrainOptions& opt) {
     CheckpointState st = read_checkpoint_state(*latest);
     check_resume_compatible(cfg, st.config, *latest);
     load_checkpoint_weights(*latest, model, optimizer.get());
-    train_loader.restore(st.loader);
+    train_loader.restore(st.loader, fmt::format("{}, field 'loader'", (*latest / "state.json").string()));
     start_step = st.step;
     tokens_seen = st.tokens_seen;
     elapsed_prev = st.elapsed_s;
@@ -201,6 +248,10 @@ TrainSummary train(const TrainOptions& opt) {
   const int N = rc.batch_size * cfg.model.seq_len;
   std::vector<int32_t> inputs(N), targets(N);
   const fs::path tokenizer = data_dir / "tokenizer.model";
+  // Checkpoints carry the data's tokenizer for `ladder sample`; data prepared elsewhere may have none.
+  if (std::error_code ec; !fs::is_regular_file(tokenizer, ec))
+    fmt::print(stderr, "warning: {} not found: checkpoints will have no tokenizer; `ladder sample` needs the data's "
+               "tokenizer.model copied into the checkpoint directory\n", tokenizer.string());
   TrainSummary sum;
   sum.start_step = start_step;
   std::vector<double> rates, mfus;
@@ -227,11 +278,21 @@ TrainSummary train(const TrainOptions& opt) {
   auto checkpoint = [&](int64_t step) {
     CheckpointState st{step, tokens_seen, threads, train_loader.state(), to_json(cfg), elapsed_total()};
     sum.last_checkpoint = save_checkpoint(run_dir, st, model, *optimizer, tokenizer, rc.keep_checkpoints);
+    sum.checkpoint_steps.push_back(step);
   };
 
   g_stop = false;
-  auto old_int = std::signal(SIGINT, on_signal);
-  auto old_term = std::signal(SIGTERM, on_signal);
+  // SIGINT/SIGTERM only set g_stop from here until train() returns (or throws): a signal during the
+  // final evaluation or checkpoint is noted, not fatal. (A killed save leaves the previous checkpoint,
+  // but the run would then end unfinished.)
+  struct SignalGuard {
+    void (*old_int)(int) = std::signal(SIGINT, on_signal);
+    void (*old_term)(int) = std::signal(SIGTERM, on_signal);
+    ~SignalGuard() {
+      std::signal(SIGINT, old_int);
+      std::signal(SIGTERM, old_term);
+    }
+  } signal_guard;
   const bool tty = isatty(1);
   double interval_s = 0;
   int64_t interval_tokens = 0;
@@ -296,15 +357,18 @@ TrainSummary train(const TrainOptions& opt) {
       killed = true;
       break;
     }
-    if (rc.ckpt_every > 0 && step % rc.ckpt_every == 0 && step != rc.steps) checkpoint(step);
+    if (step == opt.interrupt_at) g_stop = true;  // simulated SIGINT during this step (tests)
+    // The last step's checkpoint is the final one below, whether or not a signal came: written once
+    // (a second save of the same step replaced the first, with a window where a second Ctrl-C left
+    // none), and the run is complete, not interrupted.
+    if (step == rc.steps) break;
     if (g_stop) {
       checkpoint(step);
       if (!opt.quiet) fmt::print("\ninterrupted: checkpoint written at step {}; continue with --resume\n", step);
       break;
     }
+    if (rc.ckpt_every > 0 && step % rc.ckpt_every == 0) checkpoint(step);
   }
-  std::signal(SIGINT, old_int);
-  std::signal(SIGTERM, old_term);
   sum.end_step = step;
   if (step == rc.steps && !killed) {
     evaluate(step);

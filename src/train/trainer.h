@@ -21,6 +21,7 @@ struct TrainOptions {
   bool resume = false;
   bool quiet = false;           // no progress output (tests)
   int64_t stop_after = -1;      // testing: return after this many steps as if killed (no final checkpoint)
+  int64_t interrupt_at = -1;    // testing: as if SIGINT arrived during this step (1-based)
 };
 
 struct TrainSummary {
@@ -29,6 +30,7 @@ struct TrainSummary {
   int64_t start_step = 0, end_step = 0;
   double tokens_per_s = 0, mfu = 0;  // medians over the run
   std::filesystem::path last_checkpoint;
+  std::vector<int64_t> checkpoint_steps;  // the steps checkpointed here, in order
 };
 
 TrainSummary train(const TrainOptions& opt);
