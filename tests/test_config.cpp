@@ -208,7 +208,7 @@ TEST(ConfigInput, SampleRefusesABadCheckpointConfig) {
   auto sample_with = [&](const char* sec, const char* name, nlohmann::json v) {
     nlohmann::json cfg = to_json(base);
     cfg[sec][name] = std::move(v);
-    nlohmann::json st = {{"format_version", kCheckpointVersion}, {"step", 1}, {"tokens_seen", 1}, {"threads", 1},
+    nlohmann::json st = {{"format_version", kCheckpointVersion}, {"step", 1}, {"optimizer_steps", 1}, {"tokens_seen", 1}, {"threads", 1},
                          {"elapsed_s", 0.0}, {"loader", nlohmann::json::object()}, {"config", cfg}};
     write_file_atomic(ck / "state.json", st.dump(2));
     SampleOptions so;
