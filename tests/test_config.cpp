@@ -324,5 +324,16 @@ TEST(ConfigInput, DefaultExpertHiddenIsTheRecipesRounding) {
   EXPECT_EQ(m.expert_ff(), 96);
 }
 
+// optim.lr 0 with a group lr of its own would schedule that group by 0/0 (NaN weights at step 1).
+TEST(ConfigInput, ZeroLrWithAGroupLrIsRefused) {
+  Config c = small();
+  c.optim.lr = 0;
+  EXPECT_NO_THROW(validate(c));  // everything frozen: allowed
+  c.optim.adam_lr = "0.001";
+  EXPECT_ERROR_HAS(error_of([&] { validate(c); }), "small", "optim.lr is 0 and optim.adam_lr is '0.001'");
+  c.optim.adam_lr = "auto";
+  EXPECT_ERROR_HAS(error_of([&] { validate(c); }), "optim.adam_lr is 'auto'");
+}
+
 }  // namespace
 }  // namespace ladder

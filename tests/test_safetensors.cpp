@@ -440,6 +440,14 @@ TEST_F(SafetensorsTest, TemporaryNeverWritesThroughAFileAtItsName) {
   EXPECT_EQ(dir_entries(dir_), (std::vector<std::string>{"c.safetensors", "out.json", "victim.txt"}));
 }
 
+TEST_F(SafetensorsTest, ReadFileNamesADirectoryAndAMissingFile) {
+  fs::create_directories(dir_ / "sub");
+  EXPECT_NE(error_of([&] { read_file(dir_ / "sub"); }).find("is a directory, expected a file"), std::string::npos);
+  EXPECT_NE(error_of([&] { read_file(dir_ / "none"); }).find("missing or unreadable"), std::string::npos);
+  write_bytes(dir_ / "f", std::string("a\0b", 3));
+  EXPECT_EQ(read_file(dir_ / "f"), std::string("a\0b", 3));
+}
+
 // A file assembled by hand, byte by byte: header deliberately NOT padded (137 bytes), so the
 // data buffer starts at an odd offset; a reader must accept that and cope with unaligned data.
 TEST_F(SafetensorsTest, ReadsHandAssembledFile) {

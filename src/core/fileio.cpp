@@ -76,10 +76,14 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view data)
 }
 
 std::string read_file(const std::filesystem::path& path) {
+  // An ifstream opens a directory and reads it as empty: say what it is instead.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) fail("{}: is a directory, expected a file", path.string());
   std::ifstream f(path, std::ios::binary);
   if (!f) fail("{}: cannot open file (missing or unreadable)", path.string());
   std::ostringstream ss;
   ss << f.rdbuf();
+  if (f.bad() || ss.bad()) fail("{}: read failed", path.string());
   return ss.str();
 }
 

@@ -504,6 +504,15 @@ void validate_settings(const Config& c, bool this_build) {
     fail("{}: optim.muon_momentum must be in [0, 1), got {}", where, c.optim.muon_momentum);
   const auto& o = c.optim;
   if (!(o.lr >= 0)) fail("{}: optim.lr must be >= 0, got {}", where, o.lr);
+  // Each group's lr follows the schedule as group lr * (scheduled lr / optim.lr): with optim.lr 0
+  // that ratio is 0/0, so a group lr of its own cannot be followed.
+  if (o.lr == 0)
+    for (auto [key, v] : {std::pair{"optim.adam_lr", &o.adam_lr}, std::pair{"optim.adamh_lr", &o.adamh_lr},
+                          std::pair{"optim.muon_lr", &o.muon_lr}, std::pair{"optim.muonh_lr", &o.muonh_lr}})
+      if (!v->empty())
+        fail("{}: optim.lr is 0 and {} is '{}': a group's lr is scheduled relative to optim.lr, so set optim.lr "
+             "> 0 (or leave {} empty to freeze it too)",
+             where, key, *v, key);
   if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1))
     fail("{}: optim.beta1 and optim.beta2 must be in [0, 1), got {} and {}", where, o.beta1, o.beta2);
   // Adam divides by sqrt(v) + eps in float: an eps <= 0 (or one that rounds to 0 as a float) divides
