@@ -278,7 +278,14 @@ TEST_F(CheckpointTest, SavesRemoveTemporariesOfKilledSavesOnly) {
   const std::string live = fmt::format(".partial_step_00000005_{}", getppid());  // our parent is alive
   const std::string dead_replaced = fmt::format(".replaced_step_00000003_{}", dead_pid());  // step 3 exists
   const std::string foreign = ".partial_notes";  // not a name save_checkpoint uses
-  for (auto& d : {dead, live, dead_replaced, foreign}) {
+  // Another host's temporary: its pid says nothing here (a requeued job on a shared filesystem).
+  const std::string other_host = fmt::format(".partial_step_00000005_{}@another-host", dead_pid());
+  const std::string dead_here = fmt::format(".partial_step_00000004_{}@{}", dead_pid(), [] {
+    char h[256] = {0};
+    gethostname(h, sizeof h - 1);
+    return std::string(h);
+  }());
+  for (auto& d : {dead, live, dead_replaced, foreign, other_host, dead_here}) {
     fs::create_directories(ck / d);
     write_file_atomic(ck / d / "model.safetensors", "x");
   }
@@ -287,6 +294,8 @@ TEST_F(CheckpointTest, SavesRemoveTemporariesOfKilledSavesOnly) {
   EXPECT_FALSE(fs::exists(ck / dead_replaced));
   EXPECT_TRUE(fs::exists(ck / live / "model.safetensors"));
   EXPECT_TRUE(fs::exists(ck / foreign / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(ck / other_host / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(ck / dead_here));
   EXPECT_TRUE(fs::exists(ck / "step_00000006" / "state.json"));
 }
 

@@ -432,12 +432,7 @@ TEST_F(SafetensorsTest, TemporaryNeverWritesThroughAFileAtItsName) {
   EXPECT_EQ(read_file(p), "{}\n");
   EXPECT_TRUE(fs::is_symlink(next));
   fs::remove(next);
-  std::vector<float> a = {1, 2};
-  fs::create_symlink(victim, next.string() + "0");  // unrelated names are left alone too
-  save_safetensors(dir_ / "c.safetensors", {{"a", DType::F32, {2}, a.data()}});
-  EXPECT_EQ(read_file(victim), "keep me");
-  fs::remove(next.string() + "0");
-  EXPECT_EQ(dir_entries(dir_), (std::vector<std::string>{"c.safetensors", "out.json", "victim.txt"}));
+  EXPECT_EQ(dir_entries(dir_), (std::vector<std::string>{"out.json", "victim.txt"}));
 }
 
 TEST_F(SafetensorsTest, ReadFileNamesADirectoryAndAMissingFile) {

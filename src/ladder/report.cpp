@@ -213,6 +213,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
   // and how many seeds had results in that cell.
   std::map<std::string, std::map<int, std::array<std::vector<double>, 4>>> per_seed;
   std::map<std::string, std::map<int, int>> seeds_in_cell;
+  std::map<std::string, std::set<uint64_t>> incomplete_seeds;
   if (rep.intervals)
     for (uint64_t sd : seed_set) {
       Cells one;
@@ -220,13 +221,33 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
         for (auto& [d, obs] : byd)
           for (auto& o : obs)
             if (o.seed == sd) one[v][d].push_back(o);
-      for (auto& [v, byd] : evaluate(one, info, E, alpha).sp)
+      // A seed's law speedups are the pooled estimator's only where the seed has every cell the
+      // pooled laws of the variant and its baseline were fitted to; a seed missing one (an
+      // unfinished sweep, a failed run) would fit its law on fewer scales (with alpha or E held at
+      // the spec's values) and enter the spread as a different estimator. Marin's speedups need
+      // only the cell and the baseline's cell at the same width.
+      auto complete = [&](const std::string& v) {
+        for (auto& [d, obs] : cells.at(v))
+          if (!one.count(v) || !one[v].count(d)) return false;
+        return true;
+      };
+      for (auto& [v, byd] : evaluate(one, info, E, alpha).sp) {
+        const std::string& b = info.at(v).baseline;
+        const bool laws_ok = complete(v) && cells.count(b) && complete(b);
+        if (!laws_ok && !incomplete_seeds[v].count(sd)) incomplete_seeds[v].insert(sd);
         for (auto& [d, s] : byd) {
+          if (!one.count(b) || !one[b].count(d)) continue;  // no pair at this width for this seed
           ++seeds_in_cell[v][d];
           for (int k = 0; k < 4; ++k)
-            if (std::isfinite(s[k]) && s[k] > 0) per_seed[v][d][k].push_back(std::log(s[k]));
+            if (std::isfinite(s[k]) && s[k] > 0 && (k < 2 || laws_ok)) per_seed[v][d][k].push_back(std::log(s[k]));
         }
+      }
     }
+  for (auto& [v, sds] : incomplete_seeds)
+    rep.warnings.push_back(fmt::format(
+        "{}: seed(s) {} lack a run of {} or its baseline {} at some width; they are left out of its fitted-law "
+        "intervals (their laws would rest on fewer scales)",
+        v, fmt::join(sds, ", "), v, info.at(v).baseline));
 
   std::vector<std::string> E_at_bound;
   for (auto& n : names) {
@@ -261,7 +282,8 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
           if (std::isinf(s[0]) || std::isinf(s[2]))
             rep.warnings.push_back(fmt::format(
                 "{} d={}: the variant's loss is at or below the baseline law's floor E, which no baseline compute "
-                "reaches: the speedup is unbounded (inf) and counts as > 1 in the gate",
+                "reaches: the speedup is unbounded (inf), counts as > 1 in the point-estimate gates and has no "
+                "interval",
                 n, d));
           for (int k = 0; k < 4; ++k) {
             iv[k]->value = s[k];
@@ -276,7 +298,8 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
             }
             if (k == 2 && seeds_in_cell[n][d] > 1 && int(ps.size()) < seeds_in_cell[n][d])
               rep.warnings.push_back(fmt::format(
-                  "{} d={}: {} of {} seeds gave no finite speedup of their own (no law, or unbounded); {}", n, d,
+                  "{} d={}: {} of {} seeds gave no finite fitted-law speedup of their own (no law, unbounded, or "
+                  "left out for missing runs); {}", n, d,
                   seeds_in_cell[n][d] - int(ps.size()), seeds_in_cell[n][d],
                   ps.size() >= 2 ? fmt::format("the interval is over the other {}", ps.size()) : "no interval"));
           }

@@ -132,8 +132,9 @@ SweepSummary sweep(const SweepOptions& opt) {
     fmt::print("{}", format_plan(plan));
     return sum;
   }
-  store.open_for_sweep(spec, planned_hashes);
-  // A directory from an earlier version of the spec: refuse before training anything.
+  store.check_owner(spec);
+  // A directory from an earlier version of the spec: refuse before training anything, and before
+  // ladder.json is rewritten (the report would otherwise read the refused plan as current).
   for (auto& r : plan.runs) {
     if (auto res = store.read_result(r.id); res && res->value("config_hash", "") != r.config_hash)
       fail("{}: run {} was made with another config (hash {}, the spec now gives {}); use another --out directory or "
@@ -148,6 +149,7 @@ SweepSummary sweep(const SweepOptions& opt) {
              planned.string(), r.id, j.is_object() ? j.value("config_hash", "") : "?", r.config_hash);
     }
   }
+  store.open_for_sweep(spec, planned_hashes);
   if (opt.list) {
     for (auto& c : sweep_commands(plan, opt.out)) fmt::print("{}\n", c);
     return sum;

@@ -35,7 +35,7 @@ nlohmann::json parse_file(const fs::path& f) {
 
 }  // namespace
 
-void ResultStore::open_for_sweep(const LadderSpec& spec, const std::map<std::string, std::string>& planned_hashes) {
+void ResultStore::check_owner(const LadderSpec& spec) const {
   const fs::path m = dir_ / "ladder.json";
   if (fs::exists(m)) {
     auto j = parse_file(m);
@@ -46,6 +46,11 @@ void ResultStore::open_for_sweep(const LadderSpec& spec, const std::map<std::str
   } else if (fs::exists(dir_) && !fs::is_empty(dir_) && !fs::exists(dir_ / "results")) {
     fail("{}: exists, is not empty and is not a Ladder results directory (no ladder.json)", dir_.string());
   }
+}
+
+void ResultStore::open_for_sweep(const LadderSpec& spec, const std::map<std::string, std::string>& planned_hashes) {
+  check_owner(spec);
+  const fs::path m = dir_ / "ladder.json";
   fs::create_directories(dir_ / "results");
   fs::create_directories(dir_ / "runs");
   fs::create_directories(dir_ / "locks");

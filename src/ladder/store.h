@@ -31,6 +31,8 @@ class ResultStore {
 
   // Creates the layout (or checks an existing DIR/ladder.json: format and version, and that it belongs
   // to the spec of the same name). Errors before anything is trained.
+  // Refuses a directory that holds another ladder, or is not a results directory and not empty.
+  void check_owner(const LadderSpec& spec) const;
   // Creates the layout and (re)writes ladder.json with the spec's report settings and the plan's
   // runs (id -> config hash), from which the report keeps only the results of the current plan.
   void open_for_sweep(const LadderSpec& spec, const std::map<std::string, std::string>& planned_hashes);

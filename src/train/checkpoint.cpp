@@ -130,11 +130,28 @@ static std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path
 
 namespace {
 
-// Names of save_checkpoint's own directories beside the checkpoints: ".partial_step_N_<pid>" (being
-// assembled) and ".replaced_step_N_<pid>" (an older copy of step N moved aside while the new one is
-// renamed into place). Returns {step directory name, pid} for such a name.
-std::optional<std::pair<std::string, int64_t>> parse_temp_name(const std::string& name, const std::string& prefix) {
+// This machine's name, which save_checkpoint's temporaries carry: a pid says whether its writer is
+// alive only on the host that wrote it (a run directory on a shared filesystem, a job requeued on
+// another node while the old one still writes its last checkpoint).
+std::string host_name() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string h = host;
+  std::replace(h.begin(), h.end(), '/', '-');
+  return h.empty() ? "unknown-host" : h;
+}
+
+// Names of save_checkpoint's own directories beside the checkpoints: ".partial_step_N_<pid>@<host>"
+// (being assembled) and ".replaced_step_N_<pid>@<host>" (an older copy of step N moved aside while
+// the new one is renamed into place). Returns {step directory name, pid} for such a name written on
+// this host; names from another host, whose pids mean nothing here, are not ours to judge. (Names
+// without "@<host>", from before hosts were recorded, count as this host's.)
+std::optional<std::pair<std::string, int64_t>> parse_temp_name(std::string name, const std::string& prefix) {
   if (name.rfind(prefix, 0) != 0) return std::nullopt;
+  if (const size_t at = name.rfind('@'); at != std::string::npos) {
+    if (name.substr(at + 1) != host_name()) return std::nullopt;
+    name.resize(at);
+  }
   const size_t us = name.rfind('_');
   if (us == std::string::npos || us < prefix.size()) return std::nullopt;
   std::string step_name = name.substr(prefix.size(), us - prefix.size());
@@ -171,10 +188,12 @@ void tidy_checkpoints(const fs::path& dir) {
       fs::remove_all(p, ec);
     } else if (auto r = parse_temp_name(name, ".replaced_"); r && writer_gone(r->second)) {
       const fs::path step_dir = dir / r->first;
-      if (!fs::exists(fs::symlink_status(step_dir, ec)) && fs::is_regular_file(p / "state.json", ec))
+      if (!fs::exists(fs::symlink_status(step_dir, ec)) && fs::is_regular_file(p / "state.json", ec)) {
         fs::rename(p, step_dir, ec);
-      else
+        if (!ec) fsync_dir(dir);  // the restored checkpoint survives a crash too
+      } else {
         fs::remove_all(p, ec);
+      }
     }
   }
 }
@@ -211,7 +230,7 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   fs::create_directories(parent, ec);
   if (ec) fail("{}: cannot create checkpoint directory: {}", parent.string(), ec.message());
   tidy_checkpoints(parent);
-  const fs::path tmp = parent / fmt::format(".partial_{}_{}", name, ::getpid());
+  const fs::path tmp = parent / fmt::format(".partial_{}_{}@{}", name, ::getpid(), host_name());
   fs::create_directory(tmp, ec);
   if (ec) fail("{}: cannot create checkpoint directory: {}", tmp.string(), ec.message());
   RemoveOnError tmp_guard(tmp);
@@ -236,7 +255,7 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   // An existing directory of this step is moved aside, not removed, until the new one is in place:
   // killed in between, the old copy survives as .replaced_* and recover_checkpoints (at the next
   // save or training start) renames it back.
-  const fs::path aside = parent / fmt::format(".replaced_{}_{}", name, ::getpid());
+  const fs::path aside = parent / fmt::format(".replaced_{}_{}@{}", name, ::getpid(), host_name());
   const bool replacing = fs::exists(fs::symlink_status(final_dir, ec));
   if (replacing) {
     fs::rename(final_dir, aside, ec);

@@ -21,7 +21,14 @@ std::string sample_text(const std::filesystem::path& path, const SampleOptions& 
   auto dir = resolve_checkpoint(path);
   CheckpointState st = read_checkpoint_state(dir);
   const std::string state_file = (dir / "state.json").string();
-  Config cfg = from_json(st.config, state_file);  // type-, range- and shape-checked
+  // Sampling needs the model section only: it is read and checked in full (types, ranges, shapes),
+  // while the training sections are taken from the defaults, so that a checkpoint whose optimizer or
+  // schedule settings a later version checks more strictly can still be sampled.
+  if (!st.config.is_object() || !st.config.contains("model") || !st.config["model"].is_object())
+    fail("{}: the checkpoint's config has no model section", state_file);
+  nlohmann::json model_only = to_json(Config{});
+  model_only["model"] = st.config["model"];
+  Config cfg = from_json(model_only, state_file);
   // Training resolves vocab_size 0 from the data before the first checkpoint, so a checkpoint's is
   // the logits' width; 0 would leave nothing to sample from.
   if (cfg.model.vocab_size <= 0)

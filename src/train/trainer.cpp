@@ -29,7 +29,18 @@ namespace ladder {
 namespace {
 
 std::atomic<bool> g_stop{false};
-void on_signal(int) { g_stop = true; }
+// The first SIGINT/SIGTERM asks for a checkpoint at the end of the step; a second one (a stuck final
+// evaluation, a user who means it) restores the default action and re-raises it. Only
+// async-signal-safe calls here: an atomic exchange, write(2), signal(), raise().
+void on_signal(int sig) {
+  if (g_stop.exchange(true)) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+    return;
+  }
+  static const char msg[] = "\nladder: stopping after this step with a checkpoint; signal again to quit now\n";
+  [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
