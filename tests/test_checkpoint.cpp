@@ -92,17 +92,8 @@ class CheckpointTest : public ::testing::Test {
     if (!extra.empty()) t.push_back({extra, DType::F32, {1}, &one});
     save_safetensors(f, t, meta);
   }
-  // The error of fn(), which must throw ladder::Error.
   template <class F>
-  static std::string error_of(F fn) {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    ADD_FAILURE() << "expected an error";
-    return "";
-  }
+  static std::string error_of(F fn) { return test::error_of(fn); }
 };
 
 #define EXPECT_HAS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)

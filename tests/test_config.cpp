@@ -22,16 +22,7 @@ namespace {
 
 // The message of the ladder::Error `fn` throws; a failure if it throws none (any other exception
 // type escapes and fails the test too: users must never see a bare library error).
-template <class Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an error";
-  return "";
-}
+using test::error_of;
 
 #define EXPECT_ERROR_HAS(msg, ...)                                                \
   do {                                                                            \

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/error.h"
 #include "core/rng.h"
 #include "data/prepare.h"
 
@@ -75,6 +76,18 @@ double rel_err(const A* a, const B* b, size_t n) {
     den += double(b[i]) * double(b[i]);
   }
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+// The message of the ladder::Error that fn() throws; a test failure when it throws none.
+template <class Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const ladder::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an error";
+  return "";
 }
 
 }  // namespace ladder::test

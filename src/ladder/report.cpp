@@ -89,19 +89,6 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
   return est;
 }
 
-// Percentile (q in [0,1]) of the non-NaN values; +inf sorts last.
-double percentile(std::vector<double> v, double q) {
-  std::erase_if(v, [](double x) { return std::isnan(x); });
-  if (v.empty()) return kNaN;
-  std::sort(v.begin(), v.end());
-  double pos = q * double(v.size() - 1);
-  size_t i = size_t(pos);
-  double f = pos - double(i);
-  if (i + 1 >= v.size()) return v.back();
-  if (std::isinf(v[i]) || std::isinf(v[i + 1])) return f < 0.5 ? v[i] : v[i + 1];
-  return v[i] * (1 - f) + v[i + 1] * f;
-}
-
 // Two-sided 97.5% quantile of Student's t with df degrees of freedom (table; 1/df interpolation
 // between entries, the normal's 1.96 beyond 30).
 double t975(int df) {
