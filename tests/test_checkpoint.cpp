@@ -18,6 +18,7 @@
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 #include "test_util.h"
+#include "tiny_training.h"
 
 namespace fs = std::filesystem;
 
@@ -36,33 +37,17 @@ class CheckpointTest : public ::testing::Test {
     dir = nullptr;
   }
   static Config tiny() {
-    Config c;
-    c.source = "tiny";
-    c.model.d_model = 32;
-    c.model.n_layers = 2;
-    c.model.n_heads = 4;
-    c.model.n_kv_heads = 2;
-    c.model.seq_len = 32;
-    c.optim.lr = 5e-3;
-    c.data.path = (dir->path / "data").string();
+    Config c = test::tiny_train_config(dir->path);
     c.run.steps = 6;
     c.run.batch_size = 2;
     c.run.grad_accum = 1;
     c.run.ckpt_every = 3;
     c.run.eval_every = 0;
     c.run.eval_batches = 1;
-    c.run.log_every = 1;
-    c.run.keep_checkpoints = 5;
     return c;
   }
   static TrainSummary run(const Config& c, const fs::path& run_dir, bool resume = false, int64_t stop_after = -1) {
-    TrainOptions o;
-    o.cfg = c;
-    o.run_dir = run_dir;
-    o.resume = resume;
-    o.quiet = true;
-    o.stop_after = stop_after;
-    return train(o);
+    return test::train_quietly(c, run_dir, resume, stop_after);
   }
   // A fresh run directory "killed" after step 4 (newest checkpoint: step 3).
   static fs::path killed_run(const std::string& name, const Config& c) {

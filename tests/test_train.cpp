@@ -16,6 +16,7 @@
 #include "train/sampler.h"
 #include "train/trainer.h"
 #include "test_util.h"
+#include "tiny_training.h"
 
 namespace fs = std::filesystem;
 
@@ -34,34 +35,9 @@ class TrainTest : public ::testing::Test {
     delete dir;
     dir = nullptr;
   }
-  static Config tiny() {
-    Config c;
-    c.source = "tiny";
-    c.model.d_model = 32;
-    c.model.n_layers = 2;
-    c.model.n_heads = 4;
-    c.model.n_kv_heads = 2;
-    c.model.seq_len = 32;
-    c.optim.lr = 5e-3;
-    c.data.path = (dir->path / "data").string();
-    c.run.steps = 12;
-    c.run.batch_size = 4;
-    c.run.grad_accum = 2;
-    c.run.ckpt_every = 4;
-    c.run.eval_every = 6;
-    c.run.eval_batches = 2;
-    c.run.log_every = 1;
-    c.run.keep_checkpoints = 5;
-    return c;
-  }
+  static Config tiny() { return test::tiny_train_config(dir->path); }
   static TrainSummary run(const Config& c, const fs::path& run_dir, bool resume = false, int64_t stop_after = -1) {
-    TrainOptions o;
-    o.cfg = c;
-    o.run_dir = run_dir;
-    o.resume = resume;
-    o.quiet = true;
-    o.stop_after = stop_after;
-    return train(o);
+    return test::train_quietly(c, run_dir, resume, stop_after);
   }
 };
 
