@@ -19,10 +19,12 @@ fi
 # The old bundle goes first: a failed build must not leave a stale one to be carried.
 rm -rf gpu-bundle
 # LADDER_NATIVE=OFF: AVX2+FMA only, so the host code also runs on the GPU machine's processor.
+# LADDER_MPI=OFF: the GPU session runs one process; without MPI no Open MPI library (and its
+# plugins) has to travel in the bundle.
 # The configure output is kept (its "cuDNN attention: compiled / not compiled" line goes into BUILD_INFO).
 mkdir -p "$B"
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLADDER_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DLADDER_NATIVE=OFF -DLADDER_TESTS=ON >"$B/gpu-prepare-configure.log" 2>&1 ||
+  -DLADDER_NATIVE=OFF -DLADDER_MPI=OFF -DLADDER_TESTS=ON >"$B/gpu-prepare-configure.log" 2>&1 ||
   { tail -n 30 "$B/gpu-prepare-configure.log"; exit 1; }
 cmake --build "$B" -j "${JOBS:-2}" --target ladder_cuda_tests ladder_cuda_bench ladder
 # Staged in gpu-bundle/stage, then packed into one gzip'd tar: the device tool carries at most 64 MiB,

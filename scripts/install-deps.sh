@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything Ladder needs on a fresh Debian 12 machine (idempotent).
 # Build: compiler, cmake, OpenBLAS, sentencepiece, yaml-cpp, nlohmann-json, CLI11, fmt, zstd, xxhash,
-# SQLite, GoogleTest. Tests: Debian's python3-torch (the independent reference model).
+# SQLite, GoogleTest, Open MPI. Tests: Debian's python3-torch (the independent reference model).
 # Data: text that Debian packages ship, used for the built-in default corpus.
 set -euo pipefail
 PKGS=(
@@ -9,6 +9,7 @@ PKGS=(
   libopenblas-openmp-dev libsentencepiece-dev sentencepiece libyaml-cpp-dev nlohmann-json3-dev
   libcli11-dev libfmt-dev libzstd-dev zstd libxxhash-dev zlib1g-dev libsqlite3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libopenmpi-dev openmpi-bin     # data parallelism across processes (mpirun -np N ladder train ...)
   python3-torch python3-numpy
   python3-pip                    # fetches cuDNN's frontend headers (below), where the CUDA toolkit is
   chromium                       # the report test renders the HTML headless

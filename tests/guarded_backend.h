@@ -23,7 +23,7 @@
 
 namespace ladder::testing_support {
 
-class GuardedBackend final : public ForwardingBackend {
+class GuardedBackend : public ForwardingBackend {
  public:
   explicit GuardedBackend(int threads = 0) : ForwardingBackend(make_cpu_backend(threads)) { install_handler(); }
   ~GuardedBackend() override {

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/moe_kernels.h"
@@ -45,6 +46,31 @@ struct OptimTensor {
     return w == o.w && g == o.g && m == o.m && v == o.v && n == o.n && nmat == o.nmat && radius == o.radius &&
            group == o.group;
   }
+};
+
+// Data-parallel collectives in a device backend's own memory (NCCL on the CUDA backend): what the
+// job's Comm (dist/comm.h) uses when every rank can, instead of a round trip through host memory.
+// Host backends have none (MPI reads their memory where it is).
+class DeviceCollectives {
+ public:
+  enum class State { kUndecided, kInUse, kNotUsed };
+  virtual ~DeviceCollectives() = default;
+  // Why this process cannot use them ("" when it can), found without talking to other ranks (no
+  // NCCL library, ...).
+  virtual std::string unavailable() = 0;
+  // This process's device, unique across machines (NCCL needs a device of its own per rank).
+  virtual std::string device_id() const = 0;
+  // On rank 0: a new job id (NCCL's unique id), which the caller sends to every rank.
+  virtual std::vector<uint8_t> new_job_id() = 0;
+  // On every rank together, with rank 0's id: joins the job (kInUse after it).
+  virtual void join(const std::vector<uint8_t>& id, int rank, int world) = 0;
+  virtual void set_not_used() = 0;  // kNotUsed: the ranks decided on host memory
+  virtual State state() const = 0;
+  virtual std::string describe() const = 0;  // e.g. "NCCL 2.28.3"
+  // In place over the ranks, ordered on the backend's stream after the ops enqueued before (nothing
+  // waits for the host). Every rank gets the same bits.
+  virtual void allreduce_sum(float* p, size_t n) = 0;
+  virtual void allreduce_mean(double* p, size_t n) = 0;
 };
 
 class Backend : public MemorySpace {
@@ -343,6 +369,9 @@ class Backend : public MemorySpace {
   // reread the fp32 head gradient (V x d) once per chunk.
   virtual size_t lm_head_chunk_bytes() const { return size_t(16) << 20; }
   virtual void unregister_weights(const void* base) { (void)base; }
+  // The backend's device-memory collectives (owned by it), or nullptr: host backends, and device
+  // backends without any (their data-parallel sums go through host memory).
+  virtual DeviceCollectives* collectives() { return nullptr; }
 };
 
 // The elements swiglu_*_rows covers with its row count in host memory: min(rows, *rows_used) rows

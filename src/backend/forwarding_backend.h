@@ -188,6 +188,7 @@ class ForwardingBackend : public Backend {
   double device_memory_used() const override { return b_->device_memory_used(); }
   std::unique_ptr<OpTimer> make_op_timer() override { return b_->make_op_timer(); }
   size_t lm_head_chunk_bytes() const override { return b_->lm_head_chunk_bytes(); }
+  DeviceCollectives* collectives() override { return b_->collectives(); }
   void to_bf16(uint16_t* out, const float* in, size_t n) override {
     wrap("bf16 storage", 0, [&] { b_->to_bf16(out, in, n); });
   }

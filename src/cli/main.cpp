@@ -10,6 +10,7 @@
 #include "backend/cpu/openblas_cores.h"
 #include "core/error.h"
 #include "data/prepare.h"
+#include "dist/comm.h"
 #include "ladder/cli.h"
 #include "model/config.h"
 #include "optim/optimizer.h"
@@ -21,6 +22,20 @@
 
 namespace fs = std::filesystem;
 using namespace ladder;
+
+// One line per error. In a data-parallel job the line names the rank, and the whole job is ended:
+// the other ranks would otherwise wait forever in their next collective.
+int report_error(const std::exception& e) {
+  std::fflush(stdout);
+  ladder::Comm* comm = ladder::process_comm_if_started();
+  if (comm && comm->world() > 1) {
+    std::fprintf(stderr, "\nerror (rank %d of %d): %s\n", comm->rank(), comm->world(), e.what());
+    std::fflush(stderr);
+    comm->abort(1);
+  }
+  std::fprintf(stderr, "\nerror: %s\n", e.what());
+  return 1;
+}
 
 int main(int argc, char** argv) {
   ensure_openblas_kernels(argv);  // before anything else: it may restart the program
@@ -36,7 +51,7 @@ int main(int argc, char** argv) {
   data->add_option("--val-fraction", dopt.val_fraction, "fraction of documents held out")->capture_default_str();
 
   // ladder train
-  auto* tr = app.add_subcommand("train", "train a model from a YAML config");
+  auto* tr = app.add_subcommand("train", "train a model from a YAML config (data parallel: mpirun -np N ladder train ...)");
   std::string train_cfg, run_dir;
   std::vector<std::string> sets;
   bool resume = false;
@@ -195,14 +210,8 @@ int main(int argc, char** argv) {
     } else if (doc->parsed()) {
       std::cout << schema_markdown();
     }
-  } catch (const ladder::Error& e) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "\nerror: %s\n", e.what());
-    return 1;
   } catch (const std::exception& e) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "\nerror: %s\n", e.what());
-    return 1;
+    return report_error(e);
   }
   return 0;
 }

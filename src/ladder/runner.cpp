@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "dist/comm.h"
 #include "ladder/store.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
@@ -158,6 +159,7 @@ SweepSummary sweep(const SweepOptions& opt) {
   std::fflush(stdout);
 
   int i = 0;
+  const std::unique_ptr<Comm> one_process = make_single_comm();
   for (const PlannedRun& r : plan.runs) {
     ++i;
     const std::string tag = fmt::format("[{}/{}] {}", i, plan.runs.size(), r.id);
@@ -188,6 +190,9 @@ SweepSummary sweep(const SweepOptions& opt) {
     TrainOptions to;
     to.cfg = r.cfg;
     to.run_dir = rd;
+    // Each run in one process: ranks of an MPI launch (`mpirun -np 4 ladder sweep ...`) are
+    // independent workers that share the store, as workers on several machines do.
+    to.comm = one_process.get();
     to.resume = true;  // continues from the newest checkpoint when there is one, else starts fresh
     to.quiet = !opt.verbose;
     to.stop_after = opt.stop_after ? opt.stop_after(r) : -1;

@@ -472,9 +472,9 @@ void Transformer::apply_balance(const std::vector<double>& beta) {
 }
 
 // The training step's path: no host copy of beta or the bias at all.
-void Transformer::update_balance() {
+void Transformer::update_balance(const BetaAverage& average) {
   if (compute_beta()) {
-    // (data parallel: the ranks average beta_, [n_moe * E] doubles in backend memory, here)
+    if (average) average(beta_, size_t(n_moe_) * size_t(cfg_.moe_experts));  // data parallel: the ranks' mean
     bias_from_beta();
   }
   balance_tokens_ = 0;
@@ -497,24 +497,32 @@ std::vector<int> Transformer::capacity_overflow_rows() const {
   return out;
 }
 
-std::vector<MoeLayerStats> Transformer::take_moe_stats() {
+std::vector<MoeLayerStats> Transformer::take_moe_stats(const HostSum& sum_over_ranks) {
   std::vector<MoeLayerStats> out;
   if (n_moe_ == 0) return out;
-  const size_t E = size_t(cfg_.moe_experts);
+  const size_t E = size_t(cfg_.moe_experts), nm = size_t(n_moe_);
   be_.download(host_load_.data(), load_, host_load_.size() * sizeof(int64_t));
   be_.zero(load_, host_load_.size() * sizeof(int64_t));
+  // [loads of every MoE layer, lse^2 sum per layer, tokens] as doubles (exact: counts below 2^53),
+  // so that data-parallel ranks can add theirs up in one call.
+  std::vector<double> v(nm * E + nm + 1);
+  for (size_t i = 0; i < nm * E; ++i) v[i] = double(host_load_[i]);
+  for (size_t m = 0; m < nm; ++m) v[nm * E + m] = stats_lse_sq_[m];
+  v[nm * E + nm] = double(stats_tokens_);
+  if (sum_over_ranks) sum_over_ranks(v.data(), v.size());
+  const double tokens = v[nm * E + nm];
   for (auto& L : layers_) {
     if (!L.moe) continue;
-    const int64_t* ld = host_load_.data() + size_t(L.moe_index) * E;
+    const double* ld = v.data() + size_t(L.moe_index) * E;
     MoeLayerStats st;
     st.layer = int(&L - layers_.data());
-    if (stats_tokens_ > 0) {
-      st.load_min = double(*std::min_element(ld, ld + E));
-      st.load_max = double(*std::max_element(ld, ld + E));
+    if (tokens > 0) {
+      st.load_min = *std::min_element(ld, ld + E);
+      st.load_max = *std::max_element(ld, ld + E);
       double sum = 0;
-      for (size_t e = 0; e < E; ++e) sum += double(ld[e]);
+      for (size_t e = 0; e < E; ++e) sum += ld[e];
       st.load_mean = sum / double(E);
-      st.lse_sq = stats_lse_sq_[size_t(L.moe_index)] / double(stats_tokens_);
+      st.lse_sq = v[nm * E + size_t(L.moe_index)] / tokens;
     }
     stats_lse_sq_[size_t(L.moe_index)] = 0;
     out.push_back(st);

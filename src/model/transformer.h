@@ -16,6 +16,7 @@
 // in backend memory until take_loss_sums(), after the step's optimizer update is enqueued.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -95,6 +96,10 @@ class Transformer {
   size_t num_params() const { return n_params_; }
   // The contiguous parameter arena (backend memory), for a data-parallel broadcast.
   float* weights() { return params_arena_.base() ? reinterpret_cast<float*>(params_arena_.base()) : nullptr; }
+  // The contiguous gradient arena (backend memory) and its length in floats, alignment gaps
+  // included (zero_grad() zeroes them): what data-parallel ranks sum, in one call.
+  float* grads_data() { return reinterpret_cast<float*>(grads_arena_.base()); }
+  size_t grads_floats() const { return grads_arena_.used() / sizeof(float); }
   // The backend the model runs on; its memory holds every arena.
   Backend& backend() const { return be_; }
   // Host <-> backend copies of one tensor (a parameter's weights, or a buffer): `host` holds numel
@@ -177,10 +182,15 @@ class Transformer {
   // outside any planned step, when a caller runs more training forwards between updates.
   std::vector<double> balance_beta();
   void apply_balance(const std::vector<double>& beta);
-  void update_balance();
+  // `average`, when given, replaces beta (n doubles, backend memory) by its mean over the
+  // data-parallel ranks before the bias is computed from it (RECIPE.md section 2).
+  using BetaAverage = std::function<void(double* beta, size_t n)>;
+  void update_balance(const BetaAverage& average = {});
   // Expert load and router z statistics per MoE layer since the previous call (resets them). The
   // load counts stay in backend memory between calls: one download here.
-  std::vector<MoeLayerStats> take_moe_stats();
+  // sum_over_ranks, when given, adds up the data-parallel ranks' counts (host doubles, in place).
+  using HostSum = std::function<void(double* v, size_t n)>;
+  std::vector<MoeLayerStats> take_moe_stats(const HostSum& sum_over_ranks = {});
   // model.moe_capacity: per MoE layer, the rows its last forward put past the capacity (the
   // overflow, ov[E] of its layout; one small download each; under model.recompute the layers share
   // their arrays, so one value, the last layer run). Empty without a capacity layout.

@@ -241,7 +241,7 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   for (auto& s : opt.state()) os.push_back({s.name, DType::F32, s.shape, host.host(s.data, numel_of(s.shape))});
   save_safetensors(tmp / "optimizer.safetensors", os, {{"optimizer_steps", std::to_string(opt.steps_taken())}});
   nlohmann::json j = {{"format_version", kCheckpointVersion}, {"step", st.step},
-                      {"tokens_seen", st.tokens_seen},       {"threads", st.threads},
+                      {"tokens_seen", st.tokens_seen},       {"threads", st.threads}, {"world", st.world},
                       {"optimizer_steps", opt.steps_taken()}, {"elapsed_s", st.elapsed_s},
                       {"loader", st.loader},                 {"config", st.config}};
   write_file_atomic(tmp / "state.json", j.dump(2));
@@ -311,6 +311,12 @@ CheckpointState read_checkpoint_state(const fs::path& dir) {
   const int64_t threads = count_field(j, "threads", f);
   if (threads > INT32_MAX) fail("{}: corrupt checkpoint state: 'threads' is {}, expected an int", f.string(), threads);
   st.threads = int(threads);
+  if (j.contains("world")) {
+    const int64_t world = count_field(j, "world", f);
+    if (world < 1 || world > INT32_MAX)
+      fail("{}: corrupt checkpoint state: 'world' is {}, expected a rank count of at least 1", f.string(), world);
+    st.world = int(world);
+  }
   try {
     st.elapsed_s = j.at("elapsed_s").get<double>();
     st.loader = j.at("loader");

@@ -31,6 +31,7 @@ struct CheckpointState {
   int64_t step = 0;          // optimizer steps completed
   int64_t tokens_seen = 0;
   int threads = 0;
+  int world = 1;             // data-parallel ranks (state.json's "world"; 1 when absent: older checkpoints)
   nlohmann::json loader;     // data-loader state after `step` steps
   nlohmann::json config;     // resolved config
   double elapsed_s = 0;      // training wall time so far

@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -8,6 +9,7 @@
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,7 +31,7 @@ namespace ladder {
 namespace {
 
 std::atomic<bool> g_stop{false};
-// The first SIGINT/SIGTERM asks for a checkpoint at the end of the step; a second one (a stuck final
+// The first SIGINT/SIGTERM/SIGUSR1 asks for a checkpoint at the end of the step; a second one (a stuck final
 // evaluation, a user who means it) restores the default action and re-raises it. Only
 // async-signal-safe calls here: an atomic exchange, write(2), signal(), raise().
 void on_signal(int sig) {
@@ -72,7 +74,11 @@ OnChange on_change(const std::string& sec, const std::string& key) {
 // run. The saved config is read with find(): a hand-edited or truncated state.json must give an
 // error naming the file and the key, not undefined behaviour (operator[] on a missing key of a const
 // json) or a bare nlohmann type_error.
-void check_resume_compatible(const Config& cur, const nlohmann::json& saved, const fs::path& ckpt) {
+// Data parallel: the ranks a checkpoint was written by may differ from the ranks resuming it, as long
+// as the step's micro-batches are as many (run.grad_accum x ranks): the loader continues from the
+// same sample of the same order, each step reads the same tokens.
+void check_resume_compatible(const Config& cur, const nlohmann::json& saved, const fs::path& ckpt, int world,
+                             int saved_world) {
   const std::string file = (ckpt / "state.json").string();
   const nlohmann::json now = to_json(cur);
   if (!saved.is_object()) fail("{}: cannot resume: 'config' is {}, expected an object", file, saved.type_name());
@@ -91,6 +97,17 @@ void check_resume_compatible(const Config& cur, const nlohmann::json& saved, con
     for (const std::string& k : keys) {
       const nlohmann::json& v = now.at(sec).at(k);
       auto it = s->find(k);
+      if (sec == std::string("run") && k == "grad_accum" && it != s->end() && it->is_number_integer() &&
+          saved_world != world) {
+        const int64_t before = it->get<int64_t>() * saved_world;
+        if (before != v.get<int64_t>() * world)
+          fail("{}: cannot resume: run.grad_accum {} x {} rank(s) in the checkpoint, {} x {} now: a step must take as "
+               "many micro-batches (set run.grad_accum so that grad_accum x ranks = {})", file, it->dump(), saved_world,
+               v.dump(), world, before);
+        fmt::print(stderr, "note: {} was written by {} data-parallel rank(s) with run.grad_accum {}; {} rank(s) with "
+                   "{} take the same micro-batches per step\n", file, saved_world, it->dump(), world, v.dump());
+        continue;
+      }
       if (it != s->end() && *it == v) continue;
       if (on_change(sec, k) == OnChange::kRefuse) {
         if (it == s->end())
@@ -105,15 +122,45 @@ void check_resume_compatible(const Config& cur, const nlohmann::json& saved, con
   }
 }
 
+// Data-parallel replicas hold bitwise the same weights: the same init or checkpoint, then the same
+// summed gradients and the same update on every rank. Checked (a hash of every parameter and
+// buffer, compared with rank 0's) at the start and before every checkpoint, because what rank 0
+// saves stands for all of them: a rank that drifted (another BLAS or GPU model on one node, a
+// checkpoint directory that differs between nodes) would otherwise make the run silently a mix.
+void check_replicas_agree(Comm& comm, Transformer& model, const std::string& when) {
+  if (comm.world() == 1) return;
+  uint64_t h = 0;
+  std::vector<float> host;
+  auto add = [&](const Param& p) {
+    host.resize(p.numel);
+    model.download(p, host.data());
+    h = XXH64(host.data(), host.size() * sizeof(float), h);
+  };
+  for (const Param& p : model.params()) add(p);
+  for (const Param& p : model.buffers()) add(p);
+  uint64_t h0 = h;
+  comm.broadcast_host(&h0, sizeof h0, 0);
+  std::vector<double> differs(size_t(comm.world()), 0.0);
+  differs[size_t(comm.rank())] = h != h0 ? 1 : 0;
+  comm.allreduce_max_host(differs.data(), differs.size());
+  std::string bad;
+  for (size_t r = 0; r < differs.size(); ++r)
+    if (differs[r] > 0) bad += (bad.empty() ? "" : ", ") + std::to_string(r);
+  if (!bad.empty())
+    fail("data parallel: the weights of rank(s) {} differ from rank 0's {} (the ranks must run the same build on the "
+         "same kind of device and read the same checkpoint)", bad, when);
+}
+
 }  // namespace
 
 StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimizer& opt, Backend& be,
-                     const BatchFn& next_batch, int32_t* inputs, int32_t* targets) {
+                     const BatchFn& next_batch, int32_t* inputs, int32_t* targets, Comm* comm) {
   const int N = model.batch() * cfg.model.seq_len;
   const int accum = cfg.run.grad_accum;
+  const int world = comm ? comm->world() : 1;
   model.reserve_step(accum);  // a no-op from the second call on
   model.zero_grad();
-  const float grad_scale = 1.0f / float(int64_t(N) * accum);
+  const float grad_scale = 1.0f / float(int64_t(N) * accum * world);
   // Nothing below waits for the backend until every op of the step is enqueued (a CUDA backend's
   // token uploads excepted, when the host is several micro-batches ahead): the micro-batches'
   // loss sums stay in backend memory, the MoE bias is updated there, the clip factor is computed
@@ -127,12 +174,17 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
     model.discard_step();  // a caller that goes on starts the next step clean
     throw;
   }
-  // (data parallel: the all-reduce of the contiguous gradient arena goes here)
-  // MoE quantile balancing, once per step from the step's tokens (data parallel: beta would be
-  // averaged over the ranks inside, on the device, before the bias). The bias has no gradient, so
-  // its place relative to the optimizer update does not matter; the next step's selection uses the
-  // new bias.
-  model.update_balance();
+  // Data parallel: the ranks' gradients summed in one call over the contiguous arena (each was
+  // scaled by 1 / every rank's tokens, so the sum is the mean-loss gradient of the whole step).
+  Transformer::BetaAverage beta_average;
+  if (world > 1) {
+    comm->allreduce_sum(be, model.grads_data(), model.grads_floats());
+    beta_average = [&](double* beta, size_t n) { comm->allreduce_mean(be, beta, n); };
+  }
+  // MoE quantile balancing, once per step from the step's tokens (data parallel: beta averaged over
+  // the ranks before the bias, RECIPE.md section 2). The bias has no gradient, so its place relative
+  // to the optimizer update does not matter; the next step's selection uses the new bias.
+  model.update_balance(beta_average);
   // Clip on the device and enqueue the optimizer step before reading anything back.
   // (Bitwise the host-side clip it replaced: the same per-tensor sums, order and float factor.)
   LADDER_ASSERT(&be == &model.backend());
@@ -150,7 +202,14 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
     router_z += s.router_z;
     ntok += s.tokens;
   }
-  st.moe = model.take_moe_stats();
+  if (world > 1) {  // the step's numbers over every rank's tokens
+    double sums[4] = {xent, lse_sq, router_z, double(ntok)};
+    comm->allreduce_sum_host(sums, 4);
+    xent = sums[0], lse_sq = sums[1], router_z = sums[2], ntok = int64_t(sums[3]);
+    st.moe = model.take_moe_stats([&](double* v, size_t n) { comm->allreduce_sum_host(v, n); });
+  } else {
+    st.moe = model.take_moe_stats();
+  }
   st.router_z = router_z / double(ntok);
   st.loss = xent / double(ntok);
   st.lse_sq = lse_sq / double(ntok);
@@ -184,10 +243,16 @@ TrainSummary train(const TrainOptions& opt) {
   fs::path data_dir = resolve_data(cfg);
   const fs::path run_dir = opt.run_dir;
   const auto& rc = cfg.run;
+  // Data parallel: every rank runs this function on its share of each batch; rank 0 alone prints,
+  // writes the metrics and saves checkpoints (the run directory is on a filesystem every rank sees).
+  Comm& comm = opt.comm ? *opt.comm : process_comm();
+  const int rank = comm.rank(), world = comm.world();
+  const bool talk = !opt.quiet && rank == 0;
 
   // Never overwrite a run by accident. (A checkpoint that a killed save had moved aside is put back
   // first, so that it is found.)
-  recover_checkpoints(run_dir);
+  if (rank == 0) recover_checkpoints(run_dir);
+  comm.barrier();
   auto latest = latest_checkpoint(run_dir);
   if (latest && !opt.resume)
     fail("{}: the run directory already holds checkpoints; pass --resume to continue it or choose another --run-dir",
@@ -198,8 +263,6 @@ TrainSummary train(const TrainOptions& opt) {
   Transformer model(cfg.model, rc.batch_size, *be);
   model.reserve_step(rc.grad_accum);
   auto optimizer = make_optimizer(cfg, model, *be);  // the whole config: `auto` lrs need the run size
-  // Data-parallel slot: rank/world come from the launcher when MPI arrives; one rank for now.
-  const int rank = 0, world = 1;
   data::DataLoader train_loader(data_dir, "train", cfg.model.seq_len, rc.batch_size, rc.seed, true, rank, world);
   // Validation reads the same fixed, shuffled subset of windows at every evaluation (reset() returns
   // to its start): a sample spread over the whole split rather than its first documents.
@@ -209,37 +272,43 @@ TrainSummary train(const TrainOptions& opt) {
   double elapsed_prev = 0;
   if (opt.resume && latest) {
     CheckpointState st = read_checkpoint_state(*latest);
-    check_resume_compatible(cfg, st.config, *latest);
+    check_resume_compatible(cfg, st.config, *latest, world, st.world);
     load_checkpoint_weights(*latest, model, optimizer.get());
     train_loader.restore(st.loader, fmt::format("{}, field 'loader'", (*latest / "state.json").string()));
     start_step = st.step;
     tokens_seen = st.tokens_seen;
     elapsed_prev = st.elapsed_s;
-    if (st.threads != threads && !opt.quiet)
+    if (st.threads != threads && talk)
       fmt::print("note: checkpoint was written with {} threads, resuming with {}: losses may differ in the last bits\n",
                  st.threads, threads);
-    if (!opt.quiet) fmt::print("resuming from {} (step {})\n", latest->string(), start_step);
+    if (talk) fmt::print("resuming from {} (step {})\n", latest->string(), start_step);
   } else {
     model.init(rc.seed);
   }
+  check_replicas_agree(comm, model, start_step > 0 ? "after loading the checkpoint" : "after initialization");
   if (start_step >= rc.steps) {
-    if (!opt.quiet) fmt::print("{}: run already complete at step {} (raise run.steps to continue)\n", run_dir.string(), start_step);
+    if (talk) fmt::print("{}: run already complete at step {} (raise run.steps to continue)\n", run_dir.string(), start_step);
     TrainSummary done;
     done.start_step = done.end_step = start_step;
     return done;
   }
-  fs::create_directories(run_dir);
-  write_file_atomic(run_dir / "config.yaml", to_yaml(cfg));
-  MetricsWriter metrics(run_dir / "metrics.jsonl", /*append=*/start_step > 0);
-  if (start_step > 0) metrics.truncate_after_step(start_step);
+  std::optional<MetricsWriter> metrics;  // rank 0's
+  if (rank == 0) {
+    fs::create_directories(run_dir);
+    write_file_atomic(run_dir / "config.yaml", to_yaml(cfg));
+    metrics.emplace(run_dir / "metrics.jsonl", /*append=*/start_step > 0);
+    if (start_step > 0) metrics->truncate_after_step(start_step);
+  }
 
   const FlopsPerToken fpt = flops_per_token(cfg.model);
   const ParamCount pc = count_params(cfg.model);
   // MFU denominator: the machine's cached sgemm rate on the CPU; on a device, the backend's own GEMM
-  // measured now at its precision (half a second; the model's arenas are already allocated).
-  const double peak = be->is_host() ? sgemm_gflops() : backend_gemm_gflops(*be);
-  const int64_t tokens_per_step = int64_t(rc.batch_size) * rc.grad_accum * cfg.model.seq_len;
-  if (!opt.quiet) {
+  // measured now at its precision (half a second; the model's arenas are already allocated). Data
+  // parallel: the sum of the ranks' rates, each measured (or cached) alone with its own threads.
+  double peak = be->is_host() ? sgemm_gflops() : backend_gemm_gflops(*be);
+  comm.allreduce_sum_host(&peak, 1);
+  const int64_t tokens_per_step = int64_t(rc.batch_size) * rc.grad_accum * cfg.model.seq_len * world;
+  if (talk) {
     fmt::print("resolved config ({}):\n{}", cfg.source, to_yaml(cfg));
     if (cfg.model.moe())
       fmt::print("MoE: {} of {} layers, E={} K={} expert hidden {} shared hidden {}, combine {}; "
@@ -254,13 +323,16 @@ TrainSummary train(const TrainOptions& opt) {
                "{} tokens/step; run dir {}\n",
                model.activation_bytes() / 1048576.0, be->name(), threads, be->is_host() ? "sgemm" : "GEMM", peak,
                tokens_per_step, run_dir.string());
+    if (world > 1)
+      fmt::print("data parallel: {}, {} sequences per micro-batch on each rank; MFU against the sum of the ranks' "
+                 "rates\n", comm.describe(), rc.batch_size);
   }
 
   const int N = rc.batch_size * cfg.model.seq_len;
   std::vector<int32_t> inputs(N), targets(N);
   const fs::path tokenizer = data_dir / "tokenizer.model";
   // Checkpoints carry the data's tokenizer for `ladder sample`; data prepared elsewhere may have none.
-  if (std::error_code ec; !fs::is_regular_file(tokenizer, ec))
+  if (std::error_code ec; rank == 0 && !fs::is_regular_file(tokenizer, ec))
     fmt::print(stderr, "warning: {} not found: checkpoints will have no tokenizer; `ladder sample` needs the data's "
                "tokenizer.model copied into the checkpoint directory\n", tokenizer.string());
   TrainSummary sum;
@@ -270,38 +342,47 @@ TrainSummary train(const TrainOptions& opt) {
   auto evaluate = [&](int64_t step) {
     if (rc.eval_batches == 0) return;
     val_loader.reset();
-    double xent = 0;
-    int64_t n = 0;
+    // Each rank evaluates eval_batches batches of its own share of the fixed subset.
+    double sums[2] = {0, 0};  // cross-entropy, tokens
     for (int b = 0; b < rc.eval_batches; ++b) {
       val_loader.next(inputs.data(), targets.data());
       LossSums s = model.forward_loss(inputs.data(), targets.data());
-      xent += s.xent;
-      n += s.tokens;
+      sums[0] += s.xent;
+      sums[1] += double(s.tokens);
     }
-    double vl = xent / double(n);
+    comm.allreduce_sum_host(sums, 2);
+    double vl = sums[0] / sums[1];
     sum.val_losses.emplace_back(step, vl);
-    metrics.write({{"step", step}, {"val_loss", vl}, {"tokens", tokens_seen}});
-    if (!opt.quiet) fmt::print("{}step {} | val_loss {:.4f}\n", isatty(1) ? "\r\033[K" : "", step, vl);
+    if (metrics) metrics->write({{"step", step}, {"val_loss", vl}, {"tokens", tokens_seen}});
+    if (talk) fmt::print("{}step {} | val_loss {:.4f}\n", isatty(1) ? "\r\033[K" : "", step, vl);
   };
   auto elapsed_total = [&, t0 = std::chrono::steady_clock::now()] {
     return elapsed_prev + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   auto checkpoint = [&](int64_t step) {
-    CheckpointState st{step, tokens_seen, threads, train_loader.state(), to_json(cfg), elapsed_total()};
-    sum.last_checkpoint = save_checkpoint(run_dir, st, model, *optimizer, tokenizer, rc.keep_checkpoints);
+    check_replicas_agree(comm, model, fmt::format("at step {}", step));  // what rank 0 saves is every rank's
+    CheckpointState st{step, tokens_seen, threads, world, train_loader.state(), to_json(cfg), elapsed_total()};
+    if (rank == 0)
+      sum.last_checkpoint = save_checkpoint(run_dir, st, model, *optimizer, tokenizer, rc.keep_checkpoints);
+    else
+      sum.last_checkpoint = checkpoint_dir(run_dir, step);
     sum.checkpoint_steps.push_back(step);
   };
 
   g_stop = false;
-  // SIGINT/SIGTERM only set g_stop from here until train() returns (or throws): a signal during the
+  // SIGINT/SIGTERM/SIGUSR1 only set g_stop from here until train() returns (or throws): a signal during the
   // final evaluation or checkpoint is noted, not fatal. (A killed save leaves the previous checkpoint,
   // but the run would then end unfinished.)
   struct SignalGuard {
     void (*old_int)(int) = std::signal(SIGINT, on_signal);
     void (*old_term)(int) = std::signal(SIGTERM, on_signal);
+    // SIGUSR1 too: what Open MPI's mpirun forwards to every rank (a Ctrl-C on mpirun ends the job
+    // at once) and what Slurm sends ahead of a preemption (--signal=USR1@60).
+    void (*old_usr1)(int) = std::signal(SIGUSR1, on_signal);
     ~SignalGuard() {
       std::signal(SIGINT, old_int);
       std::signal(SIGTERM, old_term);
+      std::signal(SIGUSR1, old_usr1);
     }
   } signal_guard;
   const bool tty = isatty(1);
@@ -312,7 +393,8 @@ TrainSummary train(const TrainOptions& opt) {
   while (step < rc.steps) {
     auto t0 = std::chrono::steady_clock::now();
     StepStats ss = train_step(cfg, step, model, *optimizer, *be,
-                              [&](int32_t* in, int32_t* tg) { train_loader.next(in, tg); }, inputs.data(), targets.data());
+                              [&](int32_t* in, int32_t* tg) { train_loader.next(in, tg); }, inputs.data(), targets.data(),
+                              &comm);
     ++step;
     const int64_t ntok = ss.tokens;
     const double gnorm = ss.grad_norm, lr = ss.lr, lse_sq = ss.lse_sq * double(ntok);
@@ -353,8 +435,8 @@ TrainSummary train(const TrainOptions& opt) {
         extra = fmt::format("load {:.2f}-{:.2f}x", worst_min, worst_max);
         if (cfg.model.router_z_loss > 0) extra += fmt::format(" rz {:.2e}", ss.router_z);
       }
-      metrics.write(line);
-      if (!opt.quiet) {
+      if (metrics) metrics->write(line);
+      if (talk) {
         ProgressInfo pi{step, rc.steps, loss, lr, gnorm, tps, mfu, elapsed_total(),
                         (rc.steps - step) * (interval_s / double(interval_tokens) * tokens_per_step), extra};
         fmt::print("{}{}{}", tty ? "\r\033[K" : "", format_progress(pi), tty ? "" : "\n");
@@ -369,13 +451,18 @@ TrainSummary train(const TrainOptions& opt) {
       break;
     }
     if (step == opt.interrupt_at) g_stop = true;  // simulated SIGINT during this step (tests)
+    if (world > 1) {  // a signal that reached some ranks stops them all at this step
+      double stop = g_stop ? 1 : 0;
+      comm.allreduce_max_host(&stop, 1);
+      if (stop > 0) g_stop = true;
+    }
     // The last step's checkpoint is the final one below, whether or not a signal came: written once
     // (a second save of the same step replaced the first, with a window where a second Ctrl-C left
     // none), and the run is complete, not interrupted.
     if (step == rc.steps) break;
     if (g_stop) {
       checkpoint(step);
-      if (!opt.quiet) fmt::print("\ninterrupted: checkpoint written at step {}; continue with --resume\n", step);
+      if (talk) fmt::print("\ninterrupted: checkpoint written at step {}; continue with --resume\n", step);
       break;
     }
     if (rc.ckpt_every > 0 && step % rc.ckpt_every == 0) checkpoint(step);
@@ -385,9 +472,10 @@ TrainSummary train(const TrainOptions& opt) {
     evaluate(step);
     checkpoint(step);
   }
+  comm.barrier();  // train() returns on no rank before rank 0's files are complete
   sum.tokens_per_s = median(rates);
   sum.mfu = median(mfus);
-  if (!opt.quiet) {
+  if (talk) {
     if (tty) fmt::print("\n");
     fmt::print("done: {} steps, median {:.0f} tokens/s, MFU {:.1f}%; metrics {}; checkpoints {}\n", step,
                sum.tokens_per_s, 100 * sum.mfu, (run_dir / "metrics.jsonl").string(),

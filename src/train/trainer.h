@@ -1,5 +1,5 @@
-// The training loop: data -> forward/backward (with gradient accumulation) -> [gradient all-reduce
-// slot] -> clip -> optimizer -> metrics, validation, checkpoints.
+// The training loop: data -> forward/backward (with gradient accumulation) -> gradient all-reduce
+// across data-parallel ranks -> clip -> optimizer -> metrics, validation, checkpoints.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -9,6 +9,7 @@
 #include <functional>
 
 #include "backend/backend.h"
+#include "dist/comm.h"
 #include "model/config.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"
@@ -22,6 +23,8 @@ struct TrainOptions {
   bool quiet = false;           // no progress output (tests)
   int64_t stop_after = -1;      // testing: return after this many steps as if killed (no final checkpoint)
   int64_t interrupt_at = -1;    // testing: as if SIGINT arrived during this step (1-based)
+  // The data-parallel job (nullptr: process_comm(), the job mpirun started, or one process).
+  Comm* comm = nullptr;
 };
 
 struct TrainSummary {
@@ -36,7 +39,7 @@ struct TrainSummary {
 TrainSummary train(const TrainOptions& opt);
 
 // One optimizer step: zero grads; grad_accum micro-batches (each fetched by next_batch into
-// inputs/targets) forward+backward; [data-parallel all-reduce slot]; global-norm clip; scheduled lr;
+// inputs/targets) forward+backward; data-parallel all-reduce; global-norm clip; scheduled lr;
 // optimizer update. `step` is the 0-based index of this step. The trainer, the benchmark and the
 // parity tests all run exactly this function.
 struct StepStats {
@@ -48,9 +51,13 @@ struct StepStats {
   double router_z = 0;              // mean router z-loss term (already weighted by its coefficient)
   std::vector<MoeLayerStats> moe;   // per MoE layer: expert load and mean logsumexp^2 of this step
 };
+// With a Comm of several ranks (data parallel), each rank runs its own micro-batches, the ranks sum
+// their gradients (each scaled by 1 / the tokens of all ranks: the sum is the global mean's
+// gradient) and average the MoE balancing beta, then every rank clips and updates identically; the
+// returned loss, tokens and MoE statistics are over all ranks.
 using BatchFn = std::function<void(int32_t* inputs, int32_t* targets)>;
 StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimizer& opt, Backend& be,
-                     const BatchFn& next_batch, int32_t* inputs, int32_t* targets);
+                     const BatchFn& next_batch, int32_t* inputs, int32_t* targets, Comm* comm = nullptr);
 
 // Sets the vocabulary from the data directory's meta.json when model.vocab_size is 0 and checks it
 // otherwise. Returns the data directory.

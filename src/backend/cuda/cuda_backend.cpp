@@ -22,6 +22,8 @@
 #include "backend/cuda/lt_gemm.h"
 #include "backend/cuda/switch_optim_ops.cuh"
 #include "backend/cuda/moe_ops.cuh"
+#include "backend/cuda/nccl_collectives.h"
+#include "dist/comm.h"
 
 namespace ladder {
 namespace cuda {
@@ -33,6 +35,10 @@ bool env_flag(const char* name) {
   return v && *v && std::string(v) != "0";
 }
 
+// The GPU of this process: data-parallel ranks on one machine take one each, by their rank on the
+// node (the launcher's local rank), round robin when there are more ranks than GPUs.
+int rank_device(int count) { return count > 0 ? launcher_local_rank() % count : 0; }
+
 std::string probe_error() {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
@@ -41,10 +47,13 @@ std::string probe_error() {
     return fmt::format("--device cuda: no CUDA device found (cudaGetDeviceCount: {})", cudaGetErrorString(e));
   }
   if (count == 0) return "--device cuda: no CUDA device found (cudaGetDeviceCount: 0 devices)";
+  const int dev = rank_device(count);
   cudaDeviceProp prop{};
-  const cudaError_t ep = cudaGetDeviceProperties(&prop, 0);
+  const cudaError_t ep = cudaGetDeviceProperties(&prop, dev);
   if (ep != cudaSuccess)
-    return fmt::format("--device cuda: cannot read device 0 (cudaGetDeviceProperties: {})", cudaGetErrorString(ep));
+    return fmt::format("--device cuda: cannot read device {} (cudaGetDeviceProperties: {})", dev, cudaGetErrorString(ep));
+  if (const cudaError_t es = cudaSetDevice(dev); es != cudaSuccess)
+    return fmt::format("--device cuda: cannot use device {} (cudaSetDevice: {})", dev, cudaGetErrorString(es));
   if (prop.major < 8)
     return fmt::format("--device cuda: {} has compute capability {}.{}; the CUDA backend needs 8.0 or newer "
                        "(A100, H100, H200, ...)", prop.name, prop.major, prop.minor);
@@ -74,6 +83,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
   ~CudaBackendImpl() override {
     if (st_) cudaStreamSynchronize(st_);  // queued work, staged uploads still reading their pinned slots
+    collectives_.reset();  // its NCCL communicator orders work on st_
     gemm_.reset();
 #if LADDER_HAVE_CUDNN
     cudnn_.reset();  // its handle is bound to st_, destroyed below
@@ -87,6 +97,12 @@ class CudaBackendImpl final : public CudaBackend {
 
   std::string name() const override { return opt_.bf16 ? "cuda-bf16" : opt_.tf32 ? "cuda-tf32" : "cuda"; }
   cudaStream_t stream() const override { return st_; }
+  DeviceCollectives* collectives() override {
+#if LADDER_HAVE_NCCL
+    if (!collectives_) collectives_ = make_nccl_collectives(info_.index, st_);
+#endif
+    return collectives_.get();  // without nccl.h at build time: none, sums through host memory
+  }
   const DeviceInfo& device() const override { return info_; }
   bool tf32() const override { return opt_.tf32; }
   bool bf16() const override { return opt_.bf16; }
@@ -1332,6 +1348,7 @@ class CudaBackendImpl final : public CudaBackend {
   CudaOptions opt_;
   cudaStream_t st_ = nullptr;
   bool sync_each_ = false;
+  std::unique_ptr<DeviceCollectives> collectives_;  // NCCL, made at the first data-parallel sum
   std::unique_ptr<LtGemm> gemm_;
   DeviceBuffer<char> emb_scratch_;
   // bf16 GEMM operands (CudaOptions::bf16): the last cast of each side, and what it was cast from.
@@ -1422,10 +1439,12 @@ std::string device_unavailable_reason() {
 DeviceInfo probe_device() {
   const std::string err = probe_error();
   if (!err.empty()) throw Error(err);
-  cudaDeviceProp prop{};
-  LADDER_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  int count = 0;
+  LADDER_CUDA_CHECK(cudaGetDeviceCount(&count));
   DeviceInfo d;
-  d.index = 0;
+  d.index = rank_device(count);
+  cudaDeviceProp prop{};
+  LADDER_CUDA_CHECK(cudaGetDeviceProperties(&prop, d.index));
   d.name = prop.name;
   d.cc_major = prop.major;
   d.cc_minor = prop.minor;

@@ -1,0 +1,124 @@
+// NCCL for the data-parallel sums of the CUDA backend (Backend::collectives, docs/data-parallel.md).
+//
+// libnccl is loaded at run time (LADDER_NCCL_LIB, else libnccl.so.2), like cuDNN: the binaries
+// start where it is absent, and a job whose ranks cannot all use it sums through host memory over
+// MPI instead. nccl.h gives the types and constants only.
+#include "backend/cuda/nccl_collectives.h"
+
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "backend/cuda/cuda_check.h"
+#include "core/error.h"
+
+namespace ladder::cuda {
+namespace {
+
+struct NcclApi {
+  decltype(&ncclGetVersion) get_version = nullptr;
+  decltype(&ncclGetUniqueId) get_unique_id = nullptr;
+  decltype(&ncclCommInitRank) comm_init_rank = nullptr;
+  decltype(&ncclCommDestroy) comm_destroy = nullptr;
+  decltype(&ncclAllReduce) all_reduce = nullptr;
+  decltype(&ncclGetErrorString) error_string = nullptr;
+  std::string error;  // why it could not be loaded ("" when loaded)
+  int version = 0;
+};
+
+NcclApi load_nccl() {
+  NcclApi api;
+  const char* env = std::getenv("LADDER_NCCL_LIB");
+  const std::string name = env && *env ? env : "libnccl.so.2";
+  dlerror();
+  void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* e = dlerror();
+    api.error = fmt::format("cannot load {} ({}); LADDER_NCCL_LIB names the library file", name, e ? e : "?");
+    return api;
+  }
+  auto sym = [&](auto& fn, const char* symbol) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, symbol));
+    if (!fn && api.error.empty()) api.error = fmt::format("{} has no {}", name, symbol);
+  };
+  sym(api.get_version, "ncclGetVersion");
+  sym(api.get_unique_id, "ncclGetUniqueId");
+  sym(api.comm_init_rank, "ncclCommInitRank");
+  sym(api.comm_destroy, "ncclCommDestroy");
+  sym(api.all_reduce, "ncclAllReduce");
+  sym(api.error_string, "ncclGetErrorString");
+  if (api.error.empty() && api.get_version(&api.version) != ncclSuccess) api.error = name + ": ncclGetVersion failed";
+  // ncclAvg (the beta mean) came with NCCL 2.10.
+  if (api.error.empty() && api.version < 21000)
+    api.error = fmt::format("{} is NCCL {}; 2.10 or newer is needed", name, api.version);
+  return api;
+}
+
+const NcclApi& nccl() {
+  static const NcclApi api = load_nccl();
+  return api;
+}
+
+void check(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess) fail("NCCL {}: {}", what, nccl().error_string ? nccl().error_string(r) : "?");
+}
+
+class NcclCollectives final : public DeviceCollectives {
+ public:
+  NcclCollectives(int device, cudaStream_t stream) : device_(device), st_(stream) {}
+  ~NcclCollectives() override {
+    if (comm_) nccl().comm_destroy(comm_);
+  }
+  std::string unavailable() override { return nccl().error; }
+  std::string device_id() const override {
+    cudaDeviceProp prop{};
+    LADDER_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+    std::string id = "GPU-";
+    for (unsigned char c : prop.uuid.bytes) id += fmt::format("{:02x}", c);
+    return id;
+  }
+  std::vector<uint8_t> new_job_id() override {
+    ncclUniqueId uid;
+    check(nccl().get_unique_id(&uid), "ncclGetUniqueId");
+    std::vector<uint8_t> id(sizeof uid.internal);
+    std::memcpy(id.data(), uid.internal, id.size());
+    return id;
+  }
+  void join(const std::vector<uint8_t>& id, int rank, int world) override {
+    ncclUniqueId uid;
+    if (id.size() != sizeof uid.internal) fail("NCCL: a job id of {} bytes, expected {}", id.size(), sizeof uid.internal);
+    std::memcpy(uid.internal, id.data(), id.size());
+    LADDER_CUDA_CHECK(cudaSetDevice(device_));
+    check(nccl().comm_init_rank(&comm_, world, uid, rank), "ncclCommInitRank");
+    state_ = State::kInUse;
+  }
+  void set_not_used() override { state_ = State::kNotUsed; }
+  State state() const override { return state_; }
+  std::string describe() const override {
+    const int v = nccl().version;
+    return fmt::format("NCCL {}.{}.{}", v / 10000, v / 100 % 100, v % 100);
+  }
+  void allreduce_sum(float* p, size_t n) override {
+    check(nccl().all_reduce(p, p, n, ncclFloat32, ncclSum, comm_, st_), "ncclAllReduce (sum)");
+  }
+  void allreduce_mean(double* p, size_t n) override {
+    check(nccl().all_reduce(p, p, n, ncclFloat64, ncclAvg, comm_, st_), "ncclAllReduce (mean)");
+  }
+
+ private:
+  int device_;
+  cudaStream_t st_;
+  ncclComm_t comm_ = nullptr;
+  State state_ = State::kUndecided;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceCollectives> make_nccl_collectives(int device, cudaStream_t stream) {
+  return std::make_unique<NcclCollectives>(device, stream);
+}
+
+}  // namespace ladder::cuda

@@ -1,0 +1,231 @@
+#include "dist/comm.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/error.h"
+
+#ifdef LADDER_HAVE_MPI
+#define OMPI_SKIP_MPICXX 1  // the C API only (the deprecated C++ bindings need their own library)
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
+
+namespace ladder {
+namespace {
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  return (end && *end == 0 && x >= 0 && x < (1L << 30)) ? int(x) : fallback;
+}
+
+class SingleComm final : public Comm {
+ public:
+  int rank() const override { return 0; }
+  int world() const override { return 1; }
+  std::string describe() const override { return "single process"; }
+  void allreduce_sum(Backend&, float*, size_t) override {}
+  void allreduce_mean(Backend&, double*, size_t) override {}
+  void allreduce_sum_host(double*, size_t) override {}
+  void allreduce_max_host(double*, size_t) override {}
+  void broadcast_host(void*, size_t, int) override {}
+  void barrier() override {}
+  [[noreturn]] void abort(int code) override { std::exit(code); }
+};
+
+#ifdef LADDER_HAVE_MPI
+// MPI counts are ints: larger buffers go in pieces of 2^30 elements.
+constexpr size_t kChunk = size_t(1) << 30;
+
+class MpiComm final : public Comm {
+ public:
+  MpiComm() {
+    int ready = 0;
+    MPI_Initialized(&ready);
+    if (!ready) {
+      int provided = 0;
+      // FUNNELED: only the thread that called MPI_Init calls MPI (OpenMP threads never do).
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+      owns_ = true;
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &world_);
+  }
+  ~MpiComm() override {
+    int done = 0;
+    MPI_Finalized(&done);
+    if (owns_ && !done) MPI_Finalize();
+  }
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
+  std::string describe() const override {
+    char lib[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+    int len = 0;
+    MPI_Get_library_version(lib, &len);
+    std::string v(lib, size_t(std::max(0, len)));
+    v = v.substr(0, v.find_first_of(",\n"));
+    return fmt::format("MPI: {} ranks ({})", world_, v);
+  }
+
+  void allreduce_sum(Backend& be, float* p, size_t n) override {
+    if (be.is_host()) return sum_in_place(p, n, MPI_FLOAT);
+    if (DeviceCollectives* dc = device_collectives(be)) return dc->allreduce_sum(p, n);
+    staged<float>(be, p, n, MPI_FLOAT);
+  }
+  void allreduce_mean(Backend& be, double* p, size_t n) override {
+    if (be.is_host()) {
+      sum_in_place(p, n, MPI_DOUBLE);
+      for (size_t i = 0; i < n; ++i) p[i] /= world_;
+      return;
+    }
+    if (DeviceCollectives* dc = device_collectives(be)) return dc->allreduce_mean(p, n);
+    double* h = staged<double>(be, p, n, MPI_DOUBLE, /*upload=*/false);
+    for (size_t i = 0; i < n; ++i) h[i] /= world_;
+    be.upload(p, h, n * sizeof(double));
+  }
+  void allreduce_sum_host(double* p, size_t n) override { sum_in_place(p, n, MPI_DOUBLE); }
+  void allreduce_max_host(double* p, size_t n) override {
+    for (size_t i = 0; i < n; i += kChunk)
+      MPI_Allreduce(MPI_IN_PLACE, p + i, int(std::min(kChunk, n - i)), MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  }
+  void broadcast_host(void* p, size_t bytes, int root) override {
+    auto* c = static_cast<char*>(p);
+    for (size_t i = 0; i < bytes; i += kChunk) MPI_Bcast(c + i, int(std::min(kChunk, bytes - i)), MPI_BYTE, root, MPI_COMM_WORLD);
+  }
+  void barrier() override { MPI_Barrier(MPI_COMM_WORLD); }
+  [[noreturn]] void abort(int code) override {
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::exit(code);  // not reached
+  }
+
+ private:
+  template <class T>
+  void sum_in_place(T* p, size_t n, MPI_Datatype type) {
+    for (size_t i = 0; i < n; i += kChunk)
+      MPI_Allreduce(MPI_IN_PLACE, p + i, int(std::min(kChunk, n - i)), type, MPI_SUM, MPI_COMM_WORLD);
+  }
+  // The device backend's collectives when every rank can use them, else nullptr. Decided once per
+  // backend, by all ranks together (the first device-memory call comes at the same point of the
+  // same step on every rank): a rank without them, or two ranks on one device (NCCL needs one per
+  // rank), and all of them go through host memory; otherwise rank 0 makes the job id, every rank
+  // joins.
+  DeviceCollectives* device_collectives(Backend& be) {
+    DeviceCollectives* dc = be.collectives();
+    if (!dc) return nullptr;  // the same backend kind on every rank: all take this path
+    if (dc->state() == DeviceCollectives::State::kUndecided) decide(*dc);
+    return dc->state() == DeviceCollectives::State::kInUse ? dc : nullptr;
+  }
+  void decide(DeviceCollectives& dc) {
+    const std::string why = dc.unavailable();
+    // Every rank's device id, in rank order (fixed-size records: ids are short).
+    constexpr size_t kId = 128;
+    std::vector<char> ids(size_t(world_) * kId, 0);
+    const std::string mine = dc.device_id();
+    std::memcpy(ids.data() + size_t(rank_) * kId, mine.data(), std::min(mine.size(), kId - 1));
+    MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, ids.data(), int(kId), MPI_CHAR, MPI_COMM_WORLD);
+    std::string shared;
+    for (int a = 0; a < world_ && shared.empty(); ++a)
+      for (int b = a + 1; b < world_ && shared.empty(); ++b)
+        if (std::strncmp(ids.data() + size_t(a) * kId, ids.data() + size_t(b) * kId, kId) == 0)
+          shared = fmt::format("ranks {} and {} share a device; NCCL needs one per rank", a, b);
+    // Which ranks cannot: the first one's reason is reported.
+    double cannot = why.empty() ? 0 : 1, first = why.empty() ? world_ : rank_;
+    MPI_Allreduce(MPI_IN_PLACE, &cannot, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+    if (cannot > 0 || !shared.empty()) {
+      dc.set_not_used();
+      if (rank_ == int(first) || (cannot == 0 && rank_ == 0))
+        fmt::print(stderr, "note: data parallel: device-memory sums through host memory over MPI ({})\n",
+                   cannot > 0 ? fmt::format("rank {}: {}", rank_, why) : shared);
+      return;
+    }
+    std::vector<uint8_t> id;
+    if (rank_ == 0) id = dc.new_job_id();
+    uint64_t len = id.size();
+    broadcast_host(&len, sizeof len, 0);
+    id.resize(len);
+    broadcast_host(id.data(), len, 0);
+    dc.join(id, rank_, world_);
+    if (rank_ == 0) fmt::print(stderr, "note: data parallel: device-memory sums by {}\n", dc.describe());
+  }
+
+  // Device memory: download, sum on the host, upload (when asked). The buffer is kept: the same
+  // sizes come every step.
+  template <class T>
+  T* staged(MemorySpace& mem, T* p, size_t n, MPI_Datatype type, bool upload = true) {
+    if (host_.size() < n * sizeof(T)) host_.resize(n * sizeof(T));
+    T* h = reinterpret_cast<T*>(host_.data());
+    mem.download(h, p, n * sizeof(T));
+    sum_in_place(h, n, type);
+    if (upload) mem.upload(p, h, n * sizeof(T));
+    return h;
+  }
+
+  int rank_ = 0, world_ = 1;
+  bool owns_ = false;
+  std::vector<unsigned char> host_;  // the staging buffer of device-memory collectives
+};
+#endif
+
+std::unique_ptr<Comm>& process_comm_slot() {
+  static std::unique_ptr<Comm> comm;
+  return comm;
+}
+
+}  // namespace
+
+int launcher_world_size() {
+  // Open MPI's mpirun, MPICH / Intel MPI's (PMI). (Not Slurm's SLURM_NTASKS: a batch script's single
+  // process has it too.)
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+    const int n = env_int(v, 0);
+    if (n > 0) return n;
+  }
+  return 1;
+}
+
+int launcher_local_rank() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}) {
+    const int r = env_int(v, -1);
+    if (r >= 0) return r;
+  }
+  return 0;
+}
+
+bool have_mpi() {
+#ifdef LADDER_HAVE_MPI
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<Comm> make_single_comm() { return std::make_unique<SingleComm>(); }
+
+Comm& process_comm() {
+  auto& slot = process_comm_slot();
+  if (slot) return *slot;
+  const int world = launcher_world_size();
+  if (world <= 1) {
+    slot = make_single_comm();
+    return *slot;
+  }
+#ifdef LADDER_HAVE_MPI
+  slot = std::make_unique<MpiComm>();
+#else
+  fail("this process is one of {} ranks started by an MPI launcher, but this build of Ladder has no MPI (install "
+       "libopenmpi-dev with scripts/install-deps.sh and rebuild; CMake says 'data parallel: MPI' when it is found)",
+       world);
+#endif
+  return *slot;
+}
+
+Comm* process_comm_if_started() { return process_comm_slot().get(); }
+
+}  // namespace ladder

@@ -1,0 +1,396 @@
+// Data parallelism over MPI, run as a job of two ranks (CTest: mpiexec -np 2 ladder_dist_tests).
+// Each test trains the tiny model with both ranks through train() (the job's Comm, as
+// `mpirun ladder train` does), and compares with a one-process run that reads the same tokens:
+// each rank runs that reference itself, with a single-process Comm, 2 micro-batches per step where
+// the ranks take 1 each.
+#include <gtest/gtest.h>
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/openblas_cores.h"
+#include "core/rng.h"
+#include "core/safetensors.h"
+#include "dist/comm.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+#include "../guarded_backend.h"
+#include "../test_util.h"
+#include "../tiny_training.h"
+
+namespace fs = std::filesystem;
+using namespace ladder;
+
+namespace {
+
+Comm& job() { return process_comm(); }
+
+// A directory every rank sees: rank 0 makes it (and the word-salad data in it) and sends its path.
+const fs::path& shared_dir() {
+  static fs::path dir = [] {
+    std::string p;
+    if (job().rank() == 0) {
+      p = (fs::temp_directory_path() / fmt::format("ladder-dist-{}", ::getpid())).string();
+      fs::remove_all(p);
+      fs::create_directories(p);
+      test::make_word_salad_data(p, 300, 11);
+    }
+    uint64_t n = p.size();
+    job().broadcast_host(&n, sizeof n, 0);
+    p.resize(n);
+    job().broadcast_host(p.data(), n, 0);
+    job().barrier();
+    return fs::path(p);
+  }();
+  return dir;
+}
+
+// A fresh directory name under the shared one, the same on every rank (tests run in the same order).
+fs::path run_dir(const std::string& name) { return shared_dir() / name; }
+fs::path own_dir(const std::string& name) { return shared_dir() / fmt::format("{}-rank{}", name, job().rank()); }
+
+Config dense_config() {
+  Config c = test::tiny_train_config(shared_dir());
+  c.run.batch_size = 2;  // per rank
+  c.run.grad_accum = 1;
+  c.run.threads = 1;     // two ranks on a two-core machine
+  c.run.steps = 8;
+  c.run.ckpt_every = 4;
+  c.run.eval_every = 4;
+  c.run.eval_batches = 2;
+  return c;
+}
+
+Config moe_config() {
+  Config c = dense_config();
+  c.model.moe_experts = 4;
+  c.model.moe_top_k = 2;
+  c.model.moe_expert_ff = 32;
+  c.model.moe_shared_expert = true;
+  c.model.router_z_loss = 1e-3;
+  return c;  // quantile balancing is the default
+}
+
+TrainSummary run(const Config& c, const fs::path& dir, Comm* comm, bool resume = false, int64_t stop_after = -1) {
+  TrainOptions o;
+  o.cfg = c;
+  o.run_dir = dir;
+  o.resume = resume;
+  o.quiet = true;
+  o.stop_after = stop_after;
+  o.comm = comm;
+  return train(o);
+}
+
+// The one-process run that reads the tokens of a 2-rank run: rank r's micro-batch is micro-batch
+// r of each step, and validation reads the same 2 x eval_batches batches.
+TrainSummary reference(Config c, const std::string& name) {
+  c.run.grad_accum *= 2;
+  c.run.eval_batches *= 2;
+  auto single = make_single_comm();
+  return run(c, own_dir(name), single.get());
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
+std::vector<float> all_weights(const fs::path& ckpt) {
+  SafeTensors st = SafeTensors::open(ckpt / "model.safetensors");
+  std::vector<float> w;
+  for (const std::string& n : st.names()) {
+    std::vector<float> t = st.get_f32(n);
+    w.insert(w.end(), t.begin(), t.end());
+  }
+  return w;
+}
+
+// The gradient norm of every step (before clipping), from a run's metrics.jsonl (rank 0 wrote it).
+std::vector<double> grad_norms(const fs::path& dir) {
+  std::vector<double> g;
+  std::ifstream f(dir / "metrics.jsonl");
+  for (std::string line; std::getline(f, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("grad_norm")) g.push_back(j["grad_norm"].get<double>());
+  }
+  return g;
+}
+
+}  // namespace
+
+TEST(DataParallel, TheJobHasTwoRanks) {
+  ASSERT_EQ(job().world(), 2) << "run under mpiexec -np 2 (CTest does)";
+  EXPECT_NE(job().describe().find("MPI: 2 ranks"), std::string::npos) << job().describe();
+  double v[2] = {double(job().rank() + 1), double(job().rank())};
+  job().allreduce_sum_host(v, 1);
+  job().allreduce_max_host(v + 1, 1);
+  EXPECT_EQ(v[0], 3.0);
+  EXPECT_EQ(v[1], 1.0);
+}
+
+// Two ranks with one micro-batch each are the one-process step with two micro-batches: the same
+// tokens, the mean gradient of all of them, the same update. The first loss is bitwise the same
+// (the same weights and tokens; the sums are added in the same order); later ones differ only by
+// the order of the gradient sums (the ranks add two partial gradients, the one process accumulates
+// the second into the first inside its GEMMs).
+TEST(DataParallel, DenseTrainingIsTheOneProcessRunWithAccumulation) {
+  const Config c = dense_config();
+  TrainSummary dp = run(c, run_dir("dense"), nullptr);
+  TrainSummary ref = reference(c, "dense-ref");
+  ASSERT_EQ(dp.losses.size(), 8u);
+  ASSERT_EQ(ref.losses.size(), 8u);
+  EXPECT_EQ(dp.losses[0].second, ref.losses[0].second);
+  for (size_t i = 0; i < dp.losses.size(); ++i)
+    EXPECT_LT(rel(dp.losses[i].second, ref.losses[i].second), 2e-5) << "step " << i + 1;
+  ASSERT_EQ(dp.val_losses.size(), ref.val_losses.size());
+  for (size_t i = 0; i < dp.val_losses.size(); ++i)
+    EXPECT_LT(rel(dp.val_losses[i].second, ref.val_losses[i].second), 2e-5) << "evaluation " << i;
+  // The gradient itself, not only the update (Adam's would hide a gradient off by a factor).
+  std::vector<double> g_dp = grad_norms(run_dir("dense")), g_ref = grad_norms(own_dir("dense-ref"));
+  ASSERT_EQ(g_dp.size(), 8u);
+  ASSERT_EQ(g_ref.size(), 8u);
+  for (size_t i = 0; i < g_dp.size(); ++i) EXPECT_LT(rel(g_dp[i], g_ref[i]), 2e-5) << "step " << i + 1;
+  // The weights rank 0 saved against the one process's.
+  std::vector<float> a = all_weights(dp.last_checkpoint), b = all_weights(ref.last_checkpoint);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_LT(test::rel_err(a.data(), b.data(), a.size()), 1e-5);
+  // Every loss moved: training happened (a run that skipped its updates would match itself only).
+  EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.1);
+  // Rank 0 alone wrote the run: its metrics and checkpoints, with the ranks recorded.
+  if (job().rank() == 0) {
+    EXPECT_TRUE(fs::exists(run_dir("dense") / "metrics.jsonl"));
+    EXPECT_EQ(read_checkpoint_state(dp.last_checkpoint).world, 2);
+  }
+}
+
+// MoE: the quantile-balancing beta is each rank's, averaged over the ranks (RECIPE.md section 2), so
+// the bias differs from the one process's (beta over all tokens of the step) and the runs part
+// slowly; the first loss is the same (the bias starts at zero).
+TEST(DataParallel, MoeTrainingFollowsTheOneProcessRun) {
+  const Config c = moe_config();
+  TrainSummary dp = run(c, run_dir("moe"), nullptr);
+  TrainSummary ref = reference(c, "moe-ref");
+  ASSERT_EQ(dp.losses.size(), ref.losses.size());
+  EXPECT_EQ(dp.losses[0].second, ref.losses[0].second);
+  for (size_t i = 0; i < dp.losses.size(); ++i)
+    EXPECT_LT(rel(dp.losses[i].second, ref.losses[i].second), 5e-3) << "step " << i + 1;
+  EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.1);
+}
+
+// The bias after a data-parallel balancing update is computed from the mean of the ranks' betas:
+// each rank's own beta (balance_beta) gathered and averaged by hand gives bitwise the same bias.
+TEST(DataParallel, BalancingAveragesTheRanksBeta) {
+  Config c = moe_config();
+  c.model.vocab_size = 320;
+  auto be = make_cpu_backend(1);
+  const int N = c.run.batch_size * c.model.seq_len;
+  std::vector<int32_t> in(N), tg(N);
+  Philox r(5, uint64_t(job().rank()));  // each rank its own tokens
+  for (int i = 0; i < N; ++i) in[i] = int32_t(r.u64(uint64_t(i)) % 320), tg[i] = int32_t(r.u64(uint64_t(i) + N) % 320);
+
+  Transformer own(c.model, c.run.batch_size, *be);
+  own.init(3);
+  own.forward_backward(in.data(), tg.data(), 1.0f / N);
+  std::vector<double> beta = own.balance_beta();
+  ASSERT_FALSE(beta.empty());
+  // Every rank's beta, in rank order.
+  std::vector<double> b0 = beta, b1 = beta;
+  job().broadcast_host(b0.data(), b0.size() * sizeof(double), 0);
+  job().broadcast_host(b1.data(), b1.size() * sizeof(double), 1);
+  std::vector<double> mean(beta.size());
+  for (size_t i = 0; i < mean.size(); ++i) mean[i] = (b0[i] + b1[i]) / 2;
+  EXPECT_NE(b0, b1);  // the ranks' tokens differ, so do their betas
+  own.apply_balance(mean);
+
+  Transformer dp(c.model, c.run.batch_size, *be);
+  dp.init(3);
+  dp.forward_backward(in.data(), tg.data(), 1.0f / N);
+  dp.update_balance([&](double* b, size_t n) { job().allreduce_mean(*be, b, n); });
+  ASSERT_EQ(own.buffers().size(), dp.buffers().size());
+  for (size_t i = 0; i < own.buffers().size(); ++i) {
+    std::vector<float> x = own.download(own.buffers()[i]), y = dp.download(dp.buffers()[i]);
+    EXPECT_EQ(x, y) << own.buffers()[i].name;
+  }
+}
+
+// A run killed after step 6 (its last checkpoint at step 4) and resumed by the same two ranks
+// ends bitwise where the uninterrupted run ends.
+TEST(DataParallel, ResumeIsExact) {
+  const Config c = moe_config();
+  TrainSummary whole = run(c, run_dir("whole"), nullptr);
+  run(c, run_dir("killed"), nullptr, false, /*stop_after=*/6);
+  TrainSummary rest = run(c, run_dir("killed"), nullptr, /*resume=*/true);
+  EXPECT_EQ(rest.start_step, 4);
+  ASSERT_EQ(rest.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(rest.losses[i].second, whole.losses[4 + i].second) << "step " << 5 + i;
+  EXPECT_EQ(all_weights(rest.last_checkpoint), all_weights(whole.last_checkpoint));
+}
+
+// One process resumes a 2-rank checkpoint with 2 micro-batches per step: the data continue from the
+// same position (the loader counts the samples of all ranks), so it follows the 2-rank run; with
+// the micro-batches of one rank only it is refused.
+TEST(DataParallel, OneProcessContinuesATwoRankCheckpoint) {
+  const Config c = dense_config();
+  TrainSummary whole = run(c, run_dir("dense-whole"), nullptr);
+  run(c, run_dir("dense-half"), nullptr, false, /*stop_after=*/5);  // its last checkpoint: step 4
+  const fs::path mine = own_dir("dense-continued");
+  fs::copy(run_dir("dense-half"), mine, fs::copy_options::recursive);
+  auto single = make_single_comm();
+  // The same run.grad_accum on one rank would take half the micro-batches per step: refused.
+  const std::string e = test::error_of([&] { run(c, mine, single.get(), /*resume=*/true); });
+  EXPECT_NE(e.find("run.grad_accum 1 x 2 rank(s) in the checkpoint, 1 x 1 now"), std::string::npos) << e;
+  Config one = c;
+  one.run.grad_accum = 2;
+  TrainSummary rest = run(one, mine, single.get(), /*resume=*/true);
+  EXPECT_EQ(rest.start_step, 4);
+  ASSERT_EQ(rest.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_LT(rel(rest.losses[i].second, whole.losses[4 + i].second), 2e-5) << "step " << 5 + i;
+}
+
+// Ranks whose weights differ (here: another seed on rank 1) stop at the start, every rank with
+// the same error naming the rank, instead of training a mix.
+TEST(DataParallel, RanksThatDisagreeStopWithAnError) {
+  Config c = dense_config();
+  c.run.seed = 1 + uint64_t(job().rank());
+  const std::string e = test::error_of([&] { run(c, run_dir("disagree"), nullptr); });
+  EXPECT_NE(e.find("the weights of rank(s) 1 differ from rank 0's after initialization"), std::string::npos) << e;
+}
+
+namespace {
+
+// A device backend's collectives stood in for on the guarded backend (emulated device memory), over
+// MPI: what the job's Comm decides about them, and that its sums are the host path's bits.
+class FakeCollectives final : public DeviceCollectives {
+ public:
+  FakeCollectives(Backend& be, std::string why, std::string id) : be_(be), why_(std::move(why)), id_(std::move(id)) {}
+  std::string unavailable() override { return why_; }
+  std::string device_id() const override { return id_; }
+  std::vector<uint8_t> new_job_id() override { return {1, 2, 3}; }
+  void join(const std::vector<uint8_t>& id, int, int) override {
+    EXPECT_EQ(id, (std::vector<uint8_t>{1, 2, 3}));  // rank 0's, on every rank
+    state_ = State::kInUse;
+  }
+  void set_not_used() override { state_ = State::kNotUsed; }
+  State state() const override { return state_; }
+  std::string describe() const override { return "fake"; }
+  void allreduce_sum(float* p, size_t n) override {
+    ++calls;
+    std::vector<float> h(n);
+    be_.download(h.data(), p, n * sizeof(float));
+    MPI_Allreduce(MPI_IN_PLACE, h.data(), int(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    be_.upload(p, h.data(), n * sizeof(float));
+  }
+  void allreduce_mean(double* p, size_t n) override {
+    ++calls;
+    std::vector<double> h(n);
+    be_.download(h.data(), p, n * sizeof(double));
+    MPI_Allreduce(MPI_IN_PLACE, h.data(), int(n), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    for (double& x : h) x /= 2;
+    be_.upload(p, h.data(), n * sizeof(double));
+  }
+  int calls = 0;
+
+ private:
+  Backend& be_;
+  std::string why_, id_;
+  State state_ = State::kUndecided;
+};
+
+class GuardedWithCollectives final : public testing_support::GuardedBackend {
+ public:
+  GuardedWithCollectives(std::string why, std::string id) : GuardedBackend(1), fake(*this, std::move(why), std::move(id)) {}
+  DeviceCollectives* collectives() override { return &fake; }
+  FakeCollectives fake;
+};
+
+// Steps of the MoE model on `be` with the job's two ranks (train_step, each rank its own batches):
+// the losses and the final weights and biases.
+std::pair<std::vector<double>, std::vector<float>> steps_on(Backend& be) {
+  Config c = moe_config();
+  c.model.vocab_size = 320;
+  validate(c);
+  Transformer m(c.model, c.run.batch_size, be);
+  m.init(4);
+  auto opt = make_optimizer(c, m, be);
+  const int N = c.run.batch_size * c.model.seq_len;
+  std::vector<int32_t> in(N), tg(N);
+  std::vector<double> losses;
+  for (int t = 0; t < 3; ++t) {
+    StepStats st = train_step(c, t, m, *opt, be,
+                              [&](int32_t* a, int32_t* y) {
+                                Philox r(uint64_t(t), uint64_t(job().rank()));
+                                for (int i = 0; i < N; ++i)
+                                  a[i] = int32_t(r.u64(uint64_t(i)) % 320), y[i] = int32_t(r.u64(uint64_t(i + N)) % 320);
+                              },
+                              in.data(), tg.data(), &job());
+    losses.push_back(st.loss);
+  }
+  std::vector<float> w;
+  for (const Param& p : m.params()) {
+    std::vector<float> x = m.download(p);
+    w.insert(w.end(), x.begin(), x.end());
+  }
+  for (const Param& p : m.buffers()) {
+    std::vector<float> x = m.download(p);
+    w.insert(w.end(), x.begin(), x.end());
+  }
+  return {losses, w};
+}
+
+}  // namespace
+
+// Ranks on device memory: the sums through host memory (the guarded backend has no collectives),
+// or through the device's own when every rank has them on a device of its own; otherwise (one rank
+// without, two ranks on one device) all ranks decide on host memory. Every way gives the host
+// run's bits.
+TEST(DataParallel, DeviceMemorySumsAreTheHostRunsBits) {
+  auto cpu = make_cpu_backend(1);
+  const auto host = steps_on(*cpu);
+  {
+    testing_support::GuardedBackend guarded(1);
+    EXPECT_EQ(steps_on(guarded), host);
+  }
+  const std::string own_id = fmt::format("dev-{}", job().rank());
+  {
+    GuardedWithCollectives g("", own_id);
+    EXPECT_EQ(steps_on(g), host);
+    EXPECT_EQ(g.fake.state(), DeviceCollectives::State::kInUse);
+    EXPECT_EQ(g.fake.calls, 6);  // the gradients and beta of 3 steps
+  }
+  {
+    GuardedWithCollectives g(job().rank() == 1 ? "no NCCL here" : "", own_id);
+    EXPECT_EQ(steps_on(g), host);
+    EXPECT_EQ(g.fake.state(), DeviceCollectives::State::kNotUsed);
+    EXPECT_EQ(g.fake.calls, 0);
+  }
+  {
+    GuardedWithCollectives g("", "the-same-device");
+    EXPECT_EQ(steps_on(g), host);
+    EXPECT_EQ(g.fake.state(), DeviceCollectives::State::kNotUsed);
+    EXPECT_EQ(g.fake.calls, 0);
+  }
+}
+
+int main(int argc, char** argv) {
+  ensure_openblas_kernels(argv);
+  testing::InitGoogleTest(&argc, argv);
+  if (launcher_world_size() < 2) {
+    std::printf("DataParallel tests skipped: start them as 2 ranks (mpiexec -np 2 %s; CTest does)\n", argv[0]);
+    return 0;
+  }
+  const int rc = RUN_ALL_TESTS();
+  double failed = rc != 0 ? 1 : 0;
+  job().allreduce_max_host(&failed, 1);  // every rank exits with the job's verdict
+  if (job().rank() == 0 && !std::getenv("LADDER_KEEP_TEST_DIRS")) {
+    std::error_code ec;
+    fs::remove_all(shared_dir(), ec);
+  }
+  return failed > 0 ? 1 : 0;
+}
