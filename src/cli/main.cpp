@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
             fmt::print("note: vocabulary unknown ({}); shapes below use vocab_size 8192\n", e.what());
           }
         }
-        std::cout << dry_run_report(o.cfg);
+        std::cout << dry_run_report(o.cfg, launcher_world_size());  // `auto` lrs count every rank's tokens
         return 0;
       }
       o.run_dir = run_dir.empty() ? fs::path("runs") / fs::path(train_cfg).stem() : fs::path(run_dir);

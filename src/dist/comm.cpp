@@ -181,10 +181,15 @@ std::unique_ptr<Comm>& process_comm_slot() {
 }  // namespace
 
 int launcher_world_size() {
-  // Open MPI's mpirun, MPICH / Intel MPI's (PMI). (Not Slurm's SLURM_NTASKS: a batch script's single
-  // process has it too.)
+  // Open MPI's mpirun, MPICH / Intel MPI's (PMI).
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
     const int n = env_int(v, 0);
+    if (n > 0) return n;
+  }
+  // Slurm's srun with PMIx (`srun --mpi=pmix`) names the rank, not the size: the step's task count.
+  // (Not SLURM_NTASKS alone: a batch script's single process has it too.)
+  if (std::getenv("PMIX_RANK")) {
+    const int n = env_int("SLURM_STEP_NUM_TASKS", 0);
     if (n > 0) return n;
   }
   return 1;
@@ -195,6 +200,7 @@ int launcher_local_rank() {
     const int r = env_int(v, -1);
     if (r >= 0) return r;
   }
+  if (std::getenv("PMIX_RANK") || std::getenv("PMI_RANK")) return std::max(0, env_int("SLURM_LOCALID", 0));
   return 0;
 }
 

@@ -41,8 +41,8 @@ class Comm {
 };
 
 // The job this process was started in: an MPI job of several ranks when an MPI launcher started it
-// (Open MPI's, MPICH's or Slurm's environment says so; MPI is initialized at the first call), or a
-// single process otherwise. A process launched as one of several ranks by a build without MPI
+// (Open MPI's mpirun, MPICH's, or Slurm's srun with PMIx: their environment says so; MPI is
+// initialized at the first call), or a single process otherwise. A process launched as one of several ranks by a build without MPI
 // fails with one line saying so.
 Comm& process_comm();
 // process_comm() if it was created (main's error path: abort the job), else nullptr.

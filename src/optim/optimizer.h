@@ -52,10 +52,11 @@ class Optimizer {
 // What the recipe's `auto` learning rates are computed from (RECIPE.md section 3 heuristics).
 struct RunShape {
   double total_tokens = 0;     // T: run.steps * tokens per step
-  double tokens_per_step = 0;  // batch * grad_accum * seq_len
+  double tokens_per_step = 0;  // batch * grad_accum * seq_len * data-parallel ranks
   int d_model = 0;
 };
-RunShape run_shape(const Config& cfg);
+// `world`: the data-parallel ranks (each reads batch_size sequences per micro-batch).
+RunShape run_shape(const Config& cfg, int world = 1);
 // RECIPE.md's fitted heuristics (fitted on their data; not laws for tiny models):
 // adam_lr = 1.63 * T^-0.2813 * d^-0.3678 * sqrt(B), B = tokens per step / 4096.
 double auto_adam_lr(const RunShape& rs);
@@ -71,13 +72,13 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
 // `auto` learning rates need the run's size, hence the Config overload; the OptimConfig one (kept
 // for existing callers) rejects `auto` with a clear error.
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, Transformer& model, Backend& be);
-std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be);
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be, int world = 1);
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, std::vector<Param>& params, Backend& be,
                                           const RunShape& rs = {});
 
 // `ladder train --dry-run`: every tensor with its role, shape, group, optimizer and peak learning
 // rate, then the groups and the schedule. Builds the model's parameter list only (no training).
-std::string dry_run_report(const Config& cfg);
+std::string dry_run_report(const Config& cfg, int world = 1);
 
 // Global L2 norm of all gradients (deterministic): Transformer::grad_norm(), one host wait. `be` must
 // be the model's backend.

@@ -416,9 +416,9 @@ class RecipeOptimizer final : public Optimizer {
 
 }  // namespace
 
-RunShape run_shape(const Config& cfg) {
+RunShape run_shape(const Config& cfg, int world) {
   RunShape rs;
-  rs.tokens_per_step = double(cfg.run.batch_size) * cfg.run.grad_accum * cfg.model.seq_len;
+  rs.tokens_per_step = double(cfg.run.batch_size) * cfg.run.grad_accum * cfg.model.seq_len * world;
   rs.total_tokens = rs.tokens_per_step * double(cfg.run.steps);
   rs.d_model = cfg.model.d_model;
   return rs;
@@ -518,16 +518,16 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, Transformer& mo
   return make_optimizer(oc, model.params(), be, rs);
 }
 
-std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be) {
-  return make_optimizer(cfg.optim, model.params(), be, run_shape(cfg));
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be, int world) {
+  return make_optimizer(cfg.optim, model.params(), be, run_shape(cfg, world));
 }
 
-std::string dry_run_report(const Config& cfg) {
+std::string dry_run_report(const Config& cfg, int world) {
   validate(cfg);
   // Only the parameter list is needed: a backend that is never called and a batch of one.
   auto be = make_cpu_backend(1);
   Transformer model(cfg.model, 1, *be);
-  auto groups = plan_groups(cfg.optim, model.params(), run_shape(cfg));
+  auto groups = plan_groups(cfg.optim, model.params(), run_shape(cfg, world));
   std::map<const Param*, const ParamGroup*> of;
   for (auto& g : groups)
     for (Param* p : g.params) of[p] = &g;

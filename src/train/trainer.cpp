@@ -78,7 +78,7 @@ OnChange on_change(const std::string& sec, const std::string& key) {
 // as the step's micro-batches are as many (run.grad_accum x ranks): the loader continues from the
 // same sample of the same order, each step reads the same tokens.
 void check_resume_compatible(const Config& cur, const nlohmann::json& saved, const fs::path& ckpt, int world,
-                             int saved_world) {
+                             int saved_world, bool say) {
   const std::string file = (ckpt / "state.json").string();
   const nlohmann::json now = to_json(cur);
   if (!saved.is_object()) fail("{}: cannot resume: 'config' is {}, expected an object", file, saved.type_name());
@@ -104,8 +104,9 @@ void check_resume_compatible(const Config& cur, const nlohmann::json& saved, con
           fail("{}: cannot resume: run.grad_accum {} x {} rank(s) in the checkpoint, {} x {} now: a step must take as "
                "many micro-batches (set run.grad_accum so that grad_accum x ranks = {})", file, it->dump(), saved_world,
                v.dump(), world, before);
-        fmt::print(stderr, "note: {} was written by {} data-parallel rank(s) with run.grad_accum {}; {} rank(s) with "
-                   "{} take the same micro-batches per step\n", file, saved_world, it->dump(), world, v.dump());
+        if (say)
+          fmt::print(stderr, "note: {} was written by {} data-parallel rank(s) with run.grad_accum {}; {} rank(s) "
+                     "with {} take the same micro-batches per step\n", file, saved_world, it->dump(), world, v.dump());
         continue;
       }
       if (it != s->end() && *it == v) continue;
@@ -115,9 +116,10 @@ void check_resume_compatible(const Config& cur, const nlohmann::json& saved, con
         fail("{}: cannot resume: {}.{} is {} in the checkpoint but {} now{}", file, sec, k, it->dump(), v.dump(),
              sec == std::string("optim") ? " (the optimizer state would not fit; start a new run)" : "");
       }
-      fmt::print(stderr, "warning: resuming with {}.{} = {} but the checkpoint {} {}: the continuation is not the "
-                 "uninterrupted run's\n", sec, k, v.dump(), file,
-                 it == s->end() ? std::string("does not record it") : "was trained with " + it->dump());
+      if (say)
+        fmt::print(stderr, "warning: resuming with {}.{} = {} but the checkpoint {} {}: the continuation is not the "
+                   "uninterrupted run's\n", sec, k, v.dump(), file,
+                   it == s->end() ? std::string("does not record it") : "was trained with " + it->dump());
     }
   }
 }
@@ -237,17 +239,18 @@ fs::path resolve_data(Config& cfg) {
 }
 
 TrainSummary train(const TrainOptions& opt) {
+  // Data parallel: every rank runs this function on its share of each batch; rank 0 alone prints,
+  // writes the metrics and saves checkpoints (the run directory is on a filesystem every rank sees).
+  // The job first, so that any error below ends every rank (main's error path).
+  Comm& comm = opt.comm ? *opt.comm : process_comm();
+  const int rank = comm.rank(), world = comm.world();
+  const bool talk = !opt.quiet && rank == 0;
   Config cfg = opt.cfg;
   validate(cfg);
   check_run_device(cfg.run.device);  // a device that cannot run here is the first thing to hear about
   fs::path data_dir = resolve_data(cfg);
   const fs::path run_dir = opt.run_dir;
   const auto& rc = cfg.run;
-  // Data parallel: every rank runs this function on its share of each batch; rank 0 alone prints,
-  // writes the metrics and saves checkpoints (the run directory is on a filesystem every rank sees).
-  Comm& comm = opt.comm ? *opt.comm : process_comm();
-  const int rank = comm.rank(), world = comm.world();
-  const bool talk = !opt.quiet && rank == 0;
 
   // Never overwrite a run by accident. (A checkpoint that a killed save had moved aside is put back
   // first, so that it is found.)
@@ -262,7 +265,7 @@ TrainSummary train(const TrainOptions& opt) {
   const int threads = cpu_threads();
   Transformer model(cfg.model, rc.batch_size, *be);
   model.reserve_step(rc.grad_accum);
-  auto optimizer = make_optimizer(cfg, model, *be);  // the whole config: `auto` lrs need the run size
+  auto optimizer = make_optimizer(cfg, model, *be, world);  // the whole config: `auto` lrs need the run size
   data::DataLoader train_loader(data_dir, "train", cfg.model.seq_len, rc.batch_size, rc.seed, true, rank, world);
   // Validation reads the same fixed, shuffled subset of windows at every evaluation (reset() returns
   // to its start): a sample spread over the whole split rather than its first documents.
@@ -272,7 +275,7 @@ TrainSummary train(const TrainOptions& opt) {
   double elapsed_prev = 0;
   if (opt.resume && latest) {
     CheckpointState st = read_checkpoint_state(*latest);
-    check_resume_compatible(cfg, st.config, *latest, world, st.world);
+    check_resume_compatible(cfg, st.config, *latest, world, st.world, /*say=*/rank == 0);
     load_checkpoint_weights(*latest, model, optimizer.get());
     train_loader.restore(st.loader, fmt::format("{}, field 'loader'", (*latest / "state.json").string()));
     start_step = st.step;
@@ -305,7 +308,13 @@ TrainSummary train(const TrainOptions& opt) {
   // MFU denominator: the machine's cached sgemm rate on the CPU; on a device, the backend's own GEMM
   // measured now at its precision (half a second; the model's arenas are already allocated). Data
   // parallel: the sum of the ranks' rates, each measured (or cached) alone with its own threads.
-  double peak = be->is_host() ? sgemm_gflops() : backend_gemm_gflops(*be);
+  // Ranks take turns (ranks on one machine or one GPU would otherwise measure, and cache, each
+  // other's contention).
+  double peak = 0;
+  for (int r = 0; r < world; ++r) {
+    if (r == rank) peak = be->is_host() ? sgemm_gflops() : backend_gemm_gflops(*be);
+    comm.barrier();
+  }
   comm.allreduce_sum_host(&peak, 1);
   const int64_t tokens_per_step = int64_t(rc.batch_size) * rc.grad_accum * cfg.model.seq_len * world;
   if (talk) {
@@ -342,9 +351,11 @@ TrainSummary train(const TrainOptions& opt) {
   auto evaluate = [&](int64_t step) {
     if (rc.eval_batches == 0) return;
     val_loader.reset();
-    // Each rank evaluates eval_batches batches of its own share of the fixed subset.
+    // The same eval_batches batches as one process, shared out: the loader's batch b on rank r is
+    // the subset's batch b*world + r, so rank r takes those below eval_batches.
     double sums[2] = {0, 0};  // cross-entropy, tokens
-    for (int b = 0; b < rc.eval_batches; ++b) {
+    const int mine = (rc.eval_batches - rank + world - 1) / world;
+    for (int b = 0; b < mine; ++b) {
       val_loader.next(inputs.data(), targets.data());
       LossSums s = model.forward_loss(inputs.data(), targets.data());
       sums[0] += s.xent;
@@ -451,16 +462,20 @@ TrainSummary train(const TrainOptions& opt) {
       break;
     }
     if (step == opt.interrupt_at) g_stop = true;  // simulated SIGINT during this step (tests)
-    if (world > 1) {  // a signal that reached some ranks stops them all at this step
-      double stop = g_stop ? 1 : 0;
+    // The decision to stop is the job's: a signal that reached some ranks stops them all at this
+    // step, and one that lands after the flag was read counts at the next step on every rank (a
+    // rank that read g_stop again here could checkpoint alone, entering collectives nobody joins).
+    bool stop_now = g_stop;
+    if (world > 1) {
+      double stop = stop_now ? 1 : 0;
       comm.allreduce_max_host(&stop, 1);
-      if (stop > 0) g_stop = true;
+      stop_now = stop > 0;
     }
     // The last step's checkpoint is the final one below, whether or not a signal came: written once
     // (a second save of the same step replaced the first, with a window where a second Ctrl-C left
     // none), and the run is complete, not interrupted.
     if (step == rc.steps) break;
-    if (g_stop) {
+    if (stop_now) {
       checkpoint(step);
       if (talk) fmt::print("\ninterrupted: checkpoint written at step {}; continue with --resume\n", step);
       break;

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <map>
 #include <set>
@@ -82,6 +83,9 @@ class CudaBackendImpl final : public CudaBackend {
     sync_each_ = env_flag("LADDER_CUDA_SYNC");
   }
   ~CudaBackendImpl() override {
+    // Unwinding from an error: NCCL aborted first, or the sync below could wait for a sum that the
+    // other ranks never join.
+    if (std::uncaught_exceptions() > 0) collectives_.reset();
     if (st_) cudaStreamSynchronize(st_);  // queued work, staged uploads still reading their pinned slots
     collectives_.reset();  // its NCCL communicator orders work on st_
     gemm_.reset();

@@ -10,6 +10,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <type_traits>
 
 #include "backend/cuda/cuda_check.h"
@@ -23,6 +24,7 @@ struct NcclApi {
   decltype(&ncclGetUniqueId) get_unique_id = nullptr;
   decltype(&ncclCommInitRank) comm_init_rank = nullptr;
   decltype(&ncclCommDestroy) comm_destroy = nullptr;
+  decltype(&ncclCommAbort) comm_abort = nullptr;
   decltype(&ncclAllReduce) all_reduce = nullptr;
   decltype(&ncclGetErrorString) error_string = nullptr;
   std::string error;  // why it could not be loaded ("" when loaded)
@@ -48,6 +50,7 @@ NcclApi load_nccl() {
   sym(api.get_unique_id, "ncclGetUniqueId");
   sym(api.comm_init_rank, "ncclCommInitRank");
   sym(api.comm_destroy, "ncclCommDestroy");
+  sym(api.comm_abort, "ncclCommAbort");
   sym(api.all_reduce, "ncclAllReduce");
   sym(api.error_string, "ncclGetErrorString");
   if (api.error.empty() && api.get_version(&api.version) != ncclSuccess) api.error = name + ": ncclGetVersion failed";
@@ -69,8 +72,15 @@ void check(ncclResult_t r, const char* what) {
 class NcclCollectives final : public DeviceCollectives {
  public:
   NcclCollectives(int device, cudaStream_t stream) : device_(device), st_(stream) {}
+  // Unwinding from an error (the job is about to be aborted): ncclCommAbort, which only this process
+  // takes part in and which ends its pending NCCL kernels; ncclCommDestroy may wait for ranks that
+  // never come (it is collective within a node in recent NCCL).
   ~NcclCollectives() override {
-    if (comm_) nccl().comm_destroy(comm_);
+    if (!comm_) return;
+    if (std::uncaught_exceptions() > 0)
+      nccl().comm_abort(comm_);
+    else
+      nccl().comm_destroy(comm_);
   }
   std::string unavailable() override { return nccl().error; }
   std::string device_id() const override {
