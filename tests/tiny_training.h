@@ -32,15 +32,16 @@ inline Config tiny_train_config(const std::filesystem::path& data_dir) {
   return c;
 }
 
-// train() without the progress line.
+// train() without the progress line (comm: the data-parallel job, nullptr: the process's).
 inline TrainSummary train_quietly(const Config& c, const std::filesystem::path& run_dir, bool resume = false,
-                                  int64_t stop_after = -1) {
+                                  int64_t stop_after = -1, Comm* comm = nullptr) {
   TrainOptions o;
   o.cfg = c;
   o.run_dir = run_dir;
   o.resume = resume;
   o.quiet = true;
   o.stop_after = stop_after;
+  o.comm = comm;
   return train(o);
 }
 

@@ -81,14 +81,7 @@ Config moe_config() {
 }
 
 TrainSummary run(const Config& c, const fs::path& dir, Comm* comm, bool resume = false, int64_t stop_after = -1) {
-  TrainOptions o;
-  o.cfg = c;
-  o.run_dir = dir;
-  o.resume = resume;
-  o.quiet = true;
-  o.stop_after = stop_after;
-  o.comm = comm;
-  return train(o);
+  return test::train_quietly(c, dir, resume, stop_after, comm);
 }
 
 // The one-process run that reads the tokens of a 2-rank run: rank r's micro-batch is micro-batch
