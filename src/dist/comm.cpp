@@ -74,26 +74,20 @@ class MpiComm final : public Comm {
   }
 
   void allreduce_sum(Backend& be, float* p, size_t n) override {
-    if (be.is_host()) return sum_in_place(p, n, MPI_FLOAT);
     if (DeviceCollectives* dc = device_collectives(be)) return dc->allreduce_sum(p, n);
-    staged<float>(be, p, n, MPI_FLOAT);
+    float* h = on_host(be, p, n);
+    reduce(h, n, MPI_FLOAT, MPI_SUM);
+    back_from_host(be, p, h, n);
   }
   void allreduce_mean(Backend& be, double* p, size_t n) override {
-    if (be.is_host()) {
-      sum_in_place(p, n, MPI_DOUBLE);
-      for (size_t i = 0; i < n; ++i) p[i] /= world_;
-      return;
-    }
     if (DeviceCollectives* dc = device_collectives(be)) return dc->allreduce_mean(p, n);
-    double* h = staged<double>(be, p, n, MPI_DOUBLE, /*upload=*/false);
+    double* h = on_host(be, p, n);
+    reduce(h, n, MPI_DOUBLE, MPI_SUM);
     for (size_t i = 0; i < n; ++i) h[i] /= world_;
-    be.upload(p, h, n * sizeof(double));
+    back_from_host(be, p, h, n);
   }
-  void allreduce_sum_host(double* p, size_t n) override { sum_in_place(p, n, MPI_DOUBLE); }
-  void allreduce_max_host(double* p, size_t n) override {
-    for (size_t i = 0; i < n; i += kChunk)
-      MPI_Allreduce(MPI_IN_PLACE, p + i, int(std::min(kChunk, n - i)), MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  }
+  void allreduce_sum_host(double* p, size_t n) override { reduce(p, n, MPI_DOUBLE, MPI_SUM); }
+  void allreduce_max_host(double* p, size_t n) override { reduce(p, n, MPI_DOUBLE, MPI_MAX); }
   void broadcast_host(void* p, size_t bytes, int root) override {
     auto* c = static_cast<char*>(p);
     for (size_t i = 0; i < bytes; i += kChunk) MPI_Bcast(c + i, int(std::min(kChunk, bytes - i)), MPI_BYTE, root, MPI_COMM_WORLD);
@@ -106,16 +100,18 @@ class MpiComm final : public Comm {
 
  private:
   template <class T>
-  void sum_in_place(T* p, size_t n, MPI_Datatype type) {
+  void reduce(T* p, size_t n, MPI_Datatype type, MPI_Op op) {
     for (size_t i = 0; i < n; i += kChunk)
-      MPI_Allreduce(MPI_IN_PLACE, p + i, int(std::min(kChunk, n - i)), type, MPI_SUM, MPI_COMM_WORLD);
+      MPI_Allreduce(MPI_IN_PLACE, p + i, int(std::min(kChunk, n - i)), type, op, MPI_COMM_WORLD);
   }
-  // The device backend's collectives when every rank can use them, else nullptr. Decided once per
+  // The device backend's collectives when every rank can use them, else nullptr (host backends:
+  // MPI reads their memory where it is). Decided once per
   // backend, by all ranks together (the first device-memory call comes at the same point of the
   // same step on every rank): a rank without them, or two ranks on one device (NCCL needs one per
   // rank), and all of them go through host memory; otherwise rank 0 makes the job id, every rank
   // joins.
   DeviceCollectives* device_collectives(Backend& be) {
+    if (be.is_host()) return nullptr;
     DeviceCollectives* dc = be.collectives();
     if (!dc) return nullptr;  // the same backend kind on every rank: all take this path
     if (dc->state() == DeviceCollectives::State::kUndecided) decide(*dc);
@@ -155,16 +151,19 @@ class MpiComm final : public Comm {
     if (rank_ == 0) fmt::print(stderr, "note: data parallel: device-memory sums by {}\n", dc.describe());
   }
 
-  // Device memory: download, sum on the host, upload (when asked). The buffer is kept: the same
-  // sizes come every step.
+  // The n values at p where MPI can read them: p itself in host memory, else a download into the
+  // staging buffer (kept: the same sizes come every step); back_from_host uploads what changed.
   template <class T>
-  T* staged(MemorySpace& mem, T* p, size_t n, MPI_Datatype type, bool upload = true) {
+  T* on_host(Backend& be, T* p, size_t n) {
+    if (be.is_host()) return p;
     if (host_.size() < n * sizeof(T)) host_.resize(n * sizeof(T));
     T* h = reinterpret_cast<T*>(host_.data());
-    mem.download(h, p, n * sizeof(T));
-    sum_in_place(h, n, type);
-    if (upload) mem.upload(p, h, n * sizeof(T));
+    be.download(h, p, n * sizeof(T));
     return h;
+  }
+  template <class T>
+  void back_from_host(Backend& be, T* p, const T* h, size_t n) {
+    if (h != p) be.upload(p, h, n * sizeof(T));
   }
 
   int rank_ = 0, world_ = 1;
@@ -202,14 +201,6 @@ int launcher_local_rank() {
   }
   if (std::getenv("PMIX_RANK") || std::getenv("PMI_RANK")) return std::max(0, env_int("SLURM_LOCALID", 0));
   return 0;
-}
-
-bool have_mpi() {
-#ifdef LADDER_HAVE_MPI
-  return true;
-#else
-  return false;
-#endif
 }
 
 std::unique_ptr<Comm> make_single_comm() { return std::make_unique<SingleComm>(); }

@@ -42,8 +42,8 @@ class Comm {
 
 // The job this process was started in: an MPI job of several ranks when an MPI launcher started it
 // (Open MPI's mpirun, MPICH's, or Slurm's srun with PMIx: their environment says so; MPI is
-// initialized at the first call), or a single process otherwise. A process launched as one of several ranks by a build without MPI
-// fails with one line saying so.
+// initialized at the first call), or a single process otherwise. A process launched as one of
+// several ranks by a build without MPI fails with one line saying so.
 Comm& process_comm();
 // process_comm() if it was created (main's error path: abort the job), else nullptr.
 Comm* process_comm_if_started();
@@ -53,7 +53,5 @@ std::unique_ptr<Comm> make_single_comm();
 // this node (0 when none): read from the launcher's environment, without initializing MPI.
 int launcher_world_size();
 int launcher_local_rank();
-// Whether this build can run several ranks.
-bool have_mpi();
 
 }  // namespace ladder

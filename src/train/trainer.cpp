@@ -204,14 +204,14 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
     router_z += s.router_z;
     ntok += s.tokens;
   }
+  Transformer::HostSum sum_over_ranks;
   if (world > 1) {  // the step's numbers over every rank's tokens
     double sums[4] = {xent, lse_sq, router_z, double(ntok)};
     comm->allreduce_sum_host(sums, 4);
     xent = sums[0], lse_sq = sums[1], router_z = sums[2], ntok = int64_t(sums[3]);
-    st.moe = model.take_moe_stats([&](double* v, size_t n) { comm->allreduce_sum_host(v, n); });
-  } else {
-    st.moe = model.take_moe_stats();
+    sum_over_ranks = [&](double* v, size_t n) { comm->allreduce_sum_host(v, n); };
   }
+  st.moe = model.take_moe_stats(sum_over_ranks);
   st.router_z = router_z / double(ntok);
   st.loss = xent / double(ntok);
   st.lse_sq = lse_sq / double(ntok);
