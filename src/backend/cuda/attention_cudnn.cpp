@@ -4,7 +4,6 @@
 
 #if LADDER_HAVE_CUDNN
 
-#include <dlfcn.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +16,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_memory.h"
+#include "backend/cuda/runtime_library.h"
 #include "core/error.h"
 
 // The frontend, built with NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING, resolves every cuDNN call through
@@ -121,16 +121,9 @@ Graphs make_graphs(const cpu::AttnShape& s, int sm_version, bool deterministic) 
 // Loads libcudnn (LADDER_CUDNN_LIB or libcudnn.so.9) once per process for the frontend; "" or why not.
 std::string load_cudnn() {
   if (fe::cudnn_dlhandle) return "";
-  const char* env = std::getenv("LADDER_CUDNN_LIB");
-  const std::string name = env && *env ? env : "libcudnn.so.9";
-  dlerror();
-  void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!h) {
-    const char* e = dlerror();
-    return fmt::format("cannot load {} ({}); LADDER_CUDNN_LIB names the library file", name, e ? e : "?");
-  }
-  fe::cudnn_dlhandle = h;
-  return "";
+  const RuntimeLibrary lib = open_runtime_library("LADDER_CUDNN_LIB", "libcudnn.so.9");
+  fe::cudnn_dlhandle = lib.handle;
+  return lib.error;
 }
 
 class CudnnAttentionImpl final : public CudnnAttention {

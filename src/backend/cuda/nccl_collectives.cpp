@@ -8,12 +8,12 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <type_traits>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/runtime_library.h"
 #include "core/error.h"
 
 namespace ladder::cuda {
@@ -33,15 +33,11 @@ struct NcclApi {
 
 NcclApi load_nccl() {
   NcclApi api;
-  const char* env = std::getenv("LADDER_NCCL_LIB");
-  const std::string name = env && *env ? env : "libnccl.so.2";
-  dlerror();
-  void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!h) {
-    const char* e = dlerror();
-    api.error = fmt::format("cannot load {} ({}); LADDER_NCCL_LIB names the library file", name, e ? e : "?");
-    return api;
-  }
+  const RuntimeLibrary lib = open_runtime_library("LADDER_NCCL_LIB", "libnccl.so.2");
+  api.error = lib.error;
+  if (!lib.handle) return api;
+  void* h = lib.handle;
+  const std::string& name = lib.name;
   auto sym = [&](auto& fn, const char* symbol) {
     fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, symbol));
     if (!fn && api.error.empty()) api.error = fmt::format("{} has no {}", name, symbol);
