@@ -71,6 +71,9 @@ class DeviceCollectives {
   // waits for the host). Every rank gets the same bits.
   virtual void allreduce_sum(float* p, size_t n) = 0;
   virtual void allreduce_mean(double* p, size_t n) = 0;
+  // Rank r's floats [offsets[r], offsets[r + 1]) of p sent to every rank (offsets: world + 1
+  // values), in place: a sharded optimizer's updated weights (Comm::allgather_ranges).
+  virtual void allgather_ranges(float* p, const std::vector<size_t>& offsets) = 0;
 };
 
 class Backend : public MemorySpace {

@@ -32,6 +32,9 @@ class SingleComm final : public Comm {
   std::string describe() const override { return "single process"; }
   void allreduce_sum(Backend&, float*, size_t) override {}
   void allreduce_mean(Backend&, double*, size_t) override {}
+  void allgather_ranges(Backend&, float*, const std::vector<size_t>&) override {}
+  void send_host(const void*, size_t, int) override { fail("send_host: a single process has no other rank"); }
+  void recv_host(void*, size_t, int) override { fail("recv_host: a single process has no other rank"); }
   void allreduce_sum_host(double*, size_t) override {}
   void allreduce_max_host(double*, size_t) override {}
   void broadcast_host(void*, size_t, int) override {}
@@ -85,6 +88,35 @@ class MpiComm final : public Comm {
     reduce(h, n, MPI_DOUBLE, MPI_SUM);
     for (size_t i = 0; i < n; ++i) h[i] /= world_;
     back_from_host(be, p, h, n);
+  }
+  // One broadcast per rank's range (MPI_Bcast takes counts up to 2^31 - 1, in pieces; an
+  // MPI_Allgatherv would need every count and displacement to fit an int).
+  void allgather_ranges(Backend& be, float* p, const std::vector<size_t>& offsets) override {
+    LADDER_ASSERT(offsets.size() == size_t(world_) + 1);
+    if (DeviceCollectives* dc = device_collectives(be)) return dc->allgather_ranges(p, offsets);
+    const size_t n = offsets.back(), mine = offsets[size_t(rank_)], count = offsets[size_t(rank_) + 1] - mine;
+    float* h = p;
+    if (!be.is_host()) {  // only this rank's range down, everything back up
+      if (host_.size() < n * sizeof(float)) host_.resize(n * sizeof(float));
+      h = reinterpret_cast<float*>(host_.data());
+      if (count) be.download(h + mine, p + mine, count * sizeof(float));
+    }
+    for (int r = 0; r < world_; ++r) {
+      const size_t a = offsets[size_t(r)], b = offsets[size_t(r) + 1];
+      for (size_t i = a; i < b; i += kChunk)
+        MPI_Bcast(h + i, int(std::min(kChunk, b - i)), MPI_FLOAT, r, MPI_COMM_WORLD);
+    }
+    back_from_host(be, p, h, n);
+  }
+  void send_host(const void* p, size_t bytes, int to) override {
+    const auto* c = static_cast<const char*>(p);
+    for (size_t i = 0; i < bytes; i += kChunk)
+      MPI_Send(c + i, int(std::min(kChunk, bytes - i)), MPI_BYTE, to, 0, MPI_COMM_WORLD);
+  }
+  void recv_host(void* p, size_t bytes, int from) override {
+    auto* c = static_cast<char*>(p);
+    for (size_t i = 0; i < bytes; i += kChunk)
+      MPI_Recv(c + i, int(std::min(kChunk, bytes - i)), MPI_BYTE, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
   }
   void allreduce_sum_host(double* p, size_t n) override { reduce(p, n, MPI_DOUBLE, MPI_SUM); }
   void allreduce_max_host(double* p, size_t n) override { reduce(p, n, MPI_DOUBLE, MPI_MAX); }

@@ -1,7 +1,8 @@
 // Data parallelism across processes: the ranks of an MPI job (`mpirun -np N ladder train ...`) and
 // the few collectives the training step needs (docs/data-parallel.md).
 //
-// Every rank holds the whole model and optimizer state, reads its own share of each batch (the
+// Every rank holds the whole model and optimizer state (or, with run.shard_optimizer, its share of
+// the optimizer state: OptimizerShards), reads its own share of each batch (the
 // DataLoader's rank/world), and the ranks sum their gradients before the clip and the update, so
 // every rank applies bitwise the same update and the replicas stay identical (the trainer checks
 // that at start and at every checkpoint). The transport is MPI (Open MPI from Debian); nothing
@@ -10,6 +11,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace ladder {
 
@@ -32,6 +34,14 @@ class Comm {
   // The mean of n doubles (MoE balancing beta), the same way.
   virtual void allreduce_mean(Backend& be, double* p, size_t n) = 0;
   // Host values.
+  // In place, rank r's floats [offsets[r], offsets[r + 1]) of p (in `be`'s memory) to every rank
+  // (offsets: world + 1 values): what a sharded optimizer's ranks updated (OptimizerShards). The
+  // device's collectives or host memory, as allreduce_sum decides; every rank gets the owners' bits.
+  virtual void allgather_ranges(Backend& be, float* p, const std::vector<size_t>& offsets) = 0;
+  // Host bytes from one rank to another (a sharded optimizer's state gathered for a checkpoint);
+  // messages between two ranks arrive in the order they were sent.
+  virtual void send_host(const void* p, size_t bytes, int to) = 0;
+  virtual void recv_host(void* p, size_t bytes, int from) = 0;
   virtual void allreduce_sum_host(double* p, size_t n) = 0;
   virtual void allreduce_max_host(double* p, size_t n) = 0;
   virtual void broadcast_host(void* p, size_t bytes, int root) = 0;

@@ -108,6 +108,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(run, eval_batches, "validation batches per evaluation"),
       LADDER_FIELD(run, ckpt_every, "checkpoint every N steps (and at the end); 0 = only at the end"),
       LADDER_FIELD(run, keep_checkpoints, "how many most recent checkpoints to keep"),
+      LADDER_FIELD(run, shard_optimizer, "data parallel (mpirun -np R): each rank keeps the optimizer state of, and updates, about 1/R of the tensors, and sends its updated weights to the others after each step (ZeRO stage 1): the optimizer state's memory per rank drops about R-fold for one more collective per step (the weights' broadcast); the same results bit for bit, and the same checkpoints, resumable with or without it (docs/data-parallel.md). A single process ignores it"),
       LADDER_FIELD(run, log_every, "progress line and metrics every N steps"),
       LADDER_FIELD(run, precision, "GEMM precision on cuda: fp32, tf32 (tensor cores, 10-bit inputs) or bf16 (tensor cores, bf16 inputs, fp32 accumulation); the CPU computes in fp32"),
       LADDER_FIELD(run, threads, "CPU threads; 0 = all cores"),

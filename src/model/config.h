@@ -124,6 +124,7 @@ struct RunConfig {
   std::string device = "cpu";
   std::string precision = "fp32";  // GEMMs on cuda: fp32 | tf32 | bf16
   std::string attention = "ladder";  // on cuda under bf16: ladder | cudnn | cudnn-nondeterministic
+  bool shard_optimizer = false;      // data parallel: ZeRO stage 1 (OptimizerShards)
 };
 
 struct Config {

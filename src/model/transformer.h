@@ -96,6 +96,8 @@ class Transformer {
   size_t num_params() const { return n_params_; }
   // The contiguous parameter arena (backend memory), for a data-parallel broadcast.
   float* weights() { return params_arena_.base() ? reinterpret_cast<float*>(params_arena_.base()) : nullptr; }
+  // Its length in floats, alignment gaps included (a sharded optimizer's ranges cover it).
+  size_t weights_floats() const { return params_arena_.used() / sizeof(float); }
   // The contiguous gradient arena (backend memory) and its length in floats, alignment gaps
   // included (zero_grad() zeroes them): what data-parallel ranks sum, in one call.
   float* grads_data() { return reinterpret_cast<float*>(grads_arena_.base()); }

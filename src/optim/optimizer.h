@@ -1,5 +1,6 @@
 // Optimizers over parameter groups. Groups are derived from each tensor's Role; the state lives in
-// arenas laid out like the parameters so it checkpoints (and, later, shards) as whole buffers.
+// arenas laid out like the parameters so it checkpoints as whole buffers, and shards over
+// data-parallel ranks by ranges of tensors (OptimizerShards).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -27,12 +28,29 @@ struct ParamGroup {
 std::vector<ParamGroup> default_groups(std::vector<Param>& params, const OptimConfig& oc);
 
 // A named state tensor for checkpoints (e.g. "exp_avg.model.norm.weight"). `data` is a pointer of
-// the optimizer's memory() (the backend's): checkpoints copy it through host staging.
+// the optimizer's memory() (the backend's): checkpoints copy it through host staging. With a sharded
+// optimizer (OptimizerShards) every rank lists every tensor, in the same order; the ones another
+// rank holds have data == nullptr and that rank as `owner`.
 struct StateTensor {
   std::string name;
   std::vector<int64_t> shape;
   float* data;
+  int owner = 0;
 };
+
+// ZeRO stage 1 (run.shard_optimizer, docs/data-parallel.md): each data-parallel rank keeps the
+// optimizer state of, and updates, the tensors of one contiguous range of the parameter arena; the
+// gradients are still summed whole on every rank (so the clip is every rank's, bitwise), and after
+// the update each range is broadcast from its rank (Comm::allgather_ranges), which leaves every
+// replica with bitwise the weights of an unsharded run. The ranges are cut at tensor boundaries so
+// that the state's bytes are about equal (Muon's whole-matrix update needs whole tensors).
+struct OptimizerShards {
+  int rank = 0, world = 1;
+  std::vector<int> owner;       // per model.params() index: the rank that updates it
+  std::vector<size_t> offsets;  // world + 1 offsets (floats) into Transformer::weights(): rank r's
+                                // tensors lie in [offsets[r], offsets[r + 1])
+};
+OptimizerShards plan_optimizer_shards(const Config& cfg, Transformer& model, int rank, int world);
 
 class Optimizer {
  public:
@@ -47,7 +65,12 @@ class Optimizer {
   virtual const std::vector<ParamGroup>& groups() const = 0;
   // Where the state tensors live (the backend's memory).
   virtual MemorySpace& memory() const = 0;
+  // The ranks' shares of the update when sharded (ZeRO stage 1), else nullptr.
+  virtual const OptimizerShards* shards() const { return nullptr; }
 };
+
+// Bytes of optimizer state this process holds (the tensors whose data it has).
+size_t held_state_bytes(Optimizer& opt);
 
 // What the recipe's `auto` learning rates are computed from (RECIPE.md section 3 heuristics).
 struct RunShape {
@@ -72,9 +95,11 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
 // `auto` learning rates need the run's size, hence the Config overload; the OptimConfig one (kept
 // for existing callers) rejects `auto` with a clear error.
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, Transformer& model, Backend& be);
-std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be, int world = 1);
+// `shards`: this rank's share of a sharded optimizer (plan_optimizer_shards), or nullptr.
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be, int world = 1,
+                                          const OptimizerShards* shards = nullptr);
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, std::vector<Param>& params, Backend& be,
-                                          const RunShape& rs = {});
+                                          const RunShape& rs = {}, const OptimizerShards* shards = nullptr);
 
 // `ladder train --dry-run`: every tensor with its role, shape, group, optimizer and peak learning
 // rate, then the groups and the schedule. Builds the model's parameter list only (no training).

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -175,22 +176,34 @@ struct Slot {
   size_t radius_at = 0;              // where this tensor's radii sit in radius_host_
   int64_t nmat = 1;                  // matrices in the tensor (E for [E, out, in])
   int rows = 0, cols = 0;            // of one matrix
+  int owner = 0;                     // sharded: the rank that holds the state and updates the tensor
+  bool held = true;                  // this rank's (always, unsharded): only held slots have state
   size_t mat_numel() const { return size_t(rows) * size_t(cols); }
 };
 
 class RecipeOptimizer final : public Optimizer {
  public:
-  RecipeOptimizer(const OptimConfig& oc, std::vector<Param>& params, Backend& be, const RunShape& rs)
+  RecipeOptimizer(const OptimConfig& oc, std::vector<Param>& params, Backend& be, const RunShape& rs,
+                  const OptimizerShards* shards)
       : oc_(oc), be_(be) {
     groups_ = plan_groups(oc, params, rs);
+    if (shards) {
+      LADDER_ASSERT(shards->owner.size() == params.size() && shards->rank >= 0 && shards->rank < shards->world);
+      shards_ = *shards;
+    }
     // Slots in parameter order (state files then read in model order).
     std::map<const Param*, int> group_of;
     for (size_t gi = 0; gi < groups_.size(); ++gi)
       for (Param* p : groups_[gi].params) group_of[p] = int(gi);
     size_t adam_bytes = 0, mom_bytes = 0, rad_bytes = 0;
-    for (auto& p : params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      Param& p = params[i];
       Slot s;
       s.p = &p;
+      if (shards_) {
+        s.owner = shards_->owner[i];
+        s.held = s.owner == shards_->rank;
+      }
       s.group = group_of.at(&p);
       s.kind = parse_kind(groups_[s.group].optimizer);
       if (p.shape.size() == 3) {
@@ -201,9 +214,11 @@ class RecipeOptimizer final : public Optimizer {
         s.rows = int(p.shape[0]);
         s.cols = int(p.shape[1]);
       }
-      if (adam_family(s.kind)) adam_bytes += Arena::padded(p.numel);
-      if (is_muon(s.kind)) mom_bytes += Arena::padded(p.numel);
-      if (hyperball(s.kind)) rad_bytes += Arena::padded(size_t(s.nmat));
+      if (s.held) {
+        if (adam_family(s.kind)) adam_bytes += Arena::padded(p.numel);
+        if (is_muon(s.kind)) mom_bytes += Arena::padded(p.numel);
+        if (hyperball(s.kind)) rad_bytes += Arena::padded(size_t(s.nmat));
+      }
       slots_.push_back(s);
     }
     m_arena_.reserve(adam_bytes, be_, "optimizer state exp_avg");
@@ -211,6 +226,7 @@ class RecipeOptimizer final : public Optimizer {
     mom_arena_.reserve(mom_bytes, be_, "optimizer state momentum");
     rad_arena_.reserve(rad_bytes, be_, "optimizer state radius");
     for (auto& s : slots_) {
+      if (!s.held) continue;
       if (adam_family(s.kind)) {
         s.m = m_arena_.alloc(s.p->numel);
         s.v = v_arena_.alloc(s.p->numel);
@@ -229,7 +245,7 @@ class RecipeOptimizer final : public Optimizer {
     muon_d_ = scratch_.alloc<float>(max_muon);
     // The multi-tensor ops' descriptor lists: fixed from here on (the backend may keep a device copy).
     for (auto& s : slots_) {
-      if (!adam_family(s.kind)) continue;
+      if (!s.held || !adam_family(s.kind)) continue;
       OptimTensor t;
       t.w = s.p->w;
       t.g = s.p->g;
@@ -310,20 +326,22 @@ class RecipeOptimizer final : public Optimizer {
   }
   int64_t steps_taken() const override { return t_; }
   void set_steps_taken(int64_t t) override { t_ = t; }
+  // Every tensor's state, held or not (sharded: the same list on every rank), by kind of state.
   std::vector<StateTensor> state() override {
     std::vector<StateTensor> out;
     for (auto& s : slots_)
-      if (s.m) out.push_back({"exp_avg." + s.p->name, s.p->shape, s.m});
+      if (adam_family(s.kind)) out.push_back({"exp_avg." + s.p->name, s.p->shape, s.m, s.owner});
     for (auto& s : slots_)
-      if (s.v) out.push_back({"exp_avg_sq." + s.p->name, s.p->shape, s.v});
+      if (adam_family(s.kind)) out.push_back({"exp_avg_sq." + s.p->name, s.p->shape, s.v, s.owner});
     for (auto& s : slots_)
-      if (s.mom) out.push_back({"momentum." + s.p->name, s.p->shape, s.mom});
+      if (is_muon(s.kind)) out.push_back({"momentum." + s.p->name, s.p->shape, s.mom, s.owner});
     for (auto& s : slots_)
-      if (s.radius) out.push_back({"radius." + s.p->name, {s.nmat}, s.radius});
+      if (hyperball(s.kind)) out.push_back({"radius." + s.p->name, {s.nmat}, s.radius, s.owner});
     return out;
   }
   const std::vector<ParamGroup>& groups() const override { return groups_; }
   MemorySpace& memory() const override { return be_; }
+  const OptimizerShards* shards() const override { return shards_ ? &*shards_ : nullptr; }
 
  private:
   // R = ||W0||_F per matrix, stored in float and used as stored, so a resumed run sees the same R.
@@ -366,7 +384,7 @@ class RecipeOptimizer final : public Optimizer {
     std::vector<std::pair<int, int>> order;  // shapes in order of first appearance
     for (size_t i = 0; i < slots_.size(); ++i) {
       const Slot& s = slots_[i];
-      if (!is_muon(s.kind) || s.mat_numel() == 0) continue;
+      if (!s.held || !is_muon(s.kind) || s.mat_numel() == 0) continue;
       auto key = std::make_pair(s.rows, s.cols);
       if (!by_shape.count(key)) order.push_back(key);
       by_shape[key].push_back(i);
@@ -401,6 +419,7 @@ class RecipeOptimizer final : public Optimizer {
 
   OptimConfig oc_;
   Backend& be_;
+  std::optional<OptimizerShards> shards_;
   std::vector<ParamGroup> groups_;
   std::vector<Slot> slots_;
   Arena m_arena_, v_arena_, mom_arena_, rad_arena_;
@@ -508,8 +527,8 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
 }
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, std::vector<Param>& params, Backend& be,
-                                          const RunShape& rs) {
-  return std::make_unique<RecipeOptimizer>(oc, params, be, rs);
+                                          const RunShape& rs, const OptimizerShards* shards) {
+  return std::make_unique<RecipeOptimizer>(oc, params, be, rs, shards);
 }
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, Transformer& model, Backend& be) {
@@ -518,8 +537,63 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& oc, Transformer& mo
   return make_optimizer(oc, model.params(), be, rs);
 }
 
-std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be, int world) {
-  return make_optimizer(cfg.optim, model.params(), be, run_shape(cfg, world));
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, Transformer& model, Backend& be, int world,
+                                          const OptimizerShards* shards) {
+  return make_optimizer(cfg.optim, model.params(), be, run_shape(cfg, world), shards);
+}
+
+OptimizerShards plan_optimizer_shards(const Config& cfg, Transformer& model, int rank, int world) {
+  LADDER_ASSERT(world >= 1 && rank >= 0 && rank < world);
+  std::vector<Param>& params = model.params();
+  const std::vector<ParamGroup> groups = plan_groups(cfg.optim, params, run_shape(cfg, world));
+  // Each tensor's state in floats (what the ranks share out): Adam's two moments, Muon's momentum,
+  // the hyperball's radii.
+  std::map<const Param*, double> cost;
+  for (const ParamGroup& g : groups) {
+    const Kind k = parse_kind(g.optimizer);
+    for (const Param* p : g.params)
+      cost[p] = double(p->numel) * ((adam_family(k) ? 2 : 0) + (is_muon(k) ? 1 : 0)) +
+                (hyperball(k) ? double(p->shape.size() == 3 ? p->shape[0] : 1) : 0.0);
+  }
+  // The tensors in arena order, and the prefix sums of their state.
+  const float* base = model.weights();
+  std::vector<size_t> order(params.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return params[a].w < params[b].w; });
+  std::vector<double> prefix(order.size() + 1, 0.0);
+  for (size_t j = 0; j < order.size(); ++j) prefix[j + 1] = prefix[j] + cost.at(&params[order[j]]);
+  // Rank r takes the tensors [cut[r], cut[r + 1]) of that order: each cut at the tensor boundary
+  // nearest to r / world of the state.
+  std::vector<size_t> cut(size_t(world) + 1, order.size());
+  cut[0] = 0;
+  for (int r = 1; r < world; ++r) {
+    const double target = prefix.back() * r / world;
+    size_t j = size_t(std::lower_bound(prefix.begin(), prefix.end(), target) - prefix.begin());
+    if (j > 0 && target - prefix[j - 1] < prefix[j] - target) --j;
+    cut[size_t(r)] = std::max(cut[size_t(r) - 1], std::min(j, order.size()));
+  }
+  OptimizerShards sh;
+  sh.rank = rank;
+  sh.world = world;
+  sh.owner.assign(params.size(), 0);
+  sh.offsets.assign(size_t(world) + 1, model.weights_floats());
+  sh.offsets[0] = 0;
+  for (int r = 0; r < world; ++r) {
+    for (size_t j = cut[size_t(r)]; j < cut[size_t(r) + 1]; ++j) sh.owner[order[j]] = r;
+    if (r > 0 && cut[size_t(r)] < order.size()) sh.offsets[size_t(r)] = size_t(params[order[cut[size_t(r)]]].w - base);
+  }
+  return sh;
+}
+
+size_t held_state_bytes(Optimizer& opt) {
+  size_t n = 0;
+  for (const StateTensor& s : opt.state())
+    if (s.data) {
+      size_t e = 1;
+      for (int64_t d : s.shape) e *= size_t(d);
+      n += e * sizeof(float);
+    }
+  return n;
 }
 
 std::string dry_run_report(const Config& cfg, int world) {

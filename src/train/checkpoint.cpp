@@ -219,7 +219,7 @@ void set_checkpoint_save_hook_for_tests(std::function<void(std::string_view)> ho
 void recover_checkpoints(const fs::path& run_dir) { tidy_checkpoints(run_dir / "checkpoints"); }
 
 fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, const Transformer& model,
-                         Optimizer& opt, const fs::path& tokenizer_model, int keep) {
+                         Optimizer& opt, const fs::path& tokenizer_model, int keep, const HostStateTensors* others) {
   // A step count the optimizer does not share would make the checkpoint unloadable (the load checks
   // they agree): refuse to write it.
   LADDER_ASSERT(opt.steps_taken() == st.step);
@@ -238,7 +238,16 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   save_weights(tmp / "model.safetensors", model);
   HostStaging host(opt.memory());
   std::vector<TensorRef> os;
-  for (auto& s : opt.state()) os.push_back({s.name, DType::F32, s.shape, host.host(s.data, numel_of(s.shape))});
+  for (auto& s : opt.state()) {
+    if (s.data) {
+      os.push_back({s.name, DType::F32, s.shape, host.host(s.data, numel_of(s.shape))});
+      continue;
+    }
+    // Another rank's share of a sharded optimizer: the caller gathered it.
+    const auto it = others ? others->find(s.name) : HostStateTensors::const_iterator{};
+    LADDER_ASSERT(others && it != others->end() && it->second.size() == numel_of(s.shape));
+    os.push_back({s.name, DType::F32, s.shape, it->second.data()});
+  }
   save_safetensors(tmp / "optimizer.safetensors", os, {{"optimizer_steps", std::to_string(opt.steps_taken())}});
   nlohmann::json j = {{"format_version", kCheckpointVersion}, {"step", st.step},
                       {"tokens_seen", st.tokens_seen},       {"threads", st.threads}, {"world", st.world},
@@ -385,7 +394,8 @@ void load_checkpoint_weights(const fs::path& dir, Transformer& model, Optimizer*
     if (!known.count(n))
       fail("{}: tensor '{}' is not a state tensor of this optimizer (optim.name or optim.*_params mismatch?)",
            f.string(), n);
-  for (auto& s : opt->state()) read_into(st, s.name, s.shape, opt->memory(), s.data);
+  for (auto& s : opt->state())
+    if (s.data) read_into(st, s.name, s.shape, opt->memory(), s.data);
   opt->set_steps_taken(*steps);
 }
 

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
+#include <string>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -39,6 +41,9 @@ struct CheckpointState {
 };
 
 std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
+// A sharded optimizer's state tensors that other ranks hold, gathered into host memory by name
+// (gather_optimizer_state in trainer.cpp), for the rank that writes the checkpoint.
+using HostStateTensors = std::map<std::string, std::vector<float>>;
 // Writes a checkpoint atomically; prunes all but the newest `keep` complete ones. A complete
 // checkpoint is a directory named exactly step_<digits> holding a state.json; nothing else under
 // checkpoints/ is pruned. An existing directory of the same step is replaced by moving it aside
@@ -46,7 +51,8 @@ std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, int64
 // cleaned up first (recover_checkpoints).
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const CheckpointState& st,
                                       const Transformer& model, Optimizer& opt,
-                                      const std::filesystem::path& tokenizer_model, int keep);
+                                      const std::filesystem::path& tokenizer_model, int keep,
+                                      const HostStateTensors* others = nullptr);
 // Cleans up after saves that were killed: removes their temporaries, and renames back a checkpoint
 // that was moved aside to be replaced when its replacement never arrived. Only touches temporaries of
 // processes that are gone. Call before latest_checkpoint when about to train.
@@ -65,6 +71,7 @@ std::filesystem::path checkpoint_tokenizer(const std::filesystem::path& ckpt_dir
 // Loads weights (and optimizer state when opt != nullptr); every tensor's name, dtype and shape
 // must match the model (a tensor the model or optimizer does not have is an error too), and the
 // optimizer's step counter must be the one state.json records: errors name the file and tensor.
+// A sharded optimizer reads the state tensors it holds (the file has every one, whoever wrote it).
 void load_checkpoint_weights(const std::filesystem::path& ckpt_dir, Transformer& model, Optimizer* opt);
 
 // Tests only: save_checkpoint calls the hook at "written" (every file of the new checkpoint written,

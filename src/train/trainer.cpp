@@ -153,6 +153,29 @@ void check_replicas_agree(Comm& comm, Transformer& model, const std::string& whe
          "same kind of device and read the same checkpoint)", bad, when);
 }
 
+// A sharded optimizer's state tensors held by ranks other than 0, sent to rank 0 (which writes the
+// checkpoint) in the order of Optimizer::state(), the same on every rank; empty on other ranks.
+HostStateTensors gather_optimizer_state(Comm& comm, Optimizer& opt) {
+  HostStateTensors out;
+  std::vector<float> buf;
+  for (const StateTensor& s : opt.state()) {
+    if (s.owner == 0) continue;
+    size_t n = 1;
+    for (int64_t d : s.shape) n *= size_t(d);
+    if (comm.rank() == s.owner) {
+      LADDER_ASSERT(s.data);
+      buf.resize(n);
+      opt.memory().download(buf.data(), s.data, n * sizeof(float));
+      comm.send_host(buf.data(), n * sizeof(float), 0);
+    } else if (comm.rank() == 0) {
+      std::vector<float>& v = out[s.name];
+      v.resize(n);
+      comm.recv_host(v.data(), n * sizeof(float), s.owner);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimizer& opt, Backend& be,
@@ -194,6 +217,12 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
   StepStats st;
   st.lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, cfg.run.steps);
   opt.step(st.lr, clip_factor);  // the clip factor scales each gradient as the update reads it
+  // Sharded optimizer (ZeRO stage 1): each rank updated its own tensors; their new weights go to
+  // every rank (so the replicas hold bitwise what an unsharded step gives them).
+  if (const OptimizerShards* sh = opt.shards()) {
+    LADDER_ASSERT(comm && sh->world == world);
+    comm->allgather_ranges(be, model.weights(), sh->offsets);
+  }
   // The step's one wait (the first download); the rest copy finished results.
   st.grad_norm = model.last_grad_norm();
   double xent = 0, lse_sq = 0, router_z = 0;
@@ -265,7 +294,16 @@ TrainSummary train(const TrainOptions& opt) {
   const int threads = cpu_threads();
   Transformer model(cfg.model, rc.batch_size, *be);
   model.reserve_step(rc.grad_accum);
-  auto optimizer = make_optimizer(cfg, model, *be, world);  // the whole config: `auto` lrs need the run size
+  // Data parallel with run.shard_optimizer: this rank's share of the optimizer (ZeRO stage 1).
+  std::optional<OptimizerShards> shards;
+  if (rc.shard_optimizer && world > 1) shards = plan_optimizer_shards(cfg, model, rank, world);
+  // The whole config: `auto` lrs need the run size.
+  auto optimizer = make_optimizer(cfg, model, *be, world, shards ? &*shards : nullptr);
+  // The optimizer state held here, and (sharded) the largest and the total over the ranks.
+  double state_mib[3] = {held_state_bytes(*optimizer) / 1048576.0, 0, 0};
+  state_mib[1] = state_mib[2] = state_mib[0];
+  comm.allreduce_max_host(&state_mib[1], 1);
+  comm.allreduce_sum_host(&state_mib[2], 1);
   data::DataLoader train_loader(data_dir, "train", cfg.model.seq_len, rc.batch_size, rc.seed, true, rank, world);
   // Validation reads the same fixed, shuffled subset of windows at every evaluation (reset() returns
   // to its start): a sample spread over the whole split rather than its first documents.
@@ -335,6 +373,11 @@ TrainSummary train(const TrainOptions& opt) {
     if (world > 1)
       fmt::print("data parallel: {}, {} sequences per micro-batch on each rank; MFU against the sum of the ranks' "
                  "rates\n", comm.describe(), rc.batch_size);
+    if (shards)
+      fmt::print("optimizer state sharded over {} ranks (run.shard_optimizer): {:.1f} MiB on rank 0, at most {:.1f} "
+                 "MiB on a rank, {:.1f} MiB in all\n", world, state_mib[0], state_mib[1], state_mib[2]);
+    else
+      fmt::print("optimizer state: {:.1f} MiB{}\n", state_mib[0], world > 1 ? " on every rank" : "");
   }
 
   const int N = rc.batch_size * cfg.model.seq_len;
@@ -373,8 +416,10 @@ TrainSummary train(const TrainOptions& opt) {
   auto checkpoint = [&](int64_t step) {
     check_replicas_agree(comm, model, fmt::format("at step {}", step));  // what rank 0 saves is every rank's
     CheckpointState st{step, tokens_seen, threads, world, train_loader.state(), to_json(cfg), elapsed_total()};
+    // Sharded: the other ranks' state to rank 0 first (the file is the unsharded run's).
+    const HostStateTensors others = shards ? gather_optimizer_state(comm, *optimizer) : HostStateTensors{};
     if (rank == 0)
-      sum.last_checkpoint = save_checkpoint(run_dir, st, model, *optimizer, tokenizer, rc.keep_checkpoints);
+      sum.last_checkpoint = save_checkpoint(run_dir, st, model, *optimizer, tokenizer, rc.keep_checkpoints, &others);
     else
       sum.last_checkpoint = checkpoint_dir(run_dir, step);
     sum.checkpoint_steps.push_back(step);

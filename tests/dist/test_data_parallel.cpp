@@ -303,6 +303,15 @@ class FakeCollectives final : public DeviceCollectives {
     for (double& x : h) x /= 2;
     be_.upload(p, h.data(), n * sizeof(double));
   }
+  void allgather_ranges(float* p, const std::vector<size_t>& offsets) override {
+    ++calls;
+    std::vector<float> h(offsets.back());
+    be_.download(h.data(), p, h.size() * sizeof(float));
+    for (int r = 0; r < 2; ++r)
+      MPI_Bcast(h.data() + offsets[size_t(r)], int(offsets[size_t(r) + 1] - offsets[size_t(r)]), MPI_FLOAT, r,
+                MPI_COMM_WORLD);
+    be_.upload(p, h.data(), h.size() * sizeof(float));
+  }
   int calls = 0;
 
  private:
@@ -320,13 +329,15 @@ class GuardedWithCollectives final : public testing_support::GuardedBackend {
 
 // Steps of the MoE model on `be` with the job's two ranks (train_step, each rank its own batches):
 // the losses and the final weights and biases.
-std::pair<std::vector<double>, std::vector<float>> steps_on(Backend& be) {
+// `shard`: the optimizer sharded over the ranks (ZeRO stage 1).
+std::pair<std::vector<double>, std::vector<float>> steps_on(Backend& be, bool shard = false) {
   Config c = moe_config();
   c.model.vocab_size = 320;
   validate(c);
   Transformer m(c.model, c.run.batch_size, be);
   m.init(4);
-  auto opt = make_optimizer(c, m, be);
+  const OptimizerShards sh = plan_optimizer_shards(c, m, job().rank(), job().world());
+  auto opt = make_optimizer(c, m, be, job().world(), shard ? &sh : nullptr);
   const int N = c.run.batch_size * c.model.seq_len;
   std::vector<int32_t> in(N), tg(N);
   std::vector<double> losses;
@@ -384,6 +395,144 @@ TEST(DataParallel, DeviceMemorySumsAreTheHostRunsBits) {
     EXPECT_EQ(g.fake.state(), DeviceCollectives::State::kNotUsed);
     EXPECT_EQ(g.fake.calls, 0);
   }
+  // A sharded optimizer's weights gathered through host memory and through the device's own
+  // collectives: the unsharded host run's bits.
+  {
+    testing_support::GuardedBackend guarded(1);
+    EXPECT_EQ(steps_on(guarded, /*shard=*/true), host);
+  }
+  {
+    GuardedWithCollectives g("", own_id);
+    EXPECT_EQ(steps_on(g, /*shard=*/true), host);
+    EXPECT_EQ(g.fake.calls, 9);  // the gradients, beta and weights of 3 steps
+  }
+}
+
+namespace {
+
+Config sharded(Config c) {
+  c.run.shard_optimizer = true;
+  return c;
+}
+
+std::string file_bytes(const fs::path& f) {
+  std::ifstream in(f, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// The checkpoint files that must not depend on the sharding: the weights and the optimizer state.
+void expect_same_checkpoint(const fs::path& a, const fs::path& b) {
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+    const std::string x = file_bytes(a / f), y = file_bytes(b / f);
+    EXPECT_FALSE(x.empty()) << (a / f);
+    EXPECT_TRUE(x == y) << (a / f) << " differs from " << (b / f);
+  }
+}
+
+}  // namespace
+
+// The ranks' shares: every tensor has one owner, each rank's tensors lie in its range of the
+// weights arena, the ranges tile it, and the state (Adam moments, Muon momentum, radii) splits
+// about evenly: each rank holds about half, both together what one unsharded optimizer holds.
+TEST(DataParallel, ShardedOptimizerSplitsTheStateOverTheRanks) {
+  for (const char* name : {"adamw", "muonh"}) {
+    Config c = moe_config();
+    c.optim.name = name;
+    c.model.vocab_size = 320;
+    validate(c);
+    auto be = make_cpu_backend(1);
+    Transformer m(c.model, c.run.batch_size, *be);
+    const OptimizerShards sh = plan_optimizer_shards(c, m, job().rank(), 2);
+    ASSERT_EQ(sh.offsets.size(), 3u);
+    EXPECT_EQ(sh.offsets[0], 0u);
+    EXPECT_LE(sh.offsets[1], sh.offsets[2]);
+    EXPECT_EQ(sh.offsets[2], m.weights_floats());
+    for (size_t i = 0; i < m.params().size(); ++i) {
+      const Param& p = m.params()[i];
+      const size_t at = size_t(p.w - m.weights()), r = size_t(sh.owner[i]);
+      ASSERT_LT(r, 2u);
+      EXPECT_GE(at, sh.offsets[r]) << p.name;
+      EXPECT_LE(at + p.numel, sh.offsets[r + 1]) << p.name;
+    }
+    auto whole = make_optimizer(c, m, *be, 2);
+    auto mine = make_optimizer(c, m, *be, 2, &sh);
+    const double all = double(held_state_bytes(*whole));
+    double held[2] = {double(held_state_bytes(*mine)), 0};
+    held[1] = held[0];
+    job().allreduce_sum_host(&held[1], 1);
+    EXPECT_EQ(held[1], all) << name;  // nothing held twice, nothing lost
+    size_t largest = 0;
+    for (const StateTensor& s : whole->state()) {
+      size_t n = sizeof(float);
+      for (int64_t d : s.shape) n *= size_t(d);
+      largest = std::max(largest, n);
+    }
+    // Each rank within one tensor's state of half (a cut falls at a tensor boundary).
+    EXPECT_LE(std::abs(held[0] - all / 2), 2.0 * double(largest)) << name;
+    EXPECT_LT(held[0], 0.75 * all) << name;
+    // The same tensors listed on both ranks, in the same order, data where held.
+    std::vector<StateTensor> a = whole->state(), b = mine->state();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].name, b[i].name);
+      EXPECT_EQ(b[i].data != nullptr, b[i].owner == job().rank()) << b[i].name;
+    }
+  }
+}
+
+// A sharded optimizer trains bitwise as the unsharded one (every rank updates its tensors with the
+// same summed gradient and the same clip, then sends their weights), and its checkpoints are the
+// unsharded run's files byte for byte: dense with AdamW, MoE with MuonH (Muon batches, radii).
+TEST(DataParallel, ShardedOptimizerIsTheUnshardedRunBitwise) {
+  Config muonh = moe_config();
+  muonh.optim.name = "muonh";
+  muonh.optim.lr = 0.02;
+  for (const auto& [name, c] : {std::pair<std::string, Config>{"dense", dense_config()}, {"moe-muonh", muonh}}) {
+    TrainSummary plain = run(c, run_dir(name + "-unsharded"), nullptr);
+    TrainSummary zero = run(sharded(c), run_dir(name + "-sharded"), nullptr);
+    ASSERT_EQ(zero.losses.size(), plain.losses.size());
+    for (size_t i = 0; i < zero.losses.size(); ++i)
+      EXPECT_EQ(zero.losses[i].second, plain.losses[i].second) << name << " step " << i + 1;
+    EXPECT_EQ(grad_norms(run_dir(name + "-sharded")), grad_norms(run_dir(name + "-unsharded"))) << name;
+    EXPECT_LT(zero.losses.back().second, zero.losses.front().second - 0.1) << name;
+    ASSERT_EQ(zero.checkpoint_steps, plain.checkpoint_steps);
+    if (job().rank() == 0) {
+      expect_same_checkpoint(checkpoint_dir(run_dir(name + "-sharded"), 8), checkpoint_dir(run_dir(name + "-unsharded"), 8));
+      expect_same_checkpoint(checkpoint_dir(run_dir(name + "-sharded"), 4), checkpoint_dir(run_dir(name + "-unsharded"), 4));
+    }
+  }
+}
+
+// Checkpoints carry the whole state whoever wrote them: a sharded run killed after step 6 resumes
+// unsharded, an unsharded one resumes sharded, and one process continues a sharded run's
+// checkpoint; each ends where the uninterrupted run ends.
+TEST(DataParallel, ShardedCheckpointsResumeEitherWay) {
+  const Config c = moe_config();
+  TrainSummary whole = run(c, run_dir("zero-whole"), nullptr);
+  run(sharded(c), run_dir("zero-then-plain"), nullptr, false, /*stop_after=*/6);
+  TrainSummary a = run(c, run_dir("zero-then-plain"), nullptr, /*resume=*/true);
+  run(c, run_dir("plain-then-zero"), nullptr, false, /*stop_after=*/6);
+  TrainSummary b = run(sharded(c), run_dir("plain-then-zero"), nullptr, /*resume=*/true);
+  for (const TrainSummary* t : {&a, &b}) {
+    EXPECT_EQ(t->start_step, 4);
+    ASSERT_EQ(t->losses.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) EXPECT_EQ(t->losses[i].second, whole.losses[4 + i].second) << "step " << 5 + i;
+  }
+  if (job().rank() == 0) {
+    expect_same_checkpoint(a.last_checkpoint, whole.last_checkpoint);
+    expect_same_checkpoint(b.last_checkpoint, whole.last_checkpoint);
+  }
+  // One process, 2 micro-batches per step, from the sharded run's step-4 checkpoint.
+  const fs::path mine = own_dir("zero-continued");
+  fs::create_directories(mine / "checkpoints");
+  fs::copy(checkpoint_dir(run_dir("zero-then-plain"), 4), checkpoint_dir(mine, 4), fs::copy_options::recursive);
+  auto single = make_single_comm();
+  Config one = c;
+  one.run.grad_accum = 2;
+  TrainSummary rest = run(one, mine, single.get(), /*resume=*/true);
+  EXPECT_EQ(rest.start_step, 4);
+  ASSERT_EQ(rest.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_LT(rel(rest.losses[i].second, whole.losses[4 + i].second), 5e-3) << "step " << 5 + i;
 }
 
 int main(int argc, char** argv) {

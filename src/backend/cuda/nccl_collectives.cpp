@@ -11,8 +11,10 @@
 #include <cstring>
 #include <exception>
 #include <type_traits>
+#include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_memory.h"
 #include "backend/cuda/runtime_library.h"
 #include "core/error.h"
 
@@ -26,6 +28,9 @@ struct NcclApi {
   decltype(&ncclCommDestroy) comm_destroy = nullptr;
   decltype(&ncclCommAbort) comm_abort = nullptr;
   decltype(&ncclAllReduce) all_reduce = nullptr;
+  decltype(&ncclBroadcast) broadcast = nullptr;
+  decltype(&ncclGroupStart) group_start = nullptr;
+  decltype(&ncclGroupEnd) group_end = nullptr;
   decltype(&ncclGetErrorString) error_string = nullptr;
   std::string error;  // why it could not be loaded ("" when loaded)
   int version = 0;
@@ -48,6 +53,9 @@ NcclApi load_nccl() {
   sym(api.comm_destroy, "ncclCommDestroy");
   sym(api.comm_abort, "ncclCommAbort");
   sym(api.all_reduce, "ncclAllReduce");
+  sym(api.broadcast, "ncclBroadcast");
+  sym(api.group_start, "ncclGroupStart");
+  sym(api.group_end, "ncclGroupEnd");
   sym(api.error_string, "ncclGetErrorString");
   if (api.error.empty() && api.get_version(&api.version) != ncclSuccess) api.error = name + ": ncclGetVersion failed";
   // ncclAvg (the beta mean) came with NCCL 2.10.
@@ -107,11 +115,32 @@ class NcclCollectives final : public DeviceCollectives {
     const int v = nccl().version;
     return fmt::format("NCCL {}.{}.{}", v / 10000, v / 100 % 100, v % 100);
   }
+  // Each call writes device memory behind the backend's ops: the epoch moves (the bf16 cast cache of
+  // cuda_backend.cpp must not reuse a cast of weights another rank just sent).
   void allreduce_sum(float* p, size_t n) override {
+    note_device_memory_written();
     check(nccl().all_reduce(p, p, n, ncclFloat32, ncclSum, comm_, st_), "ncclAllReduce (sum)");
   }
   void allreduce_mean(double* p, size_t n) override {
+    note_device_memory_written();
     check(nccl().all_reduce(p, p, n, ncclFloat64, ncclAvg, comm_, st_), "ncclAllReduce (mean)");
+  }
+  // One in-place broadcast per rank's range, grouped so that NCCL runs them as one operation (the
+  // ranges differ in length, which ncclAllGather does not allow).
+  void allgather_ranges(float* p, const std::vector<size_t>& offsets) override {
+    note_device_memory_written();
+    check(nccl().group_start(), "ncclGroupStart");
+    for (size_t r = 0; r + 1 < offsets.size(); ++r) {
+      const size_t n = offsets[r + 1] - offsets[r];
+      if (n == 0) continue;
+      float* at = p + offsets[r];
+      const ncclResult_t e = nccl().broadcast(at, at, n, ncclFloat32, int(r), comm_, st_);
+      if (e != ncclSuccess) {
+        nccl().group_end();
+        check(e, "ncclBroadcast");
+      }
+    }
+    check(nccl().group_end(), "ncclGroupEnd");
   }
 
  private:
