@@ -697,6 +697,13 @@ TEST_F(LadderSweepTest, BadSpecsFailWithOneLineBeforeTraining) {
                "variant 's' stacks 'zz', which is not a variant");
   expect_error("noroot", scales + "variants:\n  a: {baseline: a}\n", "cycle");
   expect_error("typo", scales + "variants:\n  dense: {}\nseed: [1]\n", "unknown key 'seed' in the ladder spec");
+  // A key given twice anywhere (yaml-cpp keeps both; a lookup would silently take the first).
+  expect_error("dupseeds", scales + "seeds: [3]\nvariants:\n  dense: {}\nseeds: [1, 2]\n",
+               "dupseeds.yaml:9: 'seeds' is given twice (lines 6 and 9): keep one");
+  expect_error("dupvariant", scales + "variants:\n  dense: {}\n  x: {baseline: dense}\n  x: {baseline: dense}\n",
+               "dupvariant.yaml:9: 'variants.x' is given twice (lines 8 and 9): keep one");
+  expect_error("dupscale", "scales:\n  rules: {head_dim: 16}\n  list:\n    - {d: 32, steps: 2, d: 48}\nvariants:\n  dense: {}\n",
+               "'scales.list[0].d' is given twice");
   // A retired key is not an error: it is ignored with one warning naming the file and line.
   ::testing::internal::CaptureStderr();
   LadderSpec old = load_spec(spec("oldboot", scales + "variants:\n  dense: {}\nreport: {E: 1.5, bootstrap: 1000}\n"));

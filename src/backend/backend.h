@@ -375,6 +375,11 @@ class Backend : public MemorySpace {
   // The backend's device-memory collectives (owned by it), or nullptr: host backends, and device
   // backends without any (their data-parallel sums go through host memory).
   virtual DeviceCollectives* collectives() { return nullptr; }
+  // [p, p + bytes) of this backend's memory was written by something other than its ops (the
+  // collectives' library: NCCL's sums and broadcasts, on the backend's stream): what the backend
+  // derived from it is stale (the CUDA backend's bf16 weight mirror and GEMM cast cache). The Comm
+  // calls it after every device collective.
+  virtual void note_external_write(const void* p, size_t bytes) { (void)p, (void)bytes; }
 };
 
 // The elements swiglu_*_rows covers with its row count in host memory: min(rows, *rows_used) rows

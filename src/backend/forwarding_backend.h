@@ -320,6 +320,7 @@ class ForwardingBackend : public Backend {
 
   void register_weights(const void* base, size_t bytes) override { b_->register_weights(base, bytes); }
   void unregister_weights(const void* base) override { b_->unregister_weights(base); }
+  void note_external_write(const void* p, size_t bytes) override { b_->note_external_write(p, bytes); }
   // Memory, and the ops that write their sums to backend memory.
   bool is_host() const override { return b_->is_host(); }
   void* mem_alloc(size_t bytes, const char* what) override { return b_->mem_alloc(bytes, what); }

@@ -77,13 +77,19 @@ class MpiComm final : public Comm {
   }
 
   void allreduce_sum(Backend& be, float* p, size_t n) override {
-    if (DeviceCollectives* dc = device_collectives(be)) return dc->allreduce_sum(p, n);
+    if (DeviceCollectives* dc = device_collectives(be)) {
+      dc->allreduce_sum(p, n);
+      return be.note_external_write(p, n * sizeof(float));
+    }
     float* h = on_host(be, p, n);
     reduce(h, n, MPI_FLOAT, MPI_SUM);
     back_from_host(be, p, h, n);
   }
   void allreduce_mean(Backend& be, double* p, size_t n) override {
-    if (DeviceCollectives* dc = device_collectives(be)) return dc->allreduce_mean(p, n);
+    if (DeviceCollectives* dc = device_collectives(be)) {
+      dc->allreduce_mean(p, n);
+      return be.note_external_write(p, n * sizeof(double));
+    }
     double* h = on_host(be, p, n);
     reduce(h, n, MPI_DOUBLE, MPI_SUM);
     for (size_t i = 0; i < n; ++i) h[i] /= world_;
@@ -93,7 +99,10 @@ class MpiComm final : public Comm {
   // MPI_Allgatherv would need every count and displacement to fit an int).
   void allgather_ranges(Backend& be, float* p, const std::vector<size_t>& offsets) override {
     LADDER_ASSERT(offsets.size() == size_t(world_) + 1);
-    if (DeviceCollectives* dc = device_collectives(be)) return dc->allgather_ranges(p, offsets);
+    if (DeviceCollectives* dc = device_collectives(be)) {
+      dc->allgather_ranges(p, offsets);  // other ranks' weights, written behind the backend's ops
+      return be.note_external_write(p, offsets.back() * sizeof(float));
+    }
     const size_t n = offsets.back(), mine = offsets[size_t(rank_)], count = offsets[size_t(rank_) + 1] - mine;
     float* h = p;
     if (!be.is_host()) {  // only this rank's range down, everything back up

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/yaml_keys.h"
 
 namespace fs = std::filesystem;
 
@@ -136,6 +137,7 @@ LadderSpec load_spec(const fs::path& file) {
     fail("{}:{}:{}: malformed YAML: {}", file.string(), e.mark.line + 1, e.mark.column + 1, e.msg);
   }
   if (!root.IsMap()) fail("{}: expected a mapping (name, base, set, scales, seeds, variants, report)", file.string());
+  reject_duplicate_keys(root, file.string());  // node["seeds"] would silently take the first
   r.check_keys(root, "the ladder spec",
                {"format", "name", "base", "set", "scales", "seeds", "variants", "pending", "report", "note"});
   LadderSpec s;

@@ -16,6 +16,7 @@
 #include <variant>
 
 #include "core/error.h"
+#include "core/yaml_keys.h"
 
 namespace ladder {
 namespace {
@@ -108,7 +109,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(run, eval_batches, "validation batches per evaluation"),
       LADDER_FIELD(run, ckpt_every, "checkpoint every N steps (and at the end); 0 = only at the end"),
       LADDER_FIELD(run, keep_checkpoints, "how many most recent checkpoints to keep"),
-      LADDER_FIELD(run, shard_optimizer, "data parallel (mpirun -np R): each rank keeps the optimizer state of, and updates, about 1/R of the tensors, and sends its updated weights to the others after each step (ZeRO stage 1): the optimizer state's memory per rank drops about R-fold for one more collective per step (the weights' broadcast); the same results bit for bit, and the same checkpoints, resumable with or without it (docs/data-parallel.md). A single process ignores it"),
+      LADDER_FIELD(run, shard_optimizer, "data parallel (mpirun -np R): each rank keeps the optimizer state of, and updates, about 1/R of the tensors, and sends its updated weights to the others after each step (ZeRO stage 1): the optimizer state's memory per rank drops up to R-fold (whole tensors per rank, so the largest tensor's state is a floor; the start prints the largest share) for one more collective per step (the weights' broadcast); the unsharded run's results (bit for bit on the CPU, tested; on cuda Muon's batched Newton-Schulz runs over other batches, whose GEMM algorithms may differ in the last bits) and the same checkpoint files, resumable with or without it (docs/data-parallel.md). A single process ignores it"),
       LADDER_FIELD(run, log_every, "progress line and metrics every N steps"),
       LADDER_FIELD(run, precision, "GEMM precision on cuda: fp32, tf32 (tensor cores, 10-bit inputs) or bf16 (tensor cores, bf16 inputs, fp32 accumulation); the CPU computes in fp32"),
       LADDER_FIELD(run, threads, "CPU threads; 0 = all cores"),
@@ -244,9 +245,6 @@ std::string get_scalar(Config& c, const Field& f) {
 }
 
 void walk(Config& c, const YAML::Node& node, const std::string& prefix, const std::string& file) {
-  // yaml-cpp keeps every pair of a mapping, so a key written twice would silently take its last
-  // value; YAML forbids duplicate keys, and the first one is usually the one being edited.
-  std::map<std::string, int> seen;  // key -> line
   for (auto it = node.begin(); it != node.end(); ++it) {
     const int line = it->first.Mark().line + 1;
     std::string where = fmt::format("{}:{}", file, line);
@@ -257,8 +255,6 @@ void walk(Config& c, const YAML::Node& node, const std::string& prefix, const st
            it->first.IsSequence() ? "list" : it->first.IsMap() ? "mapping" : "null key");
     std::string k = it->first.Scalar();
     std::string key = prefix.empty() ? k : prefix + "." + k;
-    if (auto [at, fresh] = seen.emplace(k, line); !fresh)
-      fail("{}: '{}' is given twice (lines {} and {}): keep one", where, key, at->second, line);
     const YAML::Node& v = it->second;
     if (v.IsMap()) {
       bool known_section = false;
@@ -396,6 +392,7 @@ Config load_config(const std::filesystem::path& file, const std::vector<std::str
   } else if (!root.IsMap()) {
     fail("{}: expected a mapping of sections (model, optim, schedule, data, run) at the top level", file.string());
   } else {
+    reject_duplicate_keys(root, file.string());  // before the walk, which would apply both
     walk(c, root, "", file.string());
   }
   for (auto& o : overrides) apply_override(c, o);

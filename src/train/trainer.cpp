@@ -354,7 +354,7 @@ TrainSummary train(const TrainOptions& opt) {
     comm.barrier();
   }
   comm.allreduce_sum_host(&peak, 1);
-  const int64_t tokens_per_step = int64_t(rc.batch_size) * rc.grad_accum * cfg.model.seq_len * world;
+  const int64_t tokens_per_step = int64_t(run_shape(cfg, world).tokens_per_step);  // the job's, every rank's
   if (talk) {
     fmt::print("resolved config ({}):\n{}", cfg.source, to_yaml(cfg));
     if (cfg.model.moe())
@@ -389,6 +389,7 @@ TrainSummary train(const TrainOptions& opt) {
                "tokenizer.model copied into the checkpoint directory\n", tokenizer.string());
   TrainSummary sum;
   sum.start_step = start_step;
+  sum.optimizer_state_bytes = held_state_bytes(*optimizer);
   std::vector<double> rates, mfus;
 
   auto evaluate = [&](int64_t step) {

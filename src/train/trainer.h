@@ -34,6 +34,7 @@ struct TrainSummary {
   double tokens_per_s = 0, mfu = 0;  // medians over the run
   std::filesystem::path last_checkpoint;
   std::vector<int64_t> checkpoint_steps;  // the steps checkpointed here, in order
+  size_t optimizer_state_bytes = 0;       // held by this rank (run.shard_optimizer: its share)
 };
 
 TrainSummary train(const TrainOptions& opt);

@@ -19,6 +19,7 @@
 #include "backend/profiling_backend.h"
 #include "cuda_fixture.h"
 #include "backend/cuda/device_memory.h"
+#include "backend/cuda/cuda_check.h"
 #include "core/error.h"
 #include "model/config.h"
 
@@ -541,6 +542,25 @@ TEST_F(CudaKernels, GemmBf16CastReuseIsExactAndNeverStale) {
   X = randv(X.size());
   dX.upload(X);
   check(gemm(dY1, dW1), y_of(X, W1), 1e-2, "bf16 cast after an upload outside the backend");
+  // 6. Registered weights written by a collective library (NCCL's broadcast of a sharded optimizer's
+  // weights: behind the backend's ops, no allocation, no copy through the helpers), which the Comm
+  // reports with note_external_write: the bf16 mirror is re-cast, once.
+  bf->register_weights(dW1.data(), W1.size() * sizeof(float));
+  auto* cb = dynamic_cast<cuda::CudaBackend*>(bf.get());
+  ASSERT_NE(cb, nullptr);
+  check(gemm(dY1, dW1), y_of(X, W1), 1e-2, "bf16 GEMM on registered weights");
+  const uint64_t casts = cb->bf16_mirror_casts();
+  W1 = randv(W1.size());
+  {
+    auto fresh = up(W1);  // the other rank's bits, landing as a library would write them
+    LADDER_CUDA_CHECK(cudaMemcpyAsync(dW1.data(), fresh.data(), W1.size() * sizeof(float), cudaMemcpyDeviceToDevice,
+                                      bf->stream()));
+    bf->synchronize();
+  }
+  bf->note_external_write(dW1.data() + 8, 16 * sizeof(float));  // any overlap stales the whole mirror
+  check(gemm(dY1, dW1), y_of(X, W1), 1e-2, "bf16 GEMM after a collective wrote the registered weights");
+  EXPECT_EQ(cb->bf16_mirror_casts(), casts + 1);
+  bf->unregister_weights(dW1.data());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -324,7 +324,11 @@ class GuardedWithCollectives final : public testing_support::GuardedBackend {
  public:
   GuardedWithCollectives(std::string why, std::string id) : GuardedBackend(1), fake(*this, std::move(why), std::move(id)) {}
   DeviceCollectives* collectives() override { return &fake; }
+  // The Comm reports every device collective's write (a real device backend drops what it derived
+  // from that memory: the CUDA backend's bf16 weight mirror).
+  void note_external_write(const void*, size_t) override { ++external_writes; }
   FakeCollectives fake;
+  int external_writes = 0;
 };
 
 // Steps of the MoE model on `be` with the job's two ranks (train_step, each rank its own batches):
@@ -382,6 +386,7 @@ TEST(DataParallel, DeviceMemorySumsAreTheHostRunsBits) {
     EXPECT_EQ(steps_on(g), host);
     EXPECT_EQ(g.fake.state(), DeviceCollectives::State::kInUse);
     EXPECT_EQ(g.fake.calls, 6);  // the gradients and beta of 3 steps
+    EXPECT_EQ(g.external_writes, 6);
   }
   {
     GuardedWithCollectives g(job().rank() == 1 ? "no NCCL here" : "", own_id);
@@ -405,6 +410,7 @@ TEST(DataParallel, DeviceMemorySumsAreTheHostRunsBits) {
     GuardedWithCollectives g("", own_id);
     EXPECT_EQ(steps_on(g, /*shard=*/true), host);
     EXPECT_EQ(g.fake.calls, 9);  // the gradients, beta and weights of 3 steps
+    EXPECT_EQ(g.external_writes, 9);
   }
 }
 
@@ -470,6 +476,18 @@ TEST(DataParallel, ShardedOptimizerSplitsTheStateOverTheRanks) {
     // Each rank within one tensor's state of half (a cut falls at a tensor boundary).
     EXPECT_LE(std::abs(held[0] - all / 2), 2.0 * double(largest)) << name;
     EXPECT_LT(held[0], 0.75 * all) << name;
+    // More ranks than tensors: the ranges stay ordered and tile the arena, some of them empty.
+    const int many = int(m.params().size()) + 3;
+    const OptimizerShards wide = plan_optimizer_shards(c, m, 0, many);
+    ASSERT_EQ(wide.offsets.size(), size_t(many) + 1);
+    EXPECT_EQ(wide.offsets.front(), 0u);
+    EXPECT_EQ(wide.offsets.back(), m.weights_floats());
+    for (int r = 0; r < many; ++r) EXPECT_LE(wide.offsets[size_t(r)], wide.offsets[size_t(r) + 1]);
+    for (size_t i = 0; i < m.params().size(); ++i) {
+      const size_t at = size_t(m.params()[i].w - m.weights()), r = size_t(wide.owner[i]);
+      EXPECT_GE(at, wide.offsets[r]);
+      EXPECT_LE(at + m.params()[i].numel, wide.offsets[r + 1]);
+    }
     // The same tensors listed on both ranks, in the same order, data where held.
     std::vector<StateTensor> a = whole->state(), b = mine->state();
     ASSERT_EQ(a.size(), b.size());
@@ -490,6 +508,9 @@ TEST(DataParallel, ShardedOptimizerIsTheUnshardedRunBitwise) {
   for (const auto& [name, c] : {std::pair<std::string, Config>{"dense", dense_config()}, {"moe-muonh", muonh}}) {
     TrainSummary plain = run(c, run_dir(name + "-unsharded"), nullptr);
     TrainSummary zero = run(sharded(c), run_dir(name + "-sharded"), nullptr);
+    // It did shard: each rank held part of the state.
+    EXPECT_LT(zero.optimizer_state_bytes, 0.75 * double(plain.optimizer_state_bytes)) << name;
+    EXPECT_GT(zero.optimizer_state_bytes, 0u) << name;
     ASSERT_EQ(zero.losses.size(), plain.losses.size());
     for (size_t i = 0; i < zero.losses.size(); ++i)
       EXPECT_EQ(zero.losses[i].second, plain.losses[i].second) << name << " step " << i + 1;
@@ -507,7 +528,9 @@ TEST(DataParallel, ShardedOptimizerIsTheUnshardedRunBitwise) {
 // unsharded, an unsharded one resumes sharded, and one process continues a sharded run's
 // checkpoint; each ends where the uninterrupted run ends.
 TEST(DataParallel, ShardedCheckpointsResumeEitherWay) {
-  const Config c = moe_config();
+  Config c = moe_config();
+  c.optim.name = "muonh";  // Adam moments, Muon momentum and radii all go through the gather and the load
+  c.optim.lr = 0.02;
   TrainSummary whole = run(c, run_dir("zero-whole"), nullptr);
   run(sharded(c), run_dir("zero-then-plain"), nullptr, false, /*stop_after=*/6);
   TrainSummary a = run(c, run_dir("zero-then-plain"), nullptr, /*resume=*/true);

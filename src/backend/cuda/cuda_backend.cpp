@@ -406,6 +406,15 @@ class CudaBackendImpl final : public CudaBackend {
         return;
       }
   }
+  // NCCL wrote [p, p + bytes) (a sharded optimizer's weights from the other ranks, the gradient
+  // sum): every mirror it overlaps is re-cast at its next use, and no cast is reused (note_write).
+  void note_external_write(const void* p, size_t bytes) override {
+    note_write();
+    const char* c0 = static_cast<const char*>(p);
+    const char* c1 = c0 + bytes;
+    for (auto& m : mirrors_)
+      if (c0 < m->base + m->bytes && m->base < c1) m->valid = false;
+  }
 
   void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) override {
     check(k::embedding_forward(out, table, ids, N, D, st_), "embedding_forward");

@@ -14,7 +14,6 @@ void bump() { g_epoch.fetch_add(1, std::memory_order_relaxed); }
 }  // namespace
 
 uint64_t device_memory_epoch() { return g_epoch.load(std::memory_order_relaxed); }
-void note_device_memory_written() { bump(); }
 
 void* device_alloc(size_t bytes, const char* what) {
   if (bytes == 0) return nullptr;

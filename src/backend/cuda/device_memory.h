@@ -35,8 +35,6 @@ void device_synchronize();
 // cast cache of cuda_backend.cpp: a buffer freed and reallocated at the same address, or uploaded
 // to outside the backend's ops, must not meet an old cast).
 uint64_t device_memory_epoch();
-// Moves that number on for device memory written by others (NCCL's collectives).
-void note_device_memory_written();
 
 // A typed, move-only owner of n elements of device memory.
 template <class T>

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
-#include "backend/cuda/device_memory.h"
 #include "backend/cuda/runtime_library.h"
 #include "core/error.h"
 
@@ -115,20 +114,15 @@ class NcclCollectives final : public DeviceCollectives {
     const int v = nccl().version;
     return fmt::format("NCCL {}.{}.{}", v / 10000, v / 100 % 100, v % 100);
   }
-  // Each call writes device memory behind the backend's ops: the epoch moves (the bf16 cast cache of
-  // cuda_backend.cpp must not reuse a cast of weights another rank just sent).
   void allreduce_sum(float* p, size_t n) override {
-    note_device_memory_written();
     check(nccl().all_reduce(p, p, n, ncclFloat32, ncclSum, comm_, st_), "ncclAllReduce (sum)");
   }
   void allreduce_mean(double* p, size_t n) override {
-    note_device_memory_written();
     check(nccl().all_reduce(p, p, n, ncclFloat64, ncclAvg, comm_, st_), "ncclAllReduce (mean)");
   }
   // One in-place broadcast per rank's range, grouped so that NCCL runs them as one operation (the
   // ranges differ in length, which ncclAllGather does not allow).
   void allgather_ranges(float* p, const std::vector<size_t>& offsets) override {
-    note_device_memory_written();
     check(nccl().group_start(), "ncclGroupStart");
     for (size_t r = 0; r + 1 < offsets.size(); ++r) {
       const size_t n = offsets[r + 1] - offsets[r];
