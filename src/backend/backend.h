@@ -70,7 +70,11 @@ class DeviceCollectives {
   // In place over the ranks, ordered on the backend's stream after the ops enqueued before (nothing
   // waits for the host). Every rank gets the same bits.
   virtual void allreduce_sum(float* p, size_t n) = 0;
+  virtual void allreduce_sum(double* p, size_t n) = 0;
   virtual void allreduce_mean(double* p, size_t n) = 0;
+  // Rank r gets the sum over the ranks of the floats [offsets[r], offsets[r + 1]) of p, in place
+  // (offsets: world + 1 values); the rest of p is left undefined: a sharded optimizer's gradients.
+  virtual void reduce_scatter_ranges(float* p, const std::vector<size_t>& offsets) = 0;
   // Rank r's floats [offsets[r], offsets[r + 1]) of p sent to every rank (offsets: world + 1
   // values), in place: a sharded optimizer's updated weights (Comm::allgather_ranges).
   virtual void allgather_ranges(float* p, const std::vector<size_t>& offsets) = 0;

@@ -33,6 +33,8 @@ class SingleComm final : public Comm {
   void allreduce_sum(Backend&, float*, size_t) override {}
   void allreduce_mean(Backend&, double*, size_t) override {}
   void allgather_ranges(Backend&, float*, const std::vector<size_t>&) override {}
+  void allreduce_sum(Backend&, double*, size_t) override {}
+  void reduce_scatter_ranges(Backend&, float*, const std::vector<size_t>&) override {}
   void send_host(const void*, size_t, int) override { fail("send_host: a single process has no other rank"); }
   void recv_host(void*, size_t, int) override { fail("recv_host: a single process has no other rank"); }
   void allreduce_sum_host(double*, size_t) override {}
@@ -126,6 +128,35 @@ class MpiComm final : public Comm {
     auto* c = static_cast<char*>(p);
     for (size_t i = 0; i < bytes; i += kChunk)
       MPI_Recv(c + i, int(std::min(kChunk, bytes - i)), MPI_BYTE, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+  }
+  void allreduce_sum(Backend& be, double* p, size_t n) override {
+    if (DeviceCollectives* dc = device_collectives(be)) {
+      dc->allreduce_sum(p, n);
+      return be.note_external_write(p, n * sizeof(double));
+    }
+    double* h = on_host(be, p, n);
+    reduce(h, n, MPI_DOUBLE, MPI_SUM);
+    back_from_host(be, p, h, n);
+  }
+  // One MPI_Reduce per rank's range, to that rank, in place there (an MPI_Reduce_scatter would
+  // need every count to fit an int and leaves its result at the start of the buffer).
+  void reduce_scatter_ranges(Backend& be, float* p, const std::vector<size_t>& offsets) override {
+    LADDER_ASSERT(offsets.size() == size_t(world_) + 1);
+    if (DeviceCollectives* dc = device_collectives(be)) {
+      dc->reduce_scatter_ranges(p, offsets);
+      return be.note_external_write(p, offsets.back() * sizeof(float));
+    }
+    const size_t n = offsets.back(), mine = offsets[size_t(rank_)], count = offsets[size_t(rank_) + 1] - mine;
+    float* h = on_host(be, p, n);
+    for (int r = 0; r < world_; ++r) {
+      const size_t a = offsets[size_t(r)], b = offsets[size_t(r) + 1];
+      for (size_t i = a; i < b; i += kChunk) {
+        const int c = int(std::min(kChunk, b - i));
+        if (r == rank_) MPI_Reduce(MPI_IN_PLACE, h + i, c, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD);
+        else MPI_Reduce(h + i, nullptr, c, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD);
+      }
+    }
+    if (h != p && count) be.upload(p + mine, h + mine, count * sizeof(float));  // only this rank's sums changed
   }
   void allreduce_sum_host(double* p, size_t n) override { reduce(p, n, MPI_DOUBLE, MPI_SUM); }
   void allreduce_max_host(double* p, size_t n) override { reduce(p, n, MPI_DOUBLE, MPI_MAX); }

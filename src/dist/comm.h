@@ -33,6 +33,11 @@ class Comm {
   virtual void allreduce_sum(Backend& be, float* p, size_t n) = 0;
   // The mean of n doubles (MoE balancing beta), the same way.
   virtual void allreduce_mean(Backend& be, double* p, size_t n) = 0;
+  virtual void allreduce_sum(Backend& be, double* p, size_t n) = 0;
+  // In place, rank r gets the sum over the ranks of its floats [offsets[r], offsets[r + 1]) of p;
+  // the rest of p is undefined afterwards (a sharded optimizer's gradients: each rank needs its
+  // tensors' sums only, half the traffic of allreduce_sum). The same transport as allreduce_sum.
+  virtual void reduce_scatter_ranges(Backend& be, float* p, const std::vector<size_t>& offsets) = 0;
   // Host values.
   // In place, rank r's floats [offsets[r], offsets[r + 1]) of p (in `be`'s memory) to every rank
   // (offsets: world + 1 values): what a sharded optimizer's ranks updated (OptimizerShards). The

@@ -394,14 +394,29 @@ double Transformer::grad_norm() {
 // multiplies each gradient element by it as it reads it, so CPU results are bitwise those of
 // grad_norm() + scale_inplace + an unscaled step, without the pass that read and wrote every
 // gradient (8 bytes per parameter; about 3.5 ms a step for MoE d=1024 on an H200).
-const float* Transformer::grad_clip_factor_async(double clip) {
+const float* Transformer::grad_clip_factor_async(double clip) { return grad_clip_factor_async(clip, GradShard{}); }
+
+const float* Transformer::grad_clip_factor_async(double clip, const GradShard& shard) {
   if (!clip_) {
     // Sized on the first call (one small allocation in the first step; the constructor's arenas are
     // planned elsewhere): [0] the norm (double), [1] the clip factor (a float in a double's slot).
     clip_arena_.reserve(Arena::padded(2, sizeof(double)), be_, "gradient clipping");
     clip_ = clip_arena_.alloc<double>(2);
   }
-  grad_sums_async();
+  if (!shard.owner) {
+    grad_sums_async();
+  } else {
+    // A sum over 0 elements is 0: the other ranks' tensors add nothing here, their owner's sum there.
+    LADDER_ASSERT(shard.owner->size() == params_.size() && shard.sum_over_ranks);
+    if (owned_rank_ != shard.rank) {  // the same list every step (a GPU backend caches its device copy)
+      owned_numel_ = grad_numel_;
+      for (size_t i = 0; i < params_.size(); ++i)
+        if ((*shard.owner)[i] != shard.rank) owned_numel_[i] = 0;
+      owned_rank_ = shard.rank;
+    }
+    be_.sum_squares_multi(grad_ptrs_.data(), owned_numel_.data(), grad_ptrs_.size(), gnorm_);
+    shard.sum_over_ranks(gnorm_, params_.size());
+  }
   be_.grad_clip_factor(gnorm_, params_.size(), clip, clip_, reinterpret_cast<float*>(clip_ + 1));
   return last_clip_factor();
 }

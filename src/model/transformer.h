@@ -152,6 +152,17 @@ class Transformer {
   // update as scaling them first). last_grad_norm() reads the norm afterwards (one download, which
   // waits for everything enqueued before it: call it after the optimizer step).
   const float* grad_clip_factor_async(double clip);
+  // The same with a sharded optimizer's gradients (OptimizerShards): after the ranks' reduce-scatter
+  // each rank holds the summed gradients of its own tensors only (owner[i] == rank). Its per-tensor
+  // sums cover those (the others count 0, exactly) and `sum_over_ranks` adds the ranks' sums (backend
+  // memory, in place) before the total: every rank gets the doubles of an unsharded rank, so the
+  // same norm and factor, bitwise.
+  struct GradShard {
+    const std::vector<int>* owner = nullptr;
+    int rank = 0;
+    std::function<void(double* sums, size_t n)> sum_over_ranks;
+  };
+  const float* grad_clip_factor_async(double clip, const GradShard& shard);
   double last_grad_norm();
   // The factor the last grad_clip_factor_async left (backend memory), without computing it again.
   const float* last_clip_factor() const;
@@ -335,6 +346,8 @@ class Transformer {
   std::vector<double> host_gnorm_;
   std::vector<const float*> grad_ptrs_;  // the sum_squares_multi list: every gradient, parameter order
   std::vector<size_t> grad_numel_;
+  std::vector<size_t> owned_numel_;  // GradShard: grad_numel_ where this rank owns the tensor, else 0
+  int owned_rank_ = -1;              // the rank owned_numel_ was made for
   void grad_sums_async();  // gnorm_[i] = ||params_[i].g||^2
   Arena clip_arena_;          // grad_clip_factor_async: the norm and the clip factor (backend memory)
   double* clip_ = nullptr;

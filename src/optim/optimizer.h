@@ -39,16 +39,19 @@ struct StateTensor {
 };
 
 // ZeRO stage 1 (run.shard_optimizer, docs/data-parallel.md): each data-parallel rank keeps the
-// optimizer state of, and updates, the tensors of one contiguous range of the parameter arena; the
-// gradients are still summed whole on every rank (so the clip is every rank's, bitwise), and after
-// the update each range is broadcast from its rank (Comm::allgather_ranges), which leaves every
-// replica with bitwise the weights of an unsharded run. The ranges are cut at tensor boundaries so
-// that the state's bytes are about equal (Muon's whole-matrix update needs whole tensors).
+// optimizer state of, and updates, the tensors of one contiguous range of the parameter arena. The
+// gradients are reduce-scattered (each rank gets the sum of its range only: Comm::reduce_scatter_
+// ranges), the clip's per-tensor sums are each owner's, added over the ranks (so the norm is every
+// rank's, bitwise), and after the update each range of weights is broadcast from its rank
+// (Comm::allgather_ranges), which leaves every replica with the weights of an unsharded run. The
+// ranges are cut at tensor boundaries so that the state's bytes are about equal (Muon's
+// whole-matrix update needs whole tensors).
 struct OptimizerShards {
   int rank = 0, world = 1;
-  std::vector<int> owner;       // per model.params() index: the rank that updates it
-  std::vector<size_t> offsets;  // world + 1 offsets (floats) into Transformer::weights(): rank r's
-                                // tensors lie in [offsets[r], offsets[r + 1])
+  std::vector<int> owner;            // per model.params() index: the rank that updates it
+  std::vector<size_t> offsets;       // world + 1 offsets (floats) into Transformer::weights(): rank r's
+                                     // tensors lie in [offsets[r], offsets[r + 1])
+  std::vector<size_t> grad_offsets;  // the same ranges of Transformer::grads_data()
 };
 OptimizerShards plan_optimizer_shards(const Config& cfg, Transformer& model, int rank, int world);
 

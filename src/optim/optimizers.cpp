@@ -577,11 +577,19 @@ OptimizerShards plan_optimizer_shards(const Config& cfg, Transformer& model, int
   sh.world = world;
   sh.owner.assign(params.size(), 0);
   sh.offsets.assign(size_t(world) + 1, model.weights_floats());
-  sh.offsets[0] = 0;
+  sh.grad_offsets.assign(size_t(world) + 1, model.grads_floats());
+  sh.offsets[0] = sh.grad_offsets[0] = 0;
   for (int r = 0; r < world; ++r) {
     for (size_t j = cut[size_t(r)]; j < cut[size_t(r) + 1]; ++j) sh.owner[order[j]] = r;
-    if (r > 0 && cut[size_t(r)] < order.size()) sh.offsets[size_t(r)] = size_t(params[order[cut[size_t(r)]]].w - base);
+    if (r > 0 && cut[size_t(r)] < order.size()) {
+      const Param& first = params[order[cut[size_t(r)]]];
+      sh.offsets[size_t(r)] = size_t(first.w - base);
+      sh.grad_offsets[size_t(r)] = size_t(first.g - model.grads_data());
+    }
   }
+  // The gradient arena is laid out as the weights (the same tensors in the same order), so the
+  // ranges hold the same tensors.
+  for (size_t j = 1; j < order.size(); ++j) LADDER_ASSERT(params[order[j - 1]].g < params[order[j]].g);
   return sh;
 }
 

@@ -202,8 +202,14 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
   // Data parallel: the ranks' gradients summed in one call over the contiguous arena (each was
   // scaled by 1 / every rank's tokens, so the sum is the mean-loss gradient of the whole step).
   Transformer::BetaAverage beta_average;
+  // Sharded optimizer (ZeRO stage 1): each rank needs the sums of its own tensors only.
+  const OptimizerShards* shards = opt.shards();
+  LADDER_ASSERT(!shards || (comm && shards->world == world));
   if (world > 1) {
-    comm->allreduce_sum(be, model.grads_data(), model.grads_floats());
+    if (shards)
+      comm->reduce_scatter_ranges(be, model.grads_data(), shards->grad_offsets);
+    else
+      comm->allreduce_sum(be, model.grads_data(), model.grads_floats());
     beta_average = [&](double* beta, size_t n) { comm->allreduce_mean(be, beta, n); };
   }
   // MoE quantile balancing, once per step from the step's tokens (data parallel: beta averaged over
@@ -213,16 +219,16 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
   // Clip on the device and enqueue the optimizer step before reading anything back.
   // (Bitwise the host-side clip it replaced: the same per-tensor sums, order and float factor.)
   LADDER_ASSERT(&be == &model.backend());
-  const float* clip_factor = model.grad_clip_factor_async(cfg.optim.clip);
+  const float* clip_factor =
+      shards ? model.grad_clip_factor_async(cfg.optim.clip, {&shards->owner, shards->rank,
+                                                             [&](double* s, size_t n) { comm->allreduce_sum(be, s, n); }})
+             : model.grad_clip_factor_async(cfg.optim.clip);
   StepStats st;
   st.lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, cfg.run.steps);
   opt.step(st.lr, clip_factor);  // the clip factor scales each gradient as the update reads it
   // Sharded optimizer (ZeRO stage 1): each rank updated its own tensors; their new weights go to
   // every rank (so the replicas hold bitwise what an unsharded step gives them).
-  if (const OptimizerShards* sh = opt.shards()) {
-    LADDER_ASSERT(comm && sh->world == world);
-    comm->allgather_ranges(be, model.weights(), sh->offsets);
-  }
+  if (shards) comm->allgather_ranges(be, model.weights(), shards->offsets);
   // The step's one wait (the first download); the rest copy finished results.
   st.grad_norm = model.last_grad_norm();
   double xent = 0, lse_sq = 0, router_z = 0;

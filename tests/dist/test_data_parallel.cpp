@@ -302,6 +302,25 @@ class FakeCollectives final : public DeviceCollectives {
     MPI_Allreduce(MPI_IN_PLACE, h.data(), int(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
     be_.upload(p, h.data(), n * sizeof(float));
   }
+  void allreduce_sum(double* p, size_t n) override {
+    ++calls;
+    std::vector<double> h(n);
+    be_.download(h.data(), p, n * sizeof(double));
+    MPI_Allreduce(MPI_IN_PLACE, h.data(), int(n), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    be_.upload(p, h.data(), n * sizeof(double));
+  }
+  void reduce_scatter_ranges(float* p, const std::vector<size_t>& offsets) override {
+    ++calls;
+    std::vector<float> h(offsets.back());
+    be_.download(h.data(), p, h.size() * sizeof(float));
+    for (int r = 0; r < 2; ++r) {
+      float* at = h.data() + offsets[size_t(r)];
+      const int n = int(offsets[size_t(r) + 1] - offsets[size_t(r)]);
+      MPI_Reduce(r == job().rank() ? MPI_IN_PLACE : at, r == job().rank() ? at : nullptr, n, MPI_FLOAT, MPI_SUM, r,
+                 MPI_COMM_WORLD);
+    }
+    be_.upload(p, h.data(), h.size() * sizeof(float));
+  }
   void allreduce_mean(double* p, size_t n) override {
     ++calls;
     std::vector<double> h(n);
@@ -416,8 +435,8 @@ TEST(DataParallel, DeviceMemorySumsAreTheHostRunsBits) {
   {
     GuardedWithCollectives g("", own_id);
     EXPECT_EQ(steps_on(g, /*shard=*/true), host);
-    EXPECT_EQ(g.fake.calls, 9);  // the gradients, beta and weights of 3 steps
-    EXPECT_EQ(g.external_writes, 9);
+    EXPECT_EQ(g.fake.calls, 12);  // the gradients, the norm's sums, beta and the weights of 3 steps
+    EXPECT_EQ(g.external_writes, 12);
   }
 }
 

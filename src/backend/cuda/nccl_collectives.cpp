@@ -28,6 +28,7 @@ struct NcclApi {
   decltype(&ncclCommAbort) comm_abort = nullptr;
   decltype(&ncclAllReduce) all_reduce = nullptr;
   decltype(&ncclBroadcast) broadcast = nullptr;
+  decltype(&ncclReduce) reduce = nullptr;
   decltype(&ncclGroupStart) group_start = nullptr;
   decltype(&ncclGroupEnd) group_end = nullptr;
   decltype(&ncclGetErrorString) error_string = nullptr;
@@ -53,6 +54,7 @@ NcclApi load_nccl() {
   sym(api.comm_abort, "ncclCommAbort");
   sym(api.all_reduce, "ncclAllReduce");
   sym(api.broadcast, "ncclBroadcast");
+  sym(api.reduce, "ncclReduce");
   sym(api.group_start, "ncclGroupStart");
   sym(api.group_end, "ncclGroupEnd");
   sym(api.error_string, "ncclGetErrorString");
@@ -117,27 +119,43 @@ class NcclCollectives final : public DeviceCollectives {
   void allreduce_sum(float* p, size_t n) override {
     check(nccl().all_reduce(p, p, n, ncclFloat32, ncclSum, comm_, st_), "ncclAllReduce (sum)");
   }
+  void allreduce_sum(double* p, size_t n) override {
+    check(nccl().all_reduce(p, p, n, ncclFloat64, ncclSum, comm_, st_), "ncclAllReduce (sum, double)");
+  }
   void allreduce_mean(double* p, size_t n) override {
     check(nccl().all_reduce(p, p, n, ncclFloat64, ncclAvg, comm_, st_), "ncclAllReduce (mean)");
   }
   // One in-place broadcast per rank's range, grouped so that NCCL runs them as one operation (the
   // ranges differ in length, which ncclAllGather does not allow).
   void allgather_ranges(float* p, const std::vector<size_t>& offsets) override {
+    per_range(p, offsets, "ncclBroadcast", [&](float* at, size_t n, int root) {
+      return nccl().broadcast(at, at, n, ncclFloat32, root, comm_, st_);
+    });
+  }
+  // One in-place reduce to each range's rank, grouped likewise (ncclReduceScatter wants equal counts).
+  void reduce_scatter_ranges(float* p, const std::vector<size_t>& offsets) override {
+    per_range(p, offsets, "ncclReduce", [&](float* at, size_t n, int root) {
+      return nccl().reduce(at, at, n, ncclFloat32, ncclSum, root, comm_, st_);
+    });
+  }
+
+ private:
+  // op(p + offsets[r], its length, r) for every rank's non-empty range, inside one NCCL group.
+  template <class Op>
+  void per_range(float* p, const std::vector<size_t>& offsets, const char* what, Op op) {
     check(nccl().group_start(), "ncclGroupStart");
     for (size_t r = 0; r + 1 < offsets.size(); ++r) {
       const size_t n = offsets[r + 1] - offsets[r];
       if (n == 0) continue;
-      float* at = p + offsets[r];
-      const ncclResult_t e = nccl().broadcast(at, at, n, ncclFloat32, int(r), comm_, st_);
+      const ncclResult_t e = op(p + offsets[r], n, int(r));
       if (e != ncclSuccess) {
         nccl().group_end();
-        check(e, "ncclBroadcast");
+        check(e, what);
       }
     }
     check(nccl().group_end(), "ncclGroupEnd");
   }
 
- private:
   int device_;
   cudaStream_t st_;
   ncclComm_t comm_ = nullptr;
