@@ -102,8 +102,12 @@ class MpiComm final : public Comm {
   void allgather_ranges(Backend& be, float* p, const std::vector<size_t>& offsets) override {
     LADDER_ASSERT(offsets.size() == size_t(world_) + 1);
     if (DeviceCollectives* dc = device_collectives(be)) {
-      dc->allgather_ranges(p, offsets);  // other ranks' weights, written behind the backend's ops
-      return be.note_external_write(p, offsets.back() * sizeof(float));
+      dc->allgather_ranges(p, offsets);
+      // The other ranks' weights were written behind the backend's ops (its own range was not).
+      for (int r = 0; r < world_; ++r)
+        if (r != rank_ && offsets[size_t(r) + 1] > offsets[size_t(r)])
+          be.note_external_write(p + offsets[size_t(r)], (offsets[size_t(r) + 1] - offsets[size_t(r)]) * sizeof(float));
+      return;
     }
     const size_t n = offsets.back(), mine = offsets[size_t(rank_)], count = offsets[size_t(rank_) + 1] - mine;
     float* h = p;

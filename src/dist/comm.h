@@ -2,7 +2,8 @@
 // the few collectives the training step needs (docs/data-parallel.md).
 //
 // Every rank holds the whole model and optimizer state (or, with run.shard_optimizer, its share of
-// the optimizer state: OptimizerShards), reads its own share of each batch (the
+// the optimizer state, OptimizerShards: the gradients are then reduce-scattered and the updated
+// weights broadcast, see reduce_scatter_ranges and allgather_ranges), reads its own share of each batch (the
 // DataLoader's rank/world), and the ranks sum their gradients before the clip and the update, so
 // every rank applies bitwise the same update and the replicas stay identical (the trainer checks
 // that at start and at every checkpoint). The transport is MPI (Open MPI from Debian); nothing

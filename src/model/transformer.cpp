@@ -408,11 +408,12 @@ const float* Transformer::grad_clip_factor_async(double clip, const GradShard& s
   } else {
     // A sum over 0 elements is 0: the other ranks' tensors add nothing here, their owner's sum there.
     LADDER_ASSERT(shard.owner->size() == params_.size() && shard.sum_over_ranks);
-    if (owned_rank_ != shard.rank) {  // the same list every step (a GPU backend caches its device copy)
-      owned_numel_ = grad_numel_;
+    if (owned_rank_ != shard.rank || owned_by_ != *shard.owner) {  // the same list every step (a GPU backend
+      owned_numel_ = grad_numel_;                                   // caches its device copy)
       for (size_t i = 0; i < params_.size(); ++i)
         if ((*shard.owner)[i] != shard.rank) owned_numel_[i] = 0;
       owned_rank_ = shard.rank;
+      owned_by_ = *shard.owner;
     }
     be_.sum_squares_multi(grad_ptrs_.data(), owned_numel_.data(), grad_ptrs_.size(), gnorm_);
     shard.sum_over_ranks(gnorm_, params_.size());

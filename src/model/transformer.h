@@ -143,7 +143,8 @@ class Transformer {
 
   // Global L2 norm of all gradients: one sum of squares per tensor into backend memory, ONE
   // download, summed on the host in parameter order (deterministic, and on the CPU bitwise the sum
-  // of the per-tensor Backend::sum_squares values in that order).
+  // of the per-tensor Backend::sum_squares values in that order). Needs every gradient whole (not
+  // after a sharded optimizer's reduce-scatter: grad_clip_factor_async with a GradShard).
   double grad_norm();
   // Global-norm clipping without a host wait: the per-tensor sums as grad_norm(), then on the backend
   // norm = sqrt(sum), factor = norm > clip ? float(clip / (norm + 1e-6)) : 1 (clip <= 0: 1).
@@ -347,7 +348,8 @@ class Transformer {
   std::vector<const float*> grad_ptrs_;  // the sum_squares_multi list: every gradient, parameter order
   std::vector<size_t> grad_numel_;
   std::vector<size_t> owned_numel_;  // GradShard: grad_numel_ where this rank owns the tensor, else 0
-  int owned_rank_ = -1;              // the rank owned_numel_ was made for
+  std::vector<int> owned_by_;        // the owner list owned_numel_ was made from
+  int owned_rank_ = -1;              // and the rank
   void grad_sums_async();  // gnorm_[i] = ||params_[i].g||^2
   Arena clip_arena_;          // grad_clip_factor_async: the norm and the clip factor (backend memory)
   double* clip_ = nullptr;

@@ -43,7 +43,8 @@ struct StateTensor {
 // gradients are reduce-scattered (each rank gets the sum of its range only: Comm::reduce_scatter_
 // ranges), the clip's per-tensor sums are each owner's, added over the ranks (so the norm is every
 // rank's, bitwise), and after the update each range of weights is broadcast from its rank
-// (Comm::allgather_ranges), which leaves every replica with the weights of an unsharded run. The
+// (Comm::allgather_ranges), which leaves every replica with the weights of an unsharded run
+// (bitwise with 2 ranks on the CPU; with more, a reduce may add the ranks in another order). The
 // ranges are cut at tensor boundaries so that the state's bytes are about equal (Muon's
 // whole-matrix update needs whole tensors).
 struct OptimizerShards {

@@ -1,8 +1,9 @@
 // NCCL as the CUDA backend's data-parallel collectives (docs/data-parallel.md), on the one GPU a GPU
 // session has: a job of one rank. What it checks is what a single device can: libnccl loads with
-// every symbol and a new enough version, a job id is made and joined, and the sum, the mean and the
-// ranges' broadcast run on the backend's stream and leave one rank's values as they were. (Two ranks
-// need two GPUs: the decision protocol and the collectives' bits are tested on the CPU, tests/dist.)
+// every symbol and a new enough version, a job id is made and joined, and the sums, the mean and
+// the ranges' reduce and broadcast run on the backend's stream and leave one rank's values as they
+// were. (Two ranks need two GPUs: the decision protocol and the collectives' bits are tested on the
+// CPU, tests/dist.)
 #include <cstring>
 
 #include "cuda_fixture.h"
@@ -30,7 +31,10 @@ TEST_F(CudaNccl, OneRankJobSumsAndAveragesOnTheStream) {
   auto dd = up(d);
   dc->allreduce_sum(df.data(), f.size());
   dc->allreduce_mean(dd.data(), d.size());
-  // A sharded optimizer's weights: the one rank's range is the whole buffer (grouped broadcasts).
+  dc->allreduce_sum(dd.data(), d.size());  // doubles: a sharded optimizer's per-tensor norm sums
+  // A sharded optimizer's gradients and weights: the one rank's range is the whole buffer (grouped
+  // reduces and broadcasts).
+  dc->reduce_scatter_ranges(df.data(), {0, f.size()});
   dc->allgather_ranges(df.data(), {0, f.size()});
   const std::vector<float> gf = down(df, f.size());
   const std::vector<double> gd = down(dd, d.size());

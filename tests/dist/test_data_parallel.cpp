@@ -8,6 +8,7 @@
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -319,6 +320,10 @@ class FakeCollectives final : public DeviceCollectives {
       MPI_Reduce(r == job().rank() ? MPI_IN_PLACE : at, r == job().rank() ? at : nullptr, n, MPI_FLOAT, MPI_SUM, r,
                  MPI_COMM_WORLD);
     }
+    // The other ranks' ranges are undefined after a reduce-scatter: NaN here, so that a reader of
+    // them (a norm, an update) shows in the results.
+    const int other = 1 - job().rank();
+    std::fill(h.begin() + long(offsets[size_t(other)]), h.begin() + long(offsets[size_t(other) + 1]), std::nanf(""));
     be_.upload(p, h.data(), h.size() * sizeof(float));
   }
   void allreduce_mean(double* p, size_t n) override {
@@ -380,6 +385,7 @@ std::pair<std::vector<double>, std::vector<float>> steps_on(Backend& be, bool sh
                               },
                               in.data(), tg.data(), &job());
     losses.push_back(st.loss);
+    losses.push_back(st.grad_norm);  // each rank's own (a sharded rank assembles it from the owners' sums)
   }
   std::vector<float> w;
   for (const Param& p : m.params()) {

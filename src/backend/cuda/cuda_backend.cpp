@@ -407,13 +407,22 @@ class CudaBackendImpl final : public CudaBackend {
       }
   }
   // NCCL wrote [p, p + bytes) (a sharded optimizer's weights from the other ranks, the gradient
-  // sum): every mirror it overlaps is re-cast at its next use, and no cast is reused (note_write).
+  // sum): no cast is reused (note_write), and a valid mirror it overlaps gets the bf16 of just the
+  // written floats, on the stream behind NCCL's work (the rest, this rank's own update, the
+  // optimizer already wrote there), instead of a re-cast of every weight at the next GEMM.
   void note_external_write(const void* p, size_t bytes) override {
     note_write();
     const char* c0 = static_cast<const char*>(p);
     const char* c1 = c0 + bytes;
-    for (auto& m : mirrors_)
-      if (c0 < m->base + m->bytes && m->base < c1) m->valid = false;
+    for (auto& m : mirrors_) {
+      const char* a = std::max(c0, m->base);
+      const char* b = std::min(c1, m->base + m->bytes);
+      if (a >= b || !m->valid) continue;  // untouched, or re-cast whole at its next use anyway
+      LADDER_ASSERT((a - m->base) % sizeof(float) == 0 && (b - a) % sizeof(float) == 0);
+      check(k::f32_to_bf16(m->bf16.data() + (a - m->base) / sizeof(float), reinterpret_cast<const float*>(a),
+                           size_t(b - a) / sizeof(float), st_),
+            "bf16 weight mirror (collective)");
+    }
   }
 
   void embedding_forward(float* out, const float* table, const int32_t* ids, int N, int D) override {
