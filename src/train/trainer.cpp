@@ -200,9 +200,9 @@ StepStats train_step(const Config& cfg, int64_t step, Transformer& model, Optimi
     throw;
   }
   // Data parallel: the ranks' gradients summed in one call over the contiguous arena (each was
-  // scaled by 1 / every rank's tokens, so the sum is the mean-loss gradient of the whole step).
+  // scaled by 1 / every rank's tokens, so the sum is the mean-loss gradient of the whole step); a
+  // sharded optimizer (ZeRO stage 1) needs each rank's own tensors' sums only: a reduce-scatter.
   Transformer::BetaAverage beta_average;
-  // Sharded optimizer (ZeRO stage 1): each rank needs the sums of its own tensors only.
   const OptimizerShards* shards = opt.shards();
   LADDER_ASSERT(!shards || (comm && shards->world == world));
   if (world > 1) {
