@@ -79,23 +79,13 @@ class MpiComm final : public Comm {
   }
 
   void allreduce_sum(Backend& be, float* p, size_t n) override {
-    if (DeviceCollectives* dc = device_collectives(be)) {
-      dc->allreduce_sum(p, n);
-      return be.note_external_write(p, n * sizeof(float));
-    }
-    float* h = on_host(be, p, n);
-    reduce(h, n, MPI_FLOAT, MPI_SUM);
-    back_from_host(be, p, h, n);
+    sum_in(be, p, n, MPI_FLOAT, false, [&](DeviceCollectives& dc) { dc.allreduce_sum(p, n); });
+  }
+  void allreduce_sum(Backend& be, double* p, size_t n) override {
+    sum_in(be, p, n, MPI_DOUBLE, false, [&](DeviceCollectives& dc) { dc.allreduce_sum(p, n); });
   }
   void allreduce_mean(Backend& be, double* p, size_t n) override {
-    if (DeviceCollectives* dc = device_collectives(be)) {
-      dc->allreduce_mean(p, n);
-      return be.note_external_write(p, n * sizeof(double));
-    }
-    double* h = on_host(be, p, n);
-    reduce(h, n, MPI_DOUBLE, MPI_SUM);
-    for (size_t i = 0; i < n; ++i) h[i] /= world_;
-    back_from_host(be, p, h, n);
+    sum_in(be, p, n, MPI_DOUBLE, true, [&](DeviceCollectives& dc) { dc.allreduce_mean(p, n); });
   }
   // One broadcast per rank's range (MPI_Bcast takes counts up to 2^31 - 1, in pieces; an
   // MPI_Allgatherv would need every count and displacement to fit an int).
@@ -133,15 +123,6 @@ class MpiComm final : public Comm {
     for (size_t i = 0; i < bytes; i += kChunk)
       MPI_Recv(c + i, int(std::min(kChunk, bytes - i)), MPI_BYTE, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
   }
-  void allreduce_sum(Backend& be, double* p, size_t n) override {
-    if (DeviceCollectives* dc = device_collectives(be)) {
-      dc->allreduce_sum(p, n);
-      return be.note_external_write(p, n * sizeof(double));
-    }
-    double* h = on_host(be, p, n);
-    reduce(h, n, MPI_DOUBLE, MPI_SUM);
-    back_from_host(be, p, h, n);
-  }
   // One MPI_Reduce per rank's range, to that rank, in place there (an MPI_Reduce_scatter would
   // need every count to fit an int and leaves its result at the start of the buffer).
   void reduce_scatter_ranges(Backend& be, float* p, const std::vector<size_t>& offsets) override {
@@ -175,6 +156,20 @@ class MpiComm final : public Comm {
   }
 
  private:
+  // The sum (or mean) of n values in `be`'s memory over the ranks, in place: by the device's
+  // collectives (`device_op`, then the backend told what they wrote) or through host memory.
+  template <class T, class DeviceOp>
+  void sum_in(Backend& be, T* p, size_t n, MPI_Datatype type, bool mean, DeviceOp device_op) {
+    if (DeviceCollectives* dc = device_collectives(be)) {
+      device_op(*dc);
+      return be.note_external_write(p, n * sizeof(T));
+    }
+    T* h = on_host(be, p, n);
+    reduce(h, n, type, MPI_SUM);
+    if (mean)
+      for (size_t i = 0; i < n; ++i) h[i] /= world_;
+    back_from_host(be, p, h, n);
+  }
   template <class T>
   void reduce(T* p, size_t n, MPI_Datatype type, MPI_Op op) {
     for (size_t i = 0; i < n; i += kChunk)

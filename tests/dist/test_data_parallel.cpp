@@ -296,20 +296,8 @@ class FakeCollectives final : public DeviceCollectives {
   void set_not_used() override { state_ = State::kNotUsed; }
   State state() const override { return state_; }
   std::string describe() const override { return "fake"; }
-  void allreduce_sum(float* p, size_t n) override {
-    ++calls;
-    std::vector<float> h(n);
-    be_.download(h.data(), p, n * sizeof(float));
-    MPI_Allreduce(MPI_IN_PLACE, h.data(), int(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-    be_.upload(p, h.data(), n * sizeof(float));
-  }
-  void allreduce_sum(double* p, size_t n) override {
-    ++calls;
-    std::vector<double> h(n);
-    be_.download(h.data(), p, n * sizeof(double));
-    MPI_Allreduce(MPI_IN_PLACE, h.data(), int(n), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-    be_.upload(p, h.data(), n * sizeof(double));
-  }
+  void allreduce_sum(float* p, size_t n) override { sum(p, n, MPI_FLOAT, 1); }
+  void allreduce_sum(double* p, size_t n) override { sum(p, n, MPI_DOUBLE, 1); }
   void reduce_scatter_ranges(float* p, const std::vector<size_t>& offsets) override {
     ++calls;
     std::vector<float> h(offsets.back());
@@ -326,14 +314,7 @@ class FakeCollectives final : public DeviceCollectives {
     std::fill(h.begin() + long(offsets[size_t(other)]), h.begin() + long(offsets[size_t(other) + 1]), std::nanf(""));
     be_.upload(p, h.data(), h.size() * sizeof(float));
   }
-  void allreduce_mean(double* p, size_t n) override {
-    ++calls;
-    std::vector<double> h(n);
-    be_.download(h.data(), p, n * sizeof(double));
-    MPI_Allreduce(MPI_IN_PLACE, h.data(), int(n), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-    for (double& x : h) x /= 2;
-    be_.upload(p, h.data(), n * sizeof(double));
-  }
+  void allreduce_mean(double* p, size_t n) override { sum(p, n, MPI_DOUBLE, 2); }
   void allgather_ranges(float* p, const std::vector<size_t>& offsets) override {
     ++calls;
     std::vector<float> h(offsets.back());
@@ -346,6 +327,16 @@ class FakeCollectives final : public DeviceCollectives {
   int calls = 0;
 
  private:
+  // Through host memory: the sum over the ranks, divided by `divide` (2: the mean of two ranks).
+  template <class T>
+  void sum(T* p, size_t n, MPI_Datatype type, int divide) {
+    ++calls;
+    std::vector<T> h(n);
+    be_.download(h.data(), p, n * sizeof(T));
+    MPI_Allreduce(MPI_IN_PLACE, h.data(), int(n), type, MPI_SUM, MPI_COMM_WORLD);
+    for (T& x : h) x /= T(divide);
+    be_.upload(p, h.data(), n * sizeof(T));
+  }
   Backend& be_;
   std::string why_, id_;
   State state_ = State::kUndecided;
