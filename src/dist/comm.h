@@ -3,10 +3,10 @@
 //
 // Every rank holds the whole model and optimizer state (or, with run.shard_optimizer, its share of
 // the optimizer state, OptimizerShards: the gradients are then reduce-scattered and the updated
-// weights broadcast, see reduce_scatter_ranges and allgather_ranges), reads its own share of each batch (the
-// DataLoader's rank/world), and the ranks sum their gradients before the clip and the update, so
-// every rank applies bitwise the same update and the replicas stay identical (the trainer checks
-// that at start and at every checkpoint). The transport is MPI (Open MPI from Debian); nothing
+// weights broadcast, see reduce_scatter_ranges and allgather_ranges), reads its own share of each
+// batch (the DataLoader's rank/world), and the ranks sum their gradients before the clip and the
+// update, so every rank applies bitwise the same update and the replicas stay identical (the
+// trainer checks that at start and at every checkpoint). The transport is MPI (Open MPI from Debian); nothing
 // here is a home-made transport.
 #pragma once
 #include <cstddef>
@@ -34,16 +34,17 @@ class Comm {
   virtual void allreduce_sum(Backend& be, float* p, size_t n) = 0;
   // The mean of n doubles (MoE balancing beta), the same way.
   virtual void allreduce_mean(Backend& be, double* p, size_t n) = 0;
+  // The sum of n doubles (a sharded optimizer's per-tensor gradient sums of squares), the same way.
   virtual void allreduce_sum(Backend& be, double* p, size_t n) = 0;
   // In place, rank r gets the sum over the ranks of its floats [offsets[r], offsets[r + 1]) of p;
   // the rest of p is undefined afterwards (a sharded optimizer's gradients: each rank needs its
   // tensors' sums only, half the traffic of allreduce_sum). The same transport as allreduce_sum.
   virtual void reduce_scatter_ranges(Backend& be, float* p, const std::vector<size_t>& offsets) = 0;
-  // Host values.
   // In place, rank r's floats [offsets[r], offsets[r + 1]) of p (in `be`'s memory) to every rank
   // (offsets: world + 1 values): what a sharded optimizer's ranks updated (OptimizerShards). The
   // device's collectives or host memory, as allreduce_sum decides; every rank gets the owners' bits.
   virtual void allgather_ranges(Backend& be, float* p, const std::vector<size_t>& offsets) = 0;
+  // Host values.
   // Host bytes from one rank to another (a sharded optimizer's state gathered for a checkpoint);
   // messages between two ranks arrive in the order they were sent.
   virtual void send_host(const void* p, size_t bytes, int to) = 0;

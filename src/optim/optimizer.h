@@ -36,6 +36,11 @@ struct StateTensor {
   std::vector<int64_t> shape;
   float* data;
   int owner = 0;
+  size_t numel() const {
+    size_t n = 1;
+    for (int64_t d : shape) n *= size_t(d);
+    return n;
+  }
 };
 
 // ZeRO stage 1 (run.shard_optimizer, docs/data-parallel.md): each data-parallel rank keeps the

@@ -596,11 +596,7 @@ OptimizerShards plan_optimizer_shards(const Config& cfg, Transformer& model, int
 size_t held_state_bytes(Optimizer& opt) {
   size_t n = 0;
   for (const StateTensor& s : opt.state())
-    if (s.data) {
-      size_t e = 1;
-      for (int64_t d : s.shape) e *= size_t(d);
-      n += e * sizeof(float);
-    }
+    if (s.data) n += s.numel() * sizeof(float);
   return n;
 }
 

@@ -240,12 +240,12 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   std::vector<TensorRef> os;
   for (auto& s : opt.state()) {
     if (s.data) {
-      os.push_back({s.name, DType::F32, s.shape, host.host(s.data, numel_of(s.shape))});
+      os.push_back({s.name, DType::F32, s.shape, host.host(s.data, s.numel())});
       continue;
     }
     // Another rank's share of a sharded optimizer: the caller gathered it.
     const auto it = others ? others->find(s.name) : HostStateTensors::const_iterator{};
-    LADDER_ASSERT(others && it != others->end() && it->second.size() == numel_of(s.shape));
+    LADDER_ASSERT(others && it != others->end() && it->second.size() == s.numel());
     os.push_back({s.name, DType::F32, s.shape, it->second.data()});
   }
   save_safetensors(tmp / "optimizer.safetensors", os, {{"optimizer_steps", std::to_string(opt.steps_taken())}});

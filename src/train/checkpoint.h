@@ -14,8 +14,8 @@
 #include <filesystem>
 #include <functional>
 #include <map>
-#include <string>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 

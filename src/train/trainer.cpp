@@ -160,8 +160,7 @@ HostStateTensors gather_optimizer_state(Comm& comm, Optimizer& opt) {
   std::vector<float> buf;
   for (const StateTensor& s : opt.state()) {
     if (s.owner == 0) continue;
-    size_t n = 1;
-    for (int64_t d : s.shape) n *= size_t(d);
+    const size_t n = s.numel();
     if (comm.rank() == s.owner) {
       LADDER_ASSERT(s.data);
       buf.resize(n);
