@@ -8,9 +8,11 @@
 #include <tuple>
 #include <nlohmann/json.hpp>
 
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "model/config.h"
+#include "model/transformer.h"
 #include "train/checkpoint.h"
 #include "train/sampler.h"
 #include "test_util.h"
@@ -129,6 +131,13 @@ TEST(ConfigInput, RecipeNumbersOutOfRangeNameTheField) {
       {"schedule.warmup", [](Config& c) { c.schedule.warmup = 1001; }, "(1000)"},
       {"schedule.warmup", [](Config& c) { c.schedule.warmup = 10.5; }, "whole number"},
       {"schedule.warmup", [](Config& c) { c.schedule.warmup = -0.1; }, ">= 0"},
+      // wsd's decay (the last 90% of 1000 steps) would start at step 100, inside 200 warmup steps.
+      {"schedule.decay_frac", [](Config& c) { c.schedule.type = "wsd", c.schedule.warmup = 200,
+                                                c.schedule.decay_frac = 0.9; }, "inside the 200 warmup steps"},
+      // A micro-batch's tokens (and an MoE layer's token-expert slots) are counted in 32-bit ints.
+      {"run.batch_size", [](Config& c) { c.run.batch_size = 100000, c.model.seq_len = 100000; }, "2^31 - 1"},
+      {"model.moe_top_k", [](Config& c) { c.model.moe_experts = 8, c.model.moe_top_k = 4,
+                                            c.run.batch_size = 1 << 20, c.model.seq_len = 1024; }, "2^31 - 1"},
   };
   for (auto& [key, set, why] : bad) {
     Config c = small();
@@ -143,12 +152,32 @@ TEST(ConfigInput, RecipeNumbersOutOfRangeNameTheField) {
       [](Config& c) { c.schedule.warmup = 0.999; }, [](Config& c) { c.schedule.warmup = 1; },
       [](Config& c) { c.schedule.warmup = 1000; },  [](Config& c) { c.model.rope_theta = 1e4; },
       [](Config& c) { c.optim.eps = 1e-30; },
+      [](Config& c) { c.schedule.type = "wsd", c.schedule.warmup = 100, c.schedule.decay_frac = 0.9; },
+      [](Config& c) { c.run.batch_size = 1 << 20, c.model.seq_len = 2047; },  // 2^31 - 2^20 tokens
   };
   for (auto& set : good) {
     Config c = small();
     set(c);
     EXPECT_NO_THROW(validate(c));
   }
+}
+
+// A model too large for the machine is one error line before anything is built: weights and
+// gradients are checked against the memory available first (without it, a million layers spent
+// seconds and gigabytes on tensor names before failing), and any large host allocation is checked
+// before it is touched (Linux overcommits: the memset would end in the OOM killer, without a word).
+TEST(ConfigInput, AModelTooLargeForTheMachineIsOneErrorLine) {
+  ModelConfig m = small().model;
+  m.vocab_size = 1000;
+  m.d_model = 4096;
+  m.n_heads = 32;
+  m.n_layers = 1000000;
+  auto be = make_cpu_backend(1);
+  EXPECT_ERROR_HAS(error_of([&] { Transformer t(m, 1, *be); }), "out of memory", "weights and gradients",
+                   "MiB available");
+  EXPECT_ERROR_HAS(error_of([&] { host_memory().mem_alloc(size_t(1) << 60, "a test tensor"); }), "out of memory",
+                   "a test tensor", "of host memory available");
+  EXPECT_GT(host_memory().available_bytes(), size_t(1) << 20);  // this machine has some
 }
 
 // A checkpoint's config is checked as a YAML file's is, and errors name the file and the key.

@@ -1,5 +1,7 @@
 // Data pipeline tests: readers, tokenizer, shards, prepare, loader.
 #include <gtest/gtest.h>
+#include <sentencepiece_processor.h>
+#include <sentencepiece_trainer.h>
 #include <unistd.h>
 #include <zlib.h>
 #include <zstd.h>
@@ -10,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/error.h"
@@ -219,6 +222,42 @@ TEST(DataReader, MalformedJsonlNamesFileAndLine) {
   expect_error([&] { read_docs(t.path / "num.jsonl"); }, {"num.jsonl:1:"});
 }
 
+TEST(DataReader, JsonNumberOutOfRangeNamesFileAndLine) {
+  // Valid JSON syntax, but 1e400 does not fit a double: the parser throws out_of_range, not parse_error.
+  Tmp t("bignum");
+  write_text(t.path / "big.jsonl", "{\"text\": \"fine\"}\n{\"text\":\"hello\",\"score\":1e400}\n");
+  expect_error([&] { read_docs(t.path / "big.jsonl"); }, {"big.jsonl:2:", "1e400"});
+}
+
+TEST(DataReader, GzipMembersTrailingBytesAndEmptyFiles) {
+  Tmp t("gztail");
+  // Concatenated members (`cat a.gz b.gz`) are one valid gzip file and read completely.
+  write_gz(t.path / "a.gz.part", "first doc\n\n\n");
+  write_gz(t.path / "b.gz.part", "second doc\n");
+  const std::string a = read_bytes(t.path / "a.gz.part"), b = read_bytes(t.path / "b.gz.part");
+  write_text(t.path / "two.txt.gz", a + b);
+  EXPECT_EQ(read_docs(t.path / "two.txt.gz"), (std::vector<std::string>{"first doc", "second doc"}));
+  // An empty member between them is fine too.
+  write_gz(t.path / "e.gz.part", "");
+  write_text(t.path / "three.txt.gz", a + read_bytes(t.path / "e.gz.part") + b);
+  EXPECT_EQ(read_docs(t.path / "three.txt.gz").size(), 2u);
+  // Anything else after the last member is damage (zlib's gzread would drop it silently).
+  write_text(t.path / "junk.txt.gz", a + "trailing junk\n");
+  expect_error([&] { read_docs(t.path / "junk.txt.gz"); }, {"junk.txt.gz", "after the end of the gzip data"});
+  write_text(t.path / "nl.txt.gz", a + "\n");  // a single stray byte
+  expect_error([&] { read_docs(t.path / "nl.txt.gz"); }, {"nl.txt.gz", "after the end of the gzip data"});
+  write_text(t.path / "zeros.txt.gz", a + std::string(512, '\0'));
+  expect_error([&] { read_docs(t.path / "zeros.txt.gz"); }, {"zeros.txt.gz", "after the end of the gzip data"});
+  // A 0-byte file is not a gzip file (gzip itself rejects it).
+  write_text(t.path / "empty.txt.gz", "");
+  expect_error([&] { read_docs(t.path / "empty.txt.gz"); }, {"empty.txt.gz", "not gzip"});
+  // Damage inside a member is still reported as such.
+  std::string bad = a;
+  bad[bad.size() - 6] ^= 0x55;  // in the CRC32 trailer
+  write_text(t.path / "crc.txt.gz", bad);
+  expect_error([&] { read_docs(t.path / "crc.txt.gz"); }, {"crc.txt.gz", "corrupt gzip"});
+}
+
 TEST(DataReader, BadInputsAreClearErrors) {
   Tmp t("badinput");
   write_text(t.path / "x.csv", "a,b\n");
@@ -329,9 +368,12 @@ TEST(DataPrepare, TextToShardsToTextRoundTrips) {
   EXPECT_EQ(got_train, want_train);
   EXPECT_EQ(got_val, want_val);
 
-  // Anything encodes and decodes back exactly (byte fallback, identity normalization).
-  for (std::string s : {"  leading spaces\tand tabs\n\nnew  lines ", "unseen: Ж ☃ 𝄞 \x01", ""})
+  // Anything encodes and decodes back exactly (byte fallback, identity normalization), even leading
+  // whitespace (no dummy prefix to strip) ...
+  for (std::string s : {"  leading spaces\tand tabs\n\nnew  lines ", "unseen: Ж ☃ 𝄞 \x01", "", " ", "\n x"})
     EXPECT_EQ(tok.decode(tok.encode(s)), s);
+  // ... except U+2581, sentencepiece's own symbol for a space, which comes back as a space.
+  EXPECT_EQ(tok.decode(tok.encode("a\u2581b")), "a b");
 
   nlohmann::json m = nlohmann::json::parse(read_bytes(p.dir / "meta.json"));
   EXPECT_EQ(m["n_train_docs"].get<size_t>(), want_train.size());
@@ -371,6 +413,206 @@ TEST(DataPrepare, AlwaysAtLeastOneValDocumentAndReuse) {
   prepare_data(opt);
   EXPECT_EQ(read_bytes(opt.out_dir / "tokenizer.model"), model);
   EXPECT_EQ(read_bytes(opt.out_dir / "train_000000.bin"), shard);
+}
+
+TEST(DataPrepare, ExistingTokenizerIsCheckedBeforeReadingInputs) {
+  Tmp t("reuse-vocab");
+  auto docs = synthetic_corpus(60);
+  std::string plain;
+  for (auto& d : docs) plain += d + "\n\n\n";
+  write_text(t.path / "c.txt", plain);
+  PrepareOptions opt;
+  opt.inputs = {t.path / "c.txt"};
+  opt.out_dir = t.path / "d";
+  opt.vocab_size = 320;
+  prepare_data(opt);
+  const std::string meta = read_bytes(opt.out_dir / "meta.json");
+
+  // The inputs do not exist: each check below must fail before they are read, and leave the
+  // directory as it was.
+  PrepareOptions again = opt;
+  again.inputs = {t.path / "missing.txt"};
+  again.vocab_size = 400;
+  again.vocab_explicit = true;
+  expect_error([&] { prepare_data(again); }, {"tokenizer.model", "vocab_size 320", "400", "delete"});
+  again.vocab_size = 100;  // out of range even though the existing tokenizer would be reused
+  expect_error([&] { prepare_data(again); }, {"vocab_size", "[300,", "100"});
+  again.vocab_explicit = false;
+  expect_error([&] { prepare_data(again); }, {"vocab_size", "100"});
+  write_text(t.path / "junk.model", "not a model");
+  fs::copy_file(opt.out_dir / "tokenizer.model", t.path / "good.model");
+  fs::copy_file(t.path / "junk.model", opt.out_dir / "tokenizer.model", fs::copy_options::overwrite_existing);
+  again.vocab_size = 320;
+  expect_error([&] { prepare_data(again); }, {"tokenizer.model", "sentencepiece"});
+  fs::copy_file(t.path / "good.model", opt.out_dir / "tokenizer.model", fs::copy_options::overwrite_existing);
+  EXPECT_EQ(read_bytes(opt.out_dir / "meta.json"), meta);
+
+  // The default vocab_size (not asked for) reuses the tokenizer as it is, with a note.
+  PrepareOptions dflt;
+  dflt.inputs = opt.inputs;
+  dflt.out_dir = opt.out_dir;
+  EXPECT_FALSE(dflt.vocab_explicit);
+  prepare_data(dflt);
+  EXPECT_EQ(read_meta(opt.out_dir).vocab_size, 320);
+  // An explicit request that matches is fine; with reuse off a new tokenizer is trained.
+  PrepareOptions same = opt;
+  same.vocab_explicit = true;
+  EXPECT_NO_THROW(prepare_data(same));
+  PrepareOptions retrain = opt;
+  retrain.vocab_size = 330;
+  retrain.vocab_explicit = true;
+  retrain.reuse_tokenizer = false;
+  prepare_data(retrain);
+  EXPECT_EQ(read_meta(opt.out_dir).vocab_size, 330);
+}
+
+TEST(DataPrepare, RemovesStaleShardsAndTempFilesOfKilledRuns) {
+  Tmp t("stale");
+  auto docs = synthetic_corpus(60);
+  std::string jsonl;
+  for (auto& d : docs) jsonl += nlohmann::json{{"text", d}}.dump() + "\n";
+  write_text(t.path / "c.jsonl", jsonl);
+  PrepareOptions opt;
+  opt.inputs = {t.path / "c.jsonl"};
+  opt.out_dir = t.path / "d";
+  opt.vocab_size = 320;
+  fs::create_directories(opt.out_dir);
+  const fs::path d = opt.out_dir;
+  // Left by a killed run: a process id far above any pid_max, so certainly not running.
+  for (const char* f : {"train_000007.bin", "train_000003.bin.tmp.999999999.0", "meta.json.tmp.999999999.4",
+                        "tokenizer.model.tmp.999999999.1", "val_000000.bin.tmp.999999999.12"})
+    write_text(d / f, "x");
+  // Not ours to remove: other names, and a temp file of a process that is still running (this one).
+  const std::string live = "train_000000.bin.tmp." + std::to_string(::getpid()) + ".99";
+  for (std::string f : {std::string("notes.txt.tmp.999999999.0"), std::string("train_000000.bin.tmp.x.0"),
+                        std::string("my.tmp.999999999.0.bak"), live})
+    write_text(d / f, "x");
+  prepare_data(opt);
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(d)) names.insert(e.path().filename().string());
+  for (const char* f : {"train_000007.bin", "train_000003.bin.tmp.999999999.0", "meta.json.tmp.999999999.4",
+                        "tokenizer.model.tmp.999999999.1", "val_000000.bin.tmp.999999999.12"})
+    EXPECT_EQ(names.count(f), 0u) << f;
+  for (std::string f : {std::string("notes.txt.tmp.999999999.0"), std::string("train_000000.bin.tmp.x.0"),
+                        std::string("my.tmp.999999999.0.bak"), live})
+    EXPECT_EQ(names.count(f), 1u) << f;
+  EXPECT_EQ(names.count("meta.json"), 1u);
+}
+
+TEST(DataTokenizer, WordAfterNewlineEncodesAsAtDocumentStart) {
+  // Training sees one line per sentence; encoding sees whole documents. A word that starts a line
+  // must get the pieces training learnt for line starts, wherever the line is in the document.
+  const auto& p = prepared();
+  Tokenizer tok = Tokenizer::load(p.dir / "tokenizer.model");
+  EXPECT_TRUE(tok.cuts_at_newlines());
+  const std::vector<int32_t> prefix = tok.encode("Doc 1.\n");
+  size_t start_pieces = 0, mid_pieces = 0;
+  for (std::string w : {"the", "kalo", "mine", "ruta", "shipo", "anel", "verdos", "Doc", "café"}) {
+    std::vector<int32_t> at_start = tok.encode(w), after_nl = tok.encode("Doc 1.\n" + w);
+    ASSERT_GE(after_nl.size(), prefix.size());
+    EXPECT_EQ(std::vector<int32_t>(after_nl.begin(), after_nl.begin() + prefix.size()), prefix) << w;
+    EXPECT_EQ(std::vector<int32_t>(after_nl.begin() + prefix.size(), after_nl.end()), at_start) << w;
+    start_pieces += at_start.size();
+    mid_pieces += tok.encode("x " + w).size() - tok.encode("x").size();
+  }
+  // Line-initial words were seen in training (every training line starts with one), so they are not
+  // split into more pieces than mid-line words, give or take.
+  EXPECT_LE(start_pieces, mid_pieces + 3);
+}
+
+TEST(DataTokenizer, LongDocumentsEncodeInPiecesWithTheSameIds) {
+  // newline_pieces: cut after "\n", within max_bytes unless a line alone is longer.
+  auto cut = [](std::string_view s, size_t max) {
+    std::vector<std::string> out;
+    for (auto v : newline_pieces(s, max)) out.emplace_back(v);
+    return out;
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(cut("", 4), V{""});
+  EXPECT_EQ(cut("abc", 4), V{"abc"});
+  EXPECT_EQ(cut("ab\ncd\nef", 6), (V{"ab\ncd\n", "ef"}));
+  EXPECT_EQ(cut("ab\ncd\nef", 3), (V{"ab\n", "cd\n", "ef"}));
+  EXPECT_EQ(cut("abcdefgh\nij\n", 3), (V{"abcdefgh\n", "ij\n"}));  // a long line stays whole
+  EXPECT_EQ(cut("abcdefgh", 3), V{"abcdefgh"});
+  EXPECT_EQ(cut("\n\n\n\n", 2), (V{"\n\n", "\n\n"}));
+
+  // A multi-line document several times kEncodePieceBytes, encoded by Tokenizer (in pieces) and by
+  // sentencepiece in one call, gives the same ids.
+  const auto& p = prepared();
+  Tokenizer tok = Tokenizer::load(p.dir / "tokenizer.model");
+  ASSERT_TRUE(tok.cuts_at_newlines());
+  std::string doc;
+  for (const auto& d : synthetic_corpus(400)) doc += d + "\n";
+  doc += std::string(3 * kEncodePieceBytes / 2, 'q') + "\n\n  tail ";  // one line longer than a piece
+  ASSERT_GT(doc.size(), 3 * kEncodePieceBytes);
+  ASSERT_GT(newline_pieces(doc, kEncodePieceBytes).size(), 3u);
+  sentencepiece::SentencePieceProcessor sp;
+  ASSERT_TRUE(sp.Load((p.dir / "tokenizer.model").string()).ok());
+  std::vector<int> whole;
+  ASSERT_TRUE(sp.Encode(doc, &whole).ok());
+  std::vector<int32_t> got = tok.encode(doc);
+  EXPECT_EQ(got, std::vector<int32_t>(whole.begin(), whole.end()));
+  EXPECT_EQ(tok.decode(got), doc);
+
+  // prepare encodes the same way: a plain-text file without blank-line separators is one document.
+  Tmp t("longdoc");
+  write_text(t.path / "one.txt", doc + "\n\n\n" + "another document");
+  PrepareOptions opt;
+  opt.inputs = {t.path / "one.txt"};
+  opt.out_dir = t.path / "d";
+  fs::create_directories(opt.out_dir);
+  fs::copy_file(p.dir / "tokenizer.model", opt.out_dir / "tokenizer.model");
+  opt.vocab_size = 400;
+  opt.val_fraction = 0.0;  // the smaller hash key goes to val; find the long document on either side
+  prepare_data(opt);
+  DataMeta meta = read_meta(opt.out_dir);
+  auto stream = read_stream(meta.train_shards, meta.tokenizer_hash);
+  auto val = read_stream(meta.val_shards, meta.tokenizer_hash);
+  stream.insert(stream.end(), val.begin(), val.end());
+  bool found = false;
+  for (auto& ids : split_docs(stream, meta.eod_id)) {
+    if (ids.size() != whole.size()) continue;
+    found = true;
+    EXPECT_EQ(ids, std::vector<int32_t>(whole.begin(), whole.end()));
+  }
+  EXPECT_TRUE(found);
+}
+
+TEST(DataTokenizer, ModelWithDummyPrefixIsEncodedWhole) {
+  // Tokenizers trained before add_dummy_prefix was turned off live on in existing data directories;
+  // for them cutting would change the ids, so encode() must not cut.
+  Tmp t("dummy");
+  std::vector<std::string> lines;
+  for (const auto& d : synthetic_corpus(80))
+    for (size_t p = 0, q; p < d.size(); p = q + 1) {
+      q = std::min(d.find('\n', p), d.size());
+      if (q > p) lines.push_back(d.substr(p, q - p));
+    }
+  struct Lines : sentencepiece::SentenceIterator {
+    const std::vector<std::string>& l;
+    size_t i = 0;
+    explicit Lines(const std::vector<std::string>& v) : l(v) {}
+    bool done() const override { return i >= l.size(); }
+    void Next() override { ++i; }
+    const std::string& value() const override { return l[i]; }
+    sentencepiece::util::Status status() const override { return {}; }
+  } it(lines);
+  std::unordered_map<std::string, std::string> args = {
+      {"model_type", "bpe"}, {"vocab_size", "320"}, {"byte_fallback", "true"},
+      {"normalization_rule_name", "identity"}, {"remove_extra_whitespaces", "false"},
+      {"user_defined_symbols", "\n"}, {"num_threads", "1"}, {"minloglevel", "2"}};  // add_dummy_prefix: default
+  std::string model;
+  ASSERT_TRUE(sentencepiece::SentencePieceTrainer::Train(args, &it, &model).ok());
+  write_text(t.path / "old.model", model);
+  Tokenizer tok = Tokenizer::load(t.path / "old.model");
+  EXPECT_FALSE(tok.cuts_at_newlines());
+  std::string doc;
+  while (doc.size() < 2 * kEncodePieceBytes) doc += lines[doc.size() % lines.size()] + "\n";
+  sentencepiece::SentencePieceProcessor sp;
+  ASSERT_TRUE(sp.LoadFromSerializedProto(model).ok());
+  std::vector<int> whole;
+  ASSERT_TRUE(sp.Encode(doc, &whole).ok());
+  EXPECT_EQ(tok.encode(doc), std::vector<int32_t>(whole.begin(), whole.end()));
 }
 
 TEST(DataPrepare, TokenizerMismatchIsAnError) {
@@ -556,4 +798,15 @@ TEST(DataLoader, MetaErrorsNameFileAndField) {
   m["train_tokens"] = 102;  // disagrees with the shards
   ladder::write_file_atomic(dir / "meta.json", m.dump());
   expect_error([&] { DataLoader(dir, "train", 10, 1, 0, true); }, {"train_tokens", "102", "101"});
+  // A count no shard could hold fails before memory is reserved for it.
+  m["train_tokens"] = uint64_t(100'000'000'000'000'000);
+  ladder::write_file_atomic(dir / "meta.json", m.dump());
+  expect_error([&] { DataLoader(dir, "train", 10, 1, 0, true); }, {"meta.json", "train_tokens", "at most"});
+  // A number beyond double range in any field (even one read_meta ignores) is well-formed JSON that
+  // the parser cannot hold.
+  m["train_tokens"] = 101;
+  std::string text = m.dump();
+  text.insert(text.size() - 1, ",\"val_fraction\":1e400");
+  ladder::write_file_atomic(dir / "meta.json", text);
+  expect_error([&] { read_meta(dir); }, {"meta.json", "1e400"});
 }

@@ -33,6 +33,8 @@ double gauss(const Philox& r, uint64_t i) {
   return std::sqrt(-2 * std::log(u1)) * std::cos(2 * M_PI * u2);
 }
 
+double kNaN() { return std::numeric_limits<double>::quiet_NaN(); }
+
 void write_text(const fs::path& p, const std::string& s) {
   std::ofstream f(p);
   f << s;
@@ -365,6 +367,105 @@ TEST(LadderReport, WarningsNameWhatNotToTrust) {
   EXPECT_LT(md.find("## Warnings"), md.find("## Speedup"));
 }
 
+// A seed one side lacks (an unfinished sweep, a failed run) must not enter the headline numbers:
+// a variant identical to its baseline, seeds offset by +0.03 and -0.03 in loss (shared by both
+// sides, as a seed's data order is), and the baseline's seed 2 missing. Averaging every seed of
+// each side compared the baseline's +0.03 with the variant's 0 and showed a speedup (about 2x
+// here); only seed 1 pairs up, and it gives exactly 1x. Where no seed pairs up, the cell is n/a.
+TEST(LadderReport, HeadlineSpeedupsCompareOnlySeedsBothSidesHave) {
+  auto law = [](double C) { return 2.0 + 10.0 * std::pow(C, -0.1); };
+  const double offset[3] = {0, 0.03, -0.03};  // by seed
+  std::vector<nlohmann::json> rs;
+  for (int d : {64, 128, 256}) {
+    const double C = 1e12 * d;
+    rs.push_back(fake_result("dense", "", d, 1, C, law(C) + offset[1], 1000));
+    for (int s : {1, 2}) rs.push_back(fake_result("same", "dense", d, s, C, law(C) + offset[s], 1000));
+  }
+  // d=512: the variant has seed 1 only, the baseline seed 2 only.
+  rs.push_back(fake_result("dense", "", 512, 2, 512e12, law(512e12) + offset[2], 1000));
+  rs.push_back(fake_result("same", "dense", 512, 1, 512e12, law(512e12) + offset[1], 1000));
+  Report r = compute_report(rs, 2.0, 0.1);
+  ASSERT_EQ(r.variants.size(), 2u);
+  const VariantRow& v = r.variants[1];
+  ASSERT_EQ(v.name, "same");
+  for (size_t i = 0; i < 3; ++i) {
+    const SpeedupCell& c = v.cells[i];
+    EXPECT_EQ(c.n_variant, 2);
+    EXPECT_EQ(c.n_paired, 1);
+    EXPECT_NEAR(c.marin_theo.value, 1.0, 1e-9) << c.d;
+    EXPECT_NEAR(c.marin_real.value, 1.0, 1e-9) << c.d;
+    EXPECT_NEAR(c.law_theo.value, 1.0, 1e-6) << c.d;
+    EXPECT_NEAR(c.law_real.value, 1.0, 1e-6) << c.d;
+    EXPECT_DOUBLE_EQ(c.loss, c.base_loss) << "means over the paired seed";
+  }
+  const SpeedupCell& c512 = v.cells[3];
+  EXPECT_EQ(c512.n_paired, 0);
+  EXPECT_TRUE(std::isnan(c512.marin_theo.value));
+  EXPECT_TRUE(std::isnan(c512.law_theo.value));
+  EXPECT_EQ(format_cell(c512, true, true), "n/a (n/a)");
+  EXPECT_EQ(v.gate_marin, "n/a");
+  auto has = [&](const std::string& needle) {
+    for (auto& w : r.warnings)
+      if (w.find(needle) != std::string::npos) return true;
+    return false;
+  };
+  const std::string all = fmt::format("{}", fmt::join(r.warnings, "\n"));
+  EXPECT_TRUE(has("same vs dense: the speedups compare only the seeds both have")) << all;
+  EXPECT_TRUE(has("same-d64-s2 (no dense-d64-s2)")) << all;
+  EXPECT_TRUE(has("dense-d512-s2 (no same-d512-s2)")) << all;
+  EXPECT_TRUE(has("same vs dense d=512: no seed in common (same: 1; dense: 2): no speedup (n/a)")) << all;
+
+  // A seed the baseline lacks everywhere is named as such, and the gate reads 1x as a failure.
+  rs.resize(rs.size() - 2);
+  Report r2 = compute_report(rs, 2.0, 0.1);
+  for (auto& c : r2.variants[1].cells) EXPECT_NEAR(c.marin_theo.value, 1.0, 1e-9) << c.d;
+  EXPECT_EQ(r2.variants[1].gate_marin, "FAIL");
+  bool named = false;
+  for (auto& w : r2.warnings) named |= w.find("same-d128-s2 (dense has no seed 2)") != std::string::npos;
+  EXPECT_TRUE(named) << fmt::format("{}", fmt::join(r2.warnings, "\n"));
+}
+
+// Marin's method needs the baseline's loss above E (A is refit through it); at or below E the
+// speedup is n/a, and the report says which baseline, where, and what to change.
+TEST(LadderReport, BaselineLossAtOrBelowEIsNamedInTheWarnings) {
+  auto law = [](double C) { return 2.0 + 100.0 * std::pow(C, -0.1); };
+  std::vector<nlohmann::json> rs;
+  for (int d : {64, 128, 256}) {
+    const double C = 1e12 * d;
+    rs.push_back(fake_result("dense", "", d, 1, C, law(C), 1000));
+    rs.push_back(fake_result("fast", "dense", d, 1, C, law(1.5 * C), 1000));
+  }
+  const double E = law(128e12);  // the baseline's loss at d=128 itself; d=256 is below it
+  Report r = compute_report(rs, E, 0.1);
+  const auto& cells = r.variants[1].cells;
+  EXPECT_FALSE(std::isnan(cells[0].marin_theo.value));
+  EXPECT_TRUE(std::isnan(cells[1].marin_theo.value));
+  EXPECT_TRUE(std::isnan(cells[2].marin_theo.value));
+  bool warned = false;
+  for (auto& w : r.warnings)
+    warned |= w.find(fmt::format("baseline dense: its loss at d=128 ({:.4f}), d=256 ({:.4f}) is at or below E = {:g}",
+                                 law(128e12), law(256e12), E)) != std::string::npos &&
+              w.find("lower --E") != std::string::npos;
+  EXPECT_TRUE(warned) << fmt::format("{}", fmt::join(r.warnings, "\n"));
+}
+
+// The fitted-law table shows an interval on the realized speedup too (docs/ladder.md, "Intervals").
+TEST(LadderReport, CellShowsTheTheoreticalAndTheRealizedInterval) {
+  SpeedupCell c;
+  c.n_variant = 2;
+  c.law_theo = {1.32, 1.10, 1.50};
+  c.law_real = {0.95, 0.80, 1.12};
+  c.marin_theo = {2.0, 1.5, 2.5};
+  c.marin_real = {1.5, kNaN(), kNaN()};
+  EXPECT_EQ(format_cell(c, true, true), "1.32x [1.10x-1.50x] (0.95x [0.80x-1.12x])");
+  EXPECT_EQ(format_cell(c, true, false), "1.32x (0.95x)");
+  EXPECT_EQ(format_cell(c, false, true), "2.00x [1.50x-2.50x] (1.50x)");
+  c.n_variant = 0;
+  EXPECT_EQ(format_cell(c, true, true), "-");
+  c.n_diverged = 1;
+  EXPECT_EQ(format_cell(c, true, true), "diverged");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sweeps on a tiny dense model and a small synthetic data set
 
@@ -415,12 +516,14 @@ report: {E: 1.0, alpha: 0.1}
 )");
   }
   static SweepSummary run_sweep(const fs::path& spec_file, const fs::path& out,
-                                std::function<int64_t(const PlannedRun&)> stop = nullptr) {
+                                std::function<int64_t(const PlannedRun&)> stop = nullptr,
+                                std::function<int64_t(const PlannedRun&)> signal_at = nullptr) {
     SweepOptions o;
     o.spec_file = spec_file;
     o.out = out;
     o.peak_gflops = 50;  // no sgemm measurement in tests
     o.stop_after = stop;
+    o.interrupt_at = signal_at;
     return sweep(o);
   }
   static std::map<std::string, nlohmann::json> results(const fs::path& out) {
@@ -513,6 +616,170 @@ TEST_F(LadderSweepTest, KilledSweepResumesToTheSameResultsWithNoDuplicateOrMissi
   }
   // Nothing but the four result files in results/ (no temp files left behind).
   EXPECT_EQ(std::distance(fs::directory_iterator(b / "results"), fs::directory_iterator()), 4);
+}
+
+// A stop signal during a run's last step (or its final evaluation or checkpoint) lets that run
+// complete and be recorded, and stops the sweep there, as a signal anywhere else does.
+TEST_F(LadderSweepTest, StopSignalDuringARunsLastStepStopsTheSweepAfterThatRun) {
+  fs::path s = good_spec(), out = dir->path / "out-signal-last-step";
+  SweepSummary first = run_sweep(s, out, nullptr, [](const PlannedRun& r) { return r.cfg.run.steps; });
+  EXPECT_TRUE(first.interrupted);
+  EXPECT_EQ(first.trained, 1);
+  auto rs = results(out);
+  ASSERT_EQ(rs.size(), 1u);
+  ASSERT_TRUE(rs.count("dense-d32-s1"));
+  EXPECT_EQ(rs["dense-d32-s1"]["loss_curve"].size(), 8u);  // completed, not cut short
+  SweepSummary second = run_sweep(s, out);
+  EXPECT_FALSE(second.interrupted);
+  EXPECT_EQ(second.already_done, 1);
+  EXPECT_EQ(second.trained, 3);
+}
+
+// A run whose loss goes non-finite is recorded as diverged and the sweep goes on; a resumed sweep
+// skips it (the same config diverges again), and the report lists it and leaves it out of every
+// fit. Any other error during a run still stops the sweep.
+TEST_F(LadderSweepTest, DivergedRunIsRecordedAndTheSweepGoesOn) {
+  fs::path s = spec("diverge", R"(scales:
+  rules: {head_dim: 16, kv_ratio: 1, checkpoints: 2, evals: 2}
+  list:
+    - {d: 32, steps: 4, batch_size: 4}
+    - {d: 48, steps: 4, batch_size: 4}
+seeds: [1]
+variants:
+  dense: {}
+  hot: {baseline: dense, set: {optim.lr: 1.0e+30}}
+report: {E: 1.0, alpha: 0.1}
+)");
+  fs::path out = dir->path / "out-diverge";
+  SweepSummary first = run_sweep(s, out);
+  EXPECT_FALSE(first.interrupted);
+  EXPECT_EQ(first.trained, 2);
+  EXPECT_EQ(first.diverged, 2);
+  auto rs = results(out);  // all_results() accepts the diverged records
+  ASSERT_EQ(rs.size(), 4u);
+  Plan plan = make_plan(load_spec(s), 50);
+  for (auto& r : plan.runs) {
+    const bool hot = r.variant == "hot";
+    EXPECT_EQ(rs[r.id]["status"], hot ? "diverged" : "finished") << r.id;
+    EXPECT_EQ(rs[r.id]["config_hash"], r.config_hash) << r.id;
+    if (hot) {
+      EXPECT_EQ(rs[r.id]["error"].get<std::string>().rfind("training diverged: loss is", 0), 0u) << rs[r.id]["error"];
+    }
+  }
+  // Written as results are (temp + rename): nothing else in results/.
+  EXPECT_EQ(std::distance(fs::directory_iterator(out / "results"), fs::directory_iterator()), 4);
+  SweepSummary second = run_sweep(s, out);
+  EXPECT_EQ(second.trained, 0);
+  EXPECT_EQ(second.diverged, 2);
+  EXPECT_EQ(second.already_done, 2);
+
+  ReportOptions ro;
+  ro.dir = out;
+  const std::string md = write_report(ro);
+  EXPECT_NE(md.find("- hot-d32-s1 diverged (training diverged: loss is"), std::string::npos) << md;
+  EXPECT_NE(md.find("| hot | dense | diverged | diverged | n/a |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| hot-d48-s1 | hot | 48 | 1 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| diverged | - | - | - | - |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| hot | no law (no finished run) |"), std::string::npos) << md;
+
+  // Another error (here an unreadable checkpoint of a started run) stops the sweep as before.
+  fs::path other = dir->path / "out-diverge-other-error";
+  run_sweep(s, other, [](const PlannedRun& r) { return r.id == "dense-d32-s1" ? 3 : -1; });
+  const fs::path ck = other / "runs" / "dense-d32-s1" / "checkpoints" / "step_00000002";
+  ASSERT_TRUE(fs::exists(ck / "state.json"));
+  write_text(ck / "state.json", "{");
+  try {
+    run_sweep(s, other);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find("diverged"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(ResultStore(other).read_result("dense-d32-s1"));
+}
+
+// The report takes baselines and stacks from the spec as ladder.json records it, not from the
+// copies stored with each result: an edited `stacks:`, or a variant moved to a baseline that gives
+// it the same config, leaves the configs (and so the stored results) unchanged.
+TEST_F(LadderSweepTest, ReportTakesBaselinesAndStacksFromTheCurrentSpec) {
+  fs::path s = spec("links", R"(scales:
+  rules: {head_dim: 16}
+  list: [{d: 32, steps: 2}, {d: 48, steps: 2}, {d: 64, steps: 2}]
+seeds: [1]
+variants:
+  dense: {}
+  hot: {baseline: dense, set: {optim.lr: 0.01}}
+  wide: {baseline: dense, set: {model.d_ff: 6*d}}
+  both: {baseline: dense, set: {optim.lr: 0.01, model.d_ff: 6*d}, stacks: [hot, wide]}
+  hot_wide: {baseline: hot, set: {model.d_ff: 6*d}}
+report: {E: 1.0, alpha: 0.1}
+)");
+  Plan plan = make_plan(load_spec(s), 50);
+  fs::path out = dir->path / "out-links";
+  ResultStore store(out);
+  store.open_for_sweep(plan.spec, plan.hashes());
+  // Stored by the spec before the edit: both stacked hot only, hot_wide was measured against dense
+  // (with lr 0.01 in its own set: the same config as now).
+  auto law = [](double C) { return 2.0 + 100.0 * std::pow(C, -0.1); };
+  const std::map<std::string, double> gain = {{"dense", 1}, {"hot", 1.2}, {"wide", 1.1}, {"both", 1.3}, {"hot_wide", 1.3}};
+  for (auto& r : plan.runs) {
+    const std::string old_base = r.variant == "dense" ? "" : "dense";
+    auto j = fake_result(r.variant, old_base, r.d, int(r.seed), r.compute, law(gain.at(r.variant) * r.compute), 1000,
+                         r.variant == "both" ? std::vector<std::string>{"hot"} : std::vector<std::string>{});
+    j["config_hash"] = r.config_hash;
+    store.write_result(r.id, j);
+  }
+  ReportOptions ro;
+  ro.dir = out;
+  const std::string md = write_report(ro);
+  EXPECT_NE(md.find("| hot_wide | hot |"), std::string::npos) << md;
+  EXPECT_EQ(md.find("| hot_wide | dense |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| both | hot x wide |"), std::string::npos) << md;
+  // A directory from before ladder.json recorded them: the stored copies.
+  auto m = nlohmann::json::parse(read_file(out / "ladder.json"));
+  m.erase("baselines");
+  m.erase("stacks");
+  write_text(out / "ladder.json", m.dump());
+  const std::string old = write_report(ro);
+  EXPECT_NE(old.find("| hot_wide | dense |"), std::string::npos) << old;
+  EXPECT_NE(old.find("| both | hot |"), std::string::npos) << old;
+}
+
+// A stored result that lacks a field the report needs, or holds it as another type, fails naming
+// the file and the field (not a bare JSON library error).
+TEST_F(LadderSweepTest, ResultWithAMissingOrMistypedFieldIsNamed) {
+  Plan plan = make_plan(load_spec(good_spec()), 50);
+  fs::path out = dir->path / "out-fields";
+  ResultStore store(out);
+  store.open_for_sweep(plan.spec, plan.hashes());
+  for (auto& r : plan.runs) {
+    auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute, 5.0 - 0.1 * r.d / 16.0, 1000);
+    j["config_hash"] = r.config_hash;
+    store.write_result(r.id, j);
+  }
+  ReportOptions ro;
+  ro.dir = out;
+  EXPECT_NO_THROW(write_report(ro));
+  const std::string id = plan.runs[1].id;
+  auto j = *store.read_result(id);
+  auto expect_error = [&](const nlohmann::json& bad, const std::string& want) {
+    write_text(store.result_path(id), bad.dump());
+    try {
+      write_report(ro);
+      ADD_FAILURE() << "no error: " << want;
+    } catch (const std::exception& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(store.result_path(id).string() + ": result field " + want), std::string::npos) << m;
+    }
+  };
+  auto missing = j;
+  missing.erase("tokens_per_s");
+  expect_error(missing, "'tokens_per_s' is missing (expected a number)");
+  auto mistyped = j;
+  mistyped["d"] = "32";
+  expect_error(mistyped, "'d' is a string, expected a whole number");
+  auto nan_loss = j;
+  nan_loss["final_val_loss"] = nullptr;  // how a NaN is written to JSON
+  expect_error(nan_loss, "'final_val_loss' is null, expected a number");
 }
 
 TEST_F(LadderSweepTest, RunLockedByAnotherWorkerIsLeftToIt) {
@@ -702,6 +969,9 @@ TEST_F(LadderSweepTest, BadSpecsFailWithOneLineBeforeTraining) {
                "dupseeds.yaml:9: 'seeds' is given twice (lines 6 and 9): keep one");
   expect_error("dupvariant", scales + "variants:\n  dense: {}\n  x: {baseline: dense}\n  x: {baseline: dense}\n",
                "dupvariant.yaml:9: 'variants.x' is given twice (lines 8 and 9): keep one");
+  // steps and tokens together over-determine a run (tokens = steps x batch x seq_len).
+  expect_error("stepstokens", "scales:\n  rules: {head_dim: 16}\n  list: [{d: 32, steps: 2, tokens: 4096}]\nvariants:\n  dense: {}\n",
+               "stepstokens.yaml:5: scale d=32 gives both steps and tokens: give one");
   expect_error("dupscale", "scales:\n  rules: {head_dim: 16}\n  list:\n    - {d: 32, steps: 2, d: 48}\nvariants:\n  dense: {}\n",
                "'scales.list[0].d' is given twice");
   // A retired key is not an error: it is ignored with one warning naming the file and line.

@@ -579,6 +579,7 @@ TEST(MoeParityTrain, TenStepsWithQuantileBalancingMatchPyTorch) {
     EXPECT_NEAR(st.grad_norm, ref["grad_norms"][t].get<double>(), 1e-4 * st.grad_norm) << "step " << t;
     ASSERT_EQ(st.moe.size(), 2u);
     EXPECT_DOUBLE_EQ(st.moe[0].load_mean, double(N) * 2 / 6);
+    for (auto& m : st.moe) EXPECT_EQ(m.dropped_frac, 0.0) << "layer " << m.layer;  // dropless
   }
   auto fin = SafeTensors::open(dir.path / "ref_final.safetensors");
   for (auto& p : model.params()) {

@@ -1,5 +1,6 @@
 // Training loop, checkpoints, resume, config handling and the CLI's error lines.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -142,6 +143,54 @@ TEST_F(TrainTest, LossFallsAndMetricsHaveTheFields) {
   EXPECT_EQ(out.rfind("the cat", 0), 0u) << out;
   EXPECT_GT(out.size(), std::string("the cat").size());
   EXPECT_EQ(out, sample_text(r, so));  // greedy is deterministic
+}
+
+// A model.vocab_size padded past the tokenizer's (allowed: the rows are never targets) must not
+// sample the padding ids, which the tokenizer cannot decode. After two steps the logits are near
+// uniform, so the full distribution would pick a padding id (2/3 of them) almost every token.
+TEST_F(TrainTest, SamplingNeverPicksAnIdPastTheTokenizer) {
+  Config c = tiny();
+  c.model.vocab_size = 3 * 320;
+  c.run.steps = 2;
+  c.run.eval_every = 0;
+  fs::path r = dir->path / "run-padded-vocab";
+  run(c, r);
+  SampleOptions so;
+  so.prompt = "the cat";
+  so.max_tokens = 12;
+  so.temperature = 1;
+  for (int top_k : {0, 2000}) {
+    so.top_k = top_k;
+    for (uint64_t seed = 1; seed <= 4; ++seed) {
+      so.seed = seed;
+      std::string out;
+      ASSERT_NO_THROW(out = sample_text(r, so)) << "top_k " << top_k << " seed " << seed;
+      EXPECT_EQ(out.rfind("the cat", 0), 0u) << out;
+    }
+  }
+}
+
+// `ladder train` stopped by a signal writes its checkpoint and exits 130, not 0: a job script or a
+// scheduler's requeue logic must not take a preempted run for a finished one. The signal is sent
+// once the run has logged a step (its handler is installed by then), so the stop is the graceful one.
+TEST_F(TrainTest, CliExitsNonZeroWhenASignalStopsTheRun) {
+  Config c = tiny();
+  c.run.steps = 1000000;
+  c.run.ckpt_every = 0;
+  c.run.eval_every = 0;
+  const fs::path cfg = dir->path / "long.yaml", r = dir->path / "run-signal";
+  write_file_atomic(cfg, to_yaml(c));
+  const std::string script = fmt::format(
+      "{}/ladder train {} --run-dir {} >{} 2>&1 & p=$!; "
+      "for i in $(seq 600); do [ -s {} ] && break; sleep 0.1; done; kill -INT $p; wait $p; exit $?",
+      LADDER_BINARY_DIR, cfg.string(), r.string(), (dir->path / "signal.out").string(), (r / "metrics.jsonl").string());
+  const int rc = std::system(fmt::format("bash -c '{}'", script).c_str());
+  ASSERT_TRUE(WIFEXITED(rc));
+  const std::string out = read_file(dir->path / "signal.out");
+  EXPECT_EQ(WEXITSTATUS(rc), 130) << out;
+  EXPECT_NE(out.find("interrupted: checkpoint written at step"), std::string::npos) << out;
+  EXPECT_NE(out.find("stopped: "), std::string::npos) << out;
+  EXPECT_TRUE(latest_checkpoint(r).has_value());
 }
 
 TEST_F(TrainTest, RefusesToOverwriteARunWithoutResume) {

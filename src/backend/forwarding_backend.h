@@ -323,6 +323,7 @@ class ForwardingBackend : public Backend {
   void note_external_write(const void* p, size_t bytes) override { b_->note_external_write(p, bytes); }
   // Memory, and the ops that write their sums to backend memory.
   bool is_host() const override { return b_->is_host(); }
+  size_t available_bytes() const override { return b_->available_bytes(); }
   void* mem_alloc(size_t bytes, const char* what) override { return b_->mem_alloc(bytes, what); }
   void mem_free(void* p) override { b_->mem_free(p); }
   void upload(void* d, const void* s, size_t n) override { wrap("copies", 0, [&] { b_->upload(d, s, n); }); }

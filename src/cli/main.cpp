@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   data::PrepareOptions dopt;
   data->add_option("--input", dopt.inputs, "input files")->required()->check(CLI::ExistingFile);
   data->add_option("--out", dopt.out_dir, "output directory")->required();
-  data->add_option("--vocab", dopt.vocab_size, "tokenizer vocabulary size")->capture_default_str();
+  auto* vocab_opt = data->add_option("--vocab", dopt.vocab_size, "tokenizer vocabulary size")->capture_default_str();
   data->add_option("--val-fraction", dopt.val_fraction, "fraction of documents held out")->capture_default_str();
 
   // ladder train
@@ -119,6 +119,7 @@ int main(int argc, char** argv) {
 
   try {
     if (data->parsed()) {
+      dopt.vocab_explicit = vocab_opt->count() > 0;  // a reused tokenizer of another size is then an error
       data::prepare_data(dopt);
     } else if (tr->parsed()) {
       TrainOptions o;
@@ -140,7 +141,9 @@ int main(int argc, char** argv) {
       }
       o.run_dir = run_dir.empty() ? fs::path("runs") / fs::path(train_cfg).stem() : fs::path(run_dir);
       o.resume = resume;
-      train(o);
+      // A run stopped by a signal exits 130, as `ladder sweep` does: a job script or a scheduler's
+      // requeue logic must not take a preempted run for a finished one.
+      if (train(o).end_step < o.cfg.run.steps) return 130;
     } else if (sa->parsed()) {
       // The checkpoint's tokenizer first: a checkpoint saved without one gets an error that says why
       // and what to copy where (sample_text's own would only say the file is not found).

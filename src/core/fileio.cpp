@@ -16,10 +16,15 @@ namespace ladder {
 
 void fsync_dir(const std::filesystem::path& dir) {
   int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
+  const bool ok = fd >= 0 && ::fsync(fd) == 0;
+  const int e = errno;
+  if (fd >= 0) ::close(fd);
+  // Not fatal (some filesystems refuse to fsync a directory), but not silent either: the files'
+  // names, not only their bytes, must survive a machine crash. Once per process, not per file.
+  static std::atomic<bool> warned{false};
+  if (!ok && !warned.exchange(true))
+    fmt::print(stderr, "warning: {}: cannot fsync the directory ({}): files renamed into it may not survive a "
+               "machine crash\n", dir.empty() ? "." : dir.string(), std::strerror(e));
 }
 
 AtomicFileWriter::AtomicFileWriter(const std::filesystem::path& path) : path_(path) {

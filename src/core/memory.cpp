@@ -1,7 +1,11 @@
 #include "core/memory.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 #include "core/error.h"
 
@@ -9,12 +13,34 @@ namespace ladder {
 
 namespace {
 
+// One number of bytes from a file such as memory.max; false when the file is missing or says "max".
+bool read_bytes(const char* path, uint64_t& out) {
+  std::ifstream f(path);
+  std::string word;
+  if (!(f >> word) || word == "max") return false;
+  char* end = nullptr;
+  out = std::strtoull(word.c_str(), &end, 10);
+  return end && *end == '\0';
+}
+
+// Allocations under this size are not checked: they cannot decide whether a model fits, and the
+// check reads files.
+constexpr size_t kCheckFrom = size_t(64) << 20;
+
 class HostMemory final : public MemorySpace {
  public:
   bool is_host() const override { return true; }
+  size_t available_bytes() const override { return host_available_bytes(); }
   void* mem_alloc(size_t bytes, const char* what) override {
     if (bytes == 0) return nullptr;
     const size_t cap = (bytes + 255) / 256 * 256;
+    // Linux hands out more than it has (overcommit): the memset below would then touch pages that
+    // do not exist and the OOM killer would end the process without a word. Check first.
+    const char* source = "";
+    const size_t avail = cap >= kCheckFrom ? host_available_bytes(&source) : SIZE_MAX;
+    if (cap > avail)
+      fail("out of memory: {} needs {:.1f} MiB, {:.1f} MiB of host memory available ({})", what, cap / 1048576.0,
+           avail / 1048576.0, source);
     void* p = std::aligned_alloc(256, cap);
     if (!p) fail("out of memory: could not allocate {:.1f} MiB for {}", cap / 1048576.0, what);
     std::memset(p, 0, cap);
@@ -28,6 +54,35 @@ class HostMemory final : public MemorySpace {
 };
 
 }  // namespace
+
+size_t host_available_bytes(const char** source) {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  uint64_t avail_kib = 0, swap_kib = 0;
+  bool have = false;
+  while (std::getline(f, line)) {
+    std::istringstream in(line);
+    std::string key;
+    uint64_t kib = 0;
+    if (!(in >> key >> kib)) continue;
+    if (key == "MemAvailable:") avail_kib = kib, have = true;
+    if (key == "SwapFree:") swap_kib = kib;
+  }
+  if (source) *source = "MemAvailable + SwapFree in /proc/meminfo";
+  uint64_t avail = have ? (avail_kib + swap_kib) * 1024 : UINT64_MAX;
+  // A container's limit: cgroup v2 first, then v1 (whose "no limit" is a value near 2^63).
+  uint64_t limit = 0, usage = 0;
+  if ((read_bytes("/sys/fs/cgroup/memory.max", limit) && read_bytes("/sys/fs/cgroup/memory.current", usage)) ||
+      (read_bytes("/sys/fs/cgroup/memory/memory.limit_in_bytes", limit) && limit < (uint64_t(1) << 60) &&
+       read_bytes("/sys/fs/cgroup/memory/memory.usage_in_bytes", usage))) {
+    const uint64_t left = limit > usage ? limit - usage : 0;
+    if (left < avail) {
+      avail = left;
+      if (source) *source = "the cgroup's memory limit less its usage";
+    }
+  }
+  return avail >= uint64_t(SIZE_MAX) ? SIZE_MAX : size_t(avail);
+}
 
 MemorySpace& host_memory() {
   static HostMemory m;

@@ -4,6 +4,7 @@
 // whose is_host() is false: it goes through upload / download.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 namespace ladder {
 
@@ -15,6 +16,10 @@ class MemorySpace {
   // `bytes` zero-filled bytes, aligned to at least 256 bytes. `what` names the tensor in the error
   // (out of memory is one line: what, how much was asked for, how much is free).
   virtual void* mem_alloc(size_t bytes, const char* what) = 0;
+  // About how many more bytes mem_alloc can hand out (SIZE_MAX when the space cannot tell): what
+  // setup checks a model's size against before it builds anything (Transformer), so that a model
+  // too large for the machine fails with one line instead of being killed by the kernel.
+  virtual size_t available_bytes() const { return SIZE_MAX; }
   virtual void mem_free(void* p) = 0;
   // Host -> space, space -> host, within the space, zero fill. Ordered with the backend's ops;
   // download returns once the bytes are on the host (it waits for the ops before it).
@@ -28,5 +33,11 @@ class MemorySpace {
 
 // Host memory (aligned_alloc, memcpy, memset): the CPU backend's space, and what tests use.
 MemorySpace& host_memory();
+
+// What host memory can still be allocated without the kernel's OOM killer: MemAvailable plus
+// SwapFree (/proc/meminfo), capped by the cgroup's memory limit less its usage (cgroup v2
+// memory.max, v1 memory.limit_in_bytes) where one is set. SIZE_MAX where /proc/meminfo is missing.
+// `source` (optional) receives what the figure came from, for the error line.
+size_t host_available_bytes(const char** source = nullptr);
 
 }  // namespace ladder

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <numeric>
 
 #include "core/error.h"
@@ -83,6 +84,9 @@ DataMeta read_meta(const fs::path& data_dir) {
     j = json::parse(read_file(path));
   } catch (const json::parse_error& e) {
     fail("{}: not valid JSON (error at byte {})", f, e.byte);
+  } catch (const json::exception& e) {
+    // Well-formed JSON the parser still cannot hold, e.g. a number beyond double range (1e400).
+    fail("{}: cannot read the JSON: {}", f, e.what());
   }
   if (!j.is_object()) fail("{}: expected a JSON object", f);
   int64_t version = get_int(j, f, "format_version");
@@ -125,23 +129,39 @@ DataLoader::DataLoader(const fs::path& data_dir, std::string split, int seq_len,
   const std::string meta_file = (data_dir / "meta.json").string();
   if (shards.empty()) fail("{}: field '{}_shards' lists no shards", meta_file, split_);
 
+  // The count is compared with the shards after loading them; first bound it by the shard files'
+  // sizes so a corrupt count fails here, naming the field, rather than as an allocation failure.
+  uint64_t max_tokens = 0;
+  bool sized = true;
+  for (const auto& p : shards) {
+    std::error_code ec;
+    const uintmax_t bytes = fs::file_size(p, ec);
+    if (ec) {
+      sized = false;  // missing or unreadable: Shard::open below says which
+      break;
+    }
+    if (bytes > kShardHeaderBytes) max_tokens += (bytes - kShardHeaderBytes) / 2;  // 2: the smallest dtype
+  }
+  if (sized && expected > max_tokens)
+    fail("{}: field '{}_tokens' says {} but its {} shard file(s) can hold at most {} tokens", meta_file, split_,
+         expected, shards.size(), max_tokens);
+
   // The fingerprint identifies the token stream cheaply (shard checksums and sizes), so restore()
-  // can refuse a state saved against different data.
-  XXH64_state_t* st = XXH64_createState();
-  XXH64_reset(st, 0);
-  tokens_.reserve(expected);
+  // can refuse a state saved against different data. Owned so a bad shard (an exception) cannot leak it.
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> st(XXH64_createState(), &XXH64_freeState);
+  XXH64_reset(st.get(), 0);
+  if (sized) tokens_.reserve(expected);
   for (const auto& p : shards) {
     Shard s = Shard::open(p, meta_.tokenizer_hash);
     if (s.vocab_size() != meta_.vocab_size)
       fail("{}: shard vocab_size {} does not match {} vocab_size {}", p.string(), s.vocab_size(), meta_file,
            meta_.vocab_size);
     uint64_t id[2] = {s.checksum(), uint64_t(s.size())};
-    XXH64_update(st, id, sizeof(id));
+    XXH64_update(st.get(), id, sizeof(id));
     std::vector<int32_t> t = std::move(s).take();
     tokens_.insert(tokens_.end(), t.begin(), t.end());
   }
-  fingerprint_ = XXH64_digest(st);
-  XXH64_freeState(st);
+  fingerprint_ = XXH64_digest(st.get());
   if (tokens_.size() != expected)
     fail("{}: field '{}_tokens' says {} but its shards hold {} tokens", meta_file, split_, expected, tokens_.size());
   n_windows_ = tokens_.empty() ? 0 : (tokens_.size() - 1) / size_t(seq_len);

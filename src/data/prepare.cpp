@@ -3,9 +3,16 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
 #include <chrono>
+#include <climits>
 #include <exception>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <set>
 #include <string>
@@ -65,19 +72,37 @@ class ShardWriter {
 };
 
 // Encodes docs[idx[...]] (in that order) in parallel blocks and appends each, followed by eod,
-// to the writer. Blocks keep the order deterministic and bound the memory of encoded ids.
+// to the writer. Blocks keep the order deterministic and bound the memory of encoded ids. The work
+// items are pieces of documents: a long document is cut after a "\n" when the tokenizer gives the
+// same ids that way, so one huge document (a text file without blank-line separators) neither
+// encodes in one call, at ~100 bytes of sentencepiece memory per input byte, nor on one thread.
 void encode_split(const std::vector<std::string>& docs, const std::vector<size_t>& idx, const Tokenizer& tok,
                   ShardWriter& out) {
-  constexpr size_t kBlock = 4096;
-  std::vector<std::vector<int32_t>> enc(kBlock);
-  for (size_t b = 0; b < idx.size(); b += kBlock) {
-    const size_t n = std::min(kBlock, idx.size() - b);
+  constexpr size_t kBlockPieces = 4096, kBlockBytes = size_t(64) << 20;
+  struct Piece {
+    std::string_view text;
+    bool doc_end;  // the document's last piece: eod follows
+  };
+  std::vector<Piece> pieces;
+  std::vector<std::vector<int32_t>> enc;
+  size_t next = 0;
+  while (next < idx.size()) {
+    pieces.clear();
+    size_t bytes = 0;
+    while (next < idx.size() && pieces.size() < kBlockPieces && bytes < kBlockBytes) {
+      std::string_view d = docs[idx[next++]];
+      const auto cut = tok.cuts_at_newlines() ? newline_pieces(d, kEncodePieceBytes) : std::vector{d};
+      for (size_t k = 0; k < cut.size(); ++k) pieces.push_back({cut[k], k + 1 == cut.size()});
+      bytes += d.size();
+    }
+    const size_t n = pieces.size();
+    enc.resize(n);
     std::exception_ptr err;
 #pragma omp parallel for schedule(dynamic, 16)
     for (size_t i = 0; i < n; ++i) {
       try {
-        enc[i] = tok.encode(docs[idx[b + i]]);
-        enc[i].push_back(tok.eod_id());
+        enc[i] = tok.encode(pieces[i].text);
+        if (pieces[i].doc_end) enc[i].push_back(tok.eod_id());
       } catch (...) {
 #pragma omp critical(ladder_data_encode_error)
         if (!err) err = std::current_exception();
@@ -90,6 +115,21 @@ void encode_split(const std::vector<std::string>& docs, const std::vector<size_t
     }
   }
   out.finish();
+}
+
+// write_file_atomic's temp files ("<name>.tmp.<pid>.<n>") for the files prepare writes, left behind
+// when a run was killed; m[3] is the pid.
+bool is_stale_temp(const std::string& name) {
+  static const std::regex temp_name(R"(((train|val)_\d{6}\.bin|meta\.json|tokenizer\.model)\.tmp\.(\d+)\.\d+)");
+  std::smatch m;
+  if (!std::regex_match(name, m, temp_name)) return false;
+  long long pid = 0;
+  const std::string digits = m[3].str();
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+  if (ec != std::errc() || pid <= 0 || pid > INT32_MAX) return true;  // no such process can exist
+  // A live writer (another prepare into the same directory, or this one) still owns its file.
+  if (pid == ::getpid()) return false;
+  return ::kill(pid_t(pid), 0) != 0 && errno == ESRCH;
 }
 
 std::string human(size_t n) {
@@ -112,6 +152,23 @@ void prepare_data(const PrepareOptions& opt) {
   if (!(opt.val_fraction >= 0.0 && opt.val_fraction < 1.0))
     fail("data: val_fraction must be in [0, 1), got {}", opt.val_fraction);
   if (opt.shard_tokens == 0) fail("data: shard_tokens must be positive");
+  check_vocab_size(opt.vocab_size);
+
+  // An existing tokenizer is checked before anything is read or removed: a reuse that cannot give the
+  // requested vocabulary should fail in a second, not after reading the corpus.
+  const fs::path model_path = opt.out_dir / "tokenizer.model";
+  std::optional<Tokenizer> reused;
+  if (opt.reuse_tokenizer && fs::exists(model_path)) {
+    reused = Tokenizer::load(model_path);
+    if (reused->vocab_size() != opt.vocab_size) {
+      if (opt.vocab_explicit)
+        fail("{}: the existing tokenizer has vocab_size {} but vocab_size {} was requested (to train a new "
+             "one, delete this file or write to another output directory)", model_path.string(),
+             reused->vocab_size(), opt.vocab_size);
+      fmt::print("data: note: reusing {} (vocab {}, not {}); delete it to train a new tokenizer\n",
+                 model_path.string(), reused->vocab_size(), opt.vocab_size);
+    }
+  }
 
   std::error_code ec;
   fs::create_directories(opt.out_dir, ec);
@@ -159,21 +216,14 @@ void prepare_data(const PrepareOptions& opt) {
   for (size_t i = 0; i < docs.size(); ++i) (is_val[i] ? val_idx : train_idx).push_back(i);
   const auto t_read = clock::now();
 
-  // 3. Tokenizer: reuse or train on the train documents only (val stays unseen).
-  const fs::path model_path = opt.out_dir / "tokenizer.model";
-  bool reused = false;
-  if (opt.reuse_tokenizer && fs::exists(model_path)) {
-    reused = true;
-  } else {
+  // 3. Tokenizer: reuse (loaded above) or train on the train documents only (val stays unseen).
+  if (!reused) {
     std::vector<std::string_view> train_views;
     train_views.reserve(train_idx.size());
     for (size_t i : train_idx) train_views.emplace_back(docs[i]);
     train_tokenizer(train_views, opt.vocab_size, opt.out_dir);
   }
-  Tokenizer tok = Tokenizer::load(model_path);
-  if (reused && tok.vocab_size() != opt.vocab_size)
-    fmt::print("data: note: reusing {} with vocab {} (vocab_size {} requested; delete the file to retrain)\n",
-               model_path.string(), tok.vocab_size(), opt.vocab_size);
+  const Tokenizer tok = reused ? *reused : Tokenizer::load(model_path);
   const auto t_tok = clock::now();
 
   // 4. Encode and write shards.
@@ -183,13 +233,13 @@ void prepare_data(const PrepareOptions& opt) {
   encode_split(docs, val_idx, tok, val_out);
 
   // Shards left over from an earlier, larger run would be ignored by the loader (meta.json lists
-  // the live ones) but are confusing; remove them.
+  // the live ones) but are confusing, and temp files of a killed run only take space; remove them.
   std::set<std::string> live(train_out.names().begin(), train_out.names().end());
   live.insert(val_out.names().begin(), val_out.names().end());
   static const std::regex shard_name(R"((train|val)_\d{6}\.bin)");
   for (const auto& e : fs::directory_iterator(opt.out_dir)) {
     std::string name = e.path().filename().string();
-    if (std::regex_match(name, shard_name) && !live.count(name)) fs::remove(e.path(), ec);
+    if ((std::regex_match(name, shard_name) && !live.count(name)) || is_stale_temp(name)) fs::remove(e.path(), ec);
   }
 
   // 5. meta.json last: its presence means the directory is complete.

@@ -51,34 +51,67 @@ class FileSource : public ByteSource {
   FILE* f_ = nullptr;
 };
 
+// Decodes with inflate directly rather than gzread: gzread silently ignores bytes after the last gzip
+// member and passes non-gzip files through, so a damaged or mislabelled file would read as text.
 class GzipSource : public ByteSource {
  public:
-  explicit GzipSource(const fs::path& p) : path_(p) {
-    g_ = gzopen(p.c_str(), "rb");
-    if (!g_) fail("{}: cannot open: {}", p.string(), std::strerror(errno));
-    gzbuffer(g_, 1 << 20);
+  explicit GzipSource(const fs::path& p) : file_(p), path_(p), in_buf_(1 << 20) {
+    // 16 + MAX_WBITS: gzip wrapper only (no raw deflate, no zlib header).
+    if (inflateInit2(&z_, 16 + MAX_WBITS) != Z_OK) fail("{}: cannot create gzip decoder", p.string());
   }
-  ~GzipSource() override {
-    if (g_) gzclose(g_);
-  }
+  ~GzipSource() override { inflateEnd(&z_); }
   size_t read(char* buf, size_t n) override {
-    int got = gzread(g_, buf, unsigned(std::min<size_t>(n, 1 << 30)));
-    int err = Z_OK;
-    const char* msg = gzerror(g_, &err);
-    if (got < 0 || (err != Z_OK && err != Z_STREAM_END))
-      fail("{}: corrupt or truncated gzip data ({})", path_.string(), msg ? msg : "unknown error");
-    // zlib silently passes non-gzip bytes through; a .gz name promising gzip must deliver it.
-    if (!checked_ && got > 0) {
-      checked_ = true;
-      if (gzdirect(g_)) fail("{}: not gzip data (the name ends in .gz)", path_.string());
+    z_.next_out = reinterpret_cast<Bytef*>(buf);
+    z_.avail_out = uInt(std::min<size_t>(n, 1 << 30));
+    const uInt want = z_.avail_out;
+    while (z_.avail_out == want) {
+      if (z_.avail_in == 0) {
+        size_t got = file_.read(in_buf_.data(), in_buf_.size());
+        if (got == 0) {
+          if (file_bytes_ == 0) fail("{}: empty file, not gzip data (the name ends in .gz)", path_.string());
+          if (in_member_ && header_.done != 1 && members_ > 0) trailing_bytes();
+          if (in_member_)
+            fail("{}: truncated gzip data (the file ends inside a gzip stream, after {} bytes)", path_.string(),
+                 file_bytes_);
+          break;
+        }
+        file_bytes_ += got;
+        z_.next_in = reinterpret_cast<Bytef*>(in_buf_.data());
+        z_.avail_in = uInt(got);
+      }
+      if (!in_member_) {
+        // More bytes after a complete member must be another member (`cat a.gz b.gz` is valid gzip).
+        inflateReset(&z_);
+        header_ = gz_header{};
+        inflateGetHeader(&z_, &header_);  // header_.done says whether the member's header was accepted
+        in_member_ = true;
+        member_start_ = file_bytes_ - z_.avail_in;
+      }
+      int r = inflate(&z_, Z_NO_FLUSH);
+      if (r == Z_STREAM_END) {
+        in_member_ = false;
+        ++members_;
+      } else if (r != Z_OK) {
+        if (header_.done != 1 && members_ == 0) fail("{}: not gzip data (the name ends in .gz)", path_.string());
+        if (header_.done != 1) trailing_bytes();
+        fail("{}: corrupt gzip data ({})", path_.string(), z_.msg ? z_.msg : "unknown error");
+      }
     }
-    return size_t(got);
+    return size_t(want - z_.avail_out);
   }
 
  private:
+  [[noreturn]] void trailing_bytes() const {
+    fail("{}: unexpected bytes after the end of the gzip data at byte {} (expected the end of the file or "
+         "another gzip member)", path_.string(), member_start_);
+  }
+  FileSource file_;
   fs::path path_;
-  gzFile g_ = nullptr;
-  bool checked_ = false;
+  std::vector<char> in_buf_;
+  z_stream z_{};
+  gz_header header_{};
+  bool in_member_ = false;
+  uint64_t file_bytes_ = 0, member_start_ = 0, members_ = 0;
 };
 
 class ZstdSource : public ByteSource {
@@ -213,6 +246,9 @@ void for_each_document(const fs::path& file, const std::function<void(std::strin
         j = nlohmann::json::parse(line);
       } catch (const nlohmann::json::parse_error& e) {
         fail("{}:{}: not valid JSON (error at byte {} of the line)", file.string(), lines.line_no_, e.byte);
+      } catch (const nlohmann::json::exception& e) {
+        // Well-formed JSON the parser still cannot hold, e.g. a number beyond double range (1e400).
+        fail("{}:{}: cannot read the JSON: {}", file.string(), lines.line_no_, e.what());
       }
       if (!j.is_object()) fail("{}:{}: expected a JSON object with a string field \"text\"", file.string(), lines.line_no_);
       auto it = j.find("text");

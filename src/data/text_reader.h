@@ -20,7 +20,9 @@ void detect_format(const std::filesystem::path& file, TextFormat* format, Compre
 //         empty lines inside it kept, "\r\n" read as "\n".
 //  JSONL: one JSON object per line with a string field "text" (other fields ignored); blank lines
 //         are skipped; anything else is an error "file:line: ...".
-// Whitespace-only documents are skipped in both formats.
+// Whitespace-only documents are skipped in both formats. Compressed input must be whole: truncated or
+// corrupt data, a .gz that is not gzip (or is empty) and bytes after the last gzip member are errors
+// naming the file; concatenated gzip members read as one stream.
 void for_each_document(const std::filesystem::path& file, const std::function<void(std::string&&)>& fn);
 
 }  // namespace ladder::data

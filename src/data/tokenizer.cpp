@@ -14,6 +14,24 @@ namespace ladder::data {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// Whether `sp` encodes a probe text the same whole as cut after each "\n" (see cuts_at_newlines()).
+// The probe has leading, trailing and repeated spaces and empty lines, where a dummy prefix or
+// whitespace normalization would show.
+bool probe_newline_cuts(const sentencepiece::SentencePieceProcessor& sp) {
+  const std::string_view probe = " a  b \n  c\n\nd e \n", cuts[] = {" a  b \n", "  c\n", "\n", "d e \n"};
+  std::vector<int> whole, part, joined;
+  if (!sp.Encode(probe, &whole).ok()) return false;
+  for (std::string_view c : cuts) {
+    if (!sp.Encode(c, &part).ok()) return false;
+    joined.insert(joined.end(), part.begin(), part.end());
+  }
+  return whole == joined;
+}
+
+}  // namespace
+
 Tokenizer Tokenizer::load(const fs::path& model_file) {
   std::error_code ec;
   if (!fs::is_regular_file(model_file, ec))
@@ -26,6 +44,7 @@ Tokenizer Tokenizer::load(const fs::path& model_file) {
   if (sp->eos_id() < 0 || sp->eos_id() >= sp->GetPieceSize())
     fail("{}: sentencepiece model has no </s> (end-of-document) token", model_file.string());
   Tokenizer t;
+  t.cuts_at_newlines_ = probe_newline_cuts(*sp);
   t.vocab_size_ = sp->GetPieceSize();
   t.eod_id_ = sp->eos_id();
   t.hash_ = XXH64(bytes.data(), bytes.size(), 0);
@@ -35,10 +54,35 @@ Tokenizer Tokenizer::load(const fs::path& model_file) {
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+  std::vector<int32_t> out;
   std::vector<int> ids;
-  auto st = sp_->Encode(text, &ids);
-  if (!st.ok()) fail("{}: encoding failed: {}", path_.string(), st.ToString());
-  return std::vector<int32_t>(ids.begin(), ids.end());
+  const auto pieces = cuts_at_newlines_ ? newline_pieces(text, kEncodePieceBytes) : std::vector{text};
+  for (std::string_view piece : pieces) {
+    auto st = sp_->Encode(piece, &ids);
+    if (!st.ok()) fail("{}: encoding failed: {}", path_.string(), st.ToString());
+    out.insert(out.end(), ids.begin(), ids.end());
+  }
+  return out;
+}
+
+std::vector<std::string_view> newline_pieces(std::string_view text, size_t max_bytes) {
+  std::vector<std::string_view> out;
+  while (text.size() > max_bytes) {
+    // The last newline that keeps the piece within max_bytes, else the first one after (a long line).
+    size_t nl = max_bytes > 0 ? text.rfind('\n', max_bytes - 1) : std::string_view::npos;
+    if (nl == std::string_view::npos) nl = text.find('\n', max_bytes);
+    if (nl == std::string_view::npos || nl + 1 == text.size()) break;
+    out.push_back(text.substr(0, nl + 1));
+    text.remove_prefix(nl + 1);
+  }
+  out.push_back(text);
+  return out;
+}
+
+void check_vocab_size(int vocab_size) {
+  if (vocab_size < kMinVocabSize || vocab_size > kMaxVocabSize)
+    fail("tokenizer vocab_size must be in [{}, {}] (byte fallback alone needs 259 ids), got {}", kMinVocabSize,
+         kMaxVocabSize, vocab_size);
 }
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids) const {
@@ -89,8 +133,7 @@ size_t utf8_boundary(std::string_view s, size_t pos) {
 }  // namespace
 
 void train_tokenizer(const std::vector<std::string_view>& docs, int vocab_size, const fs::path& out_dir) {
-  if (vocab_size < 300 || vocab_size > (1 << 24))
-    fail("tokenizer vocab_size must be in [300, 16777216] (byte fallback alone needs 259 ids), got {}", vocab_size);
+  check_vocab_size(vocab_size);
   // The trainer learns merges within lines; newlines are a dedicated symbol instead (below), so the
   // natural unit is a line. Count them first so the sample can be spread evenly over the corpus.
   size_t total_bytes = 0, total_lines = 0;
@@ -142,6 +185,12 @@ void train_tokenizer(const std::vector<std::string_view>& docs, int vocab_size, 
       {"normalization_rule_name", "identity"},
       {"remove_extra_whitespaces", "false"},
       {"allow_whitespace_only_pieces", "true"},
+      // Training sees one line per sentence, but a document is encoded whole: with the default dummy
+      // prefix every training line starts with "▁" while a line after "\n" in a document does not, so
+      // line-initial words were learnt in a form encoding never uses and split into extra pieces.
+      // Without it a word after "\n" encodes exactly as at the start of a document (both without
+      // "▁"), and a document can be encoded in pieces cut after "\n" with the same ids.
+      {"add_dummy_prefix", "false"},
       // Newline is one token of its own (training lines never contain it).
       {"user_defined_symbols", "\n"},
       {"split_digits", "true"},

@@ -47,39 +47,95 @@ struct VariantInfo {
   std::vector<std::string> stacks;
 };
 
-// Point estimates of one data set (all seeds pooled, or one seed's runs): per variant its law and,
-// per width, {Marin theoretical, Marin realized, law theoretical, law realized}.
+// The runs of a variant and of its baseline that a speedup compares. A variant and its baseline
+// trained with one seed read the same data in the same order, and a seed's runs share an offset in
+// loss (seed noise); a seed present on one side only would move that side's means and law by its
+// offset and show as a speedup (or a slowdown) that is noise. So only seeds both have count, and
+// at a width both have, only the seeds both have there. Runs at a width the other side lacks stay
+// in their own law (of the seeds both have): they carry no unpaired offset into a compared cell.
+struct Paired {
+  std::map<int, std::vector<Obs>> v, b;         // per width: the runs that count, each side
+  std::vector<std::string> left_out;            // "<run> (<why>)", in width then seed order
+};
+Paired pair_up(const std::string& vname, const std::map<int, std::vector<Obs>>& v, const std::string& bname,
+               const std::map<int, std::vector<Obs>>& b) {
+  auto seeds_of = [](const std::map<int, std::vector<Obs>>& x) {
+    std::set<uint64_t> s;
+    for (auto& [d, obs] : x)
+      for (auto& o : obs) s.insert(o.seed);
+    return s;
+  };
+  const std::set<uint64_t> sv = seeds_of(v), sb = seeds_of(b);
+  auto has = [](const std::vector<Obs>& obs, uint64_t seed) {
+    return std::any_of(obs.begin(), obs.end(), [&](const Obs& o) { return o.seed == seed; });
+  };
+  Paired p;
+  auto keep = [&](const std::string& name, const std::map<int, std::vector<Obs>>& mine, const std::string& oname,
+                  const std::map<int, std::vector<Obs>>& other, const std::set<uint64_t>& oseeds,
+                  std::map<int, std::vector<Obs>>& out) {
+    for (auto& [d, obs] : mine)
+      for (auto& o : obs) {
+        auto od = other.find(d);
+        if (!oseeds.count(o.seed))
+          p.left_out.push_back(fmt::format("{}-d{}-s{} ({} has no seed {})", name, d, o.seed, oname, o.seed));
+        else if (od != other.end() && !has(od->second, o.seed))
+          p.left_out.push_back(fmt::format("{}-d{}-s{} (no {}-d{}-s{})", name, d, o.seed, oname, d, o.seed));
+        else
+          out[d].push_back(o);
+      }
+  };
+  keep(vname, v, bname, b, sb, p.v);
+  keep(bname, b, vname, v, sv, p.b);
+  return p;
+}
+
+// Point estimates of one data set (all seeds pooled, or one seed's runs): per variant its law over
+// all its runs and, per width, {Marin theoretical, Marin realized, law theoretical, law realized}
+// from the runs paired with its baseline's (pair_up).
 struct Estimates {
   std::map<std::string, PowerLaw> laws;
   std::map<std::string, bool> law_ok;
   std::map<std::string, std::map<int, std::array<double, 4>>> sp;
+  std::map<std::string, Paired> pairs;  // per variant with a baseline
 };
+
+bool fit_law(const std::map<int, std::vector<Obs>>& byd, double E, double alpha, PowerLaw& law) {
+  std::vector<LawPoint> pts;
+  for (auto& [d, obs] : byd)
+    for (auto& o : obs) pts.push_back({o.C, o.L});
+  if (pts.empty()) return false;
+  try {
+    law = fit_power_law(pts, E, alpha);
+    return law.alpha > 0 && law.A > 0;
+  } catch (const Error&) {
+    return false;
+  }
+}
 
 Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>& info, double E, double alpha) {
   Estimates est;
-  for (auto& [v, byd] : cells) {
-    std::vector<LawPoint> pts;
-    for (auto& [d, obs] : byd)
-      for (auto& o : obs) pts.push_back({o.C, o.L});
-    try {
-      est.laws[v] = fit_power_law(pts, E, alpha);
-      est.law_ok[v] = est.laws[v].alpha > 0 && est.laws[v].A > 0;
-    } catch (const Error&) {
-      est.law_ok[v] = false;
-    }
-  }
+  for (auto& [v, byd] : cells) est.law_ok[v] = fit_law(byd, E, alpha, est.laws[v]);
+  static const std::map<int, std::vector<Obs>> none;
   for (auto& [v, byd] : cells) {
     const auto& b = info.at(v).baseline;
     if (b.empty()) continue;
+    auto bit = cells.find(b);
+    Paired& p = est.pairs[v] = pair_up(v, byd, b, bit != cells.end() ? bit->second : none);
+    // The laws of the pair: each side's own when no run was left out (the same points, the same fit).
+    PowerLaw lv = est.laws[v], lb = bit != cells.end() ? est.laws[b] : PowerLaw{};
+    bool ok_v = est.law_ok[v], ok_b = bit != cells.end() && est.law_ok[b];
+    if (!p.left_out.empty()) {
+      ok_v = fit_law(p.v, E, alpha, lv);
+      ok_b = fit_law(p.b, E, alpha, lb);
+    }
     for (auto& [d, obs] : byd) {
       std::array<double, 4> s = {kNaN, kNaN, kNaN, kNaN};
-      auto bit = cells.find(b);
-      if (bit != cells.end() && bit->second.count(d)) {
-        Mean mv = mean_of(obs), mb = mean_of(bit->second.at(d));
+      if (p.v.count(d) && p.b.count(d)) {
+        Mean mv = mean_of(p.v.at(d)), mb = mean_of(p.b.at(d));
         s[0] = marin_theoretical_speedup(mb.C, mb.L, mv.C, mv.L, E, alpha);
         s[1] = realized_speedup(s[0], mv.fps, mb.fps);
-        if (est.law_ok[v] && est.law_ok[b]) {
-          s[2] = law_speedup(est.laws[b], est.laws[v], mv.C);
+        if (ok_v && ok_b) {
+          s[2] = law_speedup(lb, lv, mv.C);
           s[3] = realized_speedup(s[2], mv.fps, mb.fps);
         }
       }
@@ -129,35 +185,51 @@ std::string format_speedup(double x) {
 }
 
 std::string format_cell(const SpeedupCell& c, bool law, bool with_interval) {
-  if (c.n_variant == 0) return "-";
+  if (c.n_variant == 0) return c.n_diverged > 0 ? "diverged" : "-";
   const Interval& t = law ? c.law_theo : c.marin_theo;
   const Interval& r = law ? c.law_real : c.marin_real;
-  std::string s = fmt::format("{} ({})", format_speedup(t.value), format_speedup(r.value));
-  if (with_interval && !std::isnan(t.lo))
-    s += fmt::format(" [{}-{}]", format_speedup(t.lo), format_speedup(t.hi));
-  return s;
+  auto interval = [&](const Interval& i) {
+    return with_interval && !std::isnan(i.lo) ? fmt::format(" [{}-{}]", format_speedup(i.lo), format_speedup(i.hi))
+                                              : std::string();
+  };
+  return fmt::format("{}{} ({}{})", format_speedup(t.value), interval(t), format_speedup(r.value), interval(r));
 }
 
 Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha,
-                      const std::vector<std::string>& order) {
+                      const std::vector<std::string>& order, const std::map<std::string, VariantLinks>& links) {
   Report rep;
   rep.E = E;
   rep.alpha = alpha;
   rep.results = results;
   Cells cells;
   std::map<std::string, VariantInfo> info;
+  std::map<std::string, std::map<int, int>> diverged;  // variant -> width -> runs that diverged
   std::set<int> scales;
   std::set<std::string> revs;
   for (auto& r : results) {
     std::string v = r.at("variant");
     int d = r.at("d");
-    info[v] = {r.value("baseline", ""), r.value("stacks", std::vector<std::string>{})};
+    if (auto l = links.find(v); l != links.end())
+      info[v] = {l->second.baseline, l->second.stacks};
+    else
+      info[v] = {r.value("baseline", ""), r.value("stacks", std::vector<std::string>{})};
+    scales.insert(d);
+    revs.insert(r.value("revision", "unknown"));
+    if (r.value("status", "finished") == "diverged") {
+      // No loss to fit: the run is listed and its seed counts as missing in every comparison.
+      const std::string id = r.value("run", "");
+      rep.diverged.push_back(id);
+      ++diverged[v][d];
+      rep.warnings.push_back(fmt::format(
+          "{} diverged ({}): it is left out of every fit and speedup, and its seed out of the comparisons of that "
+          "cell; to retry, change the spec (e.g. a lower lr) or delete results/{}.json and runs/{}/",
+          id, r.value("error", "non-finite loss"), id, id));
+      continue;
+    }
     const double C = r.at("compute").get<double>(), tps = r.at("tokens_per_s").get<double>();
     const double tokens = r.value("tokens", 0.0);
     cells[v][d].push_back({C, r.at("final_val_loss").get<double>(), tps, tokens > 0 ? C / tokens * tps : kNaN,
                            r.value("seed", uint64_t(0)), r.value("host", "")});
-    scales.insert(d);
-    revs.insert(r.value("revision", "unknown"));
   }
   rep.scales.assign(scales.begin(), scales.end());
   rep.revisions.assign(revs.begin(), revs.end());
@@ -237,7 +309,19 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
         "intervals (their laws would rest on fewer scales)",
         v, fmt::join(sds, ", "), v, info.at(v).baseline));
 
+  // Runs left out of a comparison (a seed one side lacks), named once per variant.
+  for (auto& n : names) {
+    auto p = point.pairs.find(n);
+    if (p == point.pairs.end() || p->second.left_out.empty()) continue;
+    const std::string& b = info[n].baseline;
+    rep.warnings.push_back(fmt::format(
+        "{} vs {}: the speedups compare only the seeds both have (a seed on one side alone would add its loss "
+        "offset to that side); left out: {}",
+        n, b, fmt::join(p->second.left_out, ", ")));
+  }
+
   std::vector<std::string> E_at_bound;
+  std::map<std::string, std::map<int, double>> base_below_E;  // baseline -> width -> its loss (<= E)
   for (auto& n : names) {
     VariantRow row;
     row.name = n;
@@ -250,19 +334,34 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     for (int d : rep.scales) {
       SpeedupCell c;
       c.d = d;
+      c.n_diverged = diverged.count(n) && diverged[n].count(d) ? diverged[n][d] : 0;
       if (cells[n].count(d)) {
         Mean mv = mean_of(cells[n][d]);
         c.n_variant = mv.n, c.C = mv.C, c.loss = mv.L, c.tps = mv.tps;
-        if (!row.baseline.empty() && cells.count(row.baseline) && cells[row.baseline].count(d)) {
-          Mean mb = mean_of(cells[row.baseline][d]);
-          c.n_base = mb.n, c.base_C = mb.C, c.base_loss = mb.L, c.base_tps = mb.tps;
+        const bool base_here = !row.baseline.empty() && cells.count(row.baseline) && cells[row.baseline].count(d);
+        if (base_here) c.n_base = int(cells[row.baseline][d].size());
+        const Paired* pr = point.pairs.count(n) ? &point.pairs[n] : nullptr;
+        if (pr && pr->v.count(d) && pr->b.count(d)) {
+          const auto &pv = pr->v.at(d), &pb = pr->b.at(d);
+          mv = mean_of(pv);
+          Mean mb = mean_of(pb);
+          c.n_paired = mv.n, c.C = mv.C, c.loss = mv.L, c.tps = mv.tps;
+          c.base_C = mb.C, c.base_loss = mb.L, c.base_tps = mb.tps;
+          if (!(mb.L > E)) base_below_E[row.baseline][d] = mb.L;
           std::set<std::string> hosts;
-          for (auto* obs : {&cells[n][d], &cells[row.baseline][d]})
+          for (auto* obs : {&pv, &pb})
             for (auto& o : *obs) hosts.insert(o.host);
           if (hosts.size() > 1)
             rep.warnings.push_back(fmt::format(
                 "{} vs {} d={}: runs from different hosts ({}); the realized speedup then also compares the machines",
                 n, row.baseline, d, fmt::join(hosts, ", ")));
+        } else if (base_here) {
+          std::set<uint64_t> sv, sb;
+          for (auto& o : cells[n][d]) sv.insert(o.seed);
+          for (auto& o : cells[row.baseline][d]) sb.insert(o.seed);
+          rep.warnings.push_back(fmt::format("{} vs {} d={}: no seed in common ({}: {}; {}: {}): no speedup (n/a)", n,
+                                             row.baseline, d, n, fmt::join(sv, ", "), row.baseline,
+                                             fmt::join(sb, ", ")));
         }
         if (!row.baseline.empty()) {
           auto s = point.sp[n][d];
@@ -306,6 +405,14 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
       row.gate_ci = rep.intervals ? gate(gci) : "n/a";
     }
     rep.variants.push_back(std::move(row));
+  }
+  for (auto& [b, byd] : base_below_E) {
+    std::vector<std::string> at;
+    for (auto& [d, l] : byd) at.push_back(fmt::format("d={} ({:.4f})", d, l));
+    rep.warnings.push_back(fmt::format(
+        "baseline {}: its loss at {} is at or below E = {:g}, and no law with that floor passes through it: Marin's "
+        "speedups over it there are n/a; lower --E (or report.E in the spec) below the baseline's losses",
+        b, fmt::join(at, ", "), E));
   }
   if (!E_at_bound.empty())
     rep.warnings.push_back(fmt::format(
@@ -355,6 +462,7 @@ std::vector<StackLine> stack_lines(const Report& r) {
 }
 
 std::string law_text(const VariantRow& v) {
+  if (v.law.n_points == 0) return "no law (no finished run)";
   if (!v.law_ok) return "no law (fit failed or not decreasing)";
   return fmt::format("{:.3f} + {:.4g} * C^-{:.4f}", v.law.E, v.law.A, v.law.alpha);
 }
@@ -384,10 +492,10 @@ std::vector<Table> tables(const Report& r) {
               scale_head({"variant", "vs"}),
               {}};
   marin.head.push_back("gate");
-  Table law{"Speedup over baseline, Ladder's fitted laws: theoretical (realized) [95% interval]",
+  Table law{"Speedup over baseline, Ladder's fitted laws: theoretical [95% interval] (realized [95% interval])",
             r.intervals ? fmt::format("A law E + A*C^-alpha fitted per variant over every scale and seed; speedup read "
                                       "at equal loss at the variant's compute; realized as in Marin's table. Intervals "
-                                      "(theoretical speedup, 95%): the same speedup estimated from each of the {} seeds' "
+                                      "(95%, on each speedup): the same speedup estimated from each of the {} seeds' "
                                       "runs alone, Student's t across them around the pooled estimate (a variant and "
                                       "its baseline share a seed's data order; docs/ladder.md).",
                                       r.n_seeds)
@@ -441,10 +549,18 @@ std::vector<Table> tables(const Report& r) {
                          std::to_string(v.law.residual_dof()), fmt::format("{:.4f}", v.law.rmse)});
   t.push_back(laws);
 
-  Table runs{"Runs", "As stored in results/ (final and best validation loss over the run's evaluations).",
+  Table runs{"Runs", "As stored in results/ (final and best validation loss over the run's evaluations; "
+             "diverged: its loss became non-finite, and it is in no fit).",
              {"run", "variant", "d", "seed", "tokens", "C", "C+head", "final val", "best val", "tokens/s", "MFU", "wall", "host", "revision"},
              {}};
-  for (auto& x : r.results)
+  for (auto& x : r.results) {
+    if (x.value("status", "finished") == "diverged") {
+      runs.rows.push_back({x.value("run", ""), x.value("variant", ""), std::to_string(x.value("d", 0)),
+                           std::to_string(x.value("seed", uint64_t(0))), human_count(x.value("tokens", 0.0)),
+                           sci(x.value("compute", 0.0)), sci(x.value("flops_with_head", 0.0)), "diverged", "-", "-",
+                           "-", "-", x.value("host", ""), x.value("revision", "")});
+      continue;
+    }
     runs.rows.push_back({x.value("run", ""), x.value("variant", ""), std::to_string(x.value("d", 0)),
                          std::to_string(x.value("seed", uint64_t(0))), human_count(x.value("tokens", 0.0)),
                          sci(x.value("compute", 0.0)), sci(x.value("flops_with_head", 0.0)),
@@ -453,6 +569,7 @@ std::vector<Table> tables(const Report& r) {
                          fmt::format("{:.0f}", x.value("tokens_per_s", 0.0)),
                          fmt::format("{:.1f}%", 100 * x.value("mfu", 0.0)), format_duration(x.value("wall_s", 0.0)),
                          x.value("host", ""), x.value("revision", "")});
+  }
   t.push_back(runs);
   return t;
 }
@@ -530,7 +647,7 @@ std::string loss_plot_svg(const Report& r) {
       c.polyline(pts, col, 1.5);
     }
     for (auto& x : r.results)
-      if (x.value("variant", "") == v.name)
+      if (x.value("variant", "") == v.name && x.value("status", "finished") != "diverged")
         c.circle(xs(x.value("compute", 0.0)), ys(x.value("final_val_loss", 0.0)), 3.5, col, "white",
                  fmt::format("{}: C={:.3g}, loss {:.4f}", x.value("run", ""), x.value("compute", 0.0),
                              x.value("final_val_loss", 0.0)));
@@ -663,7 +780,21 @@ std::string write_report(const ReportOptions& opt) {
   const auto& rs = manifest.value("report", nlohmann::json::object());
   double E = opt.E.value_or(rs.value("E", 1.6));
   double alpha = opt.alpha.value_or(rs.value("alpha", 0.0941));
-  Report r = compute_report(results, E, alpha, manifest.value("variants", std::vector<std::string>{}));
+  // Baselines and stacks as the spec gives them now (recorded by `ladder sweep`): an edited `stacks:`
+  // leaves the config, and so the stored results, unchanged, and a baseline can change with the
+  // config staying the same; the copies stored with each result are what they were when it ran.
+  // (Directories from before ladder.json recorded them: the stored copies.)
+  std::map<std::string, VariantLinks> links;
+  if (manifest.contains("baselines") && manifest["baselines"].is_object()) {
+    const nlohmann::json st = manifest.value("stacks", nlohmann::json::object());
+    for (auto& [v, b] : manifest["baselines"].items()) {
+      links[v].baseline = b.is_string() ? b.get<std::string>() : "";
+      if (st.is_object() && st.contains(v) && st[v].is_array())
+        for (auto& x : st[v])
+          if (x.is_string()) links[v].stacks.push_back(x.get<std::string>());
+    }
+  }
+  Report r = compute_report(results, E, alpha, manifest.value("variants", std::vector<std::string>{}), links);
   r.name = manifest.value("spec_name", opt.dir.filename().string());
   if (!excluded.empty())
     r.warnings.insert(r.warnings.begin(),

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,8 +25,11 @@ struct Interval {
 
 struct SpeedupCell {
   int d = 0;
-  int n_variant = 0, n_base = 0;  // seeds
-  double C = 0, loss = 0, base_C = 0, base_loss = 0, tps = 0, base_tps = 0;  // means over seeds
+  int n_variant = 0, n_base = 0;  // seeds with a finished run here, each side
+  int n_paired = 0;               // seeds both sides have here: the only ones the speedups use
+  int n_diverged = 0;             // runs of the variant that diverged here (in no fit)
+  // Means over the paired seeds (with no baseline or no pair here: over the variant's own runs).
+  double C = 0, loss = 0, base_C = 0, base_loss = 0, tps = 0, base_tps = 0;
   Interval marin_theo, marin_real, law_theo, law_real;
 };
 
@@ -34,7 +38,7 @@ struct VariantRow {
   std::vector<std::string> stacks;
   PowerLaw law;
   bool law_ok = false;
-  std::vector<SpeedupCell> cells;  // one per scale of the report (n_variant 0: no result there)
+  std::vector<SpeedupCell> cells;  // one per scale of the report (n_variant 0: no finished run there)
   std::string gate_marin, gate_law, gate_ci;  // "pass", "FAIL" or "n/a"
 };
 
@@ -46,16 +50,29 @@ struct Report {
   std::vector<std::string> warnings;  // what a reader must know before trusting a number, in order found
   std::vector<int> scales;
   std::vector<VariantRow> variants;        // baselines first
-  std::vector<nlohmann::json> results;     // as stored, sorted by run id
+  std::vector<nlohmann::json> results;     // as stored, sorted by run id (diverged runs included)
+  std::vector<std::string> diverged;       // ids of the runs that diverged (in no fit)
   std::vector<std::string> revisions;
 };
 
-// Computes the report from stored results. `variant_order` (optional) lists variants in spec order.
+// A variant's baseline and the rungs it stacks, as the spec gives them.
+struct VariantLinks {
+  std::string baseline;
+  std::vector<std::string> stacks;
+};
+
+// Computes the report from stored results (finished runs, and diverged runs: listed, left out of
+// every fit). `variant_order` (optional) lists variants in spec order; `links` (optional) the
+// spec's baselines and stacks, which win over those stored with the results (a spec edited since).
 Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha,
-                      const std::vector<std::string>& variant_order = {});
+                      const std::vector<std::string>& variant_order = {},
+                      const std::map<std::string, VariantLinks>& links = {});
 
 std::string format_speedup(double x);                 // "1.32x", "inf", "n/a"
-std::string format_cell(const SpeedupCell& c, bool law, bool with_interval);  // "1.32x (0.95x) [1.10-1.50]"
+// "1.32x (0.95x)"; with_interval: "1.32x [1.10x-1.50x] (0.95x [0.80x-1.10x])", the theoretical speedup
+// and its interval, then the realized one and its interval (none with one seed per cell); "diverged"
+// where the variant's only runs diverged, "-" where it has none.
+std::string format_cell(const SpeedupCell& c, bool law, bool with_interval);
 std::string report_markdown(const Report& r);
 std::string loss_plot_svg(const Report& r);
 std::string speedup_plot_svg(const Report& r);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <fstream>
 #include <map>
@@ -91,6 +92,7 @@ nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
   for (auto& v : val_curve) best = std::min(best, v[2].get<double>());
   return {{"format", "ladder-result"},
           {"version", kResultsVersion},
+          {"status", "finished"},
           {"run", r.id},
           {"variant", r.variant},
           {"baseline", r.baseline},
@@ -111,6 +113,28 @@ nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
           {"tokens_per_s", median(tps)},
           {"mfu", median(mfu)},
           {"wall_s", wall},
+          {"host", hostname()},
+          {"finished_at", utc_now()}};
+}
+
+nlohmann::json make_diverged_result(const PlannedRun& r, const std::string& why) {
+  return {{"format", "ladder-result"},
+          {"version", kResultsVersion},
+          {"status", "diverged"},
+          {"error", why},
+          {"run", r.id},
+          {"variant", r.variant},
+          {"baseline", r.baseline},
+          {"stacks", r.stacks},
+          {"d", r.d},
+          {"seed", r.seed},
+          {"scale", r.scale},
+          {"config", to_json(r.cfg)},
+          {"config_hash", r.config_hash},
+          {"revision", code_revision()},
+          {"tokens", r.tokens},
+          {"compute", r.compute},
+          {"flops_with_head", r.flops_with_head},
           {"host", hostname()},
           {"finished_at", utc_now()}};
 }
@@ -163,22 +187,30 @@ SweepSummary sweep(const SweepOptions& opt) {
   for (const PlannedRun& r : plan.runs) {
     ++i;
     const std::string tag = fmt::format("[{}/{}] {}", i, plan.runs.size(), r.id);
-    if (store.read_result(r.id)) {
-      ++sum.already_done;
-      fmt::print("{}: done (stored result)\n", tag);
-      continue;
-    }
+    // A stored result ends the run for good: finished, or diverged (the same config would diverge
+    // again on a resume, so it is not retried; the report lists it).
+    auto stored = [&] {
+      auto res = store.read_result(r.id);
+      if (!res) return false;
+      if (res->value("status", "finished") == "diverged") {
+        ++sum.diverged;
+        fmt::print("{}: diverged in an earlier sweep ({}), skipped; to retry, change the spec or delete {} and {}\n",
+                   tag, res->value("error", "non-finite loss"), store.result_path(r.id).string(),
+                   store.run_dir(r.id).string());
+      } else {
+        ++sum.already_done;
+        fmt::print("{}: done (stored result)\n", tag);
+      }
+      return true;
+    };
+    if (stored()) continue;
     RunLock lock(store, r.id);
     if (!lock.held()) {
       ++sum.busy;
       fmt::print("{}: being trained by another worker (lock held), skipped\n", tag);
       continue;
     }
-    if (store.read_result(r.id)) {  // finished by another worker between the check and the lock
-      ++sum.already_done;
-      fmt::print("{}: done (stored result)\n", tag);
-      continue;
-    }
+    if (stored()) continue;  // finished by another worker between the check and the lock
     const fs::path rd = store.run_dir(r.id);
     fs::create_directories(rd);
     if (!fs::exists(rd / "planned.json"))
@@ -196,23 +228,55 @@ SweepSummary sweep(const SweepOptions& opt) {
     to.resume = true;  // continues from the newest checkpoint when there is one, else starts fresh
     to.quiet = !opt.verbose;
     to.stop_after = opt.stop_after ? opt.stop_after(r) : -1;
-    TrainSummary ts = train(to);
+    to.interrupt_at = opt.interrupt_at ? opt.interrupt_at(r) : -1;
+    // A run whose loss becomes non-finite is an outcome of the ladder (too high a learning rate at
+    // that width), not a reason to stop the others: it is recorded (atomically, as a result) and
+    // the sweep goes on. Every other error (bad data, a full disk) still stops the sweep.
+    auto record_diverged = [&](const std::string& why) {
+      store.write_result(r.id, make_diverged_result(r, why));
+      ++sum.diverged;
+      fmt::print("{}: {}; recorded as diverged (left out of the report's fits), going on\n", tag, why);
+      std::fflush(stdout);
+    };
+    TrainSummary ts;
+    try {
+      ts = train(to);
+    } catch (const TrainingDiverged& e) {
+      record_diverged(e.what());
+      continue;
+    }
     if (ts.end_step < r.cfg.run.steps) {
       sum.interrupted = true;
       fmt::print("{}: interrupted at step {}; run the sweep again to resume\n", tag, ts.end_step);
       return sum;
     }
-    nlohmann::json res = make_result(r, rd);
-    store.write_result(r.id, res);
-    ++sum.trained;
-    fmt::print("{}: val loss {:.4f} (best {:.4f}), {:.0f} tokens/s, MFU {:.1f}%, {}\n", tag,
-               res["final_val_loss"].get<double>(), res["best_val_loss"].get<double>(),
-               res["tokens_per_s"].get<double>(), 100 * res["mfu"].get<double>(),
-               format_duration(res["wall_s"].get<double>()));
-    std::fflush(stdout);
+    // The trainer checks the training loss only; a non-finite final validation loss (logged as null)
+    // would leave an earlier evaluation standing as the run's final loss.
+    if (!ts.val_losses.empty() && !std::isfinite(ts.val_losses.back().second)) {
+      record_diverged(fmt::format("validation loss is {} at step {}", ts.val_losses.back().second,
+                                  ts.val_losses.back().first));
+    } else {
+      nlohmann::json res = make_result(r, rd);
+      store.write_result(r.id, res);
+      ++sum.trained;
+      fmt::print("{}: val loss {:.4f} (best {:.4f}), {:.0f} tokens/s, MFU {:.1f}%, {}\n", tag,
+                 res["final_val_loss"].get<double>(), res["best_val_loss"].get<double>(),
+                 res["tokens_per_s"].get<double>(), 100 * res["mfu"].get<double>(),
+                 format_duration(res["wall_s"].get<double>()));
+      std::fflush(stdout);
+    }
+    // A stop signal during the run's last step, final evaluation or final checkpoint: the run
+    // completed and its result is stored, but the user asked the sweep to stop.
+    if (ts.interrupted) {
+      sum.interrupted = true;
+      fmt::print("{}: stop signal received; the run completed and is recorded; run the sweep again to continue\n",
+                 tag);
+      return sum;
+    }
   }
-  fmt::print("sweep: {} runs: {} trained now, {} already done, {} left to other workers; next: ladder report {}\n",
-             sum.planned, sum.trained, sum.already_done, sum.busy, opt.out.string());
+  fmt::print("sweep: {} runs: {} trained now, {} already done, {} diverged, {} left to other workers; next: ladder "
+             "report {}\n",
+             sum.planned, sum.trained, sum.already_done, sum.diverged, sum.busy, opt.out.string());
   return sum;
 }
 

@@ -1,7 +1,7 @@
 // `ladder sweep`: plan, then train every run that has no stored result. Resumable and idempotent:
-// finished runs (a result file exists) are skipped, unfinished ones resume from their newest
-// checkpoint through the trainer's own resume; a run being trained by another worker (its lock is
-// held) is left to that worker.
+// finished runs (a result file exists) are skipped, and so are runs recorded as diverged; unfinished
+// ones resume from their newest checkpoint through the trainer's own resume; a run being trained by
+// another worker (its lock is held) is left to that worker.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -23,11 +23,14 @@ struct SweepOptions {
   // Testing: steps after which a run's training returns as if the process were killed (-1 = never);
   // the sweep then stops, as a killed sweep would.
   std::function<int64_t(const PlannedRun&)> stop_after;
+  // Testing: the step of a run during which a stop signal arrives, as if SIGINT came then (-1 = never).
+  std::function<int64_t(const PlannedRun&)> interrupt_at;
 };
 
 struct SweepSummary {
   int planned = 0, trained = 0, already_done = 0, busy = 0;
-  bool interrupted = false;
+  int diverged = 0;          // runs recorded as diverged, now or by an earlier sweep (never retried)
+  bool interrupted = false;  // a stop signal came (or a simulated kill): the sweep stopped there
 };
 
 SweepSummary sweep(const SweepOptions& opt);
@@ -37,5 +40,8 @@ std::vector<std::string> sweep_commands(const Plan& plan, const std::filesystem:
 
 // The result record of a finished run, from its plan entry and the trainer's metrics.jsonl.
 nlohmann::json make_result(const PlannedRun& run, const std::filesystem::path& run_dir);
+// The record of a run whose loss became non-finite ("status": "diverged", `why` the trainer's
+// message): stored in place of its result, so a resumed sweep skips it instead of diverging again.
+nlohmann::json make_diverged_result(const PlannedRun& run, const std::string& why);
 
 }  // namespace ladder

@@ -195,6 +195,12 @@ LadderSpec load_spec(const fs::path& file) {
       if (e["batch_size"]) x.batch_size = int(r.integer(e["batch_size"], "batch_size", 1));
       if (e["steps"]) x.steps = r.integer(e["steps"], "steps", 1);
       if (e["tokens"]) x.tokens = r.integer(e["tokens"], "tokens", 1);
+      // tokens = steps x batch x seq_len x grad_accum: with steps given, tokens could only pick the
+      // batch (rounded to a power of two and clamped), so the run would not train the tokens asked for.
+      if (x.steps > 0 && x.tokens > 0)
+        fail("{}: scale d={} gives both steps and tokens: give one (tokens: the budget, steps follow from it; steps: "
+             "with batch_size, tokens = steps x batch_size x seq_len x grad_accum)",
+             r.at(e), x.d);
     } else {
       fail("{}: a scale is a width or a mapping {{d, layers, heads, kv_heads, d_ff, batch_size, steps, tokens}}", r.at(e));
     }

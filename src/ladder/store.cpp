@@ -25,6 +25,46 @@ void check_version(const nlohmann::json& j, const fs::path& file, const char* ki
          file.string(), v, kResultsVersion);
 }
 
+// The fields the report reads, with their types: a result edited by hand or written by a broken
+// tool fails here naming the file and the field, not later as a bare JSON library error. A diverged
+// run has no losses or throughput.
+void check_result_fields(const nlohmann::json& j, const fs::path& file) {
+  auto kind = [](const nlohmann::json& x) -> std::string {
+    if (x.is_null()) return "null";
+    if (x.is_string()) return "a string";
+    if (x.is_boolean()) return "a boolean";
+    if (x.is_number()) return "a number";
+    return x.is_array() ? "an array" : "an object";
+  };
+  auto need = [&](const char* key, const char* what, auto ok, bool required) {
+    if (!j.contains(key)) {
+      if (required) fail("{}: result field '{}' is missing (expected {})", file.string(), key, what);
+      return;
+    }
+    if (!ok(j[key])) fail("{}: result field '{}' is {}, expected {}", file.string(), key, kind(j[key]), what);
+  };
+  auto str = [](const nlohmann::json& x) { return x.is_string(); };
+  auto num = [](const nlohmann::json& x) { return x.is_number(); };
+  auto whole = [](const nlohmann::json& x) { return x.is_number_unsigned() || (x.is_number_integer() && x.get<int64_t>() >= 0); };
+  auto strings = [](const nlohmann::json& x) {
+    return x.is_array() && std::all_of(x.begin(), x.end(), [](const nlohmann::json& e) { return e.is_string(); });
+  };
+  need("status", "\"finished\" or \"diverged\"",
+       [](const nlohmann::json& x) { return x == "finished" || x == "diverged"; }, false);
+  const bool finished = j.value("status", "finished") == "finished";
+  need("run", "a string", str, true);
+  need("variant", "a string", str, true);
+  need("config_hash", "a string", str, true);
+  need("d", "a whole number", whole, true);
+  need("seed", "a whole number", whole, true);
+  need("compute", "a number", num, finished);
+  need("final_val_loss", "a number", num, finished);
+  need("tokens_per_s", "a number", num, finished);
+  for (const char* k : {"tokens", "flops_with_head", "best_val_loss", "mfu", "wall_s"}) need(k, "a number", num, false);
+  for (const char* k : {"baseline", "host", "revision", "error"}) need(k, "a string", str, false);
+  need("stacks", "an array of strings", strings, false);
+}
+
 nlohmann::json parse_file(const fs::path& f) {
   try {
     return nlohmann::json::parse(read_file(f));
@@ -65,6 +105,18 @@ void ResultStore::open_for_sweep(const LadderSpec& spec, const std::map<std::str
                          for (auto& x : spec.variants) v.push_back(x.name);
                          return v;
                        }()},
+                      // The spec's links between variants, for the report: they are not part of a run's
+                      // config, so the copies stored with old results can be stale.
+                      {"baselines", [&] {
+                         nlohmann::json b = nlohmann::json::object();
+                         for (auto& x : spec.variants) b[x.name] = x.baseline;
+                         return b;
+                       }()},
+                      {"stacks", [&] {
+                         nlohmann::json st = nlohmann::json::object();
+                         for (auto& x : spec.variants) st[x.name] = x.stacks;
+                         return st;
+                       }()},
                       {"report", {{"E", spec.report.E}, {"alpha", spec.report.alpha}}},
                       {"runs", planned_hashes}};
   write_file_atomic(m, j.dump(2) + "\n");
@@ -100,6 +152,7 @@ std::vector<nlohmann::json> ResultStore::all_results() const {
   for (auto& f : files) {
     auto j = parse_file(f);
     check_version(j, f, "ladder-result");
+    check_result_fields(j, f);
     out.push_back(std::move(j));
   }
   return out;

@@ -1,7 +1,8 @@
 // The results store of a sweep: one JSON file per finished run, written atomically, under one
 // directory that many workers (processes, machines with a shared file system) may use at once.
 //   DIR/ladder.json           store format version, spec name and the report settings
-//   DIR/results/<run>.json    the result of one finished run (written once, atomically: temp + fsync + rename)
+//   DIR/results/<run>.json    the result of one finished run, or the record of a run that diverged
+//                             ("status": "diverged"; written once, atomically: temp + fsync + rename)
 //   DIR/runs/<run>/           the run's trainer directory (checkpoints, metrics.jsonl, config.yaml)
 //   DIR/runs/<run>/planned.json  the config hash the run was started with (a changed spec is refused)
 //   DIR/locks/<run>.lock      flock()ed by the worker training the run; released when it exits or dies
@@ -33,8 +34,9 @@ class ResultStore {
   // to the spec of the same name). Errors before anything is trained.
   // Refuses a directory that holds another ladder, or is not a results directory and not empty.
   void check_owner(const LadderSpec& spec) const;
-  // Creates the layout and (re)writes ladder.json with the spec's report settings and the plan's
-  // runs (id -> config hash), from which the report keeps only the results of the current plan.
+  // Creates the layout and (re)writes ladder.json with the spec's report settings, its variants'
+  // baselines and stacks, and the plan's runs (id -> config hash), from which the report keeps only
+  // the results of the current plan.
   void open_for_sweep(const LadderSpec& spec, const std::map<std::string, std::string>& planned_hashes);
   // Reads DIR/ladder.json for the report; errors if missing or from an incompatible version.
   nlohmann::json read_manifest() const;
@@ -44,7 +46,8 @@ class ResultStore {
   // The stored result of a run (validated: version), if any.
   std::optional<nlohmann::json> read_result(const std::string& id) const;
   void write_result(const std::string& id, const nlohmann::json& result) const;
-  // Every stored result, sorted by run id. Errors name a file from another version or a torn file.
+  // Every stored result (finished or diverged runs), sorted by run id. Errors name a file from another
+  // version, a torn file, or a file and the field the report needs that it lacks or holds as another type.
   std::vector<nlohmann::json> all_results() const;
 
  private:

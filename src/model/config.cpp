@@ -1,4 +1,5 @@
 #include "model/config.h"
+#include "optim/schedule.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -98,7 +99,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(optim, muonh_params, "tensors moved to muonh (selectors as optim.adamw_params)"),
       LADDER_FIELD(schedule, type, "learning-rate schedule: linear | cosine | wsd | constant"),
       LADDER_FIELD(schedule, warmup, "linear warmup: < 1 = fraction of steps, >= 1 = steps (a whole number, at most run.steps)"),
-      LADDER_FIELD(schedule, final_lr_frac, "learning rate at the last step, as a fraction of the peak"),
+      LADDER_FIELD(schedule, final_lr_frac, "learning rate the decay ends at, as a fraction of the peak (reached at step run.steps, one past the last: the last step's is one decay step above it)"),
       LADDER_FIELD(schedule, decay_frac, "wsd: fraction of the steps spent in the final decay"),
       LADDER_FIELD(data, path, "data directory written by `ladder data` (relative paths: to the working directory)"),
       LADDER_FIELD(run, steps, "optimizer steps"),
@@ -417,6 +418,10 @@ void validate_attention_switches(const ModelConfig& m, const std::string& where)
     if (!any_long)
       fail("{}: model.pko applies to long layers only, but none of the {} layers is long (model.long_every = {}, "
            "model.last_layer_long = {})", where, m.n_layers, m.long_every, m.last_layer_long);
+    // RECIPE.md's PKO rung: "long layers only (i % 4 == 3 and always the last layer)".
+    if (!m.is_long_layer(m.n_layers - 1))
+      fail("{}: model.pko makes the last layer long too (RECIPE.md), but layer {} is short (model.long_every = {}): "
+           "set model.last_layer_long: true", where, m.n_layers - 1, m.long_every);
   }
 }
 
@@ -538,6 +543,12 @@ void validate_settings(const Config& c, bool this_build) {
     fail("{}: schedule.final_lr_frac must be in [0, 1], got {}", where, s.final_lr_frac);
   if (!(s.decay_frac >= 0 && s.decay_frac <= 1))
     fail("{}: schedule.decay_frac must be in [0, 1], got {}", where, s.decay_frac);
+  // A wsd decay that began inside the warmup would drop the lr from the warmup's peak to mid-decay
+  // in one step. (The decay's first step is the first t >= its start, as lr_multiplier reads it.)
+  if (const double first_decay = std::ceil(double(c.run.steps) * (1.0 - s.decay_frac));
+      s.type == "wsd" && first_decay < double(warmup_steps(s, c.run.steps)))
+    fail("{}: schedule.decay_frac {} starts the wsd decay at step {:.0f}, inside the {} warmup steps (schedule.warmup "
+         "{}): lower one of them", where, s.decay_frac, first_decay, warmup_steps(s, c.run.steps), s.warmup);
   if (c.run.precision != "fp32" && c.run.precision != "tf32" && c.run.precision != "bf16")
     fail("{}: run.precision '{}' is not known (expected fp32, tf32 or bf16)", where, c.run.precision);
   if (c.run.precision != "fp32" && c.run.device != "cuda")
@@ -549,6 +560,12 @@ void validate_settings(const Config& c, bool this_build) {
     fail("{}: run.attention '{}' needs run.device cuda and run.precision bf16 (cuDNN's attention is bf16)", where,
          c.run.attention);
   pos("run.batch_size", c.run.batch_size);
+  // The model counts a micro-batch's tokens, and an MoE layer its token-expert slots, in 32-bit ints.
+  if (const int64_t n = int64_t(c.run.batch_size) * m.seq_len * (m.moe() ? std::max(1, m.moe_top_k) : 1);
+      n > std::numeric_limits<int>::max())
+    fail("{}: run.batch_size ({}) x model.seq_len ({}){} = {} is more than the 2^31 - 1 a micro-batch may hold: "
+         "lower run.batch_size (run.grad_accum adds micro-batches to a step)",
+         where, c.run.batch_size, m.seq_len, m.moe() ? fmt::format(" x model.moe_top_k ({})", m.moe_top_k) : "", n);
   pos("run.grad_accum", c.run.grad_accum);
   pos("run.log_every", c.run.log_every);
   if (c.run.eval_every < 0 || c.run.ckpt_every < 0 || c.run.eval_batches < 0 || c.run.threads < 0)

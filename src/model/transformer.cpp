@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "model/flops.h"
 
 namespace ladder {
 
@@ -39,11 +40,25 @@ Param& Transformer::param(const std::string& name) {
 }
 
 Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
-    : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(batch * cfg.seq_len), be_(be), ops_{&be} {
+    : cfg_(cfg), B_(batch), S_(cfg.seq_len), N_(int(int64_t(batch) * cfg.seq_len))  /* checked below */, be_(be), ops_{&be} {
   LADDER_ASSERT(cfg.vocab_size > 0);
   if (cfg.pko && cfg.eod_id < 0)
     fail("model.pko zeroes the shifted key half at document starts, but no end-of-document token is known: "
          "set model.eod_id or train on a data directory whose meta.json has eod_id");
+  if (int64_t(batch) * cfg.seq_len > std::numeric_limits<int>::max())
+    fail("{} sequences of model.seq_len {} are {} tokens in one micro-batch; the model counts them in 32-bit ints "
+         "(at most 2^31 - 1): lower run.batch_size or model.seq_len", batch, cfg.seq_len, int64_t(batch) * cfg.seq_len);
+  // Weights and gradients alone must fit before anything is built: an absurd size (model.n_layers
+  // 10^8, say) would otherwise spend minutes and gigabytes on tensor names before the allocation fails.
+  {
+    const double need = 2.0 * sizeof(float) * double(count_params(cfg).total);
+    const size_t avail = be_.available_bytes();
+    if (need > double(avail))
+      fail("out of memory: the model's {:.1f} M parameters need {:.1f} MiB for weights and gradients alone, {:.1f} "
+           "MiB available ({}): lower model.d_model, model.n_layers, model.vocab_size or the MLP/expert widths",
+           double(count_params(cfg).total) / 1e6, need / 1048576.0, double(avail) / 1048576.0,
+           be_.is_host() ? "host memory" : "device memory");
+  }
   const int64_t d = cfg.d_model, V = cfg.vocab_size, H = cfg.n_heads, KV = cfg.kv_heads(), hd = cfg.hd(),
                 I = cfg.ff(), R = cfg.gated_norm_rank;
   // GatedNorm's two matrices sit under the norm they follow (".gated_norm.{down,up}_proj.weight").
@@ -538,6 +553,8 @@ std::vector<MoeLayerStats> Transformer::take_moe_stats(const HostSum& sum_over_r
       double sum = 0;
       for (size_t e = 0; e < E; ++e) sum += ld[e];
       st.load_mean = sum / double(E);
+      // Measured, not assumed: routing is dropless, so this is 0 unless a kernel lost a token.
+      st.dropped_frac = 1.0 - sum / (tokens * double(cfg_.moe_top_k));
       st.lse_sq = v[nm * E + size_t(L.moe_index)] / tokens;
     }
     stats_lse_sq_[size_t(L.moe_index)] = 0;

@@ -77,6 +77,8 @@ struct LossSums {
 struct MoeLayerStats {
   int layer = 0;
   double load_min = 0, load_max = 0, load_mean = 0;
+  // 1 - (token-expert assignments counted) / (tokens x top_k): the fraction RECIPE.md asks to log.
+  double dropped_frac = 0;
   double lse_sq = 0;
 };
 

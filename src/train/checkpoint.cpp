@@ -227,7 +227,9 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   const fs::path final_dir = checkpoint_dir(run_dir, st.step), parent = final_dir.parent_path();
   const std::string name = final_dir.filename().string();
   std::error_code ec;
-  fs::create_directories(parent, ec);
+  // A new checkpoints/ directory's own name must be durable too, or a crash could lose every
+  // checkpoint whose rename below was synced.
+  if (fs::create_directories(parent, ec)) fsync_dir(run_dir);
   if (ec) fail("{}: cannot create checkpoint directory: {}", parent.string(), ec.message());
   tidy_checkpoints(parent);
   const fs::path tmp = parent / fmt::format(".partial_{}_{}@{}", name, ::getpid(), host_name());

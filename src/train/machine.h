@@ -6,8 +6,9 @@ namespace ladder {
 
 class Backend;
 
-// Median GFLOP/s of a training-shaped sgemm on the current thread count. `use_cache`: return the
-// cached value if there is one. A fresh measurement always refreshes the cache.
+// The sgemm peak on the current thread count: the better of the median GFLOP/s of a training-shaped
+// sgemm ([4096 x 512] x [512 x 2048]) and of a square one with a long K (2048^3). `use_cache`:
+// return the cached value if there is one. A fresh measurement always refreshes the cache.
 double sgemm_gflops(bool use_cache = true);
 
 // The GEMM rate of `be` itself on its own memory, median GFLOP/s of a training-shaped product

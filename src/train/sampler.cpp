@@ -43,7 +43,9 @@ std::string sample_text(const std::filesystem::path& path, const SampleOptions& 
   Transformer model(cfg.model, 1, *be);
   load_checkpoint_weights(dir, model, nullptr);
 
-  const int S = cfg.model.seq_len, V = cfg.model.vocab_size;
+  // The logits may be wider than the tokenizer (a model.vocab_size padded past the data's): ids the
+  // tokenizer has no piece for cannot be decoded, so only its Vt ids are candidates.
+  const int S = cfg.model.seq_len, V = cfg.model.vocab_size, Vt = tok.vocab_size();
   std::vector<int32_t> ids = tok.encode(opt.prompt);
   if (ids.empty()) ids.push_back(tok.eod_id());  // an empty prompt starts a new document
   const size_t prompt_len = ids.size();
@@ -57,11 +59,11 @@ std::string sample_text(const std::filesystem::path& path, const SampleOptions& 
     const float* row = logits.data() + (n - 1) * size_t(V);
     int32_t next;
     if (opt.temperature == 0) {
-      next = int32_t(std::max_element(row, row + V) - row);
+      next = int32_t(std::max_element(row, row + Vt) - row);
     } else {
-      std::vector<int32_t> idx(V);
+      std::vector<int32_t> idx(Vt);
       std::iota(idx.begin(), idx.end(), 0);
-      const int k = opt.top_k > 0 ? std::min(opt.top_k, V) : V;
+      const int k = opt.top_k > 0 ? std::min(opt.top_k, Vt) : Vt;
       std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) { return row[a] > row[b]; });
       std::vector<double> p(k);
       const double mx = row[idx[0]];

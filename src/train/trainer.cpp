@@ -340,7 +340,7 @@ TrainSummary train(const TrainOptions& opt) {
   }
   std::optional<MetricsWriter> metrics;  // rank 0's
   if (rank == 0) {
-    fs::create_directories(run_dir);
+    if (fs::create_directories(run_dir)) fsync_dir(run_dir.parent_path().empty() ? "." : run_dir.parent_path());
     write_file_atomic(run_dir / "config.yaml", to_yaml(cfg));
     metrics.emplace(run_dir / "metrics.jsonl", /*append=*/start_step > 0);
     if (start_step > 0) metrics->truncate_after_step(start_step);
@@ -421,6 +421,9 @@ TrainSummary train(const TrainOptions& opt) {
   };
   auto checkpoint = [&](int64_t step) {
     check_replicas_agree(comm, model, fmt::format("at step {}", step));  // what rank 0 saves is every rank's
+    // The metrics up to this step reach the disk before the checkpoint does: a resume from it keeps
+    // the lines up to its step and never rewrites them, so a crash must not lose them afterwards.
+    if (metrics) metrics->sync();
     CheckpointState st{step, tokens_seen, threads, world, train_loader.state(), to_json(cfg), elapsed_total()};
     // Sharded: the other ranks' state to rank 0 first (the file is the unsharded run's).
     const HostStateTensors others = shards ? gather_optimizer_state(comm, *optimizer) : HostStateTensors{};
@@ -462,7 +465,8 @@ TrainSummary train(const TrainOptions& opt) {
     const double gnorm = ss.grad_norm, lr = ss.lr, lse_sq = ss.lse_sq * double(ntok);
     tokens_seen += ntok;
     const double loss = ss.loss;
-    if (!std::isfinite(loss)) fail("training diverged: loss is {} at step {} (lower optim.lr?)", loss, step);
+    if (!std::isfinite(loss))
+      throw TrainingDiverged(fmt::format("training diverged: loss is {} at step {} (lower optim.lr?)", loss, step));
     sum.losses.emplace_back(step, loss);
 
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -486,7 +490,8 @@ TrainSummary train(const TrainOptions& opt) {
         double worst_max = 0, worst_min = 1e300;
         for (auto& m : ss.moe) {
           layers.push_back({{"layer", m.layer}, {"load_min", m.load_min}, {"load_max", m.load_max},
-                            {"load_mean", m.load_mean}, {"router_lse_sq", m.lse_sq}});
+                            {"load_mean", m.load_mean}, {"dropped_frac", m.dropped_frac},
+                            {"router_lse_sq", m.lse_sq}});
           if (m.load_mean > 0) {
             worst_max = std::max(worst_max, m.load_max / m.load_mean);
             worst_min = std::min(worst_min, m.load_min / m.load_mean);
@@ -522,6 +527,7 @@ TrainSummary train(const TrainOptions& opt) {
       comm.allreduce_max_host(&stop, 1);
       stop_now = stop > 0;
     }
+    sum.interrupted = sum.interrupted || stop_now;
     // The last step's checkpoint is the final one below, whether or not a signal came: written once
     // (a second save of the same step replaced the first, with a window where a second Ctrl-C left
     // none), and the run is complete, not interrupted.
@@ -539,13 +545,14 @@ TrainSummary train(const TrainOptions& opt) {
     checkpoint(step);
   }
   comm.barrier();  // train() returns on no rank before rank 0's files are complete
+  sum.interrupted = sum.interrupted || g_stop;  // also a signal during the final evaluation or checkpoint
   sum.tokens_per_s = median(rates);
   sum.mfu = median(mfus);
   if (talk) {
     if (tty) fmt::print("\n");
-    fmt::print("done: {} steps, median {:.0f} tokens/s, MFU {:.1f}%; metrics {}; checkpoints {}\n", step,
-               sum.tokens_per_s, 100 * sum.mfu, (run_dir / "metrics.jsonl").string(),
-               (run_dir / "checkpoints").string());
+    fmt::print("{}: {} steps, median {:.0f} tokens/s, MFU {:.1f}%; metrics {}; checkpoints {}\n",
+               step < rc.steps ? "stopped" : "done", step, sum.tokens_per_s, 100 * sum.mfu,
+               (run_dir / "metrics.jsonl").string(), (run_dir / "checkpoints").string());
   }
   return sum;
 }

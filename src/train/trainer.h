@@ -35,6 +35,16 @@ struct TrainSummary {
   std::filesystem::path last_checkpoint;
   std::vector<int64_t> checkpoint_steps;  // the steps checkpointed here, in order
   size_t optimizer_state_bytes = 0;       // held by this rank (run.shard_optimizer: its share)
+  // A stop signal (SIGINT, SIGTERM, SIGUSR1) arrived while train() ran: the run ended early with a
+  // checkpoint (end_step < run.steps), or, when it came during the last step, the final evaluation
+  // or the final checkpoint, the run completed. A caller running several (ladder sweep) stops too.
+  bool interrupted = false;
+};
+
+// The training loss became non-finite: an outcome of the settings (too high a learning rate, say),
+// which a caller running several runs (ladder sweep) records and goes past, unlike other errors.
+struct TrainingDiverged : Error {
+  using Error::Error;
 };
 
 TrainSummary train(const TrainOptions& opt);

@@ -22,6 +22,7 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
   // Host memory.
   bool is_host() const override { return true; }
+  size_t available_bytes() const override { return host_memory().available_bytes(); }
   void* mem_alloc(size_t bytes, const char* what) override { return host_memory().mem_alloc(bytes, what); }
   void mem_free(void* p) override { host_memory().mem_free(p); }
   void upload(void* dst, const void* src, size_t bytes) override { host_memory().upload(dst, src, bytes); }

@@ -184,6 +184,10 @@ class CudaBackendImpl final : public CudaBackend {
 
   // Device memory. Copies go on the backend's stream (ordered with the ops); download waits.
   bool is_host() const override { return false; }
+  size_t available_bytes() const override {
+    size_t free_b = 0, total_b = 0;
+    return cudaMemGetInfo(&free_b, &total_b) == cudaSuccess ? free_b : SIZE_MAX;
+  }
   void* mem_alloc(size_t bytes, const char* what) override {
     if (bytes == 0) return nullptr;
     void* p = device_alloc(bytes, what);
