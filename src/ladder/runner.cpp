@@ -63,6 +63,29 @@ std::vector<std::string> sweep_commands(const Plan& plan, const fs::path& out) {
   return cmds;
 }
 
+// What every stored result says of its run, finished or diverged: the plan's facts and where and
+// when it ended.
+nlohmann::json result_of(const PlannedRun& r, const char* status) {
+  return {{"format", "ladder-result"},
+          {"version", kResultsVersion},
+          {"status", status},
+          {"run", r.id},
+          {"variant", r.variant},
+          {"baseline", r.baseline},
+          {"stacks", r.stacks},
+          {"d", r.d},
+          {"seed", r.seed},
+          {"scale", r.scale},
+          {"config", to_json(r.cfg)},
+          {"config_hash", r.config_hash},
+          {"revision", code_revision()},
+          {"tokens", r.tokens},
+          {"compute", r.compute},
+          {"flops_with_head", r.flops_with_head},
+          {"host", hostname()},
+          {"finished_at", utc_now()}};
+}
+
 nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
   std::ifstream f(run_dir / "metrics.jsonl");
   if (!f) fail("{}: missing: the run finished without a metrics log", (run_dir / "metrics.jsonl").string());
@@ -90,53 +113,21 @@ nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
     fail("{}: no validation loss logged (run.eval_batches must be > 0 for a ladder)", (run_dir / "metrics.jsonl").string());
   double best = val_curve[0][2].get<double>();
   for (auto& v : val_curve) best = std::min(best, v[2].get<double>());
-  return {{"format", "ladder-result"},
-          {"version", kResultsVersion},
-          {"status", "finished"},
-          {"run", r.id},
-          {"variant", r.variant},
-          {"baseline", r.baseline},
-          {"stacks", r.stacks},
-          {"d", r.d},
-          {"seed", r.seed},
-          {"scale", r.scale},
-          {"config", to_json(r.cfg)},
-          {"config_hash", r.config_hash},
-          {"revision", code_revision()},
-          {"tokens", r.tokens},
-          {"compute", r.compute},
-          {"flops_with_head", r.flops_with_head},
-          {"final_val_loss", val_curve.back()[2]},
-          {"best_val_loss", best},
-          {"val_curve", val_curve},
-          {"loss_curve", loss_curve},
-          {"tokens_per_s", median(tps)},
-          {"mfu", median(mfu)},
-          {"wall_s", wall},
-          {"host", hostname()},
-          {"finished_at", utc_now()}};
+  nlohmann::json res = result_of(r, "finished");
+  res.update({{"final_val_loss", val_curve.back()[2]},
+              {"best_val_loss", best},
+              {"val_curve", val_curve},
+              {"loss_curve", loss_curve},
+              {"tokens_per_s", median(tps)},
+              {"mfu", median(mfu)},
+              {"wall_s", wall}});
+  return res;
 }
 
 nlohmann::json make_diverged_result(const PlannedRun& r, const std::string& why) {
-  return {{"format", "ladder-result"},
-          {"version", kResultsVersion},
-          {"status", "diverged"},
-          {"error", why},
-          {"run", r.id},
-          {"variant", r.variant},
-          {"baseline", r.baseline},
-          {"stacks", r.stacks},
-          {"d", r.d},
-          {"seed", r.seed},
-          {"scale", r.scale},
-          {"config", to_json(r.cfg)},
-          {"config_hash", r.config_hash},
-          {"revision", code_revision()},
-          {"tokens", r.tokens},
-          {"compute", r.compute},
-          {"flops_with_head", r.flops_with_head},
-          {"host", hostname()},
-          {"finished_at", utc_now()}};
+  nlohmann::json res = result_of(r, "diverged");
+  res["error"] = why;
+  return res;
 }
 
 SweepSummary sweep(const SweepOptions& opt) {
