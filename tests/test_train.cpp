@@ -182,7 +182,10 @@ TEST_F(TrainTest, CliExitsNonZeroWhenASignalStopsTheRun) {
   write_file_atomic(cfg, to_yaml(c));
   const std::string script = fmt::format(
       "{}/ladder train {} --run-dir {} >{} 2>&1 & p=$!; "
-      "for i in $(seq 600); do [ -s {} ] && break; sleep 0.1; done; kill -INT $p; wait $p; exit $?",
+      "for i in $(seq 600); do [ -s {} ] && break; sleep 0.1; done; kill -INT $p; "
+      // bounded: a run that ignored the signal is killed (status 137) instead of hanging the suite
+      "for i in $(seq 1200); do kill -0 $p 2>/dev/null || break; sleep 0.1; done; kill -KILL $p 2>/dev/null; "
+      "wait $p; exit $?",
       LADDER_BINARY_DIR, cfg.string(), r.string(), (dir->path / "signal.out").string(), (r / "metrics.jsonl").string());
   const int rc = std::system(fmt::format("bash -c '{}'", script).c_str());
   ASSERT_TRUE(WIFEXITED(rc));

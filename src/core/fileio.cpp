@@ -27,6 +27,23 @@ void fsync_dir(const std::filesystem::path& dir) {
                "machine crash\n", dir.empty() ? "." : dir.string(), std::strerror(e));
 }
 
+bool create_directories_durably(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  const fs::path abs = fs::absolute(dir).lexically_normal();
+  // The nearest ancestor that exists: every level below it is new.
+  fs::path existing = abs;
+  std::error_code ec;
+  while (!existing.empty() && !fs::exists(existing, ec) && existing != existing.root_path())
+    existing = existing.parent_path();
+  if (!fs::create_directories(abs, ec)) {
+    if (ec) fail("{}: cannot create the directory: {}", dir.string(), ec.message());
+    return false;
+  }
+  for (fs::path p = abs; p != existing && !p.empty() && p != p.root_path(); p = p.parent_path())
+    fsync_dir(p.parent_path());
+  return true;
+}
+
 AtomicFileWriter::AtomicFileWriter(const std::filesystem::path& path) : path_(path) {
   // pid + a process-wide counter keeps concurrent writers (threads or processes) apart; O_EXCL
   // makes a leftover of a crashed process whose pid was reused, or a file someone placed at

@@ -35,6 +35,10 @@ class AtomicFileWriter {
 void write_file_atomic(const std::filesystem::path& path, std::string_view data);
 // fsyncs a directory (after renames inside it).
 void fsync_dir(const std::filesystem::path& dir);
+// create_directories, and each directory it created made durable in its parent (fsync_dir of the
+// parent): a checkpoint renamed into place and synced must not vanish with a new run directory
+// whose own name never reached the disk. Returns whether it created anything; errors are Errors.
+bool create_directories_durably(const std::filesystem::path& dir);
 // Reads a whole file; throws ladder::Error naming the path if missing/unreadable.
 std::string read_file(const std::filesystem::path& path);
 

@@ -23,6 +23,16 @@ bool read_bytes(const char* path, uint64_t& out) {
   return end && *end == '\0';
 }
 
+// The value of `key` in a "key value" file such as memory.stat; 0 when absent.
+uint64_t stat_field(const char* path, const std::string& key) {
+  std::ifstream f(path);
+  std::string k;
+  uint64_t v = 0;
+  while (f >> k >> v)
+    if (k == key) return v;
+  return 0;
+}
+
 // Allocations under this size are not checked: they cannot decide whether a model fits, and the
 // check reads files.
 constexpr size_t kCheckFrom = size_t(64) << 20;
@@ -70,11 +80,17 @@ size_t host_available_bytes(const char** source) {
   }
   if (source) *source = "MemAvailable + SwapFree in /proc/meminfo";
   uint64_t avail = have ? (avail_kib + swap_kib) * 1024 : UINT64_MAX;
-  // A container's limit: cgroup v2 first, then v1 (whose "no limit" is a value near 2^63).
+  // A container's limit: cgroup v2 first, then v1 (whose "no limit" is a value near 2^63). Its
+  // usage counts the page cache charged to it, which the kernel drops before it refuses memory: the
+  // inactive file pages are taken off (after a build or a data preparation they can fill the limit).
   uint64_t limit = 0, usage = 0;
-  if ((read_bytes("/sys/fs/cgroup/memory.max", limit) && read_bytes("/sys/fs/cgroup/memory.current", usage)) ||
-      (read_bytes("/sys/fs/cgroup/memory/memory.limit_in_bytes", limit) && limit < (uint64_t(1) << 60) &&
-       read_bytes("/sys/fs/cgroup/memory/memory.usage_in_bytes", usage))) {
+  const bool v2 = read_bytes("/sys/fs/cgroup/memory.max", limit) && read_bytes("/sys/fs/cgroup/memory.current", usage);
+  const bool v1 = !v2 && read_bytes("/sys/fs/cgroup/memory/memory.limit_in_bytes", limit) &&
+                  limit < (uint64_t(1) << 60) && read_bytes("/sys/fs/cgroup/memory/memory.usage_in_bytes", usage);
+  if (v2 || v1) {
+    const uint64_t cache = stat_field(v2 ? "/sys/fs/cgroup/memory.stat" : "/sys/fs/cgroup/memory/memory.stat",
+                                      v2 ? "inactive_file" : "total_inactive_file");
+    usage = usage > cache ? usage - cache : 0;
     const uint64_t left = limit > usage ? limit - usage : 0;
     if (left < avail) {
       avail = left;

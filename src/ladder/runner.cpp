@@ -234,6 +234,10 @@ SweepSummary sweep(const SweepOptions& opt) {
       ts = train(to);
     } catch (const TrainingDiverged& e) {
       record_diverged(e.what());
+      if (stop_requested()) {  // Ctrl-C in the step that diverged still stops the sweep
+        sum.interrupted = true;
+        return sum;
+      }
       continue;
     }
     if (ts.end_step < r.cfg.run.steps) {

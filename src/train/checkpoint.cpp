@@ -229,8 +229,7 @@ fs::path save_checkpoint(const fs::path& run_dir, const CheckpointState& st, con
   std::error_code ec;
   // A new checkpoints/ directory's own name must be durable too, or a crash could lose every
   // checkpoint whose rename below was synced.
-  if (fs::create_directories(parent, ec)) fsync_dir(run_dir);
-  if (ec) fail("{}: cannot create checkpoint directory: {}", parent.string(), ec.message());
+  create_directories_durably(parent);
   tidy_checkpoints(parent);
   const fs::path tmp = parent / fmt::format(".partial_{}_{}@{}", name, ::getpid(), host_name());
   fs::create_directory(tmp, ec);

@@ -272,6 +272,8 @@ fs::path resolve_data(Config& cfg) {
   return dir;
 }
 
+bool stop_requested() { return g_stop; }
+
 TrainSummary train(const TrainOptions& opt) {
   // Data parallel: every rank runs this function on its share of each batch; rank 0 alone prints,
   // writes the metrics and saves checkpoints (the run directory is on a filesystem every rank sees).
@@ -340,7 +342,7 @@ TrainSummary train(const TrainOptions& opt) {
   }
   std::optional<MetricsWriter> metrics;  // rank 0's
   if (rank == 0) {
-    if (fs::create_directories(run_dir)) fsync_dir(run_dir.parent_path().empty() ? "." : run_dir.parent_path());
+    create_directories_durably(run_dir);
     write_file_atomic(run_dir / "config.yaml", to_yaml(cfg));
     metrics.emplace(run_dir / "metrics.jsonl", /*append=*/start_step > 0);
     if (start_step > 0) metrics->truncate_after_step(start_step);

@@ -48,6 +48,8 @@ struct TrainingDiverged : Error {
 };
 
 TrainSummary train(const TrainOptions& opt);
+// Whether a stop signal arrived during the last train() (also when it then threw, e.g. diverged).
+bool stop_requested();
 
 // One optimizer step: zero grads; grad_accum micro-batches (each fetched by next_batch into
 // inputs/targets) forward+backward; data-parallel all-reduce; global-norm clip; scheduled lr;
