@@ -9,6 +9,10 @@
 #include "core/error.h"
 #include "model/flops.h"
 #include "train/bench.h"
+#include "train/machine.h"
+#include "core/fileio.h"
+#include "test_util.h"
+#include <nlohmann/json.hpp>
 
 namespace ladder {
 namespace {
@@ -21,6 +25,28 @@ BenchOptions tiny_moe_bench() {
   opt.steps = 1;
   opt.torch = true;
   return opt;
+}
+
+// The cached sgemm rate (the trainer's MFU denominator) keeps the best rate measured: a fresh
+// measurement returns itself, raises a lower cached value and leaves a higher one.
+TEST(Bench, SgemmCacheKeepsTheBestRateMeasured) {
+  test::TempDir d("sgemm-cache");
+  const char* old = std::getenv("XDG_CACHE_HOME");
+  const std::string saved = old ? old : "";
+  setenv("XDG_CACHE_HOME", d.path.c_str(), 1);
+  auto cached = [] { return nlohmann::json::parse(read_file(sgemm_cache_file())).at("sgemm_gflops").get<double>(); };
+  const double g1 = sgemm_gflops(/*use_cache=*/false);
+  EXPECT_GT(g1, 0.5);  // GFLOP/s: any machine that runs the suite
+  EXPECT_EQ(cached(), g1);
+  write_file_atomic(sgemm_cache_file(), R"({"sgemm_gflops": 1e9})");  // higher than any measurement
+  const double g2 = sgemm_gflops(false);
+  EXPECT_LT(g2, 1e9);
+  EXPECT_EQ(cached(), 1e9);
+  EXPECT_EQ(sgemm_gflops(/*use_cache=*/true), 1e9);
+  write_file_atomic(sgemm_cache_file(), R"({"sgemm_gflops": 0.001})");  // a busy machine's reading
+  const double g3 = sgemm_gflops(false);
+  EXPECT_EQ(cached(), g3);
+  if (old) setenv("XDG_CACHE_HOME", saved.c_str(), 1); else unsetenv("XDG_CACHE_HOME");
 }
 
 TEST(Bench, TorchBaselineTimesTheSameMoeModel) {

@@ -1,6 +1,7 @@
 // The machine's measured sgemm rate: the MFU denominator on CPU. Measured once per (host, threads)
 // and cached under $XDG_CACHE_HOME/ladder (or ~/.cache/ladder).
 #pragma once
+#include <filesystem>
 
 namespace ladder {
 
@@ -8,8 +9,12 @@ class Backend;
 
 // The sgemm peak on the current thread count: the better of the median GFLOP/s of a training-shaped
 // sgemm ([4096 x 512] x [512 x 2048]) and of a square one with a long K (2048^3). `use_cache`:
-// return the cached value if there is one. A fresh measurement always refreshes the cache.
+// return the cached value if there is one. A fresh measurement is returned as measured and raises
+// the cached value when it is higher (the cache keeps the best rate seen: a busy VM reads low).
 double sgemm_gflops(bool use_cache = true);
+// Where sgemm_gflops caches the rate: $XDG_CACHE_HOME/ladder (or ~/.cache/ladder), one file per host,
+// thread count and OpenBLAS kernel set.
+std::filesystem::path sgemm_cache_file();
 
 // The GEMM rate of `be` itself on its own memory, median GFLOP/s of a training-shaped product
 // [tokens x d] x [d x 4d] (16384 x 1024 x 4096, 137 GFLOP): the MFU denominator on a device, where
