@@ -392,21 +392,30 @@ TEST(DataPrepare, TrainAndValAreDisjoint) {
   for (auto& v : val) EXPECT_EQ(train.count(v), 0u) << "val document also in train: " << v.substr(0, 60);
 }
 
-TEST(DataPrepare, AlwaysAtLeastOneValDocumentAndReuse) {
-  Tmp t("tiny");
+// 60 synthetic documents as one plain-text file in `dir`, and options that prepare it into dir/d
+// with a 320-piece vocabulary.
+PrepareOptions plain_corpus_options(const fs::path& dir, size_t* n_docs = nullptr) {
   auto docs = synthetic_corpus(60);
   std::string plain;
   for (auto& d : docs) plain += d + "\n\n\n";
-  write_text(t.path / "c.txt", plain);
+  write_text(dir / "c.txt", plain);
+  if (n_docs) *n_docs = docs.size();
   PrepareOptions opt;
-  opt.inputs = {t.path / "c.txt"};
-  opt.out_dir = t.path / "d";
+  opt.inputs = {dir / "c.txt"};
+  opt.out_dir = dir / "d";
   opt.vocab_size = 320;
+  return opt;
+}
+
+TEST(DataPrepare, AlwaysAtLeastOneValDocumentAndReuse) {
+  Tmp t("tiny");
+  size_t n_docs = 0;
+  PrepareOptions opt = plain_corpus_options(t.path, &n_docs);
   opt.val_fraction = 0.0;
   prepare_data(opt);
   nlohmann::json m = nlohmann::json::parse(read_bytes(opt.out_dir / "meta.json"));
   EXPECT_GE(m["n_val_docs"].get<size_t>(), 1u);
-  EXPECT_EQ(m["n_train_docs"].get<size_t>() + m["n_val_docs"].get<size_t>(), docs.size());
+  EXPECT_EQ(m["n_train_docs"].get<size_t>() + m["n_val_docs"].get<size_t>(), n_docs);
   // Second run reuses the tokenizer: same model bytes, same shards.
   std::string model = read_bytes(opt.out_dir / "tokenizer.model");
   std::string shard = read_bytes(opt.out_dir / "train_000000.bin");
@@ -417,14 +426,7 @@ TEST(DataPrepare, AlwaysAtLeastOneValDocumentAndReuse) {
 
 TEST(DataPrepare, ExistingTokenizerIsCheckedBeforeReadingInputs) {
   Tmp t("reuse-vocab");
-  auto docs = synthetic_corpus(60);
-  std::string plain;
-  for (auto& d : docs) plain += d + "\n\n\n";
-  write_text(t.path / "c.txt", plain);
-  PrepareOptions opt;
-  opt.inputs = {t.path / "c.txt"};
-  opt.out_dir = t.path / "d";
-  opt.vocab_size = 320;
+  PrepareOptions opt = plain_corpus_options(t.path);
   prepare_data(opt);
   const std::string meta = read_bytes(opt.out_dir / "meta.json");
 
