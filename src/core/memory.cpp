@@ -4,8 +4,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "core/error.h"
 
@@ -23,14 +25,17 @@ bool read_bytes(const char* path, uint64_t& out) {
   return end && *end == '\0';
 }
 
-// The value of `key` in a "key value" file such as memory.stat; 0 when absent.
-uint64_t stat_field(const char* path, const std::string& key) {
+// The number after `key` on its line of a "key value [unit]" file (/proc/meminfo, memory.stat);
+// nullopt when the file or the key is missing.
+std::optional<uint64_t> stat_field(const char* path, std::string_view key) {
   std::ifstream f(path);
-  std::string k;
+  std::string line, k;
   uint64_t v = 0;
-  while (f >> k >> v)
-    if (k == key) return v;
-  return 0;
+  while (std::getline(f, line)) {
+    std::istringstream in(line);
+    if (in >> k >> v && k == key) return v;
+  }
+  return std::nullopt;
 }
 
 // Allocations under this size are not checked: they cannot decide whether a model fits, and the
@@ -66,20 +71,10 @@ class HostMemory final : public MemorySpace {
 }  // namespace
 
 size_t host_available_bytes(const char** source) {
-  std::ifstream f("/proc/meminfo");
-  std::string line;
-  uint64_t avail_kib = 0, swap_kib = 0;
-  bool have = false;
-  while (std::getline(f, line)) {
-    std::istringstream in(line);
-    std::string key;
-    uint64_t kib = 0;
-    if (!(in >> key >> kib)) continue;
-    if (key == "MemAvailable:") avail_kib = kib, have = true;
-    if (key == "SwapFree:") swap_kib = kib;
-  }
+  const std::optional<uint64_t> avail_kib = stat_field("/proc/meminfo", "MemAvailable:");
+  const uint64_t swap_kib = stat_field("/proc/meminfo", "SwapFree:").value_or(0);
   if (source) *source = "MemAvailable + SwapFree in /proc/meminfo";
-  uint64_t avail = have ? (avail_kib + swap_kib) * 1024 : UINT64_MAX;
+  uint64_t avail = avail_kib ? (*avail_kib + swap_kib) * 1024 : UINT64_MAX;
   // A container's limit: cgroup v2 first, then v1 (whose "no limit" is a value near 2^63). Its
   // usage counts the page cache charged to it, which the kernel drops before it refuses memory: the
   // inactive file pages are taken off (after a build or a data preparation they can fill the limit).
@@ -89,7 +84,8 @@ size_t host_available_bytes(const char** source) {
                   limit < (uint64_t(1) << 60) && read_bytes("/sys/fs/cgroup/memory/memory.usage_in_bytes", usage);
   if (v2 || v1) {
     const uint64_t cache = stat_field(v2 ? "/sys/fs/cgroup/memory.stat" : "/sys/fs/cgroup/memory/memory.stat",
-                                      v2 ? "inactive_file" : "total_inactive_file");
+                                      v2 ? "inactive_file" : "total_inactive_file")
+                               .value_or(0);
     usage = usage > cache ? usage - cache : 0;
     const uint64_t left = limit > usage ? limit - usage : 0;
     if (left < avail) {

@@ -91,7 +91,7 @@ void encode_split(const std::vector<std::string>& docs, const std::vector<size_t
     size_t bytes = 0;
     while (next < idx.size() && pieces.size() < kBlockPieces && bytes < kBlockBytes) {
       std::string_view d = docs[idx[next++]];
-      const auto cut = tok.cuts_at_newlines() ? newline_pieces(d, kEncodePieceBytes) : std::vector{d};
+      const auto cut = tok.encode_pieces(d);
       for (size_t k = 0; k < cut.size(); ++k) pieces.push_back({cut[k], k + 1 == cut.size()});
       bytes += d.size();
     }

@@ -56,13 +56,16 @@ Tokenizer Tokenizer::load(const fs::path& model_file) {
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
   std::vector<int32_t> out;
   std::vector<int> ids;
-  const auto pieces = cuts_at_newlines_ ? newline_pieces(text, kEncodePieceBytes) : std::vector{text};
-  for (std::string_view piece : pieces) {
+  for (std::string_view piece : encode_pieces(text)) {
     auto st = sp_->Encode(piece, &ids);
     if (!st.ok()) fail("{}: encoding failed: {}", path_.string(), st.ToString());
     out.insert(out.end(), ids.begin(), ids.end());
   }
   return out;
+}
+
+std::vector<std::string_view> Tokenizer::encode_pieces(std::string_view text) const {
+  return cuts_at_newlines_ ? newline_pieces(text, kEncodePieceBytes) : std::vector{text};
 }
 
 std::vector<std::string_view> newline_pieces(std::string_view text, size_t max_bytes) {

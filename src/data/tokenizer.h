@@ -31,6 +31,10 @@ class Tokenizer {
   // call a "▁", so encode() and prepare encode their documents whole. Checked on load by encoding a
   // probe text both ways.
   bool cuts_at_newlines() const { return cuts_at_newlines_; }
+  // `text` as the pieces encode() encodes one by one: cut after "\n" into pieces of at most
+  // kEncodePieceBytes where cuts_at_newlines(), else whole. Encoding each and concatenating the ids
+  // is encode(text); prepare encodes them in parallel.
+  std::vector<std::string_view> encode_pieces(std::string_view text) const;
 
   int vocab_size() const { return vocab_size_; }
   int eod_id() const { return eod_id_; }  // sentencepiece </s>

@@ -785,15 +785,14 @@ std::string write_report(const ReportOptions& opt) {
   // config staying the same; the copies stored with each result are what they were when it ran.
   // (Directories from before ladder.json recorded them: the stored copies.)
   std::map<std::string, VariantLinks> links;
-  if (manifest.contains("baselines") && manifest["baselines"].is_object()) {
-    const nlohmann::json st = manifest.value("stacks", nlohmann::json::object());
-    for (auto& [v, b] : manifest["baselines"].items()) {
-      links[v].baseline = b.is_string() ? b.get<std::string>() : "";
-      if (st.is_object() && st.contains(v) && st[v].is_array())
-        for (auto& x : st[v])
+  if (manifest.contains("links") && manifest["links"].is_object())
+    for (auto& [v, l] : manifest["links"].items()) {
+      if (!l.is_object()) continue;
+      if (l.contains("baseline") && l["baseline"].is_string()) links[v].baseline = l["baseline"].get<std::string>();
+      if (l.contains("stacks") && l["stacks"].is_array())
+        for (auto& x : l["stacks"])
           if (x.is_string()) links[v].stacks.push_back(x.get<std::string>());
     }
-  }
   Report r = compute_report(results, E, alpha, manifest.value("variants", std::vector<std::string>{}), links);
   r.name = manifest.value("spec_name", opt.dir.filename().string());
   if (!excluded.empty())

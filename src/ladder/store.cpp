@@ -107,15 +107,10 @@ void ResultStore::open_for_sweep(const LadderSpec& spec, const std::map<std::str
                        }()},
                       // The spec's links between variants, for the report: they are not part of a run's
                       // config, so the copies stored with old results can be stale.
-                      {"baselines", [&] {
-                         nlohmann::json b = nlohmann::json::object();
-                         for (auto& x : spec.variants) b[x.name] = x.baseline;
-                         return b;
-                       }()},
-                      {"stacks", [&] {
-                         nlohmann::json st = nlohmann::json::object();
-                         for (auto& x : spec.variants) st[x.name] = x.stacks;
-                         return st;
+                      {"links", [&] {
+                         nlohmann::json l = nlohmann::json::object();
+                         for (auto& x : spec.variants) l[x.name] = {{"baseline", x.baseline}, {"stacks", x.stacks}};
+                         return l;
                        }()},
                       {"report", {{"E", spec.report.E}, {"alpha", spec.report.alpha}}},
                       {"runs", planned_hashes}};

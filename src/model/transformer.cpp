@@ -51,12 +51,13 @@ Transformer::Transformer(const ModelConfig& cfg, int batch, Backend& be)
   // Weights and gradients alone must fit before anything is built: an absurd size (model.n_layers
   // 10^8, say) would otherwise spend minutes and gigabytes on tensor names before the allocation fails.
   {
-    const double need = 2.0 * sizeof(float) * double(count_params(cfg).total);
+    const double n_params = double(count_params(cfg).total);
+    const double need = 2.0 * sizeof(float) * n_params;
     const size_t avail = be_.available_bytes();
     if (need > double(avail))
       fail("out of memory: the model's {:.1f} M parameters need {:.1f} MiB for weights and gradients alone, {:.1f} "
            "MiB available ({}): lower model.d_model, model.n_layers, model.vocab_size or the MLP/expert widths",
-           double(count_params(cfg).total) / 1e6, need / 1048576.0, double(avail) / 1048576.0,
+           n_params / 1e6, need / 1048576.0, double(avail) / 1048576.0,
            be_.is_host() ? "host memory" : "device memory");
   }
   const int64_t d = cfg.d_model, V = cfg.vocab_size, H = cfg.n_heads, KV = cfg.kv_heads(), hd = cfg.hd(),

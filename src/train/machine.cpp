@@ -43,9 +43,7 @@ double sgemm_median(int M, int N, int K, int warm, int reps) {
   std::sort(rates.begin(), rates.end());
   return rates[rates.size() / 2];
 }
-}  // namespace
 
-namespace {
 // The cached rate, or 0 when there is none (or it does not parse).
 double cached_rate(const std::filesystem::path& f) {
   if (!std::filesystem::exists(f)) return 0;
