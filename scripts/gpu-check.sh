@@ -133,6 +133,9 @@ fi
   grep -m1 '^model name' /proc/cpuinfo
   echo "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}"
   cat /etc/os-release
+  # What the host-memory check (src/core/memory.cpp, available_bytes) reads, never yet seen on the device.
+  grep -E '^(MemTotal|MemAvailable|SwapFree):' /proc/meminfo
+  for f in memory.max memory.current; do echo "cgroup $f: $(cat /sys/fs/cgroup/$f 2>/dev/null || echo absent)"; done
 } >"$OUT/env.log" 2>&1
 GPU_NAME=$(timeout -k 5 30 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 log "$(timeout -k 5 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null ||
@@ -163,10 +166,12 @@ if [ -z "$BIN" ]; then
     echo "gpu-check: no device build and no gpu-bundle/bundle.tgz (run scripts/gpu-prepare.sh first and carry gpu-bundle)"
     exit 1
   fi
-  rm -rf gpu-bundle/x && mkdir -p gpu-bundle/x && tar xzf gpu-bundle/bundle.tgz -C gpu-bundle/x
-  BIN=gpu-bundle/x
+  # Unpacked into the scratch folder, not inside gpu-bundle/: the carried folder must stay the packed
+  # bundle alone (about 40 MB of the device tool's 64 MiB; unpacked beside it, 180 MB).
+  mkdir -p "$TMPD/bundle" && tar xzf gpu-bundle/bundle.tgz -C "$TMPD/bundle"
+  BIN=$TMPD/bundle
   cat "$BIN/BUILD_INFO"
-  export LD_LIBRARY_PATH="$PWD/$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 # The libraries the binaries link (ldd, which follows LD_LIBRARY_PATH: cuBLASLt 13, the CUDA runtime)
 # and those cuDNN attention (attention_cudnn.h) loads at run time: libcudnn.so.9 and NVRTC, which
@@ -184,7 +189,7 @@ for b in ladder_cuda_tests ladder_cuda_bench ladder; do
   timeout -k 5 30 ldd "$BIN/$b" 2>/dev/null | awk '/=> not found/ {print $1}'
 done | sort -u >"$TMPD/ldd-missing"
 while read -r lib; do missing+=("$lib"); done <"$TMPD/ldd-missing"
-for lib in libcudnn.so.9 libnvrtc.so.13; do in_path "$lib" || missing+=("$lib"); done
+for lib in libcudnn.so.9 libnvrtc.so.13 libnccl.so.2; do in_path "$lib" || missing+=("$lib"); done
 if [ ${#missing[@]} -gt 0 ]; then
   expr=()
   for lib in "${missing[@]}"; do
@@ -194,7 +199,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   found=$(timeout -k 5 30 find /usr/local /usr/lib /opt \( "${expr[@]}" \) 2>/dev/null)
   for lib in "${missing[@]}"; do
     d=$(grep -m1 "/$lib\$" <<<"$found")
-    if [ -n "$d" ]; then
+    if [ -n "$d" ] && [ "$lib" = libnccl.so.2 ]; then
+      # NCCL by its full path (src/backend/cuda/nccl_collectives.cpp): its folder on the search path
+      # could put a wheel's cuBLAS ahead of the toolkit's.
+      export LADDER_NCCL_LIB=$d
+      log "$lib: $d (LADDER_NCCL_LIB)"
+    elif [ -n "$d" ]; then
       LD_LIBRARY_PATH="$(dirname "$d"):${LD_LIBRARY_PATH:-}"
       export LD_LIBRARY_PATH
       log "$lib from $(dirname "$d")"
@@ -230,10 +240,11 @@ PRE_END=$(($(now) + ${GPU_CHECK_PRE_S:-225}))
 [ $PRE_END -gt $((DEADLINE - 210)) ] && PRE_END=$((DEADLINE - 210))
 
 # ---- 2. GPU tests -------------------------------------------------------------------------------
-# Without the wgmma tests (LADDER_TEST_WGMMA=0; 2c) and the cuDNN ones (*Cudnn*; 2b): a kernel that
-# faults ends its process's CUDA context, so each of those runs in a process of its own.
+# Without the wgmma tests (LADDER_TEST_WGMMA=0; 2c), the cuDNN ones (*Cudnn*; 2b) and NCCL's (*Nccl*,
+# below): a kernel that faults ends its process's CUDA context (and a library's setup may hang), so
+# each of those runs in a process of its own.
 log "GPU tests (log: tests.log)"
-run_step 150 $PRE_END 30 env LADDER_TEST_WGMMA=0 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='-*Cudnn*' \
+run_step 150 $PRE_END 30 env LADDER_TEST_WGMMA=0 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='-*Cudnn*:*Nccl*' \
   >"$OUT/tests.log" 2>&1
 TEST_RC=$?
 MAIN_NOTOK=$(notok "$OUT/tests.log")
@@ -259,6 +270,22 @@ GG_RAN=$(grep -cE '^\[       OK \] CudaGroupedTc\.' "$OUT/tests.log")
 [ "$MMA_RAN" -gt 0 ] || { MMA_OK=0; export LADDER_ATTN_MMA=0; }
 [ "$GG_RAN" -gt 0 ] || { GG_OK=0; export LADDER_GROUPED_MMA=0; }
 log "mma.sync attention: $([ $MMA_OK = 1 ] && echo "no test failed ($MMA_RAN passed): the default" || echo "a test failed or none ran ($MMA_RAN passed): LADDER_ATTN_MMA=0 (WMMA) for every bench"); grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo "no test failed ($GG_RAN passed)" || echo "a test failed or none ran ($GG_RAN passed): LADDER_GROUPED_MMA=0 (WMMA) for every bench")"
+
+# NCCL (loaded at run time, never yet run on a GPU): a one-rank job's sums on the backend's stream, in
+# a process of its own (appended to tests.log) so that a crash or hang in its setup costs 30 s at most.
+log "NCCL test (log: tests.log)"
+run_step 30 $PRE_END 10 "$BIN/ladder_cuda_tests" --gtest_color=no --gtest_filter='*Nccl*' >"$TMPD/nccl.log" 2>&1
+NCCL_RC=$?
+{ echo "=== NCCL tests (*Nccl*, a process of their own): $(rcword $NCCL_RC)"; cat "$TMPD/nccl.log"; } >>"$OUT/tests.log"
+NCCL_NOTOK=$(notok "$TMPD/nccl.log")
+if grep -q '^\[       OK \] CudaNccl\.' "$TMPD/nccl.log" && [ -z "$NCCL_NOTOK" ]; then
+  NCCL_STATE="passed: $(grep -m1 '^\[ nccl     \]' "$TMPD/nccl.log" | cut -c14-120)"
+elif grep -q '^\[  SKIPPED \] CudaNccl\.' "$TMPD/nccl.log"; then
+  NCCL_STATE="skipped: $(grep -m1 -o 'NCCL not usable here.*' "$TMPD/nccl.log" | cut -c1-120)"
+else
+  NCCL_STATE="$(rcword $NCCL_RC), not passed: ${NCCL_NOTOK:-no result}"
+fi
+log "NCCL: $NCCL_STATE"
 
 # ---- 2b. cuDNN attention (run.attention: cudnn, cudnn-nondeterministic; off by default), in a process
 # of its own (appended to tests.log): a cuDNN fault must not take the other tests' results with it.
@@ -606,12 +633,13 @@ fi
 V=$TMPD/verdict
 {
   echo
-  echo "== gpu-check verdict: ${GPU_NAME:-no GPU name}, build: $BIN, $(($(now) - T0)) s (deadline $((DEADLINE - T0)) s) =="
-  [ -f "$BIN/BUILD_INFO" ] && grep -E '^(commit|dirty|cuDNN)' "$BIN/BUILD_INFO" | tr '\n' ';' && echo
-  NOTOK_ALL=$(printf '%s\n%s\n' "$MAIN_NOTOK" "$CUDNN_NOTOK" | grep .)
-  echo "GPU tests (main and cuDNN processes): $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep -c . <<<"$NOTOK_ALL") not ok, $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log") skipped; main process $(rcword $TEST_RC), ran ${TESTS_RAN} of ${TESTS_TOTAL:-?}"
+  echo "== gpu-check verdict: ${GPU_NAME:-no GPU name}, build: ${BIN/#$TMPD\/bundle/gpu-bundle}, $(($(now) - T0)) s (deadline $((DEADLINE - T0)) s) =="
+  [ -f "$BIN/BUILD_INFO" ] && grep -E '^(commit|dirty|cuDNN|NCCL)' "$BIN/BUILD_INFO" | tr '\n' ';' && echo
+  NOTOK_ALL=$(printf '%s\n%s\n%s\n' "$MAIN_NOTOK" "$NCCL_NOTOK" "$CUDNN_NOTOK" | grep .)
+  echo "GPU tests (main, NCCL and cuDNN processes): $(grep -c '^\[       OK \]' "$OUT/tests.log") ok, $(grep -c . <<<"$NOTOK_ALL") not ok, $(grep -c '^\[  SKIPPED \] .*(' "$OUT/tests.log") skipped; main process $(rcword $TEST_RC), ran ${TESTS_RAN} of ${TESTS_TOTAL:-?}"
   [ -n "$NOTOK_ALL" ] && head -n 10 <<<"$NOTOK_ALL" | sed 's/^/  not ok: /'
   echo "mma.sync attention: $([ $MMA_OK = 1 ] && echo "on ($MMA_RAN tests passed)" || echo "OFF: a test failed, benches on WMMA"); grouped GEMM mma.sync: $([ $GG_OK = 1 ] && echo on || echo "OFF: a test failed, benches on WMMA")"
+  echo "NCCL (one-rank job): $NCCL_STATE"
   echo "cuDNN attention: $(rcword $CUDNN_RC), $([ $CUDNN_OK = 1 ] && echo "PASSED (rows added)" || echo "not passed or skipped")"
   [ -n "$CUDNN_NOTOK" ] && head -n 4 <<<"$CUDNN_NOTOK" | awk '{print "  not ok: " $0}' 
   grep '^\[ cudnn    \]' "$OUT/tests.log" | head -n 4 | cut -c1-150 | sed 's/^/  /'

@@ -46,6 +46,7 @@ done
   # "cuDNN attention: compiled (...)" or "not compiled (...)": from this build's configure output.
   grep -m1 -o 'cuDNN attention: .*' "$B/gpu-prepare-configure.log" ||
     echo 'cuDNN attention: unknown (no such line in the configure output)'
+  grep -m1 -o 'NCCL: .*' "$B/gpu-prepare-configure.log" || echo 'NCCL: unknown (no such line in the configure output)'
   echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(nvcc --version 2>/dev/null | tail -1)"
 } > "$S/BUILD_INFO"
 cp "$S/BUILD_INFO" gpu-bundle/BUILD_INFO

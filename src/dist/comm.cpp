@@ -1,6 +1,7 @@
 #include "dist/comm.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -45,8 +46,12 @@ class SingleComm final : public Comm {
 };
 
 #ifdef LADDER_HAVE_MPI
-// MPI counts are ints: larger buffers go in pieces of 2^30 elements.
-constexpr size_t kChunk = size_t(1) << 30;
+// MPI counts are ints, and several MPI implementations have overflowed inside a collective on
+// messages of 2^31 bytes or more (count x extent in an int), so buffers go in pieces of 256 MiB:
+// kChunk<T> elements of T. A piece's latency is microseconds against its tens of milliseconds.
+constexpr size_t kChunkBytes = size_t(1) << 28;
+template <class T>
+constexpr size_t kChunk = kChunkBytes / sizeof(T);
 
 class MpiComm final : public Comm {
  public:
@@ -58,6 +63,12 @@ class MpiComm final : public Comm {
       // FUNNELED: only the thread that called MPI_Init calls MPI (OpenMP threads never do).
       MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
       owns_ = true;
+      if (provided < MPI_THREAD_FUNNELED) {  // an MPI built without thread support: one line, not UB
+        std::fprintf(stderr, "error: this MPI library gives thread level %d, below MPI_THREAD_FUNNELED "
+                             "(%d) that ladder needs (its OpenMP threads run beside MPI calls)\n",
+                     provided, MPI_THREAD_FUNNELED);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
     }
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &world_);
@@ -108,20 +119,20 @@ class MpiComm final : public Comm {
     }
     for (int r = 0; r < world_; ++r) {
       const size_t a = offsets[size_t(r)], b = offsets[size_t(r) + 1];
-      for (size_t i = a; i < b; i += kChunk)
-        MPI_Bcast(h + i, int(std::min(kChunk, b - i)), MPI_FLOAT, r, MPI_COMM_WORLD);
+      for (size_t i = a; i < b; i += kChunk<float>)
+        MPI_Bcast(h + i, int(std::min(kChunk<float>, b - i)), MPI_FLOAT, r, MPI_COMM_WORLD);
     }
     back_from_host(be, p, h, n);
   }
   void send_host(const void* p, size_t bytes, int to) override {
     const auto* c = static_cast<const char*>(p);
-    for (size_t i = 0; i < bytes; i += kChunk)
-      MPI_Send(c + i, int(std::min(kChunk, bytes - i)), MPI_BYTE, to, 0, MPI_COMM_WORLD);
+    for (size_t i = 0; i < bytes; i += kChunkBytes)
+      MPI_Send(c + i, int(std::min(kChunkBytes, bytes - i)), MPI_BYTE, to, 0, MPI_COMM_WORLD);
   }
   void recv_host(void* p, size_t bytes, int from) override {
     auto* c = static_cast<char*>(p);
-    for (size_t i = 0; i < bytes; i += kChunk)
-      MPI_Recv(c + i, int(std::min(kChunk, bytes - i)), MPI_BYTE, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    for (size_t i = 0; i < bytes; i += kChunkBytes)
+      MPI_Recv(c + i, int(std::min(kChunkBytes, bytes - i)), MPI_BYTE, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
   }
   // One MPI_Reduce per rank's range, to that rank, in place there (an MPI_Reduce_scatter would
   // need every count to fit an int and leaves its result at the start of the buffer).
@@ -135,8 +146,8 @@ class MpiComm final : public Comm {
     float* h = on_host(be, p, n);
     for (int r = 0; r < world_; ++r) {
       const size_t a = offsets[size_t(r)], b = offsets[size_t(r) + 1];
-      for (size_t i = a; i < b; i += kChunk) {
-        const int c = int(std::min(kChunk, b - i));
+      for (size_t i = a; i < b; i += kChunk<float>) {
+        const int c = int(std::min(kChunk<float>, b - i));
         if (r == rank_) MPI_Reduce(MPI_IN_PLACE, h + i, c, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD);
         else MPI_Reduce(h + i, nullptr, c, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD);
       }
@@ -147,7 +158,7 @@ class MpiComm final : public Comm {
   void allreduce_max_host(double* p, size_t n) override { reduce(p, n, MPI_DOUBLE, MPI_MAX); }
   void broadcast_host(void* p, size_t bytes, int root) override {
     auto* c = static_cast<char*>(p);
-    for (size_t i = 0; i < bytes; i += kChunk) MPI_Bcast(c + i, int(std::min(kChunk, bytes - i)), MPI_BYTE, root, MPI_COMM_WORLD);
+    for (size_t i = 0; i < bytes; i += kChunkBytes) MPI_Bcast(c + i, int(std::min(kChunkBytes, bytes - i)), MPI_BYTE, root, MPI_COMM_WORLD);
   }
   void barrier() override { MPI_Barrier(MPI_COMM_WORLD); }
   [[noreturn]] void abort(int code) override {
@@ -172,8 +183,8 @@ class MpiComm final : public Comm {
   }
   template <class T>
   void reduce(T* p, size_t n, MPI_Datatype type, MPI_Op op) {
-    for (size_t i = 0; i < n; i += kChunk)
-      MPI_Allreduce(MPI_IN_PLACE, p + i, int(std::min(kChunk, n - i)), type, op, MPI_COMM_WORLD);
+    for (size_t i = 0; i < n; i += kChunk<T>)
+      MPI_Allreduce(MPI_IN_PLACE, p + i, int(std::min(kChunk<T>, n - i)), type, op, MPI_COMM_WORLD);
   }
   // The device backend's collectives when every rank can use them, else nullptr (host backends:
   // MPI reads their memory where it is). Decided once per

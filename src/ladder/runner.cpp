@@ -14,6 +14,7 @@
 #include "core/fileio.h"
 #include "dist/comm.h"
 #include "ladder/store.h"
+#include "train/machine.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 
@@ -132,6 +133,10 @@ nlohmann::json make_diverged_result(const PlannedRun& r, const std::string& why)
 
 SweepSummary sweep(const SweepOptions& opt) {
   LadderSpec spec = load_spec(opt.spec_file);
+  // A sweep that trains measures the sgemm rate afresh (5-7 s) before its runs read the cached
+  // one for their MFU: the cache keeps the best rate seen, so one reading taken while the machine
+  // was busy does not stay every later run's (too low) denominator.
+  if (opt.peak_gflops <= 0 && !opt.dry_run && !opt.list) sgemm_gflops(/*use_cache=*/false);
   Plan plan = make_plan(spec, opt.peak_gflops);
   const auto planned_hashes = plan.hashes();  // the whole plan, --only or not: what the report keeps
   if (!opt.only.empty()) {

@@ -7,8 +7,9 @@ namespace ladder {
 
 class Backend;
 
-// The sgemm peak on the current thread count: the better of the median GFLOP/s of a training-shaped
-// sgemm ([4096 x 512] x [512 x 2048]) and of a square one with a long K (2048^3). `use_cache`:
+// The sgemm peak on the current thread count: the best of the median GFLOP/s of a training-shaped
+// sgemm ([4096 x 512] x [512 x 2048]), a square one with a long K (2048^3) and a narrow one with a
+// long K ([4096 x 8192] x [8192 x 128]). `use_cache`:
 // return the cached value if there is one. A fresh measurement is returned as measured and raises
 // the cached value when it is higher (the cache keeps the best rate seen: a busy VM reads low).
 double sgemm_gflops(bool use_cache = true);

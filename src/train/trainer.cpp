@@ -31,6 +31,9 @@ namespace ladder {
 namespace {
 
 std::atomic<bool> g_stop{false};
+// Whether this process says so on stderr: rank 0 only, as for every other line (mpirun forwards a
+// signal to every rank).
+std::atomic<bool> g_signal_notice{true};
 // The first SIGINT/SIGTERM/SIGUSR1 asks for a checkpoint at the end of the step; a second one (a stuck final
 // evaluation, a user who means it) restores the default action and re-raises it. Only
 // async-signal-safe calls here: an atomic exchange, write(2), signal(), raise().
@@ -41,7 +44,9 @@ void on_signal(int sig) {
     return;
   }
   static const char msg[] = "\nladder: stopping after this step with a checkpoint; signal again to quit now\n";
-  [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
+  if (g_signal_notice) {
+    [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
+  }
 }
 
 double median(std::vector<double> v) {
@@ -437,6 +442,7 @@ TrainSummary train(const TrainOptions& opt) {
   };
 
   g_stop = false;
+  g_signal_notice = rank == 0;
   // SIGINT/SIGTERM/SIGUSR1 only set g_stop from here until train() returns (or throws): a signal during the
   // final evaluation or checkpoint is noted, not fatal. (A killed save leaves the previous checkpoint,
   // but the run would then end unfinished.)
