@@ -282,8 +282,10 @@ if grep -q '^\[       OK \] CudaNccl\.' "$TMPD/nccl.log" && [ -z "$NCCL_NOTOK" ]
   NCCL_STATE="passed: $(grep -m1 '^\[ nccl     \]' "$TMPD/nccl.log" | cut -c14-120)"
 elif grep -q '^\[  SKIPPED \] CudaNccl\.' "$TMPD/nccl.log"; then
   NCCL_STATE="skipped: $(grep -m1 -o 'NCCL not usable here.*' "$TMPD/nccl.log" | cut -c1-120)"
+elif [ -n "$NCCL_NOTOK" ]; then
+  NCCL_STATE="$(rcword $NCCL_RC), not passed: $NCCL_NOTOK"
 else
-  NCCL_STATE="$(rcword $NCCL_RC), not passed: ${NCCL_NOTOK:-no result}"
+  NCCL_STATE="$(rcword $NCCL_RC), no CudaNccl result (none in this build, or not reached)"
 fi
 log "NCCL: $NCCL_STATE"
 
