@@ -781,6 +781,45 @@ TEST_F(LadderSweepTest, ResultWithAMissingOrMistypedFieldIsNamed) {
   expect_error(nan_loss, "'final_val_loss' is null, expected a number");
 }
 
+// Marin's fixed E and alpha, from the flags or ladder.json: a value the law L = E + A C^-alpha cannot
+// take is an error naming where it came from (alpha <= 0 had filled the table with n/a, exit 0).
+TEST_F(LadderSweepTest, ImpossibleMarinSettingsAreNamed) {
+  Plan plan = make_plan(load_spec(good_spec()), 50);
+  fs::path out = dir->path / "out-marin";
+  ResultStore store(out);
+  store.open_for_sweep(plan.spec, plan.hashes());
+  for (auto& r : plan.runs) {
+    auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute, 5.0 - 0.1 * r.d / 16.0, 1000);
+    j["config_hash"] = r.config_hash;
+    store.write_result(r.id, j);
+  }
+  auto expect_error = [&](const ReportOptions& ro, const std::string& want) {
+    try {
+      write_report(ro);
+      ADD_FAILURE() << "no error: " << want;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  ReportOptions ro;
+  ro.dir = out;
+  EXPECT_NO_THROW(write_report(ro));
+  ro.alpha = 0.0;
+  expect_error(ro, "--alpha 0: expected a finite exponent > 0");
+  ro.alpha = -1.0;
+  expect_error(ro, "--alpha -1: expected a finite exponent > 0");
+  ro.alpha.reset();
+  ro.E = std::nan("");
+  expect_error(ro, "--E nan: expected a finite irreducible loss >= 0");
+  ro.E.reset();
+  auto m = nlohmann::json::parse(read_file(out / "ladder.json"));
+  m["report"]["E"] = "abc";
+  write_text(out / "ladder.json", m.dump());
+  expect_error(ro, (out / "ladder.json").string() + ": report.E is \"abc\", expected a number");
+  ro.E = 1.5;  // the flag overrides the file
+  EXPECT_NO_THROW(write_report(ro));
+}
+
 TEST_F(LadderSweepTest, RunLockedByAnotherWorkerIsLeftToIt) {
   fs::path s = good_spec(), out = dir->path / "out-locked";
   Plan p = make_plan(load_spec(s), 50);

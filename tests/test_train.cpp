@@ -349,5 +349,36 @@ TEST(Cli, BadInputGivesOneErrorLine) {
   EXPECT_FALSE(fs::exists(d.path / "run"));
 }
 
+// Argument mistakes a user makes: each one line naming the flag, path or verb, and a non-zero exit;
+// and a --set before the config path leaves the path the config (CLI11 would have taken it as a
+// second --set value).
+TEST(Cli, ArgumentMistakesGetOneLineNamingWhatIsWrong) {
+  test::TempDir d("cli-args");
+  const std::string bin = fmt::format("{}/ladder", LADDER_BINARY_DIR);
+  const fs::path err = d.path / "err", out = d.path / "out";
+  auto run = [&](const std::string& args) {
+    const int rc = std::system(fmt::format("{} {} >{} 2>{}", bin, args, out.string(), err.string()).c_str());
+    return std::pair{rc, read_file(err)};
+  };
+  auto expect_error = [&](const std::string& args, const std::string& want) {
+    auto [rc, e] = run(args);
+    EXPECT_NE(rc, 0) << args;
+    EXPECT_NE(e.find(want), std::string::npos) << args << "\n" << e;
+    EXPECT_EQ(e.find("terminate called"), std::string::npos) << args;
+  };
+  const std::string cfg = (fs::path(LADDER_SOURCE_DIR) / "configs" / "dense-tiny.yaml").string();
+  expect_error("bogus", "unknown command 'bogus'");
+  expect_error(fmt::format("train {}", d.path.string()), d.path.string() + ": is a directory, expected a config file");
+  expect_error(fmt::format("sweep {} --out {}", d.path.string(), (d.path / "o").string()),
+               d.path.string() + ": is a directory, expected a ladder spec");
+  expect_error("sample nowhere --seed -1", "--seed: expected a number >= 0, got -1");
+  expect_error("sample nowhere --threads -3", "--threads: expected a number >= 0, got -3");
+  expect_error("bench --optim --torch", "drop --torch");
+  auto [rc, e] = run(fmt::format("train --set model.d_model=64 --set model.n_heads=2 {} --dry-run", cfg));
+  EXPECT_EQ(rc, 0) << e;
+  EXPECT_NE(read_file(out).find("model.layers.0.self_attn.q_proj.weight"), std::string::npos);
+  EXPECT_NE(read_file(out).find("[64, 64]"), std::string::npos) << "the --set values before the path were not applied";
+}
+
 }  // namespace
 }  // namespace ladder

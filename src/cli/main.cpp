@@ -56,7 +56,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> sets;
   bool resume = false;
   tr->add_option("config", train_cfg, "config YAML (e.g. configs/dense-tiny.yaml)")->required();
-  tr->add_option("--set", sets, "override a config key: key.path=value (repeatable)");
+  // allow_extra_args(false): one value per --set, so a config path after it stays the config.
+  tr->add_option("--set", sets, "override a config key: key.path=value (repeatable)")->allow_extra_args(false);
   tr->add_option("--run-dir", run_dir, "run directory (default runs/<config name>)");
   tr->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
   bool dry_run = false;
@@ -73,8 +74,12 @@ int main(int argc, char** argv) {
   sa->add_option("--temperature", sopt.temperature, "sampling temperature (0 = greedy)")->capture_default_str();
   sa->add_option("--top-k", sopt.top_k, "sample among the k most likely tokens (0 = all)")->capture_default_str();
   sa->add_option("--max-tokens", sopt.max_tokens, "tokens to generate")->capture_default_str();
-  sa->add_option("--seed", sopt.seed, "sampling seed")->capture_default_str();
-  sa->add_option("--threads", sopt.threads, "CPU threads (0 = all)");
+  // (CLI11 would take "-1" for an unsigned seed as 2^64 - 1, and a negative thread count as "all".)
+  const CLI::Validator non_negative(
+      [](const std::string& v) { return v.starts_with('-') ? "expected a number >= 0, got " + v : std::string(); },
+      "NON-NEGATIVE");
+  sa->add_option("--seed", sopt.seed, "sampling seed")->capture_default_str()->check(non_negative);
+  sa->add_option("--threads", sopt.threads, "CPU threads (0 = all)")->check(non_negative);
 
   // ladder bench
   auto* be = app.add_subcommand("bench", "measure sgemm rate and training throughput (MFU) of a preset");
@@ -82,7 +87,7 @@ int main(int argc, char** argv) {
   bopt.config = fs::path(LADDER_SOURCE_DIR) / "configs" / "dense-small.yaml";
   bool bjson = false;
   be->add_option("--config", bopt.config, "preset YAML")->capture_default_str();
-  be->add_option("--set", bopt.overrides, "override a config key: key.path=value");
+  be->add_option("--set", bopt.overrides, "override a config key: key.path=value (repeatable)")->allow_extra_args(false);
   be->add_option("--steps", bopt.steps, "timed steps (median reported)")->capture_default_str()->check(CLI::Range(1, 1000000));
   be->add_flag("--torch", bopt.torch, "also time the model in PyTorch (scripts/bench-torch.py) on the same shapes, device and precision");
   be->add_option("--torch-args", bopt.torch_args, "extra arguments for scripts/bench-torch.py, as a shell string (e.g. --torch-args=--compile)");
@@ -100,7 +105,7 @@ int main(int argc, char** argv) {
   sw->add_option("--out", swopt.out, "results directory (shared by every worker)")->required();
   sw->add_flag("--list", swopt.list, "print one shell command per run, then stop");
   sw->add_flag("--dry-run", swopt.dry_run, "print the plan, then stop");
-  sw->add_option("--only", swopt.only, "run only these run ids (repeatable)");
+  sw->add_option("--only", swopt.only, "run only this run id (repeatable)")->allow_extra_args(false);
   sw->add_flag("--verbose", swopt.verbose, "show each run's training progress");
   auto* rp = app.add_subcommand("report", "speedup tables, fitted laws, plots and HTML from a results directory");
   ReportOptions rpopt;
@@ -111,6 +116,18 @@ int main(int argc, char** argv) {
 
   auto* doc = app.add_subcommand("config-doc", "print every config key, its type, default and meaning (Markdown)");
 
+  // An unknown verb: CLI11 would say only "A subcommand is required".
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string verb = argv[1];
+    std::vector<std::string> verbs;
+    for (const auto* sub : app.get_subcommands({})) verbs.push_back(sub->get_name());
+    if (std::find(verbs.begin(), verbs.end(), verb) == verbs.end()) {
+      std::string list;
+      for (const auto& v : verbs) list += (list.empty() ? "" : ", ") + v;
+      std::fprintf(stderr, "error: unknown command '%s' (commands: %s; ladder --help)\n", verb.c_str(), list.c_str());
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -153,6 +170,8 @@ int main(int argc, char** argv) {
       // The optimizer benchmark times host buffers (Newton-Schulz on host matrices): CPU only.
       if (!bench_device.empty() && bench_device != "cpu")
         fail("ladder bench --optim runs on the CPU backend only (got --device {}); drop --device", bench_device);
+      if (bopt.torch || bopt.profile)
+        fail("ladder bench --optim times the optimizers alone: drop {}", bopt.torch ? "--torch" : "--profile");
       auto j = run_optim_bench(bopt);
       std::cout << (bjson ? j.dump() + "\n" : format_optim_bench(j));
     } else if (be->parsed()) {

@@ -6,6 +6,21 @@
 
 namespace ladder {
 
+YAML::Node load_yaml_file(const std::filesystem::path& file, const std::string& what) {
+  std::error_code ec;
+  // yaml-cpp opens a directory and then fails reading it with a stream error that names no file.
+  if (std::filesystem::is_directory(file, ec)) fail("{}: is a directory, expected a {} (a YAML file)", file.string(), what);
+  try {
+    return YAML::LoadFile(file.string());
+  } catch (const YAML::BadFile&) {
+    fail("{}: cannot read {} (no such file, or not readable)", file.string(), what);
+  } catch (const YAML::ParserException& e) {
+    fail("{}:{}:{}: malformed YAML: {}", file.string(), e.mark.line + 1, e.mark.column + 1, e.msg);
+  } catch (const std::ios_base::failure& e) {
+    fail("{}: cannot read {}: {}", file.string(), what, e.what());
+  }
+}
+
 void reject_duplicate_keys(const YAML::Node& node, const std::string& file, const std::string& prefix) {
   if (node.IsSequence()) {
     for (size_t i = 0; i < node.size(); ++i) reject_duplicate_keys(node[i], file, fmt::format("{}[{}]", prefix, i));

@@ -777,9 +777,21 @@ std::string write_report(const ReportOptions& opt) {
       fail("{}: none of the {} stored results belongs to the current plan of {} ({}); run `ladder sweep` first",
            opt.dir.string(), excluded.size(), manifest.value("spec_file", "the spec"), fmt::join(excluded, ", "));
   }
+  // Marin's fixed E and alpha: the flags, else ladder.json's report settings (the spec's).
+  const std::string manifest_file = (opt.dir / "ladder.json").string();
   const auto& rs = manifest.value("report", nlohmann::json::object());
-  double E = opt.E.value_or(rs.value("E", 1.6));
-  double alpha = opt.alpha.value_or(rs.value("alpha", 0.0941));
+  auto setting = [&](const char* key, const std::optional<double>& flag, double dflt) {
+    if (flag) return *flag;
+    if (!rs.is_object() || !rs.contains(key)) return dflt;
+    if (!rs[key].is_number()) fail("{}: report.{} is {}, expected a number", manifest_file, key, rs[key].dump());
+    return rs[key].get<double>();
+  };
+  const double E = setting("E", opt.E, 1.6), alpha = setting("alpha", opt.alpha, 0.0941);
+  const std::string E_from = opt.E ? "--E" : manifest_file + ": report.E";
+  const std::string alpha_from = opt.alpha ? "--alpha" : manifest_file + ": report.alpha";
+  // L = E + A C^-alpha: alpha > 0 for a loss that falls with compute, E >= 0 (a loss floor).
+  if (!std::isfinite(alpha) || alpha <= 0) fail("{} {}: expected a finite exponent > 0", alpha_from, alpha);
+  if (!std::isfinite(E) || E < 0) fail("{} {}: expected a finite irreducible loss >= 0", E_from, E);
   // Baselines and stacks as the spec gives them now (recorded by `ladder sweep`): an edited `stacks:`
   // leaves the config, and so the stored results, unchanged, and a baseline can change with the
   // config staying the same; the copies stored with each result are what they were when it ran.

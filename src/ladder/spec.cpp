@@ -128,14 +128,7 @@ std::vector<VariantSpec> order_variants(const std::string& file, const std::vect
 
 LadderSpec load_spec(const fs::path& file) {
   Reader r{file.string()};
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(file.string());
-  } catch (const YAML::BadFile&) {
-    fail("{}: cannot read ladder spec", file.string());
-  } catch (const YAML::ParserException& e) {
-    fail("{}:{}:{}: malformed YAML: {}", file.string(), e.mark.line + 1, e.mark.column + 1, e.msg);
-  }
+  const YAML::Node root = load_yaml_file(file, "ladder spec");
   if (!root.IsMap()) fail("{}: expected a mapping (name, base, set, scales, seeds, variants, report)", file.string());
   reject_duplicate_keys(root, file.string());  // node["seeds"] would silently take the first
   r.check_keys(root, "the ladder spec",

@@ -380,14 +380,7 @@ void apply_override(Config& c, const std::string& kv) {
 Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides) {
   Config c;
   c.source = file.string();
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(file.string());
-  } catch (const YAML::BadFile&) {
-    fail("{}: cannot read config file", file.string());
-  } catch (const YAML::ParserException& e) {
-    fail("{}:{}:{}: malformed YAML: {}", file.string(), e.mark.line + 1, e.mark.column + 1, e.msg);
-  }
+  const YAML::Node root = load_yaml_file(file, "config file");
   if (root.IsNull()) {
     // empty file: all defaults
   } else if (!root.IsMap()) {
@@ -457,8 +450,8 @@ void validate_settings(const Config& c, bool this_build) {
     fail("{}: model.half_rope rotates head dims [0, hd/2) in pairs, so the head dimension must be a multiple of 4, got {}",
          where, m.hd());
   if (m.hd() % 2 != 0) fail("{}: head dimension must be even for RoPE, got {}", where, m.hd());
-  if (m.head_dim < 0 || m.d_ff < 0 || m.window < 0 || m.vocab_size < 0)
-    fail("{}: model.head_dim, model.d_ff, model.window and model.vocab_size must be >= 0", where);
+  for (auto [key, v] : {std::pair{"head_dim", m.head_dim}, {"d_ff", m.d_ff}, {"window", m.window}, {"vocab_size", m.vocab_size}})
+    if (v < 0) fail("{}: model.{} must be >= 0 (0: the default), got {}", where, key, v);
   if (!(m.norm_eps > 0)) fail("{}: model.norm_eps must be > 0, got {}", where, m.norm_eps);
   // RoPE's frequencies are theta^(-2i/hd): a base <= 0 has no such powers (log of it is NaN or -inf).
   if (!(m.rope_theta > 0)) fail("{}: model.rope_theta must be > 0, got {}", where, m.rope_theta);

@@ -15,7 +15,8 @@
 namespace ladder {
 
 std::string sample_text(const std::filesystem::path& path, const SampleOptions& opt) {
-  if (opt.temperature < 0) fail("--temperature must be >= 0, got {}", opt.temperature);
+  if (!std::isfinite(opt.temperature) || opt.temperature < 0)
+    fail("--temperature must be a finite number >= 0 (0: greedy), got {}", opt.temperature);
   if (opt.top_k < 0) fail("--top-k must be >= 0, got {}", opt.top_k);
   if (opt.max_tokens < 0) fail("--max-tokens must be >= 0, got {}", opt.max_tokens);
   auto dir = resolve_checkpoint(path);

@@ -336,6 +336,9 @@ TrainSummary train(const TrainOptions& opt) {
                  st.threads, threads);
     if (talk) fmt::print("resuming from {} (step {})\n", latest->string(), start_step);
   } else {
+    // A mistyped --run-dir must not pass for a resumed run.
+    if (opt.resume && talk)
+      fmt::print("note: --resume: no complete checkpoint in {}: starting from step 0\n", (run_dir / "checkpoints").string());
     model.init(rc.seed);
   }
   check_replicas_agree(comm, model, start_step > 0 ? "after loading the checkpoint" : "after initialization");
