@@ -375,6 +375,26 @@ TEST_F(CheckpointTest, LoaderStateErrorsNameStateJson) {
   EXPECT_HAS(e, state.string() + ", field 'loader': data loader state: field 'consumed'");
 }
 
+// A damaged newest checkpoint (a truncated copy) stops a resume with the damage named, and the error
+// names the older complete checkpoint to go back to; moved aside, the resume continues from that one.
+TEST_F(CheckpointTest, ADamagedNewestCheckpointNamesTheOlderOne) {
+  Config c = tiny();
+  c.run.steps = 9;
+  fs::path r = dir->path / "damaged";
+  fs::remove_all(r);
+  run(c, r, false, 7);  // checkpoints at steps 3 and 6
+  const fs::path newest = checkpoint_dir(r, 6), older = checkpoint_dir(r, 3);
+  ASSERT_TRUE(fs::exists(older / "state.json"));
+  fs::resize_file(newest / "model.safetensors", 1000);
+  std::string e = error_of([&] { run(c, r, true); });
+  EXPECT_HAS(e, (newest / "model.safetensors").string());
+  EXPECT_HAS(e, "(the older checkpoint " + older.string() + " is complete: move " + newest.string() +
+                    " aside to resume from it)");
+  EXPECT_EQ(previous_checkpoint(older), std::nullopt);
+  fs::rename(newest, r / "step_6.damaged");
+  EXPECT_EQ(run(c, r, true).start_step, 3);
+}
+
 // Defect: a data directory without tokenizer.model gave checkpoints without one, silently; `ladder
 // sample` then failed with "tokenizer model not found (run `ladder data` to train one)".
 TEST_F(CheckpointTest, ACheckpointWithoutTokenizerSaysSoWhereSamplingNeedsIt) {

@@ -295,6 +295,15 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   return all.back().second;
 }
 
+std::optional<fs::path> previous_checkpoint(const fs::path& ckpt_dir) {
+  const auto step = step_of_dir_name(ckpt_dir.filename().string());
+  if (!step) return std::nullopt;
+  std::optional<fs::path> prev;
+  for (auto& [s, p] : list_checkpoints(ckpt_dir.parent_path().parent_path()))
+    if (s < *step) prev = p;
+  return prev;
+}
+
 fs::path resolve_checkpoint(const fs::path& path) {
   if (fs::exists(path / "state.json")) return path;
   if (auto c = latest_checkpoint(path)) return *c;

@@ -59,6 +59,9 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
 void recover_checkpoints(const std::filesystem::path& run_dir);
 // The newest complete checkpoint directory of a run, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
+// The newest complete checkpoint of the same run older than `ckpt_dir` (RUN/checkpoints/step_N), if
+// any: named in the error when `ckpt_dir` turns out damaged, as the one to fall back to.
+std::optional<std::filesystem::path> previous_checkpoint(const std::filesystem::path& ckpt_dir);
 // Resolves a path given by a user: a checkpoint directory, or a run directory (-> its latest).
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 // Reads state.json (validated: counts are non-negative integers, optimizer_steps equals step, and a

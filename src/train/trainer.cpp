@@ -326,8 +326,15 @@ TrainSummary train(const TrainOptions& opt) {
   if (opt.resume && latest) {
     CheckpointState st = read_checkpoint_state(*latest);
     check_resume_compatible(cfg, st.config, *latest, world, st.world, /*say=*/rank == 0);
-    load_checkpoint_weights(*latest, model, optimizer.get());
-    train_loader.restore(st.loader, fmt::format("{}, field 'loader'", (*latest / "state.json").string()));
+    try {
+      load_checkpoint_weights(*latest, model, optimizer.get());
+      train_loader.restore(st.loader, fmt::format("{}, field 'loader'", (*latest / "state.json").string()));
+    } catch (const Error& e) {  // a damaged newest checkpoint (a truncated copy, a bad disk): say where to go back to
+      if (auto prev = previous_checkpoint(*latest))
+        fail("{} (the older checkpoint {} is complete: move {} aside to resume from it)", e.what(), prev->string(),
+             latest->string());
+      throw;
+    }
     start_step = st.step;
     tokens_seen = st.tokens_seen;
     elapsed_prev = st.elapsed_s;

@@ -140,6 +140,32 @@ TEST(DataParallel, TheJobHasTwoRanks) {
   EXPECT_EQ(v[1], 1.0);
 }
 
+// Buffers larger than one MPI message (256 MiB pieces: comm.cpp) are summed and scattered in whole:
+// every element, the pieces' boundaries and the tail included. 80M floats (320 MB) are two pieces.
+TEST(DataParallel, BuffersLargerThanOneMessageGoInPieces) {
+  auto be = make_cpu_backend(1);
+  const size_t n = size_t(80) << 20;
+  std::vector<float> v(n);
+  const float r = float(job().rank());
+  for (size_t i = 0; i < n; ++i) v[i] = float(i % 1000) + r;  // sums: 2 (i % 1000) + 1, exact in fp32
+  job().allreduce_sum(*be, v.data(), n);
+  size_t bad = 0;
+  for (size_t i = 0; i < n; ++i) bad += v[i] != 2.0f * float(i % 1000) + 1.0f;
+  EXPECT_EQ(bad, 0u);
+  // Rank 1's range crosses a piece boundary; each rank gets its own range's sums.
+  for (size_t i = 0; i < n; ++i) v[i] = 1.0f + r;
+  const std::vector<size_t> offsets = {0, n / 8, n};
+  job().reduce_scatter_ranges(*be, v.data(), offsets);
+  bad = 0;
+  for (size_t i = offsets[size_t(job().rank())]; i < offsets[size_t(job().rank()) + 1]; ++i) bad += v[i] != 3.0f;
+  EXPECT_EQ(bad, 0u);
+  for (size_t i = 0; i < n; ++i) v[i] = float(job().rank() == 0 ? i < n / 8 : i >= n / 8) * float(i % 7 + 1);
+  job().allgather_ranges(*be, v.data(), offsets);
+  bad = 0;
+  for (size_t i = 0; i < n; ++i) bad += v[i] != float(i % 7 + 1);
+  EXPECT_EQ(bad, 0u);
+}
+
 // Two ranks with one micro-batch each are the one-process step with two micro-batches: the same
 // tokens, the mean gradient of all of them, the same update. The first loss is bitwise the same
 // (the same weights and tokens; the sums are added in the same order); later ones differ only by
