@@ -515,6 +515,20 @@ variants:
 report: {E: 1.0, alpha: 0.1}
 )");
   }
+  // DIR/<name>: a results directory of good_spec()'s plan with a plausible stored result for every
+  // run (loss falling with width), as if it had been swept.
+  static fs::path fake_sweep(const std::string& name) {
+    Plan plan = make_plan(load_spec(good_spec()), 50);
+    fs::path out = dir->path / name;
+    ResultStore store(out);
+    store.open_for_sweep(plan.spec, plan.hashes());
+    for (auto& r : plan.runs) {
+      auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute, 5.0 - 0.1 * r.d / 16.0, 1000);
+      j["config_hash"] = r.config_hash;
+      store.write_result(r.id, j);
+    }
+    return out;
+  }
   static SweepSummary run_sweep(const fs::path& spec_file, const fs::path& out,
                                 std::function<int64_t(const PlannedRun&)> stop = nullptr,
                                 std::function<int64_t(const PlannedRun&)> signal_at = nullptr) {
@@ -746,15 +760,9 @@ report: {E: 1.0, alpha: 0.1}
 // A stored result that lacks a field the report needs, or holds it as another type, fails naming
 // the file and the field (not a bare JSON library error).
 TEST_F(LadderSweepTest, ResultWithAMissingOrMistypedFieldIsNamed) {
-  Plan plan = make_plan(load_spec(good_spec()), 50);
-  fs::path out = dir->path / "out-fields";
+  const fs::path out = fake_sweep("out-fields");
   ResultStore store(out);
-  store.open_for_sweep(plan.spec, plan.hashes());
-  for (auto& r : plan.runs) {
-    auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute, 5.0 - 0.1 * r.d / 16.0, 1000);
-    j["config_hash"] = r.config_hash;
-    store.write_result(r.id, j);
-  }
+  Plan plan = make_plan(load_spec(good_spec()), 50);
   ReportOptions ro;
   ro.dir = out;
   EXPECT_NO_THROW(write_report(ro));
@@ -784,15 +792,7 @@ TEST_F(LadderSweepTest, ResultWithAMissingOrMistypedFieldIsNamed) {
 // Marin's fixed E and alpha, from the flags or ladder.json: a value the law L = E + A C^-alpha cannot
 // take is an error naming where it came from (alpha <= 0 had filled the table with n/a, exit 0).
 TEST_F(LadderSweepTest, ImpossibleMarinSettingsAreNamed) {
-  Plan plan = make_plan(load_spec(good_spec()), 50);
-  fs::path out = dir->path / "out-marin";
-  ResultStore store(out);
-  store.open_for_sweep(plan.spec, plan.hashes());
-  for (auto& r : plan.runs) {
-    auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute, 5.0 - 0.1 * r.d / 16.0, 1000);
-    j["config_hash"] = r.config_hash;
-    store.write_result(r.id, j);
-  }
+  const fs::path out = fake_sweep("out-marin");
   auto expect_error = [&](const ReportOptions& ro, const std::string& want) {
     try {
       write_report(ro);

@@ -373,6 +373,7 @@ TEST(Cli, ArgumentMistakesGetOneLineNamingWhatIsWrong) {
                d.path.string() + ": is a directory, expected a ladder spec");
   expect_error("sample nowhere --seed -1", "--seed: expected a number >= 0, got -1");
   expect_error("sample nowhere --threads -3", "--threads: expected a number >= 0, got -3");
+  expect_error("sample nowhere --temperature nan", "--temperature must be a finite number >= 0");  // the flag first
   expect_error("bench --optim --torch", "drop --torch");
   auto [rc, e] = run(fmt::format("train --set model.d_model=64 --set model.n_heads=2 {} --dry-run", cfg));
   EXPECT_EQ(rc, 0) << e;

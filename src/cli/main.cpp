@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
       // requeue logic must not take a preempted run for a finished one.
       if (train(o).end_step < o.cfg.run.steps) return 130;
     } else if (sa->parsed()) {
+      check_sample_options(sopt);
       // The checkpoint's tokenizer first: a checkpoint saved without one gets an error that says why
       // and what to copy where (sample_text's own would only say the file is not found).
       checkpoint_tokenizer(resolve_checkpoint(ckpt));

@@ -14,11 +14,15 @@
 
 namespace ladder {
 
-std::string sample_text(const std::filesystem::path& path, const SampleOptions& opt) {
+void check_sample_options(const SampleOptions& opt) {
   if (!std::isfinite(opt.temperature) || opt.temperature < 0)
     fail("--temperature must be a finite number >= 0 (0: greedy), got {}", opt.temperature);
   if (opt.top_k < 0) fail("--top-k must be >= 0, got {}", opt.top_k);
   if (opt.max_tokens < 0) fail("--max-tokens must be >= 0, got {}", opt.max_tokens);
+}
+
+std::string sample_text(const std::filesystem::path& path, const SampleOptions& opt) {
+  check_sample_options(opt);
   auto dir = resolve_checkpoint(path);
   CheckpointState st = read_checkpoint_state(dir);
   const std::string state_file = (dir / "state.json").string();

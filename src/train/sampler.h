@@ -16,6 +16,9 @@ struct SampleOptions {
   int threads = 0;
 };
 
+// Fails naming the flag when an option is out of range (sample_text checks them first too; the CLI
+// calls this before it looks at the checkpoint).
+void check_sample_options(const SampleOptions& opt);
 // Loads the checkpoint (a checkpoint directory or a run directory) and returns prompt + continuation.
 std::string sample_text(const std::filesystem::path& checkpoint, const SampleOptions& opt);
 
