@@ -165,7 +165,8 @@ std::vector<int32_t> read_stream(const std::vector<fs::path>& shards, uint64_t h
   std::vector<int32_t> all;
   for (auto& p : shards) {
     Shard s = Shard::open(p, hash);
-    all.insert(all.end(), s.data(), s.data() + s.size());
+    const std::vector<int32_t> t = s.tokens();
+    all.insert(all.end(), t.begin(), t.end());
   }
   return all;
 }
@@ -283,7 +284,7 @@ TEST(DataShard, RoundTripUint16AndUint32) {
   std::vector<int32_t> small = {0, 1, 2, 65535, 300, 7};
   write_shard(t.path / "s16.bin", small, 65536, 0xABCDu);
   Shard a = Shard::open(t.path / "s16.bin", 0xABCDu);
-  EXPECT_EQ(std::vector<int32_t>(a.data(), a.data() + a.size()), small);
+  EXPECT_EQ(a.tokens(), small);
   EXPECT_EQ(a.vocab_size(), 65536);
   EXPECT_EQ(a.tokenizer_hash(), 0xABCDu);
   EXPECT_EQ(fs::file_size(t.path / "s16.bin"), 64u + 2 * small.size());
@@ -297,7 +298,7 @@ TEST(DataShard, RoundTripUint16AndUint32) {
   EXPECT_EQ(bytes.substr(0, 8), "LDRTOKS1");
   EXPECT_EQ(bytes[12], 4);  // dtype_bytes
   Shard b = Shard::open(t.path / "s32.bin", 0);
-  EXPECT_EQ(std::vector<int32_t>(b.data(), b.data() + b.size()), big);
+  EXPECT_EQ(b.tokens(), big);
   EXPECT_EQ(b.vocab_size(), 70000);
 
   expect_error([&] { write_shard(t.path / "bad.bin", {5, 10}, 10, 1); }, {"bad.bin", "outside the vocabulary"});
@@ -703,6 +704,27 @@ TEST(DataLoader, DeterministicAndTargetsAreShiftedInputs) {
     }
   }
   EXPECT_TRUE(differs) << "a different seed should give a different order";
+}
+
+// The loader reads windows from the mapped shards on demand: a window may span several shards (here
+// shards of 3 tokens, windows of 11), and every id is the stream's.
+TEST(DataLoader, WindowsSpanningSeveralShardsReadTheStream) {
+  Tmp t("tiny-shards");
+  fs::path dir = make_counting_dir(t.path, 1001, 200, 3);
+  const int B = 4, S = 10;
+  DataLoader dl(dir, "train", S, B, 5, true);
+  EXPECT_EQ(dl.n_tokens(), 1001u);
+  for (int step = 0; step < 30; ++step) {
+    Batch b = next_batch(dl, B, S);
+    for (int r = 0; r < B; ++r) {
+      const int32_t first = b.x[size_t(r) * S];
+      EXPECT_EQ(first % S, 0);
+      for (int k = 0; k < S; ++k) {
+        ASSERT_EQ(b.x[size_t(r) * S + k], first + k) << "step " << step << " row " << r;
+        ASSERT_EQ(b.y[size_t(r) * S + k], first + k + 1) << "step " << step << " row " << r;
+      }
+    }
+  }
 }
 
 TEST(DataLoader, EachEpochIsAPermutation) {

@@ -1,6 +1,8 @@
 #include "core/fileio.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -107,6 +109,51 @@ std::string read_file(const std::filesystem::path& path) {
   ss << f.rdbuf();
   if (f.bad() || ss.bad()) fail("{}: read failed", path.string());
   return ss.str();
+}
+
+MappedFile MappedFile::open(const std::filesystem::path& path) {
+  const std::string f = path.string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("{}: cannot open file: {}", f, std::strerror(errno));
+  struct stat sb {};
+  if (::fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    ::close(fd);
+    fail("{}: not a regular file", f);
+  }
+  MappedFile m;
+  m.size_ = size_t(sb.st_size);
+  if (m.size_ > 0) {
+    m.addr_ = ::mmap(nullptr, m.size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = errno;
+    ::close(fd);  // the mapping keeps the file alive
+    if (m.addr_ == MAP_FAILED) {
+      m.addr_ = nullptr;
+      fail("{}: cannot map file: {}", f, std::strerror(err));
+    }
+  } else {
+    ::close(fd);
+  }
+  return m;
+}
+
+MappedFile::MappedFile(MappedFile&& o) noexcept : addr_(o.addr_), size_(o.size_) {
+  o.addr_ = nullptr;
+  o.size_ = 0;
+}
+
+MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
+  if (this != &o) {
+    if (addr_) ::munmap(addr_, size_);
+    addr_ = o.addr_;
+    size_ = o.size_;
+    o.addr_ = nullptr;
+    o.size_ = 0;
+  }
+  return *this;
+}
+
+MappedFile::~MappedFile() {
+  if (addr_) ::munmap(addr_, size_);
 }
 
 }  // namespace ladder

@@ -42,4 +42,24 @@ bool create_directories_durably(const std::filesystem::path& dir);
 // Reads a whole file; throws ladder::Error naming the path if missing/unreadable.
 std::string read_file(const std::filesystem::path& path);
 
+// A whole file mapped read-only (token shards): the pages live in the page cache, shared by every
+// process that maps the file (the ranks of a data-parallel job on one machine), and are read on
+// first touch. Move-only; unmapped when the last owner goes. Errors name the path.
+class MappedFile {
+ public:
+  static MappedFile open(const std::filesystem::path& path);
+  MappedFile() = default;
+  MappedFile(MappedFile&& o) noexcept;
+  MappedFile& operator=(MappedFile&& o) noexcept;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile();
+  const char* data() const { return static_cast<const char*>(addr_); }
+  size_t size() const { return size_; }
+
+ private:
+  void* addr_ = nullptr;  // nullptr for an empty file
+  size_t size_ = 0;
+};
+
 }  // namespace ladder

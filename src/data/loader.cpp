@@ -150,7 +150,6 @@ DataLoader::DataLoader(const fs::path& data_dir, std::string split, int seq_len,
   // can refuse a state saved against different data. Owned so a bad shard (an exception) cannot leak it.
   std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> st(XXH64_createState(), &XXH64_freeState);
   XXH64_reset(st.get(), 0);
-  if (sized) tokens_.reserve(expected);
   for (const auto& p : shards) {
     Shard s = Shard::open(p, meta_.tokenizer_hash);
     if (s.vocab_size() != meta_.vocab_size)
@@ -158,16 +157,18 @@ DataLoader::DataLoader(const fs::path& data_dir, std::string split, int seq_len,
            meta_.vocab_size);
     uint64_t id[2] = {s.checksum(), uint64_t(s.size())};
     XXH64_update(st.get(), id, sizeof(id));
-    std::vector<int32_t> t = std::move(s).take();
-    tokens_.insert(tokens_.end(), t.begin(), t.end());
+    starts_.push_back(n_tokens_);
+    n_tokens_ += s.size();
+    shards_.push_back(std::move(s));
   }
   fingerprint_ = XXH64_digest(st.get());
-  if (tokens_.size() != expected)
-    fail("{}: field '{}_tokens' says {} but its shards hold {} tokens", meta_file, split_, expected, tokens_.size());
-  n_windows_ = tokens_.empty() ? 0 : (tokens_.size() - 1) / size_t(seq_len);
+  if (n_tokens_ != expected)
+    fail("{}: field '{}_tokens' says {} but its shards hold {} tokens", meta_file, split_, expected, n_tokens_);
+  n_windows_ = n_tokens_ == 0 ? 0 : (n_tokens_ - 1) / size_t(seq_len);
   if (n_windows_ == 0)
     fail("{}: the {} split has {} tokens, fewer than seq_len+1 = {} needed for one sample", data_dir.string(), split_,
-         tokens_.size(), seq_len + 1);
+         n_tokens_, seq_len + 1);
+  window_.resize(size_t(seq_len) + 1);
   if (n_windows_ > UINT32_MAX)
     fail("{}: {} windows in the {} split exceed the 2^32 limit", data_dir.string(), n_windows_, split_);
 }
@@ -199,11 +200,24 @@ size_t DataLoader::window_of(uint64_t slot) {
 void DataLoader::next(int32_t* inputs, int32_t* targets) {
   const uint64_t base = consumed_ + uint64_t(rank_) * batch_;
   for (int i = 0; i < batch_; ++i) {
-    const int32_t* w = tokens_.data() + window_of(base + i) * size_t(seq_len_);
-    std::memcpy(inputs + size_t(i) * seq_len_, w, sizeof(int32_t) * seq_len_);
-    std::memcpy(targets + size_t(i) * seq_len_, w + 1, sizeof(int32_t) * seq_len_);
+    read_tokens(window_of(base + i) * size_t(seq_len_), window_.size(), window_.data());
+    std::memcpy(inputs + size_t(i) * seq_len_, window_.data(), sizeof(int32_t) * seq_len_);
+    std::memcpy(targets + size_t(i) * seq_len_, window_.data() + 1, sizeof(int32_t) * seq_len_);
   }
   consumed_ += uint64_t(world_) * batch_;
+}
+
+void DataLoader::read_tokens(size_t pos, size_t count, int32_t* out) const {
+  // The shard holding pos (the last one starting at or before it), then on across shard ends.
+  size_t k = size_t(std::upper_bound(starts_.begin(), starts_.end(), pos) - starts_.begin()) - 1;
+  while (count > 0) {
+    const size_t off = pos - starts_[k], c = std::min(count, shards_[k].size() - off);
+    shards_[k].read(off, c, out);
+    out += c;
+    pos += c;
+    count -= c;
+    ++k;
+  }
 }
 
 void DataLoader::reset() { consumed_ = 0; }
@@ -214,7 +228,7 @@ json DataLoader::state() const {
               {"seq_len", seq_len_},
               {"seed", seed_},
               {"shuffle", shuffle_},
-              {"n_tokens", tokens_.size()},
+              {"n_tokens", n_tokens_},
               {"n_windows", n_windows_},
               {"fingerprint", fingerprint_},
               {"tokenizer_hash", meta_.tokenizer_hash},
@@ -239,7 +253,7 @@ void DataLoader::restore(const json& s, const std::string& source) {
   check("version", 1);
   check("split", split_);
   check("tokenizer_hash", meta_.tokenizer_hash);
-  check("n_tokens", tokens_.size());
+  check("n_tokens", n_tokens_);
   check("fingerprint", fingerprint_);
   check("seq_len", seq_len_);
   check("seed", seed_);

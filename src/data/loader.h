@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "data/shard.h"
+
 namespace ladder::data {
 
 struct DataMeta {
@@ -45,7 +47,7 @@ class DataLoader {
   void reset();  // back to the first batch (validation passes)
 
   size_t n_windows() const { return n_windows_; }
-  size_t n_tokens() const { return tokens_.size(); }
+  size_t n_tokens() const { return n_tokens_; }
   int vocab_size() const { return meta_.vocab_size; }
   int eod_id() const { return meta_.eod_id; }
   uint64_t tokenizer_hash() const { return meta_.tokenizer_hash; }
@@ -56,6 +58,7 @@ class DataLoader {
 
  private:
   size_t window_of(uint64_t slot);  // slot -> window index
+  void read_tokens(size_t pos, size_t count, int32_t* out) const;  // ids [pos, pos + count) of the stream
   const std::vector<uint32_t>& order(uint64_t epoch);
 
   DataMeta meta_;
@@ -63,7 +66,12 @@ class DataLoader {
   int seq_len_, batch_, rank_, world_;
   uint64_t seed_;
   bool shuffle_;
-  std::vector<int32_t> tokens_;
+  // The split's token stream: its shards, mapped (read on demand, shared with every process that
+  // maps them), and where each starts in the stream.
+  std::vector<Shard> shards_;
+  std::vector<size_t> starts_;
+  size_t n_tokens_ = 0;
+  std::vector<int32_t> window_;  // one window's seq_len + 1 ids, reused by next()
   size_t n_windows_ = 0;
   uint64_t fingerprint_ = 0;  // identifies the token stream (shard checksums and sizes)
   uint64_t consumed_ = 0;

@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -74,10 +75,12 @@ Shard Shard::open(const fs::path& path, uint64_t expected_tokenizer_hash) {
   const std::string f = path.string();
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) fail("{}: shard file not found", f);
-  std::string buf = read_file(path);
-  if (buf.size() < kShardHeaderBytes)
-    fail("{}: truncated shard: expected a {}-byte header, found only {} bytes", f, kShardHeaderBytes, buf.size());
-  const char* h = buf.data();
+  Shard s;
+  s.file_ = MappedFile::open(path);
+  const size_t size = s.file_.size();
+  if (size < kShardHeaderBytes)
+    fail("{}: truncated shard: expected a {}-byte header, found only {} bytes", f, kShardHeaderBytes, size);
+  const char* h = s.file_.data();
   if (std::memcmp(h, kShardMagic, 8) != 0)
     fail("{}: not a Ladder token shard: expected magic \"LDRTOKS1\", found \"{}\"", f, printable(h, 8));
   uint32_t version = get_u32(h + 8);
@@ -92,7 +95,7 @@ Shard Shard::open(const fs::path& path, uint64_t expected_tokenizer_hash) {
   if (dtype == 2 && vocab > 65536)
     fail("{}: bad shard header: vocab_size {} does not fit the 2-byte dtype", f, vocab);
   // Compare without overflow: n comes from the file and may be garbage.
-  const uint64_t payload_bytes = buf.size() - kShardHeaderBytes;
+  const uint64_t payload_bytes = size - kShardHeaderBytes;
   if (n > payload_bytes / dtype || n * dtype != payload_bytes) {
     if (n <= payload_bytes / dtype)
       fail("{}: shard has {} bytes after the {} tokens its header declares (expected {} bytes of payload, "
@@ -100,31 +103,46 @@ Shard Shard::open(const fs::path& path, uint64_t expected_tokenizer_hash) {
     fail("{}: truncated shard: header declares {} tokens of {} bytes each, found only {} bytes of payload", f,
          n, dtype, payload_bytes);
   }
-  const char* payload = buf.data() + kShardHeaderBytes;
+  const char* payload = h + kShardHeaderBytes;
   uint64_t actual = XXH64(payload, payload_bytes, 0);
   if (actual != checksum)
     fail("{}: shard checksum mismatch (corrupt file): expected {:016x}, found {:016x}", f, checksum, actual);
   if (expected_tokenizer_hash != 0 && tok_hash != expected_tokenizer_hash)
     fail("{}: shard was made with a different tokenizer: expected tokenizer hash {:016x}, found {:016x}", f,
          expected_tokenizer_hash, tok_hash);
-  Shard s;
-  s.tokens_.resize(n);
-  int32_t* out = s.tokens_.data();
-  uint32_t max_id = 0;
-  size_t max_at = 0;
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t t = dtype == 2 ? uint32_t(static_cast<unsigned char>(payload[2 * i])) |
-                                  (uint32_t(static_cast<unsigned char>(payload[2 * i + 1])) << 8)
-                            : get_u32(payload + 4 * i);
-    if (t > max_id) max_id = t, max_at = i;
-    out[i] = int32_t(t);
+  s.payload_ = payload;
+  s.n_ = n;
+  s.dtype_ = dtype;
+  // Every id below the vocabulary, checked once here (read() then decodes without checks), in
+  // blocks so that no copy of the shard is ever whole in memory.
+  std::vector<int32_t> block(size_t(1) << 16);
+  for (size_t at = 0; at < n; at += block.size()) {
+    const size_t c = std::min(block.size(), size_t(n - at));
+    s.read(at, c, block.data());
+    for (size_t i = 0; i < c; ++i)
+      if (uint32_t(block[i]) >= vocab)
+        fail("{}: token {} at position {} is outside the vocabulary: expected ids < {}", f, uint32_t(block[i]),
+             at + i, vocab);
   }
-  if (n > 0 && max_id >= vocab)
-    fail("{}: token {} at position {} is outside the vocabulary: expected ids < {}", f, max_id, max_at, vocab);
   s.vocab_size_ = int(vocab);
   s.tokenizer_hash_ = tok_hash;
   s.checksum_ = checksum;
   return s;
+}
+
+void Shard::read(size_t start, size_t count, int32_t* out) const {
+  const auto* p = reinterpret_cast<const unsigned char*>(payload_) + start * dtype_;
+  if (dtype_ == 2) {
+    for (size_t i = 0; i < count; ++i) out[i] = int32_t(uint32_t(p[2 * i]) | (uint32_t(p[2 * i + 1]) << 8));
+  } else {
+    for (size_t i = 0; i < count; ++i) out[i] = int32_t(get_u32(reinterpret_cast<const char*>(p) + 4 * i));
+  }
+}
+
+std::vector<int32_t> Shard::tokens() const {
+  std::vector<int32_t> t(n_);
+  read(0, n_, t.data());
+  return t;
 }
 
 }  // namespace ladder::data

@@ -14,6 +14,8 @@
 #include <filesystem>
 #include <vector>
 
+#include "core/fileio.h"
+
 namespace ladder::data {
 
 inline constexpr char kShardMagic[8] = {'L', 'D', 'R', 'T', 'O', 'K', 'S', '1'};
@@ -24,23 +26,30 @@ inline constexpr size_t kShardHeaderBytes = 64;
 void write_shard(const std::filesystem::path& path, const std::vector<int32_t>& tokens, int vocab_size,
                  uint64_t tokenizer_hash);
 
+// A shard mapped read-only (core/fileio.h MappedFile): opening it validates every byte once; the
+// ids are then decoded on demand (read), so a loader holds no copy of the token stream and the ranks
+// on one machine share its pages.
 class Shard {
  public:
-  // Reads and validates the whole shard (magic, version, dtype, size, checksum, tokenizer hash unless
+  // Maps and validates the whole shard (magic, version, dtype, size, checksum, tokenizer hash unless
   // expected_tokenizer_hash is 0, ids < vocab_size). Each failure is one error naming the file and
   // the expected vs found value.
   static Shard open(const std::filesystem::path& path, uint64_t expected_tokenizer_hash);
 
-  size_t size() const { return tokens_.size(); }
-  const int32_t* data() const { return tokens_.data(); }
+  size_t size() const { return n_; }
+  // Decodes ids [start, start + count) into out (start + count <= size()).
+  void read(size_t start, size_t count, int32_t* out) const;
+  // Every id, decoded (tests and tools; the loader reads windows).
+  std::vector<int32_t> tokens() const;
   int vocab_size() const { return vocab_size_; }
   uint64_t tokenizer_hash() const { return tokenizer_hash_; }
   uint64_t checksum() const { return checksum_; }
-  // Moves the ids out (the loader concatenates shards without a second copy).
-  std::vector<int32_t> take() && { return std::move(tokens_); }
 
  private:
-  std::vector<int32_t> tokens_;
+  MappedFile file_;
+  const char* payload_ = nullptr;
+  size_t n_ = 0;
+  uint32_t dtype_ = 2;
   int vocab_size_ = 0;
   uint64_t tokenizer_hash_ = 0;
   uint64_t checksum_ = 0;
