@@ -111,10 +111,10 @@ std::string read_file(const std::filesystem::path& path) {
   return ss.str();
 }
 
-MappedFile MappedFile::open(const std::filesystem::path& path) {
+MappedFile MappedFile::open(const std::filesystem::path& path, const char* what) {
   const std::string f = path.string();
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("{}: cannot open file: {}", f, std::strerror(errno));
+  if (fd < 0) fail("{}: cannot open {}: {}", f, what, std::strerror(errno));
   struct stat sb {};
   if (::fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
     ::close(fd);

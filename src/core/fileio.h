@@ -44,10 +44,11 @@ std::string read_file(const std::filesystem::path& path);
 
 // A whole file mapped read-only (token shards): the pages live in the page cache, shared by every
 // process that maps the file (the ranks of a data-parallel job on one machine), and are read on
-// first touch. Move-only; unmapped when the last owner goes. Errors name the path.
+// first touch. Move-only; unmapped when the last owner goes. Errors name the path ("PATH: cannot
+// open <what>: ...", "PATH: not a regular file", "PATH: cannot map file: ...").
 class MappedFile {
  public:
-  static MappedFile open(const std::filesystem::path& path);
+  static MappedFile open(const std::filesystem::path& path, const char* what = "file");
   MappedFile() = default;
   MappedFile(MappedFile&& o) noexcept;
   MappedFile& operator=(MappedFile&& o) noexcept;

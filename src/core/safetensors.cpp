@@ -1,14 +1,8 @@
 #include "core/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <bit>
-#include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -160,41 +154,16 @@ void save_safetensors(const std::filesystem::path& path, const std::vector<Tenso
 // ------------------------------------------------------------------------------------------------
 // Reading
 
-struct SafeTensors::Mapping {
-  void* addr = nullptr;
-  size_t len = 0;
-  ~Mapping() {
-    if (addr) ::munmap(addr, len);
-  }
-};
-
 SafeTensors SafeTensors::open(const std::filesystem::path& path) {
   const std::string file = path.string();
   SafeTensors st;
   st.path_ = path;
 
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("{}: cannot open safetensors file: {}", file, std::strerror(errno));
-  struct stat sb {};
-  if (::fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    ::close(fd);
-    fail("{}: not a regular file", file);
-  }
-  const uint64_t file_size = uint64_t(sb.st_size);
-  if (file_size < 8) {
-    ::close(fd);
+  auto map = std::make_shared<const MappedFile>(MappedFile::open(path, "safetensors file"));
+  const uint64_t file_size = map->size();
+  if (file_size < 8)
     fail("{}: not a safetensors file: {} bytes, expected at least 8 (the header length)", file, file_size);
-  }
-  auto map = std::make_shared<Mapping>();
-  map->addr = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  int map_errno = errno;
-  ::close(fd);  // the mapping keeps the file alive
-  if (map->addr == MAP_FAILED) {
-    map->addr = nullptr;
-    fail("{}: cannot map file: {}", file, std::strerror(map_errno));
-  }
-  map->len = file_size;
-  const auto* bytes = static_cast<const unsigned char*>(map->addr);
+  const auto* bytes = reinterpret_cast<const unsigned char*>(map->data());
   st.map_ = map;
 
   uint64_t header_len = 0;

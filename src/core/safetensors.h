@@ -18,6 +18,8 @@
 
 namespace ladder {
 
+class MappedFile;  // core/fileio.h
+
 enum class DType { F32, F64, I32, I64, U8, BF16, F16, U16 };
 
 size_t dtype_size(DType d);
@@ -80,14 +82,13 @@ class SafeTensors {
     int64_t numel;
     size_t begin, end;  // relative to the data buffer
   };
-  struct Mapping;  // owns the mmap
 
   const Entry& entry(const std::string& name) const;
   void check(const std::string& name, const Entry& e, const std::vector<int64_t>& shape,
              bool allow_f32_as_f64) const;
 
   std::filesystem::path path_;
-  std::shared_ptr<const Mapping> map_;
+  std::shared_ptr<const MappedFile> map_;  // shared by copies of this reader
   const unsigned char* buffer_ = nullptr;  // start of the data buffer inside the mapping
   std::map<std::string, Entry> entries_;
   std::vector<std::string> order_;  // names by offset
