@@ -11,7 +11,7 @@ if [ ! -f data/default/meta.json ]; then
   ./build/ladder data --input data/corpus/default.jsonl --out data/default --vocab 8192 --val-fraction 0.02
 fi
 RUN=runs/dense-tiny
-if [ -d "$RUN/checkpoints" ]; then
+if [ -d "$RUN" ]; then  # again: resume (or start over a run that died before its first checkpoint)
   ./build/ladder train configs/dense-tiny.yaml --run-dir "$RUN" --resume
 else
   ./build/ladder train configs/dense-tiny.yaml --run-dir "$RUN"

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <functional>
 #include <set>
 
@@ -434,6 +435,62 @@ TEST_F(CheckpointTest, ACheckpointWithoutTokenizerSaysSoWhereSamplingNeedsIt) {
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
   EXPECT_EQ(checkpoint_tokenizer(checkpoint_dir(dir->path / "with-tokenizer", 3)),
             checkpoint_dir(dir->path / "with-tokenizer", 3) / "tokenizer.model");
+}
+
+
+// Defect: a fresh start wrote its config.yaml and a new metrics.jsonl over whatever the run
+// directory held: `--run-dir .` replaced one's own config.yaml, and running a command again after a
+// run died before its first checkpoint replaced that run's metrics without a word.
+TEST_F(CheckpointTest, AFreshStartReplacesOnlyAnEarlierStartsFiles) {
+  Config c = tiny();
+  c.run.steps = 4;
+  c.run.ckpt_every = 0;  // no checkpoint before the end
+  const fs::path r = dir->path / "fresh-start";
+  fs::remove_all(r);
+  fs::create_directories(r);
+  // Someone's own config.yaml: neither a fresh start nor --resume touches it.
+  const std::string mine = "# my notes\nmodel:\n  d_model: 64\n";
+  write_file_atomic(r / "config.yaml", mine);
+  for (bool resume : {false, true}) {
+    std::string e = error_of([&] { run(c, r, resume); });
+    EXPECT_HAS(e, (r / "config.yaml").string() + ": exists and was not written by `ladder train`");
+  }
+  EXPECT_EQ(read_file(r / "config.yaml"), mine);
+  EXPECT_FALSE(fs::exists(r / "metrics.jsonl"));
+  // Moved aside, the run starts; "killed" after step 2 it leaves metrics and no checkpoint.
+  fs::remove(r / "config.yaml");
+  EXPECT_EQ(run(c, r, false, 2).end_step, 2);
+  ASSERT_FALSE(latest_checkpoint(r));
+  ASSERT_TRUE(read_file(r / "config.yaml").starts_with("# Written by `ladder train`"));
+  const std::string metrics = read_file(r / "metrics.jsonl");
+  ASSERT_FALSE(metrics.empty());
+  // The same command again: refused, the metrics kept.
+  std::string e = error_of([&] { run(c, r); });
+  EXPECT_HAS(e, (r / "metrics.jsonl").string() + ": holds the metrics of an earlier run in this directory that saved "
+                    "no checkpoint: pass --resume to start it over from step 0");
+  EXPECT_EQ(read_file(r / "metrics.jsonl"), metrics);
+  // --resume starts it over: the new metrics hold each step once, and the run's own config.yaml
+  // (even one with another config) is replaced.
+  c.run.seed = 11;
+  TrainSummary s = run(c, r, true);
+  EXPECT_EQ(s.start_step, 0);
+  EXPECT_EQ(s.end_step, 4);
+  std::ifstream m(r / "metrics.jsonl");
+  std::string line;
+  std::vector<int64_t> steps;
+  while (std::getline(m, line))
+    if (auto j = nlohmann::json::parse(line); j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4}));
+  EXPECT_HAS(read_file(r / "config.yaml"), "seed: 11");
+  // A config.yaml from before the header, identical to what the run writes, is its own too.
+  fs::path old = dir->path / "fresh-start-old";
+  fs::remove_all(old);
+  fs::create_directories(old);
+  Config resolved = c;
+  validate(resolved);
+  resolve_data(resolved);
+  write_file_atomic(old / "config.yaml", to_yaml(resolved));
+  EXPECT_EQ(run(c, old).end_step, 4);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "ladder/runner.h"
 #include "ladder/spec.h"
 #include "ladder/store.h"
+#include "ladder/timing.h"
 #include "model/flops.h"
 #include "test_util.h"
 
@@ -216,6 +217,53 @@ TEST(LadderReport, RealizedSpeedupIsTheWallClockRatio) {
     EXPECT_NEAR(c.marin_real.value, t_base / t_var, 1e-9);
     EXPECT_NEAR(c.law_real.value, c.law_theo.value * 0.5, 1e-9);
   }
+}
+
+// With the sweep's throughput timing, the realized speedup takes the median of the per-round FLOP/s
+// ratios instead of the training runs' tokens/s (which here say the variant ran at half speed); a
+// pair the timing lacks keeps the training runs' ratio and is named in the warnings.
+TEST(LadderReport, TimedThroughputDecidesTheRealizedSpeedup) {
+  auto law = [](double C) { return 2.0 + 100.0 * std::pow(C, -0.1); };
+  std::vector<nlohmann::json> rs;
+  for (int d : {64, 128}) {
+    const double C = 1e12 * d;
+    for (int seed : {1, 2}) {
+      rs.push_back(fake_result("dense", "", d, seed, C, law(C) + 0.001 * seed, 1000));
+      rs.push_back(fake_result("moe", "dense", d, seed, C, law(1.5 * C) + 0.001 * seed, 500));
+    }
+  }
+  Timing t;
+  t.rounds = 3, t.steps = 2, t.warmup = 1, t.host = "h", t.revision = "r", t.threads = 2;
+  // C / tokens = 1e12 d / 1000 FLOPs per token on both sides; per-round ratios at d=64: 0.8, 1.2, 0.9.
+  t.cells = {{"dense", "dense-d64-s1", "", 64, 6.4e10, {1000, 1000, 2000}},
+             {"moe", "moe-d64-s1", "", 64, 6.4e10, {800, 1200, 1800}},
+             {"dense", "dense-d128-s1", "", 128, 1.28e11, {1000, 1000, 1000}}};  // no moe at d=128
+  Report plain = compute_report(rs, 2.0, 0.1), timed = compute_report(rs, 2.0, 0.1, {}, {}, t);
+  const SpeedupCell &p64 = plain.variants[1].cells[0], &c64 = timed.variants[1].cells[0];
+  const SpeedupCell &c128 = timed.variants[1].cells[1];
+  EXPECT_NEAR(p64.marin_real.value, p64.marin_theo.value * 0.5, 1e-9);
+  EXPECT_EQ(c64.marin_theo.value, p64.marin_theo.value);
+  EXPECT_NEAR(c64.marin_real.value, c64.marin_theo.value * 0.9, 1e-9);
+  EXPECT_NEAR(c64.law_real.value, c64.law_theo.value * 0.9, 1e-9);
+  EXPECT_NEAR(c64.timed_ratio.value, 0.9, 1e-12);
+  EXPECT_NEAR(c64.timed_ratio.lo, 0.8, 1e-12);
+  EXPECT_NEAR(c64.timed_ratio.hi, 1.2, 1e-12);
+  EXPECT_EQ(c64.timed_tps.value, 1200);
+  // Two seeds: the realized interval is the theoretical one times the same timed ratio.
+  ASSERT_FALSE(std::isnan(c64.law_real.lo));
+  EXPECT_NEAR(c64.law_real.lo, c64.law_theo.lo * 0.9, 1e-9);
+  // d=128: moe was not timed, so the training runs' ratio, and a warning naming the pair.
+  EXPECT_NEAR(c128.marin_real.value, c128.marin_theo.value * 0.5, 1e-9);
+  EXPECT_TRUE(std::isnan(c128.timed_ratio.value));
+  EXPECT_EQ(timed.variants[0].cells[1].timed_tps.value, 1000);
+  bool warned = false;
+  for (auto& w : timed.warnings) warned |= w.find("moe vs dense d=128: not both in the sweep's timing") != std::string::npos;
+  EXPECT_TRUE(warned) << fmt::format("{}", fmt::join(timed.warnings, "\n"));
+  const std::string md = report_markdown(timed);
+  EXPECT_NE(md.find("## Throughput, timed side by side"), std::string::npos) << md;
+  EXPECT_NE(md.find("| moe | dense | 1.2k [800-1.8k]; 0.90x [0.80x-1.20x] | - |"), std::string::npos) << md;
+  EXPECT_NE(md.find("from the sweep's interleaved timing"), std::string::npos);
+  EXPECT_EQ(report_markdown(plain).find("Throughput, timed"), std::string::npos);
 }
 
 // The intervals' unit is the seed: a variant and its baseline with the same seed read the same
@@ -971,6 +1019,89 @@ TEST_F(LadderSweepTest, ReportOpensInHeadlessChromiumWithoutConsoleErrors) {
 // ---------------------------------------------------------------------------------------------
 // Bad input: one clear line each, before any training starts
 
+// The spec's `timing:` (docs/ladder.md, "Realized speedups"): once every run has a result the sweep
+// times each (variant, width) model in interleaved rounds into timing.json, once; a changed setting
+// or --retime times again; --only never times; the report's realized speedups use the timing.
+TEST_F(LadderSweepTest, TimingMeasuresEveryModelOnceAndTheReportUsesIt) {
+  std::string body = read_file(good_spec());
+  body = body.substr(body.find("scales:"));
+  const fs::path s = spec("timed", body + "timing: {rounds: 3, steps: 1}\n"), out = dir->path / "out-timed";
+  SweepOptions only;
+  only.spec_file = s, only.out = out, only.peak_gflops = 50, only.only = {"dense-d32-s1"};
+  ::testing::internal::CaptureStdout();
+  sweep(only);
+  EXPECT_NE(::testing::internal::GetCapturedStdout().find("timing: not with --only"), std::string::npos);
+  EXPECT_FALSE(fs::exists(out / "timing.json"));
+
+  ::testing::internal::CaptureStdout();
+  run_sweep(s, out);
+  std::string log = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(log.find("timing: 4 models x 3 interleaved rounds x (1 + 1 steps)"), std::string::npos) << log;
+  EXPECT_NE(log.find("timing: round 3/3: 4 models"), std::string::npos) << log;
+  const Timing t = read_timing(out / "timing.json");
+  EXPECT_EQ(t.rounds, 3);
+  EXPECT_EQ(t.sgemm_gflops, 50);
+  const Plan plan = make_plan(load_spec(s), 50);
+  ASSERT_EQ(t.cells.size(), 4u);
+  for (auto& r : plan.runs) {
+    const TimedCell* c = t.find(r.variant, r.d);
+    ASSERT_NE(c, nullptr) << r.id;
+    EXPECT_EQ(c->run, r.id);
+    EXPECT_EQ(c->config_hash, r.config_hash);
+    EXPECT_DOUBLE_EQ(c->flops_per_token, r.compute / double(r.tokens));
+    ASSERT_EQ(c->tokens_per_s.size(), 3u);
+    for (double x : c->tokens_per_s) EXPECT_GT(x, 0);
+  }
+  EXPECT_TRUE(timing_matches(t, plan, load_spec(s).timing));
+
+  // Again: stored, not measured again.
+  const std::string stored = read_file(out / "timing.json");
+  ::testing::internal::CaptureStdout();
+  run_sweep(s, out);
+  log = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(log.find("timing: stored in"), std::string::npos) << log;
+  EXPECT_EQ(read_file(out / "timing.json"), stored);
+
+  // The report: a throughput table, and each realized speedup = theoretical x the timed ratio.
+  ReportOptions ro;
+  ro.dir = out;
+  const std::string md = write_report(ro);
+  EXPECT_NE(md.find("## Throughput, timed side by side"), std::string::npos) << md;
+  Report r = compute_report(ResultStore(out).all_results(), 1.0, 0.1, {}, {}, t);
+  for (auto& c : r.variants[1].cells) {
+    const auto q = timed_flops_ratio(*t.find("wide", c.d), *t.find("dense", c.d));
+    EXPECT_NEAR(c.marin_real.value, c.marin_theo.value * q[0], 1e-9 * c.marin_real.value);
+  }
+
+  // Other settings, or --retime: measured again.
+  const fs::path s2 = spec("timed", body + "timing: {rounds: 2, steps: 1}\n");
+  ::testing::internal::CaptureStdout();
+  run_sweep(s2, out);
+  log = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(log.find("was measured for another plan or other timing settings: timing again"), std::string::npos) << log;
+  EXPECT_EQ(read_timing(out / "timing.json").rounds, 2);
+  SweepOptions again;
+  again.spec_file = s2, again.out = out, again.peak_gflops = 50, again.retime = true;
+  ::testing::internal::CaptureStdout();
+  sweep(again);
+  log = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(log.find("timing: round 2/2"), std::string::npos) << log;
+
+  // A damaged timing.json names the file and the field.
+  auto j = nlohmann::json::parse(read_file(out / "timing.json"));
+  j["cells"][1]["tokens_per_s"] = {1.0};
+  write_file_atomic(out / "timing.json", j.dump());
+  try {
+    read_timing(out / "timing.json");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find((out / "timing.json").string() + ": cells[1]: field 'tokens_per_s' is [1.0], "
+                                         "expected 2 numbers > 0 (one per round)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(LadderSweepTest, BadSpecsFailWithOneLineBeforeTraining) {
   auto expect_error = [&](const std::string& name, const std::string& body, const std::string& want) {
     fs::path out = dir->path / ("out-bad-" + name);
@@ -1010,6 +1141,10 @@ TEST_F(LadderSweepTest, BadSpecsFailWithOneLineBeforeTraining) {
   // steps and tokens together over-determine a run (tokens = steps x batch x seq_len).
   expect_error("stepstokens", "scales:\n  rules: {head_dim: 16}\n  list: [{d: 32, steps: 2, tokens: 4096}]\nvariants:\n  dense: {}\n",
                "stepstokens.yaml:5: scale d=32 gives both steps and tokens: give one");
+  expect_error("timingkey", scales + "variants:\n  dense: {}\ntiming: {rounds: 2, step: 1}\n",
+               "unknown key 'step' in timing (expected one of: rounds, steps, warmup)");
+  expect_error("timingsteps", scales + "variants:\n  dense: {}\ntiming: {rounds: 2, steps: 0}\n",
+               "timingsteps.yaml:8: timing.steps expects an integer >= 1, got '0'");
   expect_error("dupscale", "scales:\n  rules: {head_dim: 16}\n  list:\n    - {d: 32, steps: 2, d: 48}\nvariants:\n  dense: {}\n",
                "'scales.list[0].d' is given twice");
   // A retired key is not an error: it is ignored with one warning naming the file and line.

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/stats.h"
 #include "ladder/store.h"
 #include "ladder/svg.h"
 #include "train/metrics.h"
@@ -112,7 +113,11 @@ bool fit_law(const std::map<int, std::vector<Obs>>& byd, double E, double alpha,
   }
 }
 
-Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>& info, double E, double alpha) {
+// variant -> width -> the model-FLOP/s ratio over its baseline from the sweep's timing (where both were timed).
+using TimedRatios = std::map<std::string, std::map<int, double>>;
+
+Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>& info, double E, double alpha,
+                   const TimedRatios& timed) {
   Estimates est;
   for (auto& [v, byd] : cells) est.law_ok[v] = fit_law(byd, E, alpha, est.laws[v]);
   static const std::map<int, std::vector<Obs>> none;
@@ -132,11 +137,15 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
       std::array<double, 4> s = {kNaN, kNaN, kNaN, kNaN};
       if (p.v.count(d) && p.b.count(d)) {
         Mean mv = mean_of(p.v.at(d)), mb = mean_of(p.b.at(d));
+        // FLOP/s of the variant and of the baseline: timed side by side where the sweep did, else
+        // the training runs' own (measured whenever each run happened to train).
+        double fv = mv.fps, fb = mb.fps;
+        if (auto tv = timed.find(v); tv != timed.end() && tv->second.count(d)) fv = tv->second.at(d), fb = 1;
         s[0] = marin_theoretical_speedup(mb.C, mb.L, mv.C, mv.L, E, alpha);
-        s[1] = realized_speedup(s[0], mv.fps, mb.fps);
+        s[1] = realized_speedup(s[0], fv, fb);
         if (ok_v && ok_b) {
           s[2] = law_speedup(lb, lv, mv.C);
-          s[3] = realized_speedup(s[2], mv.fps, mb.fps);
+          s[3] = realized_speedup(s[2], fv, fb);
         }
       }
       est.sp[v][d] = s;
@@ -196,11 +205,13 @@ std::string format_cell(const SpeedupCell& c, bool law, bool with_interval) {
 }
 
 Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha,
-                      const std::vector<std::string>& order, const std::map<std::string, VariantLinks>& links) {
+                      const std::vector<std::string>& order, const std::map<std::string, VariantLinks>& links,
+                      const std::optional<Timing>& timing) {
   Report rep;
   rep.E = E;
   rep.alpha = alpha;
   rep.results = results;
+  rep.timing = timing;
   Cells cells;
   std::map<std::string, VariantInfo> info;
   std::map<std::string, std::map<int, int>> diverged;  // variant -> width -> runs that diverged
@@ -251,7 +262,22 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
   };
   std::stable_sort(names.begin(), names.end(), [&](auto& a, auto& b) { return depth(a) < depth(b); });
 
-  Estimates point = evaluate(cells, info, E, alpha);
+  // The timed FLOP/s ratios: per variant and width where it and its baseline were both timed.
+  TimedRatios timed;
+  std::map<std::string, std::map<int, std::array<double, 3>>> timed_spread;
+  if (timing)
+    for (auto& [v, byd] : cells) {
+      const std::string& b = info.at(v).baseline;
+      if (b.empty()) continue;
+      for (auto& [d, obs] : byd) {
+        const TimedCell *tv = timing->find(v, d), *tb = timing->find(b, d);
+        if (!tv || !tb) continue;
+        timed_spread[v][d] = timed_flops_ratio(*tv, *tb);
+        timed[v][d] = timed_spread[v][d][0];
+      }
+    }
+
+  Estimates point = evaluate(cells, info, E, alpha, timed);
 
   // Intervals: one estimate per seed, and Student's t across them. Each seed's results alone (one
   // run per cell) give a law per variant and a speedup per cell, exactly as the pooled data do;
@@ -291,7 +317,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
           if (!one.count(v) || !one[v].count(d)) return false;
         return true;
       };
-      for (auto& [v, byd] : evaluate(one, info, E, alpha).sp) {
+      for (auto& [v, byd] : evaluate(one, info, E, alpha, timed).sp) {
         const std::string& b = info.at(v).baseline;
         const bool laws_ok = complete(v) && cells.count(b) && complete(b);
         if (!laws_ok && !incomplete_seeds[v].count(sd)) incomplete_seeds[v].insert(sd);
@@ -335,6 +361,15 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
       SpeedupCell c;
       c.d = d;
       c.n_diverged = diverged.count(n) && diverged[n].count(d) ? diverged[n][d] : 0;
+      if (const TimedCell* tc = timing ? timing->find(n, d) : nullptr; tc && !tc->tokens_per_s.empty()) {
+        c.timed_tps.value = median(tc->tokens_per_s);
+        c.timed_tps.lo = *std::min_element(tc->tokens_per_s.begin(), tc->tokens_per_s.end());
+        c.timed_tps.hi = *std::max_element(tc->tokens_per_s.begin(), tc->tokens_per_s.end());
+      }
+      if (timed_spread.count(n) && timed_spread[n].count(d)) {
+        const auto& q = timed_spread[n][d];
+        c.timed_ratio = {q[0], q[1], q[2]};
+      }
       if (cells[n].count(d)) {
         Mean mv = mean_of(cells[n][d]);
         c.n_variant = mv.n, c.C = mv.C, c.loss = mv.L, c.tps = mv.tps;
@@ -351,7 +386,13 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
           std::set<std::string> hosts;
           for (auto* obs : {&pv, &pb})
             for (auto& o : *obs) hosts.insert(o.host);
-          if (hosts.size() > 1)
+          const bool is_timed = timed.count(n) && timed[n].count(d);
+          if (timing && !is_timed)
+            rep.warnings.push_back(fmt::format(
+                "{} vs {} d={}: not both in the sweep's timing ({}): the realized speedup there compares the "
+                "training runs' own tokens/s; `ladder sweep ... --retime` times every model again",
+                n, row.baseline, d, "timing.json"));
+          if (hosts.size() > 1 && !is_timed)
             rep.warnings.push_back(fmt::format(
                 "{} vs {} d={}: runs from different hosts ({}); the realized speedup then also compares the machines",
                 n, row.baseline, d, fmt::join(hosts, ", ")));
@@ -487,8 +528,12 @@ std::vector<Table> tables(const Report& r) {
               fmt::format("Loss law E + A*C^-alpha with E = {:g}, alpha = {:g} fixed and A refit through the baseline's "
                           "point at each scale (RECIPE.md section 4); realized (wall-clock) = theoretical x the ratio of "
                           "model FLOP/s (C per token x tokens/s): the baseline's time to the variant's loss over the "
-                          "variant's time. Gate: theoretical > 1 at every scale.",
-                          r.E, r.alpha),
+                          "variant's time; {}. Gate: theoretical > 1 at every scale.",
+                          r.E, r.alpha,
+                          r.timing ? "the FLOP/s from the sweep's interleaved timing (the Throughput table), where "
+                                     "both were timed"
+                                   : "the FLOP/s from the training runs' own tokens/s (measured whenever each "
+                                     "trained; the spec's `timing:` measures them side by side)"),
               scale_head({"variant", "vs"}),
               {}};
   marin.head.push_back("gate");
@@ -535,6 +580,38 @@ std::vector<Table> tables(const Report& r) {
       s.rows.push_back(row);
     }
     t.push_back(s);
+  }
+
+  if (r.timing) {
+    const Timing& tm = *r.timing;
+    Table th{"Throughput, timed side by side: tokens/s [range over rounds]; model FLOP/s over the baseline's",
+             fmt::format("Each model's training step (forward, backward, optimizer; synthetic tokens, the first "
+                         "seed's config) timed after every run had finished: {} rounds, each timing every model once "
+                         "({} untimed then {} timed steps, the median), the order reversed every other round; on {} "
+                         "with {} threads, revision {}, {} to {}{}. The ratio is the median of the per-round ratios "
+                         "[smallest-largest]: what the realized speedups use.",
+                         tm.rounds, tm.warmup, tm.steps, tm.host, tm.threads, tm.revision, tm.started_at,
+                         tm.finished_at,
+                         tm.sgemm_gflops > 0 ? fmt::format("; sgemm {:.0f} GFLOP/s then", tm.sgemm_gflops) : ""),
+             scale_head({"variant", "vs"}),
+             {}};
+    for (auto& v : r.variants) {
+      std::vector<std::string> row = {v.name, v.baseline.empty() ? "-" : v.baseline};
+      for (auto& c : v.cells) {
+        if (std::isnan(c.timed_tps.value)) {
+          row.push_back("-");
+          continue;
+        }
+        std::string cell = fmt::format("{} [{}-{}]", human_count(c.timed_tps.value), human_count(c.timed_tps.lo),
+                                       human_count(c.timed_tps.hi));
+        if (!std::isnan(c.timed_ratio.value))
+          cell += fmt::format("; {} [{}-{}]", format_speedup(c.timed_ratio.value), format_speedup(c.timed_ratio.lo),
+                              format_speedup(c.timed_ratio.hi));
+        row.push_back(cell);
+      }
+      th.rows.push_back(row);
+    }
+    t.push_back(th);
   }
 
   Table laws{"Fitted laws (loss = E + A*C^-alpha, C in FLOPs)",
@@ -805,7 +882,26 @@ std::string write_report(const ReportOptions& opt) {
         for (auto& x : l["stacks"])
           if (x.is_string()) links[v].stacks.push_back(x.get<std::string>());
     }
-  Report r = compute_report(results, E, alpha, manifest.value("variants", std::vector<std::string>{}), links);
+  // The sweep's throughput timing, for the cells timed with the config their results were made with.
+  std::optional<Timing> timing;
+  std::vector<std::string> stale;
+  if (const fs::path tf = opt.dir / "timing.json"; fs::exists(tf)) {
+    timing = read_timing(tf);
+    std::map<std::string, std::string> hash_of;
+    for (auto& x : results) hash_of[x.value("run", "")] = x.value("config_hash", "");
+    std::erase_if(timing->cells, [&](const TimedCell& c) {
+      auto h = hash_of.find(c.run);
+      const bool keep = h != hash_of.end() && h->second == c.config_hash;
+      if (!keep) stale.push_back(c.run);
+      return !keep;
+    });
+  }
+  Report r = compute_report(results, E, alpha, manifest.value("variants", std::vector<std::string>{}), links, timing);
+  if (!stale.empty())
+    r.warnings.insert(r.warnings.begin(),
+                      fmt::format("timing.json: {} timed model(s) left out, timed with a config no stored result of the "
+                                  "plan has: {} (`ladder sweep ... --retime` times again)",
+                                  stale.size(), fmt::join(stale, ", ")));
   r.name = manifest.value("spec_name", opt.dir.filename().string());
   if (!excluded.empty())
     r.warnings.insert(r.warnings.begin(),

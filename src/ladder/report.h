@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ladder/fit.h"
+#include "ladder/timing.h"
 
 namespace ladder {
 
@@ -31,6 +32,11 @@ struct SpeedupCell {
   // Means over the paired seeds (with no baseline or no pair here: over the variant's own runs).
   double C = 0, loss = 0, base_C = 0, base_loss = 0, tps = 0, base_tps = 0;
   Interval marin_theo, marin_real, law_theo, law_real;
+  // From the sweep's throughput timing (timing.json), where this cell was timed: tokens/s (median,
+  // smallest and largest over the rounds) and, where its baseline was timed too, the model-FLOP/s
+  // ratio over it (median, smallest and largest of the per-round ratios) that the realized speedups
+  // then use. value NaN: not timed.
+  Interval timed_tps, timed_ratio;
 };
 
 struct VariantRow {
@@ -53,6 +59,7 @@ struct Report {
   std::vector<nlohmann::json> results;     // as stored, sorted by run id (diverged runs included)
   std::vector<std::string> diverged;       // ids of the runs that diverged (in no fit)
   std::vector<std::string> revisions;
+  std::optional<Timing> timing;            // the sweep's throughput timing, when it has one
 };
 
 // A variant's baseline and the rungs it stacks, as the spec gives them.
@@ -64,9 +71,12 @@ struct VariantLinks {
 // Computes the report from stored results (finished runs, and diverged runs: listed, left out of
 // every fit). `variant_order` (optional) lists variants in spec order; `links` (optional) the
 // spec's baselines and stacks, which win over those stored with the results (a spec edited since).
+// `timing` (optional): the sweep's throughput timing; where a variant and its baseline were both timed,
+// their realized speedups use its FLOP/s ratio instead of the training runs' tokens/s.
 Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha,
                       const std::vector<std::string>& variant_order = {},
-                      const std::map<std::string, VariantLinks>& links = {});
+                      const std::map<std::string, VariantLinks>& links = {},
+                      const std::optional<Timing>& timing = std::nullopt);
 
 std::string format_speedup(double x);                 // "1.32x", "inf", "n/a"
 // "1.32x (0.95x)"; with_interval: "1.32x [1.10x-1.50x] (0.95x [0.80x-1.10x])", the theoretical speedup

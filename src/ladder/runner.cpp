@@ -10,10 +10,13 @@
 #include <map>
 #include <set>
 
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/stats.h"
 #include "dist/comm.h"
 #include "ladder/store.h"
+#include "ladder/timing.h"
 #include "train/machine.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
@@ -30,24 +33,41 @@ std::string shell_quote(const std::string& s) {
   return q + "'";
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string hostname() {
-  char h[256] = {0};
-  ::gethostname(h, sizeof(h) - 1);
-  return h;
-}
-
-std::string utc_now() {
-  std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
+// The throughput timing of a finished plan (ladder/timing.h): measured once, again when the plan or
+// the spec's timing settings change or --retime asks.
+void time_plan(const Plan& plan, const ResultStore& store, const TimingSettings& ts, bool retime, double peak) {
+  const fs::path file = store.dir() / "timing.json";
+  int unfinished = 0;
+  for (auto& r : plan.runs) unfinished += !store.read_result(r.id);
+  if (unfinished > 0) {
+    fmt::print("timing: waits until every run has a result ({} not yet); run the sweep again then\n", unfinished);
+    return;
+  }
+  if (!retime && fs::exists(file)) {
+    try {
+      const Timing t = read_timing(file);
+      if (timing_matches(t, plan, ts)) {
+        fmt::print("timing: stored in {} ({} rounds on {}, {}); --retime times again\n", file.string(), t.rounds,
+                   t.host, t.finished_at);
+        return;
+      }
+      fmt::print("timing: {} was measured for another plan or other timing settings: timing again\n", file.string());
+    } catch (const Error& e) {
+      fmt::print("timing: {}: timing again\n", e.what());
+    }
+  }
+  RunLock lock(store, "timing");
+  if (!lock.held()) {
+    fmt::print("timing: another worker is timing (its lock is held); skipped\n");
+    return;
+  }
+  fmt::print("timing: {} models x {} interleaved rounds x ({} + {} steps) on {} threads; realized speedups will "
+             "compare these\n",
+             timing_cells(plan).size(), ts.rounds, ts.warmup, ts.steps, cpu_threads());
+  std::fflush(stdout);
+  const Timing t = measure_timing(plan, ts, peak);
+  write_file_atomic(file, timing_to_json(t).dump(1) + "\n");
+  fmt::print("timing: stored in {}\n", file.string());
 }
 
 }  // namespace
@@ -83,7 +103,7 @@ nlohmann::json result_of(const PlannedRun& r, const char* status) {
           {"tokens", r.tokens},
           {"compute", r.compute},
           {"flops_with_head", r.flops_with_head},
-          {"host", hostname()},
+          {"host", host_name()},
           {"finished_at", utc_now()}};
 }
 
@@ -273,6 +293,12 @@ SweepSummary sweep(const SweepOptions& opt) {
                  tag);
       return sum;
     }
+  }
+  if (spec.timing.rounds > 0) {
+    if (!opt.only.empty())
+      fmt::print("timing: not with --only (run the sweep without it once every run is done)\n");
+    else
+      time_plan(plan, store, spec.timing, opt.retime, opt.peak_gflops);
   }
   fmt::print("sweep: {} runs: {} trained now, {} already done, {} diverged, {} left to other workers; next: ladder "
              "report {}\n",

@@ -1,7 +1,9 @@
 // `ladder sweep`: plan, then train every run that has no stored result. Resumable and idempotent:
 // finished runs (a result file exists) are skipped, and so are runs recorded as diverged; unfinished
 // ones resume from their newest checkpoint through the trainer's own resume; a run being trained by
-// another worker (its lock is held) is left to that worker.
+// another worker (its lock is held) is left to that worker. With the spec's `timing.rounds` > 0, once
+// every run has a stored result, the models are timed side by side (ladder/timing.h) into
+// DIR/timing.json, which the report's realized speedups use.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -20,6 +22,7 @@ struct SweepOptions {
   bool verbose = false;   // the trainer's own progress output
   std::vector<std::string> only;  // run ids to run (default: all)
   double peak_gflops = 0;         // <= 0: measured (cached)
+  bool retime = false;            // time the models again even when DIR/timing.json matches the plan
   // Testing: steps after which a run's training returns as if the process were killed (-1 = never);
   // the sweep then stops, as a killed sweep would.
   std::function<int64_t(const PlannedRun&)> stop_after;

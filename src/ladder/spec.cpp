@@ -132,7 +132,7 @@ LadderSpec load_spec(const fs::path& file) {
   if (!root.IsMap()) fail("{}: expected a mapping (name, base, set, scales, seeds, variants, report)", file.string());
   reject_duplicate_keys(root, file.string());  // node["seeds"] would silently take the first
   r.check_keys(root, "the ladder spec",
-               {"format", "name", "base", "set", "scales", "seeds", "variants", "pending", "report", "note"});
+               {"format", "name", "base", "set", "scales", "seeds", "variants", "pending", "report", "timing", "note"});
   LadderSpec s;
   s.file = file;
   if (auto f = root["format"]; f && r.integer(f, "format", 0) != 1)
@@ -266,6 +266,19 @@ LadderSpec load_spec(const fs::path& file) {
     if (rep["E"]) s.report.E = r.number(rep["E"], "report.E", 0);
     if (rep["alpha"]) s.report.alpha = r.number(rep["alpha"], "report.alpha", 1e-9);
     if (rep["mfu_estimate"]) s.report.mfu_estimate = r.number(rep["mfu_estimate"], "report.mfu_estimate", 1e-6);
+  }
+  if (auto tm = root["timing"]) {
+    if (!tm.IsMap()) fail("{}: timing expects a mapping (rounds, steps, warmup)", r.at(tm));
+    r.check_keys(tm, "timing", {"rounds", "steps", "warmup"});
+    auto read = [&](const char* key, int min, int& out) {
+      if (!tm[key]) return;
+      const int64_t v = r.integer(tm[key], fmt::format("timing.{}", key), min);
+      if (v > 10000) fail("{}: timing.{} expects at most 10000, got {}", r.at(tm[key]), key, v);
+      out = int(v);
+    };
+    read("rounds", 0, s.timing.rounds);
+    read("steps", 1, s.timing.steps);
+    read("warmup", 1, s.timing.warmup);
   }
   return s;
 }

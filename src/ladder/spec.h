@@ -42,6 +42,16 @@ struct ReportSettings {
   double mfu_estimate = 0.3;       // plan: assumed MFU for the time estimate
 };
 
+// The throughput timing after training (docs/ladder.md, "Realized speedups"): every (variant,
+// width) model's training step timed in `rounds` interleaved rounds on one machine, so that the
+// realized speedups compare throughputs measured side by side rather than the wall-clock of runs
+// trained minutes or hours apart on a machine whose speed drifts.
+struct TimingSettings {
+  int rounds = 0;  // 0: no timing (realized speedups from the runs' training tokens/s)
+  int steps = 3;   // timed steps per model and round (their median is the round's reading)
+  int warmup = 1;  // untimed steps before them (first-touch of the arenas, caches)
+};
+
 struct LadderSpec {
   std::filesystem::path file;
   std::string name;
@@ -53,6 +63,7 @@ struct LadderSpec {
   std::vector<VariantSpec> variants;      // ordered: every baseline before the variants measured against it
   std::vector<VariantSpec> pending;       // rungs whose config keys arrive with other branches: checked, not run
   ReportSettings report;
+  TimingSettings timing;
 };
 
 // Parses and checks the structure (names, baselines exist, no cycles, stacks). Config keys and

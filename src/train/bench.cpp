@@ -140,6 +140,39 @@ nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
   fail("PyTorch benchmark printed no JSON line: {}\n{}", cmd, tail);
 }
 
+StepTimes time_train_steps(const Config& cfg, Transformer& model, Optimizer& optimizer, Backend& be, int warmup,
+                           int steps, const std::function<void()>& after_warmup) {
+  std::vector<int32_t> in, tgt;
+  synthetic_batch(cfg, in, tgt);
+  // Process CPU time (all threads) beside wall time: on a shared, overloaded machine it tracks the
+  // work of a step far better than wall time does (run with one thread to keep spin-waits out).
+  auto cpu_now = [] {
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+  };
+  StepTimes st;
+  for (int s = 0; s < warmup + steps; ++s) {
+    auto t0 = std::chrono::steady_clock::now();
+    const double c0 = cpu_now();
+    train_step(cfg, s, model, optimizer, be, [&](int32_t*, int32_t*) {}, in.data(), tgt.data());
+    be.synchronize();  // a device step is over when its last kernel is (the optimizer's run async)
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s >= warmup) st.wall.push_back(dt), st.cpu.push_back(cpu_now() - c0);
+    if (s == warmup - 1 && after_warmup) after_warmup();
+  }
+  return st;
+}
+
+StepTimes time_train_steps(const Config& cfg, int warmup, int steps) {
+  std::unique_ptr<Backend> be = make_backend(cfg.run.device, cfg.run.threads, cfg.run.precision, cfg.run.attention);
+  Transformer model(cfg.model, cfg.run.batch_size, *be);
+  model.init(cfg.run.seed);
+  model.reserve_step(cfg.run.grad_accum);
+  auto optimizer = make_optimizer(cfg, model, *be);
+  return time_train_steps(cfg, model, *optimizer, *be, warmup, steps);
+}
+
 namespace {
 
 // Ladder's side of `ladder bench`: the backend, model and optimizer live only in here, so their
@@ -161,25 +194,11 @@ nlohmann::json bench_ladder(const Config& cfg, const BenchOptions& opt) {
   model.reserve_step(cfg.run.grad_accum);
   auto optimizer = make_optimizer(cfg, model, *be);
   const int N = cfg.run.batch_size * cfg.model.seq_len;
-  std::vector<int32_t> in, tgt;
-  synthetic_batch(cfg, in, tgt);
-  // Process CPU time (all threads) beside wall time: on a shared, overloaded machine it tracks the
-  // work of a step far better than wall time does (run with one thread to keep spin-waits out).
-  auto cpu_now = [] {
-    timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-  };
-  std::vector<double> times, cpu_times;
-  for (int s = 0; s < opt.steps + 2; ++s) {
-    auto t0 = std::chrono::steady_clock::now();
-    const double c0 = cpu_now();
-    train_step(cfg, s, model, *optimizer, *be, [&](int32_t*, int32_t*) {}, in.data(), tgt.data());
-    be->synchronize();  // a device step is over when its last kernel is (the optimizer's run async)
-    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (s >= 2) times.push_back(dt), cpu_times.push_back(cpu_now() - c0);
-    if (s == 1 && prof) prof->reset();  // profile only the timed steps
-  }
+  StepTimes st = time_train_steps(cfg, model, *optimizer, *be, 2, opt.steps, [&] {
+    if (prof) prof->reset();  // profile only the timed steps
+  });
+  std::vector<double>& times = st.wall;
+  std::vector<double>& cpu_times = st.cpu;
   std::sort(times.begin(), times.end());
   std::sort(cpu_times.begin(), cpu_times.end());
   const double step_s = times[times.size() / 2];

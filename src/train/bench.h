@@ -3,13 +3,19 @@
 // precision (`--torch`: scripts/bench-torch.py, after Ladder's run has released the device).
 #pragma once
 #include <filesystem>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
 
 namespace ladder {
+
+class Backend;
+class Optimizer;
+class Transformer;
 
 struct BenchOptions {
   std::filesystem::path config;  // preset YAML
@@ -21,6 +27,17 @@ struct BenchOptions {
 };
 
 nlohmann::json run_bench(const BenchOptions& opt);
+
+// Wall and process-CPU seconds of `steps` training steps (forward, backward, optimizer) of `model`
+// on one synthetic micro-batch, after `warmup` untimed ones; `after_warmup` runs between them.
+struct StepTimes {
+  std::vector<double> wall, cpu;
+};
+StepTimes time_train_steps(const Config& cfg, Transformer& model, Optimizer& optimizer, Backend& be, int warmup,
+                           int steps, const std::function<void()>& after_warmup = {});
+// The same with a backend, model (initialized with run.seed) and optimizer of its own, released on
+// return: the training step of `cfg` as `ladder sweep`'s throughput timing measures it.
+StepTimes time_train_steps(const Config& cfg, int warmup, int steps);
 // The PyTorch baseline on the same model and batch shape (scripts/bench-torch.py: its fast
 // implementation, checked against the reference by tests/reference/check_fast_model.py) at the
 // config's device and precision, with $LADDER_TORCH_PYTHON (else Debian's /usr/bin/python3 on the

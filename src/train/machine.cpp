@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -16,6 +17,19 @@
 #include <fmt/format.h>
 
 namespace ladder {
+
+std::string host_name() {
+  char h[256] = {0};
+  ::gethostname(h, sizeof(h) - 1);
+  return h;
+}
+
+std::string utc_now() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
 
 std::filesystem::path sgemm_cache_file() {
   const char* xdg = std::getenv("XDG_CACHE_HOME");

@@ -2,6 +2,7 @@
 // and cached under $XDG_CACHE_HOME/ladder (or ~/.cache/ladder).
 #pragma once
 #include <filesystem>
+#include <string>
 
 namespace ladder {
 
@@ -16,6 +17,11 @@ double sgemm_gflops(bool use_cache = true);
 // Where sgemm_gflops caches the rate: $XDG_CACHE_HOME/ladder (or ~/.cache/ladder), one file per host,
 // thread count and OpenBLAS kernel set.
 std::filesystem::path sgemm_cache_file();
+
+// This machine's host name, as results and timings record where they were measured.
+std::string host_name();
+// The current UTC time as "2026-12-02T08:00:00Z".
+std::string utc_now();
 
 // The GEMM rate of `be` itself on its own memory, median GFLOP/s of a training-shaped product
 // [tokens x d] x [d x 4d] (16384 x 1024 x 4096, 137 GFLOP): the MFU denominator on a device, where

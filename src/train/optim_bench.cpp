@@ -8,6 +8,7 @@
 
 #include "backend/backend.h"
 #include "core/rng.h"
+#include "core/stats.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"
 #include "train/trainer.h"
@@ -17,10 +18,6 @@ namespace {
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/stats.h"
 #include "data/loader.h"
 #include "model/flops.h"
 #include "model/transformer.h"
@@ -49,10 +50,30 @@ void on_signal(int sig) {
   }
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+// The first line of the config.yaml a run writes into its directory: what tells a later fresh
+// start that the file is a run's own, safe to replace, and not a config someone keeps there.
+constexpr std::string_view kRunConfigHeader =
+    "# Written by `ladder train`: this run's resolved config (every key; checkpoints hold it too).\n";
+
+// A fresh start (no checkpoint to resume) writes config.yaml and a new metrics.jsonl into the run
+// directory. Neither may replace what is not an earlier start's to replace: a config.yaml that
+// `ladder train` did not write (`--run-dir .` beside one's own config.yaml), or the metrics of a
+// run that died before its first checkpoint, unless --resume says to start that run over.
+void check_fresh_run_dir(const fs::path& run_dir, const std::string& resolved_yaml, bool resume) {
+  std::error_code ec;
+  const fs::path cfg = run_dir / "config.yaml", met = run_dir / "metrics.jsonl";
+  if (fs::exists(cfg, ec)) {
+    const std::string text = read_file(cfg);
+    // Run directories from before the header hold the bare resolved config.
+    if (!text.starts_with(kRunConfigHeader) && text != resolved_yaml)
+      fail("{}: exists and was not written by `ladder train` (a new run writes its resolved config there): choose "
+           "another --run-dir, or move the file",
+           cfg.string());
+  }
+  if (const auto size = fs::file_size(met, ec); !ec && size > 0 && !resume)
+    fail("{}: holds the metrics of an earlier run in this directory that saved no checkpoint: pass --resume to start "
+         "it over from step 0 (its metrics.jsonl is replaced), or choose another --run-dir",
+         met.string());
 }
 
 // What a config change means for a resume (check_resume_compatible).
@@ -301,6 +322,7 @@ TrainSummary train(const TrainOptions& opt) {
   if (latest && !opt.resume)
     fail("{}: the run directory already holds checkpoints; pass --resume to continue it or choose another --run-dir",
          run_dir.string());
+  if (!latest) check_fresh_run_dir(run_dir, to_yaml(cfg), opt.resume);
 
   auto be = make_backend(rc.device, rc.threads, rc.precision, rc.attention);  // one line if run.device cannot run here
   const int threads = cpu_threads();
@@ -358,7 +380,7 @@ TrainSummary train(const TrainOptions& opt) {
   std::optional<MetricsWriter> metrics;  // rank 0's
   if (rank == 0) {
     create_directories_durably(run_dir);
-    write_file_atomic(run_dir / "config.yaml", to_yaml(cfg));
+    write_file_atomic(run_dir / "config.yaml", std::string(kRunConfigHeader) + to_yaml(cfg));
     metrics.emplace(run_dir / "metrics.jsonl", /*append=*/start_step > 0);
     if (start_step > 0) metrics->truncate_after_step(start_step);
   }
