@@ -57,7 +57,7 @@ Timing measure_timing(const Plan& plan, const TimingSettings& s, double sgemm_ra
   t.sgemm_gflops = !host_only ? 0 : sgemm_rate > 0 ? sgemm_rate : sgemm_gflops(/*use_cache=*/false);
   for (const PlannedRun* r : runs)
     t.cells.push_back({r->variant, r->id, r->config_hash, r->d, r->compute / double(r->tokens),
-                       std::vector<double>(size_t(s.rounds), 0.0)});
+                       std::vector<double>(size_t(s.rounds), 0.0), std::vector<std::vector<double>>(size_t(s.rounds))});
   std::vector<size_t> order(runs.size());
   std::iota(order.begin(), order.end(), size_t(0));
   for (int round = 0; round < s.rounds; ++round) {
@@ -68,6 +68,7 @@ Timing measure_timing(const Plan& plan, const TimingSettings& s, double sgemm_ra
       const StepTimes st = time_train_steps(cfg, s.warmup, s.steps);
       const double tokens = double(cfg.run.batch_size) * cfg.model.seq_len * cfg.run.grad_accum;
       t.cells[i].tokens_per_s[size_t(round)] = tokens / median(st.wall);
+      t.cells[i].step_s[size_t(round)] = st.wall;
       if (stop_requested()) fail("timing interrupted (stop signal): nothing was stored; run the sweep again to time");
     }
     fmt::print("timing: round {}/{}: {} models, {:.0f} s\n", round + 1, s.rounds, runs.size(),
@@ -86,7 +87,8 @@ nlohmann::json timing_to_json(const Timing& t) {
                      {"run", c.run},
                      {"config_hash", c.config_hash},
                      {"flops_per_token", c.flops_per_token},
-                     {"tokens_per_s", c.tokens_per_s}});
+                     {"tokens_per_s", c.tokens_per_s},
+                     {"step_s", c.step_s}});
   return {{"format", "ladder-timing"}, {"version", kTimingVersion}, {"rounds", t.rounds},
           {"steps", t.steps},           {"warmup", t.warmup},          {"host", t.host},
           {"revision", t.revision},     {"threads", t.threads},        {"sgemm_gflops", t.sgemm_gflops},
@@ -146,6 +148,17 @@ Timing read_timing(const std::filesystem::path& file) {
         },
         where);
     for (auto& x : tps) tc.tokens_per_s.push_back(x.get<double>());
+    if (c.contains("step_s")) {  // the raw step times (not read by the report)
+      const auto& ss = field(
+          c, "step_s", fmt::format("{} arrays of numbers (one per round)", t.rounds).c_str(),
+          [&](const nlohmann::json& x) {
+            return x.is_array() && int(x.size()) == t.rounds && std::all_of(x.begin(), x.end(), [](const nlohmann::json& e) {
+                     return e.is_array() && std::all_of(e.begin(), e.end(), [](const nlohmann::json& v) { return v.is_number(); });
+                   });
+          },
+          where);
+      for (auto& round : ss) tc.step_s.push_back(round.get<std::vector<double>>());
+    }
     t.cells.push_back(std::move(tc));
   }
   return t;

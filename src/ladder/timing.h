@@ -30,6 +30,7 @@ struct TimedCell {
   int d = 0;
   double flops_per_token = 0;            // C / tokens: the FLOPs (3 x forward, no LM head) a token costs
   std::vector<double> tokens_per_s;      // one reading per round: tokens per step / median step time
+  std::vector<std::vector<double>> step_s;  // per round, every timed step's wall seconds (for analysis)
 };
 
 struct Timing {
