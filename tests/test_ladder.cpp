@@ -1102,6 +1102,29 @@ TEST_F(LadderSweepTest, TimingMeasuresEveryModelOnceAndTheReportUsesIt) {
   }
 }
 
+// --seeds replaces the spec's seeds: more seeds for the same spec (intervals) without editing it; the
+// plan recorded in ladder.json, and so the report, follow it.
+TEST_F(LadderSweepTest, SeedsFlagReplacesTheSpecsSeeds) {
+  const fs::path out = dir->path / "out-seeds";
+  SweepOptions o;
+  o.spec_file = good_spec(), o.out = out, o.peak_gflops = 50, o.seeds = {1, 2};
+  ::testing::internal::CaptureStdout();
+  SweepSummary s = sweep(o);
+  const std::string log = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(log.find("seeds: 1, 2 (--seeds; " + good_spec().string() + " lists 1)"), std::string::npos) << log;
+  EXPECT_EQ(s.planned, 8);
+  EXPECT_EQ(s.trained, 8);
+  EXPECT_EQ(ResultStore(out).read_manifest()["runs"].size(), 8u);
+  EXPECT_TRUE(results(out).count("wide-d48-s2"));
+  ReportOptions ro;
+  ro.dir = out;
+  EXPECT_NE(write_report(ro).find("Intervals (95%, on each speedup): the same speedup estimated from each of the 2 "
+                                  "seeds"),
+            std::string::npos);
+  o.seeds = {3, 3};
+  EXPECT_NE(test::error_of([&] { sweep(o); }).find("--seeds 3,3: a seed is listed twice"), std::string::npos);
+}
+
 TEST_F(LadderSweepTest, BadSpecsFailWithOneLineBeforeTraining) {
   auto expect_error = [&](const std::string& name, const std::string& body, const std::string& want) {
     fs::path out = dir->path / ("out-bad-" + name);

@@ -372,6 +372,7 @@ TEST(Cli, ArgumentMistakesGetOneLineNamingWhatIsWrong) {
   expect_error(fmt::format("sweep {} --out {}", d.path.string(), (d.path / "o").string()),
                d.path.string() + ": is a directory, expected a ladder spec");
   expect_error("sample nowhere --seed -1", "--seed: expected a number >= 0, got -1");
+  expect_error("sweep nowhere.yaml --out o --seeds 2,-1", "--seeds: expected a number >= 0, got -1");
   expect_error("sample nowhere --threads -3", "--threads: expected a number >= 0, got -3");
   expect_error("sample nowhere --temperature nan", "--temperature must be a finite number >= 0");  // the flag first
   expect_error("bench --optim --torch", "drop --torch");

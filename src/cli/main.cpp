@@ -107,6 +107,10 @@ int main(int argc, char** argv) {
   sw->add_flag("--dry-run", swopt.dry_run, "print the plan, then stop");
   sw->add_option("--only", swopt.only, "run only this run id (repeatable)")->allow_extra_args(false);
   sw->add_flag("--verbose", swopt.verbose, "show each run's training progress");
+  sw->add_option("--seeds", swopt.seeds, "seeds to run instead of the spec's (comma-separated)")
+      ->delimiter(',')
+      ->check(non_negative)
+      ->allow_extra_args(false);
   sw->add_flag("--retime", swopt.retime, "time the models again (spec `timing:`) even when DIR/timing.json matches");
   auto* rp = app.add_subcommand("report", "speedup tables, fitted laws, plots and HTML from a results directory");
   ReportOptions rpopt;

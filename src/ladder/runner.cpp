@@ -153,6 +153,14 @@ nlohmann::json make_diverged_result(const PlannedRun& r, const std::string& why)
 
 SweepSummary sweep(const SweepOptions& opt) {
   LadderSpec spec = load_spec(opt.spec_file);
+  if (!opt.seeds.empty()) {
+    if (std::set<uint64_t>(opt.seeds.begin(), opt.seeds.end()).size() != opt.seeds.size())
+      fail("--seeds {}: a seed is listed twice", fmt::join(opt.seeds, ","));
+    if (!opt.dry_run && !opt.list && opt.seeds != spec.seeds)
+      fmt::print("seeds: {} (--seeds; {} lists {}): the plan and the report follow --seeds until the next sweep "
+                 "without it\n", fmt::join(opt.seeds, ", "), spec.file.string(), fmt::join(spec.seeds, ", "));
+    spec.seeds = opt.seeds;
+  }
   // A sweep that trains measures the sgemm rate afresh (5-7 s) before its runs read the cached
   // one for their MFU: the cache keeps the best rate seen, so one reading taken while the machine
   // was busy does not stay every later run's (too low) denominator.

@@ -21,6 +21,7 @@ struct SweepOptions {
   bool dry_run = false;   // print the plan and stop
   bool verbose = false;   // the trainer's own progress output
   std::vector<std::string> only;  // run ids to run (default: all)
+  std::vector<uint64_t> seeds;    // replaces the spec's seeds (the plan, ladder.json and so the report follow)
   double peak_gflops = 0;         // <= 0: measured (cached)
   bool retime = false;            // time the models again even when DIR/timing.json matches the plan
   // Testing: steps after which a run's training returns as if the process were killed (-1 = never);
