@@ -737,7 +737,7 @@ std::string loss_plot_svg(const Report& r) {
 }
 
 std::string speedup_plot_svg(const Report& r) {
-  const double W = 720, H = 420, L = 70, R = 170, T = 30, B = 50;
+  const double W = 760, H = 420, L = 70, R = 210, T = 30, B = 50;  // R: room for "routing_norm vs moe_v1"
   svg::Canvas c(W, H);
   c.text(W / 2, 18, "Theoretical speedup over baseline per rung and scale", 14, "middle");
   std::vector<const VariantRow*> rungs;
