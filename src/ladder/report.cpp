@@ -113,8 +113,9 @@ bool fit_law(const std::map<int, std::vector<Obs>>& byd, double E, double alpha,
   }
 }
 
-// variant -> width -> the model-FLOP/s ratio over its baseline from the sweep's timing (where both were timed).
-using TimedRatios = std::map<std::string, std::map<int, double>>;
+// variant -> width -> the model-FLOP/s ratio over its baseline from the sweep's timing, where both
+// were timed: {median, smallest, largest} over the rounds (timed_flops_ratio).
+using TimedRatios = std::map<std::string, std::map<int, std::array<double, 3>>>;
 
 Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>& info, double E, double alpha,
                    const TimedRatios& timed) {
@@ -140,7 +141,7 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
         // FLOP/s of the variant and of the baseline: timed side by side where the sweep did, else
         // the training runs' own (measured whenever each run happened to train).
         double fv = mv.fps, fb = mb.fps;
-        if (auto tv = timed.find(v); tv != timed.end() && tv->second.count(d)) fv = tv->second.at(d), fb = 1;
+        if (auto tv = timed.find(v); tv != timed.end() && tv->second.count(d)) fv = tv->second.at(d)[0], fb = 1;
         s[0] = marin_theoretical_speedup(mb.C, mb.L, mv.C, mv.L, E, alpha);
         s[1] = realized_speedup(s[0], fv, fb);
         if (ok_v && ok_b) {
@@ -264,7 +265,6 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
 
   // The timed FLOP/s ratios: per variant and width where it and its baseline were both timed.
   TimedRatios timed;
-  std::map<std::string, std::map<int, std::array<double, 3>>> timed_spread;
   if (timing)
     for (auto& [v, byd] : cells) {
       const std::string& b = info.at(v).baseline;
@@ -272,8 +272,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
       for (auto& [d, obs] : byd) {
         const TimedCell *tv = timing->find(v, d), *tb = timing->find(b, d);
         if (!tv || !tb) continue;
-        timed_spread[v][d] = timed_flops_ratio(*tv, *tb);
-        timed[v][d] = timed_spread[v][d][0];
+        timed[v][d] = timed_flops_ratio(*tv, *tb);
       }
     }
 
@@ -361,13 +360,13 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
       SpeedupCell c;
       c.d = d;
       c.n_diverged = diverged.count(n) && diverged[n].count(d) ? diverged[n][d] : 0;
-      if (const TimedCell* tc = timing ? timing->find(n, d) : nullptr; tc && !tc->tokens_per_s.empty()) {
-        c.timed_tps.value = median(tc->tokens_per_s);
-        c.timed_tps.lo = *std::min_element(tc->tokens_per_s.begin(), tc->tokens_per_s.end());
-        c.timed_tps.hi = *std::max_element(tc->tokens_per_s.begin(), tc->tokens_per_s.end());
+      if (const TimedCell* tc = timing ? timing->find(n, d) : nullptr) {
+        const auto q = median_min_max(tc->tokens_per_s);
+        c.timed_tps = {q[0], q[1], q[2]};
       }
-      if (timed_spread.count(n) && timed_spread[n].count(d)) {
-        const auto& q = timed_spread[n][d];
+      const bool is_timed = timed.count(n) && timed[n].count(d);
+      if (is_timed) {
+        const auto& q = timed[n][d];
         c.timed_ratio = {q[0], q[1], q[2]};
       }
       if (cells[n].count(d)) {
@@ -386,12 +385,11 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
           std::set<std::string> hosts;
           for (auto* obs : {&pv, &pb})
             for (auto& o : *obs) hosts.insert(o.host);
-          const bool is_timed = timed.count(n) && timed[n].count(d);
           if (timing && !is_timed)
             rep.warnings.push_back(fmt::format(
-                "{} vs {} d={}: not both in the sweep's timing ({}): the realized speedup there compares the "
+                "{} vs {} d={}: not both in the sweep's timing (timing.json): the realized speedup there compares the "
                 "training runs' own tokens/s; `ladder sweep ... --retime` times every model again",
-                n, row.baseline, d, "timing.json"));
+                n, row.baseline, d));
           if (hosts.size() > 1 && !is_timed)
             rep.warnings.push_back(fmt::format(
                 "{} vs {} d={}: runs from different hosts ({}); the realized speedup then also compares the machines",

@@ -7,9 +7,9 @@
 #include <numeric>
 #include <set>
 
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/fileio.h"
-#include "backend/backend.h"
 #include "core/stats.h"
 #include "ladder/store.h"
 #include "train/bench.h"
@@ -168,8 +168,7 @@ std::array<double, 3> timed_flops_ratio(const TimedCell& v, const TimedCell& b) 
   std::vector<double> r;
   for (size_t i = 0; i < v.tokens_per_s.size() && i < b.tokens_per_s.size(); ++i)
     r.push_back(v.tokens_per_s[i] * v.flops_per_token / (b.tokens_per_s[i] * b.flops_per_token));
-  if (r.empty()) return {std::nan(""), std::nan(""), std::nan("")};
-  return {median(r), *std::min_element(r.begin(), r.end()), *std::max_element(r.begin(), r.end())};
+  return median_min_max(r);
 }
 
 }  // namespace ladder
