@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install dependencies, build, prepare the built-in default corpus,
-# train the dense-tiny preset for a few minutes, sample from it, and say where everything is.
+# train the dense-tiny preset for a few minutes, plot its curves, sample from it, and say where everything is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -17,12 +17,15 @@ else
   ./build/ladder train configs/dense-tiny.yaml --run-dir "$RUN"
 fi
 echo
+echo "== curves =="
+./build/ladder plot "$RUN" --y loss,val_loss,lr,tokens_per_s --smooth 0.9 --out "$RUN/curves.svg"
+echo
 echo "== samples =="
 for p in "And God said" "The hacker" "A fortune:"; do
   ./build/ladder sample "$RUN" --prompt "$p" --max-tokens 60 --temperature 0.8 --top-k 40
   echo "--"
 done
 echo
-echo "metrics:     $RUN/metrics.jsonl  (one JSON object per line)"
+echo "metrics:     $RUN/metrics.jsonl  (one JSON object per line; plotted: $RUN/curves.svg)"
 echo "checkpoints: $RUN/checkpoints/   (model.safetensors, optimizer state, loader state)"
 echo "benchmark:   ./build/ladder bench --torch"

@@ -1,4 +1,4 @@
-// `ladder`: the one command. Verbs: data, train, sample, bench, config-doc, sweep, report.
+// `ladder`: the one command. Verbs: data, train, sample, bench, plot, config-doc, sweep, report.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
@@ -17,6 +17,7 @@
 #include "train/bench.h"
 #include "train/checkpoint.h"
 #include "train/optim_bench.h"
+#include "train/plot.h"
 #include "train/sampler.h"
 #include "train/trainer.h"
 
@@ -97,6 +98,25 @@ int main(int argc, char** argv) {
   be->add_flag("--optim", boptim, "time the optimizer step's share of a step for each optimizer, and Newton-Schulz per matrix");
   std::string bench_device;
   be->add_option("--device", bench_device, "cpu | cuda (same as --set run.device=...)");
+
+  // ladder plot (src/train/plot.h)
+  auto* pl = app.add_subcommand("plot", "training curves of one or more runs (metrics.jsonl) as one SVG, and a summary table");
+  PlotOptions plopt;
+  pl->add_option("runs", plopt.inputs, "run directories or metrics.jsonl files")->required();
+  pl->add_option("--y", plopt.y, "metrics, comma-separated: loss, val_loss, lr, grad_norm, tokens_per_s, mfu, moe.load_max_ratio, ...")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->allow_extra_args(false);
+  pl->add_option("--x", plopt.x, "step | tokens | flops (compute C) | time")->capture_default_str();
+  pl->add_option("--out", plopt.out, "SVG file to write")->capture_default_str();
+  pl->add_option("--label", plopt.labels, "one label per run, comma-separated (default: the run directories' names)")
+      ->delimiter(',')
+      ->allow_extra_args(false);
+  pl->add_option("--smooth", plopt.smooth, "EMA weight on the past for the per-step metrics, in [0, 1) (0.9: strong)")
+      ->capture_default_str();
+  pl->add_flag("--log-x", plopt.log_x, "log10 x axis");
+  pl->add_flag("--log-y", plopt.log_y, "log10 y axes");
+  pl->add_option("--title", plopt.title, "title above the panels");
 
   // ladder sweep / ladder report (src/ladder/)
   auto* sw = app.add_subcommand("sweep", "plan and run a ladder spec (resumable; --list for a cluster scheduler)");
@@ -231,6 +251,8 @@ int main(int argc, char** argv) {
                      j["torch"].value("torch", "?"), j["speedup_vs_torch"].get<double>());
       }
       if (j.contains("torch_error")) fail("{}", j["torch_error"].get<std::string>());
+    } else if (pl->parsed()) {
+      return plot_cli(plopt);
     } else if (sw->parsed()) {
       return sweep_cli(swopt);
     } else if (rp->parsed()) {

@@ -36,12 +36,13 @@ void Canvas::line(double x1, double y1, double x2, double y2, const std::string&
 }
 
 void Canvas::polyline(const std::vector<std::pair<double, double>>& pts, const std::string& c, double w,
-                      const std::string& d) {
+                      const std::string& d, double opacity) {
   if (pts.size() < 2) return;
   std::string p;
   for (auto& [x, y] : pts) p += fmt::format("{}{},{}", p.empty() ? "" : " ", n(x), n(y));
-  body_ += fmt::format("<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"{}\"{}/>\n", p, escape(c),
-                       n(w), dash_attr(d));
+  const std::string op = opacity < 1 ? fmt::format(" stroke-opacity=\"{}\"", n(opacity)) : "";
+  body_ += fmt::format("<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"{}\"{}{}/>\n", p,
+                       escape(c), n(w), dash_attr(d), op);
 }
 
 void Canvas::circle(double x, double y, double r, const std::string& fill, const std::string& stroke,

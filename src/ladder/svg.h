@@ -17,7 +17,7 @@ class Canvas {
   void line(double x1, double y1, double x2, double y2, const std::string& color, double width = 1,
             const std::string& dash = "");
   void polyline(const std::vector<std::pair<double, double>>& pts, const std::string& color, double width = 1.5,
-                const std::string& dash = "");
+                const std::string& dash = "", double opacity = 1);
   void circle(double x, double y, double r, const std::string& fill, const std::string& stroke = "none",
               const std::string& title = "");
   void rect(double x, double y, double w, double h, const std::string& fill, const std::string& stroke = "none");
