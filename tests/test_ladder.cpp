@@ -928,17 +928,17 @@ report: {E: 1.0, alpha: 0.1}
   ro.dir = out;
   std::string md = write_report(ro);
   fs::path rd = out / "report";
-  for (auto f : {"loss_vs_compute.svg", "speedups.svg"}) EXPECT_EQ(xml_root(rd / f), "{http://www.w3.org/2000/svg}svg") << f;
+  for (auto f : {"loss_vs_compute.svg", "speedups.svg", "val_curves.svg"}) EXPECT_EQ(xml_root(rd / f), "{http://www.w3.org/2000/svg}svg") << f;
   std::string html = read_file(rd / "report.html");
   EXPECT_EQ(read_file(rd / "report.md"), md);
   EXPECT_NE(html.find("<!DOCTYPE html>"), std::string::npos);
   EXPECT_EQ(html.find("<script"), std::string::npos);  // self-contained, nothing to fail in a browser
   EXPECT_EQ(html.find("src="), std::string::npos);
   EXPECT_EQ(html.find("href="), std::string::npos);
-  // Both plots inline, and the page is well-formed XML apart from its doctype.
+  // The three plots inline, and the page is well-formed XML apart from its doctype.
   size_t nsvg = 0;
   for (size_t p = html.find("<svg "); p != std::string::npos; p = html.find("<svg ", p + 1)) ++nsvg;
-  EXPECT_EQ(nsvg, 2u);
+  EXPECT_EQ(nsvg, 3u);
   write_text(rd / "body.xml", html.substr(html.find("<html")));
   EXPECT_EQ(xml_root(rd / "body.xml"), "html");
 
@@ -954,6 +954,20 @@ report: {E: 1.0, alpha: 0.1}
     std::string tr = html.substr(p, html.find("</tr>", p) - p);
     EXPECT_NE(tr.find(fmt::format("<td>{:.4f}</td>", j["final_val_loss"].get<double>())), std::string::npos) << tr;
     EXPECT_NE(tr.find(fmt::format("<td>{:.4f}</td>", j["best_val_loss"].get<double>())), std::string::npos) << tr;
+  }
+  // The validation curves: a panel per width, a curve per variant, its last marker at the mean of
+  // the two seeds' final losses and the compute they reached.
+  const std::string curves = read_file(rd / "val_curves.svg");
+  for (int d : {32, 48, 64}) {
+    EXPECT_NE(curves.find(fmt::format(">validation loss, d = {}</text>", d)), std::string::npos) << d;
+    for (const char* v : {"dense", "wide", "hot", "both"}) {
+      const auto& s1 = stored.at(fmt::format("{}-d{}-s1", v, d));
+      const auto& s2 = stored.at(fmt::format("{}-d{}-s2", v, d));
+      const double mean = 0.5 * (s1["final_val_loss"].get<double>() + s2["final_val_loss"].get<double>());
+      const std::string tip = fmt::format("<title>{} d={} (2 seeds): C, loss {:g}, {:.4g}</title>", v, d,
+                                          s1["compute"].get<double>(), mean);
+      EXPECT_NE(curves.find(tip), std::string::npos) << tip;
+    }
   }
   std::vector<nlohmann::json> all;
   for (auto& [id, j] : stored) all.push_back(j);

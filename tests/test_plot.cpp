@@ -203,7 +203,7 @@ TEST(Plot, PlotsRunsTheTrainerWrote) {
     const size_t solid = o.smooth > 0 ? 2 * 2 + 1 : 3;
     EXPECT_EQ(count(svg, "<polyline"), 2 * (solid + 1)) << x;
     EXPECT_EQ(count(svg, "stroke-opacity"), o.smooth > 0 ? 2u * 2 : 0u) << x;
-    EXPECT_EQ(count(svg, ": val_loss "), 2u * 2) << x;
+    EXPECT_EQ(count(svg, ": val_loss at "), 2u * 2) << x;
   }
 
   RunCurves a = read_run_curves(d.path / "a", "step", {"loss"});

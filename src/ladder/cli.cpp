@@ -11,7 +11,7 @@ int sweep_cli(const SweepOptions& opt) {
 
 int report_cli(const ReportOptions& opt) {
   std::string md = write_report(opt);
-  fmt::print("{}\nwritten: {}/{{report.md, report.html, loss_vs_compute.svg, speedups.svg}}\n", md,
+  fmt::print("{}\nwritten: {}/{{report.md, report.html, loss_vs_compute.svg, speedups.svg, val_curves.svg}}\n", md,
              (opt.out.empty() ? opt.dir / "report" : opt.out).string());
   return 0;
 }

@@ -799,6 +799,50 @@ std::string speedup_plot_svg(const Report& r) {
   return c.str();
 }
 
+// Validation loss during training against compute, one panel per width: each variant's curve,
+// averaged over its seeds whose evaluations fall on the same steps as its first seed's (else that
+// seed's alone), so that a reader sees whether the final losses the tables compare were still
+// moving apart or together when the runs stopped.
+std::string val_curves_svg(const Report& r) {
+  std::vector<svg::Panel> panels;
+  for (int d : r.scales) {
+    svg::Panel p;
+    p.y_title = fmt::format("validation loss, d = {}", d);
+    for (size_t i = 0; i < r.variants.size(); ++i) {
+      std::vector<const nlohmann::json*> runs;
+      for (auto& x : r.results)
+        if (x.value("variant", "") == r.variants[i].name && x.value("d", 0) == d &&
+            x.value("status", "finished") == "finished" && x.contains("val_curve") && x["val_curve"].is_array() &&
+            !x["val_curve"].empty() && x.value("tokens", 0.0) > 0)
+          runs.push_back(&x);
+      if (runs.empty()) continue;
+      std::sort(runs.begin(), runs.end(), [](auto* a, auto* b) { return a->value("seed", 0) < b->value("seed", 0); });
+      auto steps = [](const nlohmann::json& x) {
+        std::vector<double> s;
+        for (auto& e : x["val_curve"]) s.push_back(e.at(0).get<double>());
+        return s;
+      };
+      std::erase_if(runs, [&](auto* x) { return steps(*x) != steps(*runs[0]); });
+      const auto& first = (*runs[0])["val_curve"];
+      const double per_token = runs[0]->value("compute", 0.0) / runs[0]->value("tokens", 1.0);
+      svg::Curve cv;
+      cv.label = r.variants[i].name, cv.color = svg::color(i), cv.markers = true;
+      cv.tooltip_prefix = fmt::format("{} d={} ({} seed{}): C, loss", r.variants[i].name, d, runs.size(),
+                                      runs.size() > 1 ? "s" : "");
+      for (size_t k = 0; k < first.size(); ++k) {
+        double sum = 0;
+        for (auto* x : runs) sum += (*x)["val_curve"][k].at(2).get<double>();
+        cv.pts.emplace_back(first[k].at(1).get<double>() * per_token, sum / double(runs.size()));
+      }
+      p.curves.push_back(std::move(cv));
+    }
+    panels.push_back(std::move(p));
+  }
+  const std::string title = r.n_seeds > 1 ? "Validation loss during training (mean over seeds), per width"
+                                          : "Validation loss during training, per width";
+  return svg::line_panels(title, panels, "compute C (FLOPs, 3 x forward without LM head x tokens)", true, false);
+}
+
 std::string report_html(const Report& r) {
   std::string o =
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n<title>Ladder report: " +
@@ -813,7 +857,7 @@ std::string report_html(const Report& r) {
     for (auto& w : r.warnings) o += "<li>" + html_escape(w) + "</li>\n";
     o += "</ul>\n";
   }
-  o += "<h2>Plots</h2>\n" + loss_plot_svg(r) + speedup_plot_svg(r);
+  o += "<h2>Plots</h2>\n" + loss_plot_svg(r) + speedup_plot_svg(r) + val_curves_svg(r);
   int ti = 0;
   for (auto& t : tables(r)) {
     o += fmt::format("<h2>{}</h2>\n<p class=\"note\">{}</p>\n<table id=\"t{}\">\n<tr>", html_escape(t.title),
@@ -911,6 +955,7 @@ std::string write_report(const ReportOptions& opt) {
   write_file_atomic(out / "report.md", md);
   write_file_atomic(out / "loss_vs_compute.svg", loss_plot_svg(r));
   write_file_atomic(out / "speedups.svg", speedup_plot_svg(r));
+  write_file_atomic(out / "val_curves.svg", val_curves_svg(r));
   write_file_atomic(out / "report.html", report_html(r));
   return md;
 }

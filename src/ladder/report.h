@@ -1,6 +1,7 @@
 // `ladder report DIR`: speedups of every variant over its baseline at every scale, by Marin's method
 // and by Ladder's fitted laws with 95% intervals over seeds (Student's t over per-seed estimates); the gate verdict; the stacked
-// variant against the product of its rungs. Writes report.md, loss_vs_compute.svg, speedups.svg and
+// variant against the product of its rungs. Writes report.md, loss_vs_compute.svg, speedups.svg,
+// val_curves.svg (validation loss during training, per width) and
 // a self-contained report.html under DIR/report (or --out).
 #pragma once
 #include <cmath>

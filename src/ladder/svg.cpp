@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <set>
 
 namespace ladder::svg {
 
@@ -116,6 +118,82 @@ std::string tick_label(double v, bool log) {
     if (std::fabs(e) >= 3) return std::fabs(m - 1) < 1e-6 ? fmt::format("1e{}", e) : fmt::format("{:g}e{}", m, e);
   }
   return fmt::format("{:g}", v);
+}
+
+namespace {
+// Linear labels stay plain up to 1e5, then "2.5e12"; log ones as tick_label.
+std::string axis_label(double v, bool log) {
+  if (log) return tick_label(v, true);
+  if (v == 0 || std::fabs(v) < 1e5) return fmt::format("{:g}", v);
+  int e = int(std::floor(std::log10(std::fabs(v)) + 1e-9));
+  return fmt::format("{:g}e{}", std::round(v / std::pow(10.0, e) * 1000) / 1000, e);
+}
+}  // namespace
+
+std::string line_panels(const std::string& title, const std::vector<Panel>& panels, const std::string& x_title,
+                        bool log_x, bool log_y) {
+  const double W = 860, L = 80, R = 230, T = 44, PH = 300, GAP = 56;
+  Canvas c(W, T + double(panels.size()) * (PH + GAP) + 10);
+  c.text(W / 2, 22, title, 15, "middle");
+  auto shown = [&](double x, double y) { return std::isfinite(x) && std::isfinite(y) && (!log_x || x > 0) && (!log_y || y > 0); };
+  for (size_t g = 0; g < panels.size(); ++g) {
+    const Panel& p = panels[g];
+    const double top = T + double(g) * (PH + GAP), bottom = top + PH - 40;
+    double xlo = INFINITY, xhi = -INFINITY, ylo = INFINITY, yhi = -INFINITY;
+    for (auto& cv : p.curves)
+      for (auto& [x, y] : cv.pts)
+        if (shown(x, y)) xlo = std::min(xlo, x), xhi = std::max(xhi, x), ylo = std::min(ylo, y), yhi = std::max(yhi, y);
+    c.rect(L, top, W - R - L, bottom - top, "none", "#999");
+    c.text(22, (top + bottom) / 2, p.y_title, 12, "middle", "#222", -90);
+    if (!(xhi >= xlo)) {
+      c.text((L + W - R) / 2, (top + bottom) / 2, "no " + p.y_title + " points", 13, "middle", "#888");
+      continue;
+    }
+    if (xhi == xlo) xlo = log_x ? xlo / 2 : xlo - 1, xhi = log_x ? xhi * 2 : xhi + 1;
+    if (yhi == ylo) ylo = log_y ? ylo / 2 : ylo - 1, yhi = log_y ? yhi * 2 : yhi + 1;
+    Scale xs{xlo, xhi, L, W - R, log_x};
+    const double pad = 0.04 * (yhi - ylo);
+    Scale ys{log_y ? ylo / 1.05 : ylo - pad, log_y ? yhi * 1.05 : yhi + pad, bottom, top, log_y};
+    for (double t : xs.ticks(7)) {
+      c.line(xs(t), top, xs(t), bottom, "#eee");
+      c.line(xs(t), bottom, xs(t), bottom + 5, "#666");
+      c.text(xs(t), bottom + 18, axis_label(t, log_x), 11, "middle");
+    }
+    for (double t : ys.ticks(6)) {
+      c.line(L, ys(t), W - R, ys(t), "#eee");
+      c.line(L - 5, ys(t), L, ys(t), "#666");
+      c.text(L - 8, ys(t) + 4, axis_label(t, log_y), 11, "end");
+    }
+    c.text((L + W - R) / 2, bottom + 36, x_title, 12, "middle");
+    std::vector<std::pair<std::string, std::string>> legend;  // (label, colour) of curves with points
+    for (auto& cv : p.curves) {
+      std::vector<std::pair<double, double>> px;
+      for (auto& [x, y] : cv.pts)
+        if (shown(x, y)) px.emplace_back(xs(x), ys(y));
+      if (px.empty()) continue;
+      c.polyline(px, cv.color, cv.width, cv.dashed ? "5,3" : "", cv.opacity);
+      if (cv.markers)
+        for (auto& [x, y] : cv.pts)
+          if (shown(x, y))
+            c.circle(xs(x), ys(y), 2.8, cv.color, "white", fmt::format("{} {:g}, {:.4g}", cv.tooltip_prefix, x, y));
+      if (!cv.label.empty() && std::none_of(legend.begin(), legend.end(), [&](auto& l) { return l.first == cv.label; }))
+        legend.emplace_back(cv.label, cv.color);
+    }
+    double ly = top + 14;
+    for (auto& [label, col] : legend) {
+      c.line(W - R + 12, ly - 4, W - R + 34, ly - 4, col, 2.5);
+      c.text(W - R + 40, ly, label, 12);
+      ly += 18;
+    }
+    if (!p.styles.empty()) ly += 8;
+    for (auto& [text, dashed] : p.styles) {
+      c.line(W - R + 12, ly - 4, W - R + 34, ly - 4, "#444", 1.5, dashed ? "5,3" : "");
+      if (dashed) c.circle(W - R + 23, ly - 4, 2.8, "#444", "white");  // the dashed curves have markers
+      c.text(W - R + 40, ly, text, 12);
+      ly += 18;
+    }
+  }
+  return c.str();
 }
 
 const std::string& color(size_t i) {

@@ -41,6 +41,26 @@ struct Scale {
   std::vector<double> ticks(int target = 6) const;
 };
 
+// A figure of line panels stacked vertically, sharing one kind of x axis (`ladder plot`'s metrics,
+// the report's validation curves per width). Each panel scales to its own points (positive ones
+// only on a log axis) and has a legend beside it.
+struct Curve {
+  std::string label;                          // legend entry ("" = none; equal labels listed once)
+  std::string color;
+  std::vector<std::pair<double, double>> pts; // data coordinates
+  bool dashed = false;
+  bool markers = false;                       // a marker with a tooltip at every point
+  double width = 1.5, opacity = 1;
+  std::string tooltip_prefix;                 // the markers' tooltips: "<prefix> x, y"
+};
+struct Panel {
+  std::string y_title;
+  std::vector<Curve> curves;
+  std::vector<std::pair<std::string, bool>> styles;  // extra legend lines: (text, dashed), in grey
+};
+std::string line_panels(const std::string& title, const std::vector<Panel>& panels, const std::string& x_title,
+                        bool log_x, bool log_y);
+
 // "1e12", "3.2", "0.05": short tick labels.
 std::string tick_label(double v, bool log);
 

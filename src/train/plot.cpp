@@ -91,13 +91,6 @@ double elapsed_at(const std::vector<std::pair<double, double>>& t, double step) 
   return lo->second + (hi->second - lo->second) * (step - lo->first) / (hi->first - lo->first);
 }
 
-std::string axis_label(double v, bool log) {
-  if (log) return svg::tick_label(v, true);
-  if (v == 0 || std::fabs(v) < 1e5) return fmt::format("{:g}", v);
-  int e = int(std::floor(std::log10(std::fabs(v)) + 1e-9));
-  return fmt::format("{:g}e{}", std::round(v / std::pow(10.0, e) * 1000) / 1000, e);
-}
-
 std::string x_title(const std::string& x) {
   if (x == "tokens") return "tokens";
   if (x == "flops") return "compute C (FLOPs: 3 x forward without LM head x tokens)";
@@ -241,103 +234,38 @@ std::vector<std::pair<double, double>> ema(const std::vector<std::pair<double, d
 }
 
 std::string curves_svg(const std::vector<RunCurves>& runs, const PlotOptions& opt) {
-  const auto groups = panel_groups(opt.y);
-  const double W = 860, L = 80, R = 230, T = 44, PH = 300, GAP = 56;
-  const double H = T + double(groups.size()) * (PH + GAP) + 10;
-  svg::Canvas c(W, H);
-  std::string ys;
-  for (auto& m : opt.y) ys += (ys.empty() ? "" : ", ") + m;
-  c.text(W / 2, 22, opt.title.empty() ? fmt::format("{} vs {}", ys, opt.x == "flops" ? "compute" : opt.x) : opt.title,
-         15, "middle");
-
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const double top = T + double(g) * (PH + GAP), bottom = top + PH - 40;
-    // Ranges over every run's points of this panel (positive ones on a log axis).
-    double xlo = INFINITY, xhi = -INFINITY, ylo = INFINITY, yhi = -INFINITY;
-    for (auto& r : runs)
-      for (auto& m : groups[g]) {
-        auto it = r.series.find(m);
-        if (it == r.series.end()) continue;
-        for (auto& [x, y] : it->second) {
-          if ((opt.log_x && !(x > 0)) || (opt.log_y && !(y > 0))) continue;
-          xlo = std::min(xlo, x), xhi = std::max(xhi, x), ylo = std::min(ylo, y), yhi = std::max(yhi, y);
-        }
-      }
-    std::string panel;
-    for (auto& m : groups[g]) panel += (panel.empty() ? "" : " / ") + m;
-    c.rect(L, top, W - R - L, bottom - top, "none", "#999");
-    c.text(22, (top + bottom) / 2, groups[g].size() == 2 ? "loss" : panel, 12, "middle", "#222", -90);
-    if (!(xhi >= xlo)) {
-      c.text((L + W - R) / 2, (top + bottom) / 2, fmt::format("no {} points", panel), 13, "middle", "#888");
-      continue;
-    }
-    if (xhi == xlo) xlo = opt.log_x ? xlo / 2 : xlo - 1, xhi = opt.log_x ? xhi * 2 : xhi + 1;
-    if (yhi == ylo) ylo = opt.log_y ? ylo / 2 : ylo - 1, yhi = opt.log_y ? yhi * 2 : yhi + 1;
-    svg::Scale xs{xlo, xhi, L, W - R, opt.log_x};
-    const double pad = opt.log_y ? 0 : 0.04 * (yhi - ylo);
-    svg::Scale yv{opt.log_y ? ylo / 1.05 : ylo - pad, opt.log_y ? yhi * 1.05 : yhi + pad, bottom, top, opt.log_y};
-    for (double t : xs.ticks(7)) {
-      c.line(xs(t), top, xs(t), bottom, "#eee");
-      c.line(xs(t), bottom, xs(t), bottom + 5, "#666");
-      c.text(xs(t), bottom + 18, axis_label(t, opt.log_x), 11, "middle");
-    }
-    for (double t : yv.ticks(6)) {
-      c.line(L, yv(t), W - R, yv(t), "#eee");
-      c.line(L - 5, yv(t), L, yv(t), "#666");
-      c.text(L - 8, yv(t) + 4, axis_label(t, opt.log_y), 11, "end");
-    }
-    c.text((L + W - R) / 2, bottom + 36, x_title(opt.x), 12, "middle");
-
-    for (size_t i = 0; i < runs.size(); ++i) {
-      const std::string& col = svg::color(i);
-      for (auto& m : groups[g]) {
+  std::vector<svg::Panel> panels;
+  for (auto& group : panel_groups(opt.y)) {
+    svg::Panel p;
+    for (auto& m : group) p.y_title += (p.y_title.empty() ? "" : " / ") + m;
+    if (group.size() == 2) p.y_title = "loss";
+    for (size_t i = 0; i < runs.size(); ++i)
+      for (auto& m : group) {
         auto it = runs[i].series.find(m);
         if (it == runs[i].series.end()) continue;
-        const bool val = m.rfind("val_", 0) == 0;  // evaluated now and then: dashed, with markers
-        auto to_px = [&](const std::vector<std::pair<double, double>>& pts) {
-          std::vector<std::pair<double, double>> px;
-          for (auto& [x, y] : pts)
-            if ((!opt.log_x || x > 0) && (!opt.log_y || y > 0)) px.emplace_back(xs(x), yv(y));
-          return px;
-        };
-        if (val) {
-          c.polyline(to_px(it->second), col, 1.5, "5,3");
-          for (auto& [x, y] : it->second)
-            if ((!opt.log_x || x > 0) && (!opt.log_y || y > 0))
-              c.circle(xs(x), yv(y), 2.8, col, "white", fmt::format("{}: {} {:.4g}, {} {:g}", runs[i].label, m, y, opt.x, x));
+        svg::Curve cv;
+        cv.label = runs[i].label, cv.color = svg::color(i), cv.pts = it->second;
+        if (m.rfind("val_", 0) == 0) {  // evaluated now and then: dashed, a marker per evaluation
+          cv.dashed = cv.markers = true;
+          cv.tooltip_prefix = fmt::format("{}: {} at {}", runs[i].label, m, opt.x);
         } else if (opt.smooth > 0 && m != "lr") {  // lr is the schedule: nothing to smooth
-          c.polyline(to_px(it->second), col, 1, "", 0.25);  // the raw values, faint under their average
-          c.polyline(to_px(ema(it->second, opt.smooth)), col, 1.6);
-        } else {
-          c.polyline(to_px(it->second), col, 1.5);
+          svg::Curve raw = cv;  // the raw values, faint under their average
+          raw.label.clear(), raw.width = 1, raw.opacity = 0.25;
+          p.curves.push_back(raw);
+          cv.pts = ema(it->second, opt.smooth), cv.width = 1.6;
         }
+        p.curves.push_back(cv);
       }
-    }
-    // Legend, beside each panel: the runs with points in it, then the line styles where the panel
-    // mixes them.
-    double ly = top + 14;
-    for (size_t i = 0; i < runs.size(); ++i) {
-      bool any = false;
-      for (auto& m : groups[g]) {
-        auto it = runs[i].series.find(m);
-        any = any || (it != runs[i].series.end() && !it->second.empty());
-      }
-      if (!any) continue;
-      c.line(W - R + 12, ly - 4, W - R + 34, ly - 4, svg::color(i), 2.5);
-      c.text(W - R + 40, ly, runs[i].label, 12);
-      ly += 18;
-    }
-    if (groups[g].size() == 2) {
-      ly += 8;
-      c.line(W - R + 12, ly - 4, W - R + 34, ly - 4, "#444", 1.5);
-      c.text(W - R + 40, ly, opt.smooth > 0 ? fmt::format("train loss (EMA {:g})", opt.smooth) : "train loss", 12);
-      ly += 18;
-      c.line(W - R + 12, ly - 4, W - R + 34, ly - 4, "#444", 1.5, "5,3");
-      c.circle(W - R + 23, ly - 4, 2.8, "#444", "white");
-      c.text(W - R + 40, ly, "validation loss", 12);
-    }
+    if (group.size() == 2)
+      p.styles = {{opt.smooth > 0 ? fmt::format("train loss (EMA {:g})", opt.smooth) : "train loss", false},
+                  {"validation loss", true}};
+    panels.push_back(std::move(p));
   }
-  return c.str();
+  std::string ys;
+  for (auto& m : opt.y) ys += (ys.empty() ? "" : ", ") + m;
+  const std::string title =
+      opt.title.empty() ? fmt::format("{} vs {}", ys, opt.x == "flops" ? "compute" : opt.x) : opt.title;
+  return svg::line_panels(title, panels, x_title(opt.x), opt.log_x, opt.log_y);
 }
 
 std::string curves_summary(const std::vector<RunCurves>& runs) {
