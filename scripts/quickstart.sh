@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install dependencies, build, prepare the built-in default corpus,
-# train the dense-tiny preset for a few minutes, plot its curves, sample from it, and say where everything is.
+# train the dense-tiny preset for a few minutes, plot its curves, evaluate it, sample from it, and say where
+# everything is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -19,6 +20,9 @@ fi
 echo
 echo "== curves =="
 ./build/ladder plot "$RUN" --y loss,val_loss,lr,tokens_per_s --smooth 0.9 --out "$RUN/curves.svg"
+echo
+echo "== evaluation (the whole validation split) =="
+./build/ladder eval "$RUN"
 echo
 echo "== samples =="
 for p in "And God said" "The hacker" "A fortune:"; do

@@ -1,4 +1,4 @@
-// `ladder`: the one command. Verbs: data, train, sample, bench, plot, config-doc, sweep, report.
+// `ladder`: the one command. Verbs: data, train, sample, eval, bench, plot, config-doc, sweep, report.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
@@ -16,6 +16,7 @@
 #include "optim/optimizer.h"
 #include "train/bench.h"
 #include "train/checkpoint.h"
+#include "train/evaluate.h"
 #include "train/optim_bench.h"
 #include "train/plot.h"
 #include "train/sampler.h"
@@ -81,6 +82,23 @@ int main(int argc, char** argv) {
       "NON-NEGATIVE");
   sa->add_option("--seed", sopt.seed, "sampling seed")->capture_default_str()->check(non_negative);
   sa->add_option("--threads", sopt.threads, "CPU threads (0 = all)")->check(non_negative);
+
+  // ladder eval
+  auto* ev = app.add_subcommand("eval", "loss, perplexity and bits per byte of a checkpoint on a data directory");
+  std::string eval_ckpt;
+  EvalOptions eopt;
+  bool ejson = false;
+  ev->add_option("checkpoint", eval_ckpt, "checkpoint directory, or a run directory (its latest checkpoint)")->required();
+  ev->add_option("--data", eopt.data, "data directory written by `ladder data` (default: the checkpoint's data.path)");
+  ev->add_option("--split", eopt.split, "val | train")->capture_default_str();
+  ev->add_option("--batches", eopt.batches, "batches to evaluate (0 = every full batch of the split)")
+      ->capture_default_str()
+      ->check(non_negative);
+  ev->add_option("--batch-size", eopt.batch_size, "sequences per batch (0 = the checkpoint's run.batch_size)")
+      ->capture_default_str()
+      ->check(non_negative);
+  ev->add_option("--threads", eopt.threads, "CPU threads (0 = all)")->check(non_negative);
+  ev->add_flag("--json", ejson, "print one JSON object");
 
   // ladder bench
   auto* be = app.add_subcommand("bench", "measure sgemm rate and training throughput (MFU) of a preset");
@@ -192,6 +210,9 @@ int main(int argc, char** argv) {
       // and what to copy where (sample_text's own would only say the file is not found).
       checkpoint_tokenizer(resolve_checkpoint(ckpt));
       std::cout << sample_text(ckpt, sopt) << std::endl;
+    } else if (ev->parsed()) {
+      EvalResult r = evaluate_checkpoint(eval_ckpt, eopt);
+      std::cout << (ejson ? to_json(r).dump() + "\n" : format_eval(r));
     } else if (be->parsed() && boptim) {
       // The optimizer benchmark times host buffers (Newton-Schulz on host matrices): CPU only.
       if (!bench_device.empty() && bench_device != "cpu")

@@ -104,6 +104,17 @@ std::string Tokenizer::piece(int32_t id) const {
   return sp_->IdToPiece(id);
 }
 
+int Tokenizer::text_bytes(int32_t id) const {
+  if (id < 0 || id >= vocab_size_) fail("{}: token id {} out of range (vocab size {})", path_.string(), id, vocab_size_);
+  if (sp_->IsByte(id)) return 1;
+  if (sp_->IsControl(id) || sp_->IsUnknown(id)) return 0;
+  const std::string p = sp_->IdToPiece(id);
+  static const std::string kSpace = "\xE2\x96\x81";  // U+2581, sentencepiece's space: 3 bytes for 1
+  int n = int(p.size());
+  for (size_t i = p.find(kSpace); i != std::string::npos; i = p.find(kSpace, i + 3)) n -= 2;
+  return n;
+}
+
 uint64_t tokenizer_file_hash(const fs::path& model_file) {
   std::string bytes = read_file(model_file);
   return XXH64(bytes.data(), bytes.size(), 0);

@@ -23,6 +23,11 @@ class Tokenizer {
   std::string decode(const std::vector<int32_t>& ids) const;
   // The text of one token (e.g. "▁the", "<0x0A>"), for debugging and sampling output.
   std::string piece(int32_t id) const;
+  // The UTF-8 bytes of text that token `id` stands for in decode()'s output: 1 for a byte-fallback
+  // token, 0 for control tokens (</s>, <s>) and <unk>, else its piece with each "▁" one space byte.
+  // Summed over encode(text) it is text.size() (identity normalization, no dummy prefix); bits per
+  // byte divide by it.
+  int text_bytes(int32_t id) const;
 
   // True when encoding may be cut just after any "\n" without changing the ids:
   // encode(a + "\n" + b) == encode(a + "\n") ++ encode(b). Holds for models train_tokenizer writes

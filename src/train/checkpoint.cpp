@@ -355,6 +355,21 @@ CheckpointState read_checkpoint_state(const fs::path& dir) {
   return st;
 }
 
+Config checkpoint_model_config(const fs::path& dir, const CheckpointState& st) {
+  const std::string state_file = (dir / "state.json").string();
+  if (!st.config.is_object() || !st.config.contains("model") || !st.config["model"].is_object())
+    fail("{}: the checkpoint's config has no model section", state_file);
+  nlohmann::json model_only = to_json(Config{});
+  model_only["model"] = st.config["model"];
+  Config cfg = from_json(model_only, state_file);
+  // Training resolves vocab_size 0 from the data before the first checkpoint, so a checkpoint's is
+  // the logits' width; 0 would leave nothing to compute.
+  if (cfg.model.vocab_size <= 0)
+    fail("{}: model.vocab_size must be > 0 in a checkpoint's config (training resolves it from the data), got {}",
+         state_file, cfg.model.vocab_size);
+  return cfg;
+}
+
 fs::path checkpoint_tokenizer(const fs::path& dir) {
   const fs::path f = dir / "tokenizer.model";
   const CheckpointState st = read_checkpoint_state(dir);

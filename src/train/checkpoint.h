@@ -67,6 +67,11 @@ std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 // Reads state.json (validated: counts are non-negative integers, optimizer_steps equals step, and a
 // directory named step_N holds step N). Errors name the file and field.
 CheckpointState read_checkpoint_state(const std::filesystem::path& ckpt_dir);
+// The model config of a checkpoint, for inference (sample, eval): the model section of state.json's
+// config read and checked in full (types, ranges, shapes), every other section the defaults, so that
+// a checkpoint whose optimizer or schedule settings a later version checks more strictly can still
+// be used; model.vocab_size must be > 0 (the logits' width). Errors name state.json.
+Config checkpoint_model_config(const std::filesystem::path& ckpt_dir, const CheckpointState& st);
 // The checkpoint's tokenizer.model (what `ladder sample` needs besides the weights). A checkpoint
 // saved from a data directory without one has none: the error says so, with the data directory and
 // the tokenizer hash the data was encoded with; a tokenizer copied in must have that hash.

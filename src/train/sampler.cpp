@@ -24,21 +24,8 @@ void check_sample_options(const SampleOptions& opt) {
 std::string sample_text(const std::filesystem::path& path, const SampleOptions& opt) {
   check_sample_options(opt);
   auto dir = resolve_checkpoint(path);
-  CheckpointState st = read_checkpoint_state(dir);
   const std::string state_file = (dir / "state.json").string();
-  // Sampling needs the model section only: it is read and checked in full (types, ranges, shapes),
-  // while the training sections are taken from the defaults, so that a checkpoint whose optimizer or
-  // schedule settings a later version checks more strictly can still be sampled.
-  if (!st.config.is_object() || !st.config.contains("model") || !st.config["model"].is_object())
-    fail("{}: the checkpoint's config has no model section", state_file);
-  nlohmann::json model_only = to_json(Config{});
-  model_only["model"] = st.config["model"];
-  Config cfg = from_json(model_only, state_file);
-  // Training resolves vocab_size 0 from the data before the first checkpoint, so a checkpoint's is
-  // the logits' width; 0 would leave nothing to sample from.
-  if (cfg.model.vocab_size <= 0)
-    fail("{}: model.vocab_size must be > 0 in a checkpoint's config (training resolves it from the data), got {}",
-         state_file, cfg.model.vocab_size);
+  Config cfg = checkpoint_model_config(dir, read_checkpoint_state(dir));
   auto tok = data::Tokenizer::load(dir / "tokenizer.model");
   // The prompt's token ids index the embedding: the model must have a row for each of them.
   if (tok.vocab_size() > cfg.model.vocab_size)
