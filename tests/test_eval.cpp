@@ -128,6 +128,14 @@ TEST_F(EvalTest, BadInputIsOneErrorNamingIt) {
   o.data = (dir->path / "nowhere").string();
   expect_error(o, run, "nowhere");
   expect_error({}, dir->path / "no-run", "no-run");
+#ifndef LADDER_HAVE_CUDA
+  o = {};
+  o.device = "cuda";
+  expect_error(o, run, "CUDA");  // this build has none: one line, before anything is loaded
+#endif
+  o = {};
+  o.device = "tpu";
+  expect_error(o, run, "--device: 'tpu' (expected cpu or cuda)");
   // Shards tokenized by another tokenizer (meta.json says so; its tokenizer.model removed).
   const fs::path other = dir->path / "other-data";
   fs::copy(dir->path / "data", other, fs::copy_options::recursive);

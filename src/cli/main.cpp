@@ -98,6 +98,7 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(non_negative);
   ev->add_option("--threads", eopt.threads, "CPU threads (0 = all)")->check(non_negative);
+  ev->add_option("--device", eopt.device, "cpu | cuda (a CUDA build; the checkpoint's run.precision)")->capture_default_str();
   ev->add_flag("--json", ejson, "print one JSON object");
 
   // ladder bench

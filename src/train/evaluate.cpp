@@ -24,6 +24,8 @@ EvalResult evaluate_checkpoint(const fs::path& checkpoint, const EvalOptions& op
   if (opt.split != "val" && opt.split != "train") fail("--split: '{}' (expected val or train)", opt.split);
   if (opt.batches < 0) fail("--batches must be >= 0 (0: every full batch of the split), got {}", opt.batches);
   if (opt.batch_size < 0) fail("--batch-size must be >= 0 (0: the checkpoint's run.batch_size), got {}", opt.batch_size);
+  if (opt.device != "cpu" && opt.device != "cuda") fail("--device: '{}' (expected cpu or cuda)", opt.device);
+  check_run_device(opt.device);  // one line where this build or machine cannot run it
   const fs::path dir = resolve_checkpoint(checkpoint);
   const CheckpointState st = read_checkpoint_state(dir);
   const Config cfg = checkpoint_model_config(dir, st);
@@ -35,7 +37,7 @@ EvalResult evaluate_checkpoint(const fs::path& checkpoint, const EvalOptions& op
   r.split = opt.split;
   r.seq_len = cfg.model.seq_len;
   // The run's data and batch size unless given: what its logged val_loss was measured with.
-  const nlohmann::json& run_cfg = st.config.value("run", nlohmann::json::object());
+  const nlohmann::json run_cfg = st.config.value("run", nlohmann::json::object());
   r.batch_size = opt.batch_size > 0 ? opt.batch_size : run_cfg.value("batch_size", 0);
   if (r.batch_size <= 0) fail("{}: no run.batch_size in the checkpoint's config; pass --batch-size", state_file);
   if (opt.data.empty()) {
@@ -73,7 +75,12 @@ EvalResult evaluate_checkpoint(const fs::path& checkpoint, const EvalOptions& op
     fail("--batches {}: the {} split of {} has {} full batches of {} x {} tokens", r.batches, opt.split,
          r.data.string(), full, r.batch_size, r.seq_len);
 
-  auto be = make_cpu_backend(opt.threads);
+  // On a GPU, the precision and attention kernels the run trained with.
+  auto run_str = [&](const char* key, const char* dflt) {
+    return run_cfg.is_object() && run_cfg.contains(key) && run_cfg[key].is_string() ? run_cfg[key].get<std::string>()
+                                                                                     : std::string(dflt);
+  };
+  auto be = make_backend(opt.device, opt.threads, run_str("precision", "fp32"), run_str("attention", "ladder"));
   Transformer model(cfg.model, int(r.batch_size), *be);
   load_checkpoint_weights(dir, model, nullptr);
   // Bytes per token id, once: the targets' text length for bits per byte.

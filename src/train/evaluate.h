@@ -16,6 +16,7 @@ struct EvalOptions {
   int64_t batches = 0;     // 0: every full batch of the split
   int batch_size = 0;      // 0: the checkpoint's run.batch_size
   int threads = 0;         // CPU threads; 0: all
+  std::string device = "cpu";  // cpu | cuda (with the checkpoint's run.precision and run.attention)
 };
 
 struct EvalResult {
