@@ -155,6 +155,40 @@ TEST(Plot, EmaIsBiasCorrected) {
   EXPECT_NEAR(e[1].second, 4.0 / 3, 1e-12);
 }
 
+size_t count(const std::string& s, const std::string& what);
+
+// --xmin/--xmax cut the points outside the range from every curve; the EMA is taken over all of
+// them first, so the first point shown keeps its past.
+TEST(Plot, XRangeLeavesPointsOut) {
+  RunCurves r;
+  r.label = "r";
+  r.series["loss"] = {{1, 10}, {2, 0}, {3, 0}, {4, 0}};
+  r.series["val_loss"] = {{2, 5}, {4, 4}};
+  PlotOptions o;
+  o.xmin = 2.5;
+  std::string svg = curves_svg({r}, o);
+  EXPECT_EQ(count(svg, "<circle"), 1u + 1u);  // the val_loss at step 4, and the legend's style marker
+  EXPECT_NE(svg.find("val_loss at step 4, 4"), std::string::npos);
+  EXPECT_EQ(svg.find("val_loss at step 2"), std::string::npos);
+  o.smooth = 0.5;
+  o.xmax = 3.5;
+  svg = curves_svg({r}, o);
+  EXPECT_EQ(count(svg, "<circle"), 1u);  // no validation point in [2.5, 3.5]
+  // Step 3 alone: one point, no line (the raw and the smoothed curve each need two).
+  EXPECT_EQ(count(svg, "<polyline"), 0u);
+  o.xmin = 0;
+  svg = curves_svg({r}, o);
+  EXPECT_EQ(count(svg, "<polyline"), 2u);  // raw and smoothed loss over steps 1-3
+  o.xmin = 5, o.xmax = 1;
+  o.inputs = {"anything"};
+  try {
+    plot_cli(o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--xmin 5 is not below --xmax 1"), std::string::npos) << e.what();
+  }
+}
+
 // Parses a file with Python's XML parser (an independent well-formedness check); returns the root tag.
 std::string xml_root(const fs::path& f, const fs::path& out) {
   const std::string cmd = fmt::format(

@@ -133,6 +133,8 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   pl->add_option("--smooth", plopt.smooth, "EMA weight on the past for the per-step metrics, in [0, 1) (0.9: strong)")
       ->capture_default_str();
+  pl->add_option("--xmin", plopt.xmin, "leave out the points below this x (e.g. the first steps' fall)");
+  pl->add_option("--xmax", plopt.xmax, "leave out the points above this x");
   pl->add_flag("--log-x", plopt.log_x, "log10 x axis");
   pl->add_flag("--log-y", plopt.log_y, "log10 y axes");
   pl->add_option("--title", plopt.title, "title above the panels");

@@ -244,7 +244,9 @@ std::string curves_svg(const std::vector<RunCurves>& runs, const PlotOptions& op
         auto it = runs[i].series.find(m);
         if (it == runs[i].series.end()) continue;
         svg::Curve cv;
-        cv.label = runs[i].label, cv.color = svg::color(i), cv.pts = it->second;
+        cv.label = runs[i].label, cv.color = svg::color(i);
+        for (auto& pt : it->second)
+          if (pt.first >= opt.xmin && pt.first <= opt.xmax) cv.pts.push_back(pt);
         if (m.rfind("val_", 0) == 0) {  // evaluated now and then: dashed, a marker per evaluation
           cv.dashed = cv.markers = true;
           cv.tooltip_prefix = fmt::format("{}: {} at {}", runs[i].label, m, opt.x);
@@ -252,7 +254,10 @@ std::string curves_svg(const std::vector<RunCurves>& runs, const PlotOptions& op
           svg::Curve raw = cv;  // the raw values, faint under their average
           raw.label.clear(), raw.width = 1, raw.opacity = 0.25;
           p.curves.push_back(raw);
-          cv.pts = ema(it->second, opt.smooth), cv.width = 1.6;
+          cv.pts.clear();  // averaged over every point, then cut: the average at xmin has its past
+          for (auto& pt : ema(it->second, opt.smooth))
+            if (pt.first >= opt.xmin && pt.first <= opt.xmax) cv.pts.push_back(pt);
+          cv.width = 1.6;
         }
         p.curves.push_back(cv);
       }
@@ -287,6 +292,7 @@ int plot_cli(const PlotOptions& opt) {
     fail("--label: {} labels for {} runs (expected one per run, comma-separated)", opt.labels.size(), opt.inputs.size());
   if (!(opt.smooth >= 0 && opt.smooth < 1)) fail("--smooth: {} is not in [0, 1) (the EMA's weight on the past)", opt.smooth);
   if (opt.y.empty()) fail("--y: no metric given (e.g. --y loss,val_loss,lr)");
+  if (!(opt.xmin < opt.xmax)) fail("--xmin {} is not below --xmax {}", opt.xmin, opt.xmax);
   std::vector<RunCurves> runs;
   for (size_t i = 0; i < opt.inputs.size(); ++i) {
     runs.push_back(read_run_curves(opt.inputs[i], opt.x, opt.y));

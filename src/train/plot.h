@@ -3,6 +3,7 @@
 // The x axis is the step, the tokens seen, the compute C (RECIPE.md section 4, from the run's own
 // config.yaml through the one FLOP counter) or the wall time.
 #pragma once
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -19,6 +20,7 @@ struct PlotOptions {
   std::filesystem::path out = "plot.svg";
   double smooth = 0;                               // EMA weight in [0, 1) for the training-step metrics
   bool log_x = false, log_y = false;
+  double xmin = -INFINITY, xmax = INFINITY;        // points outside [xmin, xmax] are left out (zoom)
   std::string title;
 };
 
