@@ -286,7 +286,12 @@ std::string curves_summary(const std::vector<RunCurves>& runs) {
   return s;
 }
 
-int plot_cli(const PlotOptions& opt) {
+int plot_cli(const PlotOptions& given) {
+  PlotOptions opt = given;
+  std::vector<std::string> ys;  // each metric once (--y loss,loss would draw it twice)
+  for (auto& m : opt.y)
+    if (std::find(ys.begin(), ys.end(), m) == ys.end()) ys.push_back(m);
+  opt.y = ys;
   if (opt.inputs.empty()) fail("ladder plot: no run given (expected run directories or metrics.jsonl files)");
   if (!opt.labels.empty() && opt.labels.size() != opt.inputs.size())
     fail("--label: {} labels for {} runs (expected one per run, comma-separated)", opt.labels.size(), opt.inputs.size());
