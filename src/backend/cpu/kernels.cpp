@@ -804,9 +804,13 @@ double sum_squares(const T* x, size_t n) {
   double* part = grow(part_buf, size_t(maxt));
   std::fill(part, part + maxt, 0.0);
   static_chunks(n, n >= kParallelMin, [&](int t, size_t lo, size_t hi) {
+    // A local copy of the pointer: read through the closure's reference, GCC 12 vectorized this
+    // loop with a gather of the pointer and of x's elements on every iteration and kept the sum in
+    // memory (5 GB/s on the 187M-parameter moe-small's gradients; 3.4% of its step).
+    const T* xs = x;
     double acc = 0;
 #pragma omp simd reduction(+ : acc)
-    for (size_t i = lo; i < hi; ++i) acc += double(x[i]) * double(x[i]);
+    for (size_t i = lo; i < hi; ++i) acc += double(xs[i]) * double(xs[i]);
     part[t] = acc;
   });
   double total = 0;
