@@ -19,7 +19,7 @@ else
 fi
 echo
 echo "== curves =="
-./build/ladder plot "$RUN" --y loss,val_loss,lr,tokens_per_s --smooth 0.9 --out "$RUN/curves.svg"
+./build/ladder plot "$RUN" --y loss,val_loss,lr,tokens_per_s --smooth 0.6 --out "$RUN/curves.svg"
 echo
 echo "== evaluation (the whole validation split) =="
 ./build/ladder eval "$RUN"

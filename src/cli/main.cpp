@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
   pl->add_option("--label", plopt.labels, "one label per run, comma-separated (default: the run directories' names)")
       ->delimiter(',')
       ->allow_extra_args(false);
-  pl->add_option("--smooth", plopt.smooth, "EMA weight on the past for the per-step metrics, in [0, 1) (0.9: strong)")
+  pl->add_option("--smooth", plopt.smooth, "EMA weight on the past per logged point, in [0, 1) (0.6 for a few dozen points, 0.9-0.99 for thousands)")
       ->capture_default_str();
   pl->add_option("--xmin", plopt.xmin, "leave out the points below this x (e.g. the first steps' fall)");
   pl->add_option("--xmax", plopt.xmax, "leave out the points above this x");
