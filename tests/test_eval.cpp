@@ -92,7 +92,7 @@ TEST_F(EvalTest, BitsPerByteCountTheTextTheTargetsStandFor) {
   EvalResult r = evaluate_checkpoint(dir->path / "run", o);
   // The bytes evaluated are the decoded text of the same targets (ASCII word salad: no character
   // split between two windows), read here by a loader of the trainer's validation order.
-  data::DataLoader loader(dir->path / "data", "val", 32, 4, /*seed=*/0, /*shuffle=*/true);
+  data::DataLoader loader(dir->path / "data", "val", 32, 4, data::kValidationSeed, /*shuffle=*/true);
   std::vector<int32_t> in(4 * 32), tg(4 * 32);
   double decoded = 0;
   for (int b = 0; b < 3; ++b) {

@@ -22,6 +22,10 @@ struct DataMeta {
 // its hash must equal meta's tokenizer_hash: a tokenizer that does not match the shards is an error.
 DataMeta read_meta(const std::filesystem::path& data_dir);
 
+// The seed of the validation order: the trainer's evaluations and `ladder eval` read the windows
+// shuffled by it, whatever run.seed is, so that eval reproduces a run's logged val_loss.
+inline constexpr uint64_t kValidationSeed = 0;
+
 // Deterministic batches over one split ("train" or "val").
 //
 // The split's shards form one token stream; window k is the seq_len+1 tokens starting at k*seq_len

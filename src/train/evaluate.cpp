@@ -63,8 +63,9 @@ EvalResult evaluate_checkpoint(const fs::path& checkpoint, const EvalOptions& op
     fail("{}: vocabulary {} is wider than the model's model.vocab_size {}", (r.data / "meta.json").string(),
          meta.vocab_size, cfg.model.vocab_size);
 
-  // The trainer's validation order: seed 0, shuffled, one process.
-  data::DataLoader loader(r.data, opt.split, int(r.seq_len), int(r.batch_size), /*seed=*/0, /*shuffle=*/true);
+  // The trainer's validation order (one process).
+  data::DataLoader loader(r.data, opt.split, int(r.seq_len), int(r.batch_size), data::kValidationSeed,
+                          /*shuffle=*/true);
   r.windows = int64_t(loader.n_windows());
   const int64_t full = r.windows / r.batch_size;
   if (full == 0)

@@ -304,9 +304,9 @@ int plot_cli(const PlotOptions& given) {
     if (!opt.labels.empty()) runs.back().label = opt.labels[i];
   }
   // Two runs called alike (".../s1/moe" and ".../s2/moe") get their parents' names too.
-  for (size_t i = 0; i < runs.size(); ++i)
-    for (size_t k = 0; k < runs.size() && opt.labels.empty(); ++k)
-      if (k != i && runs[k].label == runs[i].label) {
+  for (size_t i = 0; i < runs.size() && opt.labels.empty(); ++i)
+    for (size_t k = i + 1; k < runs.size(); ++k)
+      if (runs[k].label == runs[i].label) {
         for (auto* r : {&runs[i], &runs[k]}) {
           fs::path p = fs::absolute(r->metrics).parent_path();
           r->label = p.parent_path().filename().string() + "/" + p.filename().string();

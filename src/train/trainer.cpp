@@ -341,7 +341,8 @@ TrainSummary train(const TrainOptions& opt) {
   data::DataLoader train_loader(data_dir, "train", cfg.model.seq_len, rc.batch_size, rc.seed, true, rank, world);
   // Validation reads the same fixed, shuffled subset of windows at every evaluation (reset() returns
   // to its start): a sample spread over the whole split rather than its first documents.
-  data::DataLoader val_loader(data_dir, "val", cfg.model.seq_len, rc.batch_size, /*seed=*/0, true, rank, world);
+  data::DataLoader val_loader(data_dir, "val", cfg.model.seq_len, rc.batch_size, data::kValidationSeed, true, rank,
+                              world);
 
   int64_t start_step = 0, tokens_seen = 0;
   double elapsed_prev = 0;

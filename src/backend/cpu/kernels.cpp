@@ -647,12 +647,14 @@ void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n
 
 namespace {
 
-// Row max and log-sum-exp. Partial sums over 512-wide chunks are in T (a vectorizable loop; mixing
-// float terms into a double accumulator defeats GCC's vectorizer), and the chunks add up in double,
-// so vocabularies of 10^5 stay exact to float rounding.
-template <class T>
-inline T row_lse(const T* x, int V) {
-  T mx = x[0];
+// Row max (into mx) and the sum of exp(x - max). Partial sums over 512-wide chunks are in T (a
+// vectorizable loop; mixing float terms into a double accumulator defeats GCC's vectorizer), and
+// the chunks add up in double, so vocabularies of 10^5 stay exact to float rounding. Given a
+// mutable row (Ptr = T*), exp(x - max) is left in it: the in-place cross-entropy's gradient reuses
+// it rather than computing the exp again.
+template <class T, class Ptr>
+inline double row_max_sumexp(Ptr x, int V, T& mx) {
+  mx = x[0];
 #pragma omp simd reduction(max : mx)
   for (int j = 1; j < V; ++j) mx = x[j] > mx ? x[j] : mx;
   double sum = 0;
@@ -660,9 +662,21 @@ inline T row_lse(const T* x, int V) {
     const int j1 = std::min(V, j0 + 512);
     T part = 0;
 #pragma omp simd reduction(+ : part)
-    for (int j = j0; j < j1; ++j) part += kexp(x[j] - mx);
+    for (int j = j0; j < j1; ++j) {
+      const T e = kexp(x[j] - mx);
+      if constexpr (!std::is_const_v<std::remove_pointer_t<Ptr>>) x[j] = e;
+      part += e;
+    }
     sum += double(part);
   }
+  return sum;
+}
+
+// Row log-sum-exp.
+template <class T>
+inline T row_lse(const T* x, int V) {
+  T mx;
+  const double sum = row_max_sumexp(x, V, mx);
   return T(double(mx) + std::log(sum));
 }
 
@@ -699,24 +713,11 @@ XentSums softmax_xent(T* logits, const int32_t* targets, int N, int V, T z_coef,
   return xent_rows<T>(N, V, [&](size_t i, double& xe, double& lsq) {
     T* x = logits + i * V;
     const int tgt = targets[i];
-    // row_lse's passes, keeping exp(x - max) in the row (one exp per logit, not two: at a small
-    // d_model with an 8192-word vocabulary this kernel is a seventh of the training step).
-    T mx = x[0];
-#pragma omp simd reduction(max : mx)
-    for (int j = 1; j < V; ++j) mx = x[j] > mx ? x[j] : mx;
+    // exp(x - max) stays in the row (one exp per logit, not two: at a small d_model with an
+    // 8192-word vocabulary this kernel is a seventh of the training step).
     const T x_tgt = x[tgt];
-    double sum = 0;
-    for (int j0 = 0; j0 < V; j0 += 512) {
-      const int j1 = std::min(V, j0 + 512);
-      T part = 0;
-#pragma omp simd reduction(+ : part)
-      for (int j = j0; j < j1; ++j) {
-        const T e = kexp(x[j] - mx);
-        x[j] = e;
-        part += e;
-      }
-      sum += double(part);
-    }
+    T mx;
+    const double sum = row_max_sumexp(x, V, mx);
     const T lse = T(double(mx) + std::log(sum));
     xe = double(lse) - double(x_tgt);
     lsq = double(lse) * double(lse);
