@@ -153,6 +153,50 @@ TEST_F(MetricsTest, TruncateNoopKeepsFile) {
   EXPECT_EQ(steps(), (std::vector<int64_t>{1, 2}));
 }
 
+// read_metrics, the one reader: what the writer wrote comes back in order with its line numbers;
+// blank lines are skipped; a live writer's unterminated, unparseable last line is left out.
+TEST_F(MetricsTest, ReadSkipsBlankLinesAndATornLastLine) {
+  {
+    std::ofstream f(path_, std::ios::binary);
+    f << R"({"step":1,"loss":3.5})" << "\n\n"
+      << R"({"step":2,"val_loss":3.4})" << "\n"
+      << R"({"step":3,"lo)";  // being written
+  }
+  std::vector<std::pair<long, int64_t>> got;
+  read_metrics(path_, [&](long line, const json& j) { got.emplace_back(line, j["step"].get<int64_t>()); });
+  EXPECT_EQ(got, (std::vector<std::pair<long, int64_t>>{{1, 1}, {3, 2}}));
+}
+
+// Anything else that is not one JSON object per line is an error naming file:line, never skipped
+// (a ladder result built from a log with a hole in it would be silently wrong).
+TEST_F(MetricsTest, ReadRejectsABadLineNamingIt) {
+  const auto read_error = [&](const std::string& content) {
+    {
+      std::ofstream f(path_, std::ios::binary);
+      f << content;
+    }
+    try {
+      read_metrics(path_, [](long, const json&) {});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string file = path_.string();
+  EXPECT_EQ(read_error("{\"step\":1}\ngarbage\n{\"step\":2}\n"),
+            file + ":2: not a JSON object (expected one metrics object per line, as `ladder train` writes)");
+  // A terminated last line is complete: garbage there is not a torn write.
+  EXPECT_NE(read_error("{\"step\":1}\n[1,2]\n").find(file + ":2: not a JSON object"), std::string::npos);
+  EXPECT_NE(read_error("{\"step\":1}\n{\"step\":2,\n").find(file + ":2: not a JSON object"), std::string::npos);
+  fs::remove(path_);
+  try {
+    read_metrics(path_, [](long, const json&) {});
+    ADD_FAILURE() << "a missing file read without an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(file + ": cannot be read"), std::string::npos) << e.what();
+  }
+}
+
 TEST(MetricsFormat, HumanCount) {
   EXPECT_EQ(human_count(0), "0");
   EXPECT_EQ(human_count(7), "7");

@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
-#include <fstream>
 #include <map>
 #include <set>
 
@@ -108,20 +107,12 @@ nlohmann::json result_of(const PlannedRun& r, const char* status) {
 }
 
 nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
-  std::ifstream f(run_dir / "metrics.jsonl");
-  if (!f) fail("{}: missing: the run finished without a metrics log", (run_dir / "metrics.jsonl").string());
+  const fs::path log = run_dir / "metrics.jsonl";
+  if (!fs::exists(log)) fail("{}: missing: the run finished without a metrics log", log.string());
   nlohmann::json loss_curve = nlohmann::json::array(), val_curve = nlohmann::json::array();
   std::vector<double> tps, mfu;
   double wall = 0;
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.empty()) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (...) {
-      continue;  // a torn last line of a killed writer (the trainer drops such lines on resume anyway)
-    }
+  read_metrics(log, [&](long, const nlohmann::json& j) {
     if (j.contains("elapsed_s") && j["elapsed_s"].is_number()) wall = std::max(wall, j["elapsed_s"].get<double>());
     if (j.contains("loss") && j["loss"].is_number()) {
       loss_curve.push_back({j["step"], j["tokens"], j["loss"]});
@@ -129,9 +120,9 @@ nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
       if (j["mfu"].is_number()) mfu.push_back(j["mfu"].get<double>());
     }
     if (j.contains("val_loss") && j["val_loss"].is_number()) val_curve.push_back({j["step"], j["tokens"], j["val_loss"]});
-  }
+  });
   if (val_curve.empty())
-    fail("{}: no validation loss logged (run.eval_batches must be > 0 for a ladder)", (run_dir / "metrics.jsonl").string());
+    fail("{}: no validation loss logged (run.eval_batches must be > 0 for a ladder)", log.string());
   double best = val_curve[0][2].get<double>();
   for (auto& v : val_curve) best = std::min(best, v[2].get<double>());
   nlohmann::json res = result_of(r, "finished");

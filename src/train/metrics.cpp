@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <string_view>
 
 #include "core/error.h"
@@ -77,6 +78,26 @@ void MetricsWriter::sync() {
     fail("{}: cannot sync metrics: {}", path_.string(), std::strerror(errno));
   unsynced_lines_ = 0;
   last_sync_s_ = now_s();
+}
+
+void read_metrics(const std::filesystem::path& path, const std::function<void(long, const nlohmann::json&)>& fn) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot be read: {}", path.string(), std::strerror(errno));
+  std::string line;
+  long lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    const bool unterminated = in.eof();  // no newline after it: the writer may be mid-line
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) {
+      if (unterminated) break;
+      fail("{}:{}: not a JSON object (expected one metrics object per line, as `ladder train` writes)",
+           path.string(), lineno);
+    }
+    fn(lineno, j);
+  }
+  if (in.bad()) fail("{}: read error: {}", path.string(), std::strerror(errno));
 }
 
 void MetricsWriter::truncate_after_step(int64_t step) {

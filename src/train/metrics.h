@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -46,6 +47,12 @@ class MetricsWriter {
   int unsynced_lines_ = 0;
   double last_sync_s_ = 0;
 };
+
+// Reads a metrics log, the one reader of the format MetricsWriter writes: fn(line number, object)
+// for each line that holds a JSON object, in file order. Blank lines are skipped. A last line
+// without its newline that does not parse is a live (or killed) writer's torn line and is left
+// out; any other line that is not a JSON object is an error naming file:line.
+void read_metrics(const std::filesystem::path& path, const std::function<void(long, const nlohmann::json&)>& fn);
 
 struct ProgressInfo {
   int64_t step = 0, total_steps = 0;

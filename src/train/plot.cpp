@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -15,6 +14,7 @@
 #include "ladder/svg.h"
 #include "model/config.h"
 #include "model/flops.h"
+#include "train/metrics.h"
 
 namespace fs = std::filesystem;
 
@@ -147,24 +147,11 @@ RunCurves read_run_curves(const fs::path& input, const std::string& x, const std
     rc.compute_per_token = run_compute(c.model, 1.0);
   }
 
-  std::ifstream in(rc.metrics, std::ios::binary);
-  if (!in) fail("{}: cannot be read", rc.metrics.string());
   std::vector<Record> recs;
   std::set<std::string> names;
-  std::string line;
-  long lineno = 0;
-  while (std::getline(in, line)) {
-    ++lineno;
-    const bool last_unterminated = in.eof();  // a live run's line still being written
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object()) {
-      if (last_unterminated) break;
-      fail("{}:{}: not a JSON object (expected one metrics object per line, as `ladder train` writes)",
-           rc.metrics.string(), lineno);
-    }
+  read_metrics(rc.metrics, [&](long lineno, const nlohmann::json& j) {
     auto st = j.find("step");
-    if (st == j.end()) continue;  // a line that is not a step's (none today; kept by the writer)
+    if (st == j.end()) return;  // a line that is not a step's (none today; kept by the writer)
     if (!is_number(*st)) fail("{}:{}: \"step\" is not a number", rc.metrics.string(), lineno);
     Record r;
     r.step = st->get<double>();
@@ -173,7 +160,7 @@ RunCurves read_run_curves(const fs::path& input, const std::string& x, const std
     r.values = line_values(j);
     for (auto& [k, v] : r.values) names.insert(k);
     recs.push_back(std::move(r));
-  }
+  });
   rc.available.assign(names.begin(), names.end());
   std::stable_sort(recs.begin(), recs.end(), [](const Record& a, const Record& b) { return a.step < b.step; });
 
