@@ -46,6 +46,7 @@
 #                          order until phase 2's time is spent):
 #                           1. the four presets in bf16 (their bf16 activations);
 #                           2. the MoE capacity layout on both MoE presets (model.moe_capacity=1.0);
+#                           2b. the d=1024 pair at 4x the micro-batch (run.batch_size=32: 64k tokens);
 #                           3. where cuDNN attention passed its tests, MoE d=1024 and dense d=2048 with
 #                              run.attention=cudnn-nondeterministic;
 #                           4. where the wgmma grouped GEMM passed its tests, both MoE presets with
@@ -55,7 +56,8 @@
 #                              pair with TORCH;
 #                           6. the other cuDNN rows (the other two presets nondeterministic; MoE d=1024
 #                              and dense d=2048 with the deterministic `cudnn`; MoE d=1024 with the
-#                              capacity layout and cuDNN);
+#                              capacity layout and cuDNN); MoE d=1024 with the capacity layout at 4x
+#                              the micro-batch;
 #                           7. capacity variants (with bf16 gradients; C = 1.1 x the mean load), the
 #                              d=1024 pair with 4 micro-batches per optimizer step (run.grad_accum=4:
 #                              64k tokens a step instead of 16k, still far under the millions of a real
@@ -420,6 +422,11 @@ F32M=model.moe_bf16=false,model.attn_bf16=false,model.norm_bf16=false
 # The capacity layout (model.moe_capacity, session 10): the expert GEMMs as strided-batched cuBLASLt
 # calls at C = 1.0 x the mean load, right after the presets: it is the MoE lever a run decides first.
 CAP=model.moe_capacity=1.0
+# The d=1024 pair with 4x the tokens per micro-batch (64k, still one optimizer step per micro-batch):
+# each of the 64 experts then gets ~4k rows instead of ~1k (the grouped GEMM's tiles fill), and the
+# optimizer's fixed cost per step (~10% of the MoE step at 16k tokens) is spread over 4x the tokens.
+# About 90 GiB for the MoE (47 GiB at batch 8, of which ~32 GiB weights, gradients and Adam state).
+B32=run.batch_size=32
 # cuDNN attention where its tests passed: MoE d=1024 and dense d=2048 with its nondeterministic
 # backward (atomic dQ; every cuDNN 9 runs it) right after the capacity rows; later the other two
 # presets, two with the deterministic one, and the MoE with the capacity layout too. The
@@ -442,7 +449,7 @@ TORCH_ROWS=""
 TORCH_LATE=""
 [ $TORCH_OK = 1 ] && TORCH_ROWS="dense-d1024:bf16:TORCH moe-d1024:bf16:TORCH " &&
   TORCH_LATE=" dense-d2048:bf16:TORCH moe-d2048:bf16:TORCH dense-d1024:bf16:TORCH_COMPILE"
-MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP ${CUDNN_ROWS}${WG_ROWS}${TORCH_ROWS}${CUDNN_REST}moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0${TORCH_LATE}}
+MODELS=${GPU_CHECK_MODELS:-dense-d1024:bf16 moe-d1024:bf16 dense-d2048:bf16 moe-d2048:bf16 moe-d1024:bf16:$CAP moe-d2048:bf16:$CAP moe-d1024:bf16:$B32 dense-d1024:bf16:$B32 ${CUDNN_ROWS}${WG_ROWS}${TORCH_ROWS}${CUDNN_REST}moe-d1024:bf16:$CAP,$B32 moe-d1024:bf16:$CAP,model.moe_bf16_grads=true moe-d1024:bf16:model.moe_capacity=1.1 moe-d1024:bf16:$CAP,run.grad_accum=4 dense-d1024:bf16:run.grad_accum=4 moe-d1024:bf16:model.moe_bf16_grads=true moe-d2048:bf16:model.moe_bf16_grads=true dense-d1024:bf16:model.mlp_bf16_grads=true moe-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:LADDER_HEAD_CHUNK_MIB=16 dense-d1024:bf16:$F32D moe-d1024:bf16:$F32M dense-d2048:bf16:$F32D dense-d1024:bf16:optim.name=muonh moe-d1024:bf16:optim.name=muonh moe-d2048:bf16:model.saved_activations=bf16 moe-d1024:bf16:LADDER_GROUPED_MMA=0 dense-d1024:bf16:LADDER_ATTN_MMA=0${TORCH_LATE}}
 # The profiles: the bf16 MoE at d=1024 and dense at d=2048 (the presets the MFU goals are furthest
 # from / closest to), the MoE with the capacity layout (its batched GEMMs show apart: "batched
 # gemm") and, where cuDNN attention passed, the MoE with it (what attention costs then).

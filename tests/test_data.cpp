@@ -469,6 +469,31 @@ TEST(DataPrepare, ExistingTokenizerIsCheckedBeforeReadingInputs) {
   EXPECT_EQ(read_meta(opt.out_dir).vocab_size, 330);
 }
 
+// Bad input found while reading (a corrupt JSONL line, a document-less input) fails naming the file
+// and leaves a complete data directory complete: meta.json, tokenizer and shards as they were (the
+// old meta.json used to be removed before the inputs were read).
+TEST(DataPrepare, BadInputLeavesACompleteDirectoryAsItWas) {
+  Tmp t("bad-input");
+  PrepareOptions opt = plain_corpus_options(t.path);
+  prepare_data(opt);
+  const std::string meta = read_bytes(opt.out_dir / "meta.json");
+  const std::string model = read_bytes(opt.out_dir / "tokenizer.model");
+  const std::string shard = read_bytes(opt.out_dir / "train_000000.bin");
+  write_text(t.path / "bad.jsonl", "{\"text\": \"fine\"}\n{\"text\": oops}\n");
+  write_text(t.path / "empty.txt", "\n\n");
+  for (bool reuse : {true, false}) {
+    PrepareOptions bad = opt;
+    bad.reuse_tokenizer = reuse;
+    bad.inputs = {opt.inputs[0], t.path / "bad.jsonl"};
+    expect_error([&] { prepare_data(bad); }, {"bad.jsonl:2"});
+    bad.inputs = {t.path / "empty.txt"};
+    expect_error([&] { prepare_data(bad); }, {"no documents"});
+    EXPECT_EQ(read_bytes(opt.out_dir / "meta.json"), meta) << "reuse " << reuse;
+    EXPECT_EQ(read_bytes(opt.out_dir / "tokenizer.model"), model) << "reuse " << reuse;
+    EXPECT_EQ(read_bytes(opt.out_dir / "train_000000.bin"), shard) << "reuse " << reuse;
+  }
+}
+
 TEST(DataPrepare, RemovesStaleShardsAndTempFilesOfKilledRuns) {
   Tmp t("stale");
   auto docs = synthetic_corpus(60);

@@ -233,6 +233,19 @@ TEST(TrainStep, AnAbortedStepLeavesNothingBehind) {
   EXPECT_EQ(x.grad_norm, y.grad_norm);
   expect_bitwise_same(a.params(), b.params(), "weight");
   expect_bitwise_same(a.buffers(), b.buffers(), "balancing bias");
+  // The step's MoE statistics are its own: the aborted micro-batches' expert loads and tokens are
+  // not added to the next step's (they were, before discard_step reset them).
+  EXPECT_EQ(x.router_z, y.router_z);
+  EXPECT_EQ(x.lse_sq, y.lse_sq);
+  ASSERT_EQ(x.moe.size(), y.moe.size());
+  ASSERT_FALSE(x.moe.empty());
+  for (size_t i = 0; i < x.moe.size(); ++i) {
+    EXPECT_EQ(x.moe[i].load_min, y.moe[i].load_min) << "MoE layer " << i;
+    EXPECT_EQ(x.moe[i].load_max, y.moe[i].load_max) << "MoE layer " << i;
+    EXPECT_EQ(x.moe[i].load_mean, y.moe[i].load_mean) << "MoE layer " << i;
+    EXPECT_EQ(x.moe[i].dropped_frac, y.moe[i].dropped_frac) << "MoE layer " << i;
+    EXPECT_EQ(x.moe[i].lse_sq, y.moe[i].lse_sq) << "MoE layer " << i;
+  }
 }
 
 TEST(TrainStep, SynchronousCallsRefuseWhileMicroBatchesArePending) {

@@ -173,12 +173,6 @@ void prepare_data(const PrepareOptions& opt) {
   std::error_code ec;
   fs::create_directories(opt.out_dir, ec);
   if (ec) fail("{}: cannot create output directory: {}", opt.out_dir.string(), ec.message());
-  // meta.json marks a complete directory; drop any old one first so an interrupted rewrite never
-  // looks complete with a mix of old and new shards.
-  const fs::path meta_path = opt.out_dir / "meta.json";
-  fs::remove(meta_path, ec);
-  if (ec) fail("{}: cannot remove old file: {}", meta_path.string(), ec.message());
-
   // 1. Read every document.
   std::vector<std::string> docs;
   nlohmann::ordered_json inputs = nlohmann::ordered_json::array();
@@ -215,6 +209,14 @@ void prepare_data(const PrepareOptions& opt) {
   std::vector<size_t> train_idx, val_idx;
   for (size_t i = 0; i < docs.size(); ++i) (is_val[i] ? val_idx : train_idx).push_back(i);
   const auto t_read = clock::now();
+
+  // meta.json marks a complete directory. The inputs are read and split: from here on the directory
+  // changes (a new tokenizer, then shards), so drop an old meta.json first, and an interrupted rewrite
+  // never looks complete with a mix of old and new files. (Not earlier: bad input, found above,
+  // leaves a complete directory as it was.)
+  const fs::path meta_path = opt.out_dir / "meta.json";
+  fs::remove(meta_path, ec);
+  if (ec) fail("{}: cannot remove old file: {}", meta_path.string(), ec.message());
 
   // 3. Tokenizer: reuse (loaded above) or train on the train documents only (val stays unseen).
   if (!reused) {

@@ -841,6 +841,12 @@ std::vector<LossSums> Transformer::take_loss_sums() {
 void Transformer::discard_step() {
   pending_ = 0;
   balance_tokens_ = 0;
+  // The aborted micro-batches' statistics: their expert loads were counted on the device, their
+  // tokens (and, where their sums were read, their router lse^2) on the host. The next step's
+  // take_moe_stats reports its own micro-batches only.
+  stats_tokens_ = 0;
+  std::fill(stats_lse_sq_.begin(), stats_lse_sq_.end(), 0.0);
+  if (n_moe_ > 0) be_.zero(load_, host_load_.size() * sizeof(int64_t));
 }
 
 LossSums Transformer::forward_backward(const int32_t* inputs, const int32_t* targets, float grad_scale) {
