@@ -26,10 +26,13 @@ inline void write_reference_config(const std::filesystem::path& dir, const Confi
 
 // Writes config, weights and `batches` batches of [B, S] tokens (the leading dimension is dropped
 // when batches == 0), and runs the reference with `args`. Throws (a test failure) if it fails.
+// Training (batches > 0) with run.grad_accum = A: each step's A micro-batches of [B, S], stored one
+// after the other, are the reference's one batch of [A x B, S] (the same mean loss and gradient
+// over the step's tokens, which is what accumulation must compute).
 inline void run_reference_on(const std::filesystem::path& dir, const Config& c, const Transformer& model,
                              const std::vector<int32_t>& inputs, const std::vector<int32_t>& targets,
                              int batches, const std::string& file, const std::string& args) {
-  const int64_t B = c.run.batch_size, S = c.model.seq_len;
+  const int64_t B = c.run.batch_size * (batches > 0 ? c.run.grad_accum : 1), S = c.model.seq_len;
   std::vector<int64_t> shape = batches > 0 ? std::vector<int64_t>{batches, B, S} : std::vector<int64_t>{B, S};
   write_reference_config(dir, c);
   save_weights(dir / "model.safetensors", model);

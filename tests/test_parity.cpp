@@ -94,25 +94,33 @@ INSTANTIATE_TEST_SUITE_P(Switches, ModelParity,
                          ::testing::Values(ParityCase{true, 0.0, 0}, ParityCase{true, 1e-4, 0},
                                            ParityCase{false, 0.0, 0}, ParityCase{true, 1e-4, 5}));
 
-TEST(ModelParity, TenAdamWStepsMatchPyTorch) {
+// Ten AdamW steps (clipped, warmup and decay) against the reference: losses, grad norms and the
+// final weights. With micro-batches (run.grad_accum > 1) the reference trains on each step's
+// micro-batches as one batch: accumulation must give that batch's mean loss and gradient.
+void ten_adamw_steps_match_pytorch(int accum) {
   Config c = tiny_config(true, 1e-4, 0);
-  test::TempDir dir("parity-train");
+  c.run.grad_accum = accum;
+  test::TempDir dir("parity-train-" + std::to_string(accum));
   auto be = make_cpu_backend(0);
   Transformer model(c.model, c.run.batch_size, *be);
   model.init(11);
   auto opt = make_optimizer(c.optim, model, *be);
   const int B = c.run.batch_size, S = c.model.seq_len, V = c.model.vocab_size, N = B * S;
   const int steps = int(c.run.steps);
-  auto inputs = random_tokens(size_t(N) * steps, V, 3), targets = random_tokens(size_t(N) * steps, V, 4);
+  auto inputs = random_tokens(size_t(N) * accum * steps, V, 3), targets = random_tokens(size_t(N) * accum * steps, V, 4);
   auto ref = test::reference_train(dir.path, c, model, inputs, targets, steps);
   std::vector<int32_t> in(N), tg(N);
   for (int t = 0; t < steps; ++t) {
+    size_t micro = size_t(t) * accum;  // the next micro-batch of this step
     StepStats st = train_step(c, t, model, *opt, *be,
                               [&](int32_t* a, int32_t* b) {
-                                std::copy_n(inputs.data() + size_t(t) * N, N, a);
-                                std::copy_n(targets.data() + size_t(t) * N, N, b);
+                                std::copy_n(inputs.data() + micro * N, N, a);
+                                std::copy_n(targets.data() + micro * N, N, b);
+                                ++micro;
                               },
                               in.data(), tg.data());
+    EXPECT_EQ(micro, size_t(t + 1) * accum) << "step " << t << " did not read its " << accum << " micro-batches";
+    EXPECT_EQ(st.tokens, int64_t(N) * accum) << "step " << t;
     const double ref_loss = ref["losses"][t].get<double>();
     const double loss = st.loss + c.model.z_loss * st.lse_sq;
     EXPECT_NEAR(loss, ref_loss, 2e-5 * std::fabs(ref_loss)) << "step " << t;
@@ -124,6 +132,9 @@ TEST(ModelParity, TenAdamWStepsMatchPyTorch) {
     EXPECT_LT(test::rel_err(p.w, w.data(), p.numel), 1e-4) << p.name;
   }
 }
+
+TEST(ModelParity, TenAdamWStepsMatchPyTorch) { ten_adamw_steps_match_pytorch(1); }
+TEST(ModelParity, TenAdamWStepsOfThreeMicroBatchesMatchPyTorch) { ten_adamw_steps_match_pytorch(3); }
 
 }  // namespace
 }  // namespace ladder
