@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <vector>
@@ -101,6 +102,7 @@ void PrintTo(const FdCase& c, std::ostream* os) {
 class MoeFiniteDiff : public ::testing::TestWithParam<FdCase> {};
 
 // L = sum(out * R) + zc * sum_i lse_i^2; every input and parameter against central differences.
+// Also moe.h's accumulate/overwrite contract: out +=, parameter gradients +=, dh overwritten.
 TEST_P(MoeFiniteDiff, WholeBlockGradientsMatchCentralDifferences) {
   MoeDims D;
   D.N = 7;
@@ -113,11 +115,32 @@ TEST_P(MoeFiniteDiff, WholeBlockGradientsMatchCentralDifferences) {
   D.route_scale = 2.5;
   D.C = GetParam().C;
   Block<double> b(D, 100);
+  // Every activation and scratch array starts as NaN (ints -1): an element the first forward or
+  // the backward reads before writing poisons what it reaches, and the checks below fail on NaN.
+  for (auto& v : b.store) std::memset(v.data(), 0xff, v.size() * sizeof(double));
   auto h = randn<double>(size_t(D.N) * D.d, 7);
   const auto R = randn<double>(size_t(D.N) * D.d, 8);
   const double zc = 0.07;
+  // The forward ADDS to out: started from random values, its change must be MoE(h) (b.forward
+  // below starts from zeros). A forward that overwrote out would pass a test that starts at zero.
+  const auto out0 = randn<double>(size_t(D.N) * D.d, 9);
+  std::vector<double> acc = out0;
+  {
+    KernelOps<double> ops;
+    moe_forward<double>(ops, D, b.weights(), b.a, h.data(), acc.data());
+  }
   std::vector<double> out;
   b.forward(h.data(), out);
+  {
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(out[i]) && std::isfinite(acc[i])) << "out at " << i;
+      worst = std::max(worst, std::fabs((acc[i] - out0[i]) - out[i]));
+      scale = std::max(scale, std::fabs(out[i]));
+    }
+    EXPECT_GT(scale, 1e-3) << "out is trivially zero";
+    EXPECT_LT(worst, 1e-12 * std::max(1.0, scale)) << "out: the forward must add MoE(h) to out";
+  }
   // Selection must not flip under the perturbation: a margin between the K-th and (K+1)-th
   // biased score of every token.
   for (int i = 0; i < D.N; ++i) {
@@ -128,12 +151,24 @@ TEST_P(MoeFiniteDiff, WholeBlockGradientsMatchCentralDifferences) {
   }
   const std::vector<int32_t> sel0(b.a.expert, b.a.expert + D.N * D.K);
 
-  // Analytic gradients.
-  std::vector<double> gr(b.router.size()), gg(b.wg.size()), gu(b.wu.size()), gd(b.wd.size()), gsg(b.sg.size()),
-      gsu(b.su.size()), gsd(b.sd.size()), dh(h.size());
+  // Analytic gradients. Parameter gradients ACCUMULATE: each starts from random values and the
+  // gradient is its change (a backward that overwrote one would break grad_accum > 1 and pass a
+  // test that starts at zero). dh is OVERWRITTEN: it starts as NaN, which a backward that added to
+  // it, or left an element unwritten, would keep.
+  std::vector<double> gr = randn<double>(b.router.size(), 11), gg = randn<double>(b.wg.size(), 12),
+                      gu = randn<double>(b.wu.size(), 13), gd = randn<double>(b.wd.size(), 14),
+                      gsg = randn<double>(b.sg.size(), 15), gsu = randn<double>(b.su.size(), 16),
+                      gsd = randn<double>(b.sd.size(), 17);
+  const std::vector<std::vector<double>> g0{gr, gg, gu, gd, gsg, gsu, gsd};
+  std::vector<double> dh(h.size(), std::numeric_limits<double>::quiet_NaN());
   MoeGrads<double> G{gr.data(), gg.data(), gu.data(), gd.data(), gsg.data(), gsu.data(), gsd.data()};
   KernelOps<double> ops;
   moe_backward<double>(ops, D, b.weights(), G, b.a, b.s, h.data(), R.data(), dh.data(), zc);
+  {
+    std::vector<double>* g[] = {&gr, &gg, &gu, &gd, &gsg, &gsu, &gsd};
+    for (size_t p = 0; p < g0.size(); ++p)
+      for (size_t i = 0; i < g0[p].size(); ++i) (*g[p])[i] -= g0[p][i];
+  }
 
   auto loss = [&] {
     std::vector<double> o;
@@ -142,8 +177,10 @@ TEST_P(MoeFiniteDiff, WholeBlockGradientsMatchCentralDifferences) {
     for (size_t i = 0; i < o.size(); ++i) L += o[i] * R[i];
     return L;
   };
+  // Any non-finite analytic or FD value fails: std::max never takes a NaN into the running maxima.
   auto check = [&](const char* name, std::vector<double>& x, const std::vector<double>& g) {
     double max_err = 0, max_g = 0;
+    size_t bad = 0, first_bad = 0;
     for (size_t i = 0; i < x.size(); ++i) {
       const double x0 = x[i], eps = 1e-6;
       x[i] = x0 + eps;
@@ -152,9 +189,15 @@ TEST_P(MoeFiniteDiff, WholeBlockGradientsMatchCentralDifferences) {
       const double lm = loss();
       x[i] = x0;
       const double fd = (lp - lm) / (2 * eps);
+      if (!std::isfinite(fd) || !std::isfinite(g[i])) {
+        if (bad++ == 0) first_bad = i;
+        continue;
+      }
       max_err = std::max(max_err, std::fabs(fd - g[i]));
       max_g = std::max(max_g, std::fabs(g[i]));
     }
+    EXPECT_EQ(bad, 0u) << name << ": non-finite gradient or finite difference, first at " << first_bad << " (analytic "
+                       << (bad ? g[first_bad] : 0.0) << ")";
     EXPECT_GT(max_g, 1e-3) << name << ": gradient is trivially zero";
     EXPECT_LT(max_err, 1e-7 * std::max(1.0, max_g)) << name;
   };
@@ -182,7 +225,8 @@ INSTANTIATE_TEST_SUITE_P(CombineModes, MoeFiniteDiff,
 // split at C): output, dh and every gradient within fp32 rounding, and its padding and unused rows
 // reach nothing even when every activation and scratch array starts as NaN (the gather writes the
 // padding rows of xs as zeros, moe_zero_rows those of dy; without either, 0 * NaN poisons the
-// weight gradients).
+// weight gradients). The sorted-layout reference runs on NaN-filled arrays too, and dh starts as
+// NaN in both (it is overwritten), so both sides must be finite: a NaN compared is never a mismatch.
 TEST(Moe, CapacityLayoutIsTheSortedLayoutAndItsPaddingReachesNothing) {
   MoeDims D;
   D.N = 40;
@@ -213,7 +257,7 @@ TEST(Moe, CapacityLayoutIsTheSortedLayoutAndItsPaddingReachesNothing) {
     r.gsg.assign(b.sg.size(), 0.f);
     r.gsu.assign(b.su.size(), 0.f);
     r.gsd.assign(b.sd.size(), 0.f);
-    r.dh.assign(h.size(), 0.f);
+    r.dh.assign(h.size(), std::numeric_limits<float>::quiet_NaN());
     MoeGrads<float> G{r.gr.data(), r.gg.data(), r.gu.data(), r.gd.data(), r.gsg.data(), r.gsu.data(), r.gsd.data()};
     KernelOps<float> ops;
     moe_backward<float>(ops, Dc, b.weights(), G, b.a, b.s, h.data(), dout.data(), r.dh.data(), 0.01f);
@@ -232,6 +276,7 @@ TEST(Moe, CapacityLayoutIsTheSortedLayoutAndItsPaddingReachesNothing) {
       double worst = 0, scale = 0;
       for (size_t i = 0; i < a.size(); ++i) {
         ASSERT_TRUE(std::isfinite(a[i])) << what << " C " << C << " at " << i;
+        ASSERT_TRUE(std::isfinite(b[i])) << what << " sorted layout (C 0) at " << i;
         worst = std::max(worst, double(std::fabs(a[i] - b[i])));
         scale = std::max(scale, double(std::fabs(b[i])));
       }
@@ -244,6 +289,8 @@ TEST(Moe, CapacityLayoutIsTheSortedLayoutAndItsPaddingReachesNothing) {
     near("experts.gate_proj", got.gg, ref.gg);
     near("experts.up_proj", got.gu, ref.gu);
     near("experts.down_proj", got.gd, ref.gd);
+    near("shared.gate_proj", got.gsg, ref.gsg);
+    near("shared.up_proj", got.gsu, ref.gsu);
     near("shared.down_proj", got.gsd, ref.gsd);
   }
   EXPECT_GT(padded, 0) << "the test data never pads an expert";
