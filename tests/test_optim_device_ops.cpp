@@ -281,9 +281,24 @@ struct Params : test::HostParams {
     add("lm_head.weight", Role::Head, {V, d});
     carve(3, "device-ops-params");
   }
+  // Gradient scale per tensor (in add() order), 1 down to 1e-9, so both paths also run where
+  // Adam's eps (1e-8) and Newton-Schulz's ||D|| + 1e-8 carry the update, not only where they
+  // vanish in rounding.
+  const std::vector<double> scale = {1e-9, 1.0, 1e-3, 3e-9, 1e-7, 0.1, 1.0, 1e-8, 1e-9};
+  // N(0, scale^2) per tensor; expert 1 of the stack gets no gradient (no token routed to it), so
+  // the hyperball's 1e-10 floors and u = 0 / (0 + eps) are on both paths (without them: NaN).
   void set_grads(int t) {
     Philox r(5, stream_id("device-ops-grads") + uint64_t(t));
-    for (size_t i = 0; i < g.size(); ++i) g[i] = float(0.01 * r.normal(i));
+    for (size_t k = 0; k < params.size(); ++k) {
+      const Param& p = params[k];
+      const size_t off = size_t(p.g - g.data());
+      for (size_t i = 0; i < p.numel; ++i) p.g[i] = float(scale.at(k) * r.normal(off + i));
+    }
+    for (auto& p : params)
+      if (p.name == "model.layers.0.mlp.experts.gate_proj.weight") {
+        const size_t mn = p.numel / size_t(p.shape[0]);
+        std::fill(p.g + mn, p.g + 2 * mn, 0.0f);
+      }
   }
 };
 

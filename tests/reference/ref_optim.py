@@ -129,6 +129,22 @@ def selftest():
     assert float(s.min()) > 0.97 and float(s.max()) < 1.04, s
     xt = newton_schulz5(torch.randn(40, 16, dtype=torch.float64))
     assert torch.allclose(xt.T @ xt, (xt.T @ xt).T)
+    # A first Adam step: m_hat = g and v_hat = g^2, so u = g / (|g| + eps), which is sign(g) where
+    # |g| >> eps and shrinks where |g| nears eps (1e-9 -> 1/11): eps inside the sqrt, or none, gives
+    # other values there. AdamW first decays w by lr * wd. In float64, so rounding stays far below.
+    g = torch.tensor([[0.5, -2.0, 1e-3], [-1e-4, 1e-9, -3e-8]], dtype=torch.float64)
+    w0 = torch.randn(2, 3, dtype=torch.float64)
+    lr, wd, eps = 0.01, 0.1, 1e-8
+    for kind in ("adam", "adamw"):
+        case = {"steps": 1, "mults": [1.0], "beta1": 0.9, "beta2": 0.95, "eps": eps, "muon_momentum": 0.95,
+                "tensors": [{"name": "p", "kind": kind, "lr": lr, "wd": wd}]}
+        out = run(case, {"w.p": w0, "g.0.p": g})
+        decayed = w0 - lr * wd * w0 if kind == "adamw" else w0
+        step = decayed - out["w.p"]
+        large = g.abs() >= 1e-3  # eps / |g| <= 1e-5
+        assert torch.allclose(step[large], lr * torch.sign(g[large]), rtol=2e-5, atol=0), (kind, step)
+        assert torch.allclose(step, lr * g / (g.abs() + eps), rtol=1e-10, atol=0), (kind, step)
+        assert torch.allclose(out["exp_avg.p"], 0.1 * g) and torch.allclose(out["exp_avg_sq.p"], 0.05 * g * g)
     print("ref_optim selftest ok")
 
 
