@@ -126,8 +126,10 @@ TEST_F(EvalTest, BadInputIsOneErrorNamingIt) {
   expect_error(o, run, "fewer than one batch of 100000");
   o = {};
   o.data = (dir->path / "nowhere").string();
-  expect_error(o, run, "nowhere");
-  expect_error({}, dir->path / "no-run", "no-run");
+  expect_error(o, run, (dir->path / "nowhere").string() + ": data directory not found");
+  expect_error({}, dir->path / "no-run",
+               (dir->path / "no-run").string() +
+                   ": not a checkpoint directory (no state.json) nor a run directory with checkpoints/step_*");
 #ifndef LADDER_HAVE_CUDA
   o = {};
   o.device = "cuda";

@@ -219,9 +219,11 @@ TEST(LadderReport, RealizedSpeedupIsTheWallClockRatio) {
   }
 }
 
-// With the sweep's throughput timing, the realized speedup takes the median of the per-round FLOP/s
-// ratios instead of the training runs' tokens/s (which here say the variant ran at half speed); a
-// pair the timing lacks keeps the training runs' ratio and is named in the warnings.
+// With the sweep's throughput timing, the realized speedup takes the median of the per-round model
+// FLOP/s ratios (tokens/s x FLOPs per token) instead of the training runs' own (which here say the
+// variant ran at a quarter of the baseline's FLOP/s); a pair the timing lacks keeps the training
+// runs' ratio and is named in the warnings. The variant has half the baseline's FLOPs per token, so
+// a ratio of tokens/s alone (FLOPs per token left out) would be twice the right one.
 TEST(LadderReport, TimedThroughputDecidesTheRealizedSpeedup) {
   auto law = [](double C) { return 2.0 + 100.0 * std::pow(C, -0.1); };
   std::vector<nlohmann::json> rs;
@@ -229,31 +231,38 @@ TEST(LadderReport, TimedThroughputDecidesTheRealizedSpeedup) {
     const double C = 1e12 * d;
     for (int seed : {1, 2}) {
       rs.push_back(fake_result("dense", "", d, seed, C, law(C) + 0.001 * seed, 1000));
-      rs.push_back(fake_result("moe", "dense", d, seed, C, law(1.5 * C) + 0.001 * seed, 500));
+      auto v = fake_result("moe", "dense", d, seed, C, law(1.5 * C) + 0.001 * seed, 500);
+      v["tokens"] = 2000;  // the same compute over twice the tokens: half the FLOPs per token
+      rs.push_back(v);
     }
   }
   Timing t;
   t.rounds = 3, t.steps = 2, t.warmup = 1, t.host = "h", t.revision = "r", t.threads = 2;
-  // C / tokens = 1e12 d / 1000 FLOPs per token on both sides; per-round ratios at d=64: 0.8, 1.2, 0.9.
+  // C / tokens FLOPs per token as in the results: dense 1e12 * 64 / 1000 = 6.4e10 at d=64, moe half
+  // that (3.2e10). Per-round FLOP/s ratios at d=64, (moe tokens/s x 3.2e10) / (dense tokens/s x 6.4e10):
+  //   800 * 3.2e10 / (1000 * 6.4e10) = 0.40, 1200 * 3.2e10 / (1000 * 6.4e10) = 0.60,
+  //   1800 * 3.2e10 / (2000 * 6.4e10) = 0.45: median 0.45, smallest 0.40, largest 0.60
+  // (the tokens/s ratios alone are 0.8, 1.2, 0.9).
   t.cells = {{"dense", "dense-d64-s1", "", 64, 6.4e10, {1000, 1000, 2000}},
-             {"moe", "moe-d64-s1", "", 64, 6.4e10, {800, 1200, 1800}},
+             {"moe", "moe-d64-s1", "", 64, 3.2e10, {800, 1200, 1800}},
              {"dense", "dense-d128-s1", "", 128, 1.28e11, {1000, 1000, 1000}}};  // no moe at d=128
   Report plain = compute_report(rs, 2.0, 0.1), timed = compute_report(rs, 2.0, 0.1, {}, {}, t);
   const SpeedupCell &p64 = plain.variants[1].cells[0], &c64 = timed.variants[1].cells[0];
   const SpeedupCell &c128 = timed.variants[1].cells[1];
-  EXPECT_NEAR(p64.marin_real.value, p64.marin_theo.value * 0.5, 1e-9);
+  // The training runs: (500 x C/2000) / (1000 x C/1000) = 0.25.
+  EXPECT_NEAR(p64.marin_real.value, p64.marin_theo.value * 0.25, 1e-9);
   EXPECT_EQ(c64.marin_theo.value, p64.marin_theo.value);
-  EXPECT_NEAR(c64.marin_real.value, c64.marin_theo.value * 0.9, 1e-9);
-  EXPECT_NEAR(c64.law_real.value, c64.law_theo.value * 0.9, 1e-9);
-  EXPECT_NEAR(c64.timed_ratio.value, 0.9, 1e-12);
-  EXPECT_NEAR(c64.timed_ratio.lo, 0.8, 1e-12);
-  EXPECT_NEAR(c64.timed_ratio.hi, 1.2, 1e-12);
+  EXPECT_NEAR(c64.marin_real.value, c64.marin_theo.value * 0.45, 1e-9);
+  EXPECT_NEAR(c64.law_real.value, c64.law_theo.value * 0.45, 1e-9);
+  EXPECT_NEAR(c64.timed_ratio.value, 0.45, 1e-12);
+  EXPECT_NEAR(c64.timed_ratio.lo, 0.40, 1e-12);
+  EXPECT_NEAR(c64.timed_ratio.hi, 0.60, 1e-12);
   EXPECT_EQ(c64.timed_tps.value, 1200);
   // Two seeds: the realized interval is the theoretical one times the same timed ratio.
   ASSERT_FALSE(std::isnan(c64.law_real.lo));
-  EXPECT_NEAR(c64.law_real.lo, c64.law_theo.lo * 0.9, 1e-9);
+  EXPECT_NEAR(c64.law_real.lo, c64.law_theo.lo * 0.45, 1e-9);
   // d=128: moe was not timed, so the training runs' ratio, and a warning naming the pair.
-  EXPECT_NEAR(c128.marin_real.value, c128.marin_theo.value * 0.5, 1e-9);
+  EXPECT_NEAR(c128.marin_real.value, c128.marin_theo.value * 0.25, 1e-9);
   EXPECT_TRUE(std::isnan(c128.timed_ratio.value));
   EXPECT_EQ(timed.variants[0].cells[1].timed_tps.value, 1000);
   bool warned = false;
@@ -261,7 +270,7 @@ TEST(LadderReport, TimedThroughputDecidesTheRealizedSpeedup) {
   EXPECT_TRUE(warned) << fmt::format("{}", fmt::join(timed.warnings, "\n"));
   const std::string md = report_markdown(timed);
   EXPECT_NE(md.find("## Throughput, timed side by side"), std::string::npos) << md;
-  EXPECT_NE(md.find("| moe | dense | 1.2k [800-1.8k]; 0.90x [0.80x-1.20x] | - |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| moe | dense | 1.2k [800-1.8k]; 0.45x [0.40x-0.60x] | - |"), std::string::npos) << md;
   EXPECT_NE(md.find("from the sweep's interleaved timing"), std::string::npos);
   EXPECT_EQ(report_markdown(plain).find("Throughput, timed"), std::string::npos);
 }
@@ -290,7 +299,12 @@ TEST(LadderReport, IntervalsTakeTheSeedAsTheUnitAcrossCells) {
     EXPECT_LT(c.law_theo.hi - c.law_theo.lo, 0.06) << c.d << ": " << format_cell(c, true, true);
     EXPECT_LE(c.law_theo.lo, c.law_theo.value);
     EXPECT_GE(c.law_theo.hi, c.law_theo.value);
+    EXPECT_GT(c.law_theo.lo, 1.0) << c.d;
   }
+  // Every interval lies above 1: the interval gate passes (with the point-estimate gate).
+  EXPECT_EQ(r.variants[1].gate_law, "pass");
+  EXPECT_EQ(r.variants[1].gate_ci, "pass");
+  EXPECT_NE(report_markdown(r).find("| pass | pass |\n"), std::string::npos) << report_markdown(r);
 }
 
 // The interval by hand: two noiseless seeds whose runs alone give 1.2x and 1.8x. Student's t with
@@ -314,8 +328,15 @@ TEST(LadderReport, IntervalIsStudentTOverPerSeedEstimates) {
     EXPECT_LT(p, 1.8);
     EXPECT_NEAR(std::log(c.law_theo.lo), std::log(p) - half, 2e-3) << c.d;
     EXPECT_NEAR(std::log(c.law_theo.hi), std::log(p) + half, 2e-3) << c.d;
+    // exp(-half) = 0.076: the interval reaches far below 1 while the point estimate is above it.
+    EXPECT_LT(c.law_theo.lo, 1.0) << c.d;
   }
-  EXPECT_NE(report_markdown(r).find("Student's t across them"), std::string::npos);
+  // So the point-estimate gate passes and the interval gate fails.
+  EXPECT_EQ(r.variants[1].gate_law, "pass");
+  EXPECT_EQ(r.variants[1].gate_ci, "FAIL");
+  const std::string md = report_markdown(r);
+  EXPECT_NE(md.find("| pass | FAIL |\n"), std::string::npos) << md;
+  EXPECT_NE(md.find("Student's t across them"), std::string::npos);
 }
 
 // Coverage, measured: synthetic ladders with a known 1.3x speedup (a baseline law, per-seed offsets
@@ -754,6 +775,10 @@ report: {E: 1.0, alpha: 0.1}
     run_sweep(s, other);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
+    // The checkpoint's own error, naming the damaged file, not a divergence.
+    EXPECT_NE(std::string(e.what()).find((ck / "state.json").string() + ": corrupt checkpoint state (not valid JSON"),
+              std::string::npos)
+        << e.what();
     EXPECT_EQ(std::string(e.what()).find("diverged"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(ResultStore(other).read_result("dense-d32-s1"));
@@ -980,9 +1005,19 @@ report: {E: 1.0, alpha: 0.1}
     std::string lrow = fmt::format("<tr><td>{}</td><td>{}</td>", v.name, v.baseline);
     for (auto& c : v.cells) lrow += fmt::format("<td>{}</td>", format_cell(c, true, true));
     EXPECT_NE(html.find(lrow), std::string::npos) << lrow;
-    // Marin's cell recomputed by hand from the stored means.
-    for (auto& c : v.cells)
-      EXPECT_DOUBLE_EQ(c.marin_theo.value, marin_theoretical_speedup(c.base_C, c.base_loss, c.C, c.loss, 1.0, 0.1));
+    // Marin's cell recomputed by hand: the means over the two seeds of the stored results' compute
+    // and final losses, of the variant and of its baseline (not the means the report filled in).
+    ASSERT_EQ(v.cells.size(), 3u);
+    for (auto& c : v.cells) {
+      auto mean = [&](const std::string& variant, const char* key) {
+        return 0.5 * (stored.at(fmt::format("{}-d{}-s1", variant, c.d))[key].get<double>() +
+                      stored.at(fmt::format("{}-d{}-s2", variant, c.d))[key].get<double>());
+      };
+      const double want = marin_theoretical_speedup(mean(v.baseline, "compute"), mean(v.baseline, "final_val_loss"),
+                                                    mean(v.name, "compute"), mean(v.name, "final_val_loss"), 1.0, 0.1);
+      ASSERT_TRUE(std::isfinite(want)) << v.name << " d=" << c.d;
+      EXPECT_NEAR(c.marin_theo.value, want, 1e-12 * want) << v.name << " d=" << c.d;
+    }
   }
   EXPECT_NE(md.find("Stacked variant vs the product"), std::string::npos);
 
@@ -1081,10 +1116,55 @@ TEST_F(LadderSweepTest, TimingMeasuresEveryModelOnceAndTheReportUsesIt) {
   ro.dir = out;
   const std::string md = write_report(ro);
   EXPECT_NE(md.find("## Throughput, timed side by side"), std::string::npos) << md;
+  // The timed ratio by hand: per round, wide's tokens/s x FLOPs per token over dense's, and the
+  // median of the 3 rounds. wide (d_ff 6d) has more FLOPs per token than dense (4d), so a ratio of
+  // tokens/s alone would differ.
   Report r = compute_report(ResultStore(out).all_results(), 1.0, 0.1, {}, {}, t);
+  ASSERT_EQ(r.variants[1].name, "wide");
   for (auto& c : r.variants[1].cells) {
-    const auto q = timed_flops_ratio(*t.find("wide", c.d), *t.find("dense", c.d));
-    EXPECT_NEAR(c.marin_real.value, c.marin_theo.value * q[0], 1e-9 * c.marin_real.value);
+    const TimedCell &w = *t.find("wide", c.d), &b = *t.find("dense", c.d);
+    EXPECT_GT(w.flops_per_token, 1.1 * b.flops_per_token) << c.d;
+    std::vector<double> per_round;
+    for (int i = 0; i < 3; ++i)
+      per_round.push_back(w.tokens_per_s[i] * w.flops_per_token / (b.tokens_per_s[i] * b.flops_per_token));
+    std::sort(per_round.begin(), per_round.end());
+    EXPECT_NEAR(c.marin_real.value, c.marin_theo.value * per_round[1], 1e-9 * c.marin_real.value) << c.d;
+  }
+
+  // A timed model whose config no stored result has (here its config_hash changed, as after an edit
+  // of the spec) is left out with a warning naming it, and its pair falls back to the training runs'
+  // tokens/s. Its tokens/s are also made 1000x: were it used, the realized speedup would be 1000x off.
+  {
+    auto j = nlohmann::json::parse(stored);
+    for (auto& c : j["cells"])
+      if (c["run"] == "wide-d32-s1") {
+        c["config_hash"] = "0123";
+        for (auto& x : c["tokens_per_s"]) x = x.get<double>() * 1000;
+      }
+    write_file_atomic(out / "timing.json", j.dump());
+    const std::string md_stale = write_report(ro);
+    EXPECT_NE(md_stale.find("- timing.json: 1 timed model(s) left out, timed with a config no stored result of the "
+                            "plan has: wide-d32-s1 ("),
+              std::string::npos)
+        << md_stale;
+    EXPECT_NE(md_stale.find("- wide vs dense d=32: not both in the sweep's timing (timing.json)"), std::string::npos)
+        << md_stale;
+    // d=32: the training runs' model FLOP/s ratio (compute / tokens x tokens/s), by hand from the
+    // stored results; d=48: still the timed ratio.
+    const auto res = results(out);
+    auto fps = [&](const std::string& id) {
+      const auto& x = res.at(id);
+      return x["compute"].get<double>() / x["tokens"].get<double>() * x["tokens_per_s"].get<double>();
+    };
+    const Report plain = compute_report(ResultStore(out).all_results(), 1.0, 0.1);
+    const SpeedupCell& p32 = plain.variants[1].cells[0];
+    ASSERT_EQ(p32.d, 32);
+    EXPECT_NEAR(p32.marin_real.value, p32.marin_theo.value * fps("wide-d32-s1") / fps("dense-d32-s1"),
+                1e-9 * p32.marin_real.value);
+    const std::string row = fmt::format("| wide | dense | {} | {} |", format_cell(p32, false, false),
+                                        format_cell(r.variants[1].cells[1], false, false));
+    EXPECT_NE(md_stale.find(row), std::string::npos) << row << "\n" << md_stale;
+    write_file_atomic(out / "timing.json", stored);
   }
 
   // Other settings, or --retime: measured again.
@@ -1210,12 +1290,20 @@ TEST_F(LadderSweepTest, IncompatibleOrChangedResultsDirectoryIsRefusedBeforeTrai
   EXPECT_FALSE(fs::exists(v2 / "runs"));
   ReportOptions ro;
   ro.dir = v2;
-  EXPECT_THROW(write_report(ro), Error);
+  const std::string report_err = test::error_of([&] { write_report(ro); });
+  EXPECT_NE(report_err.find((v2 / "ladder.json").string() +
+                            ": written by an incompatible Ladder version (results format version 2, this build reads 1)"),
+            std::string::npos)
+      << report_err;
   // A result file from another version is refused by the sweep and the report alike.
   fs::path v1 = dir->path / "out-oldresult";
   run_sweep(s, v1, [](const PlannedRun&) { return 0; });  // creates the layout, trains nothing
   write_text(v1 / "results" / "dense-d32-s1.json", R"({"format": "ladder-result", "version": 0})");
-  EXPECT_THROW(run_sweep(s, v1), Error);
+  const std::string sweep_err = test::error_of([&] { run_sweep(s, v1); });
+  EXPECT_NE(sweep_err.find((v1 / "results" / "dense-d32-s1.json").string() +
+                           ": written by an incompatible Ladder version (results format version 0, this build reads 1)"),
+            std::string::npos)
+      << sweep_err;
   ro.dir = v1;
   try {
     write_report(ro);
@@ -1273,7 +1361,11 @@ pending:
   EXPECT_NE(all.find("'moe_v1' (vs dense): not run, this build lacks model.future_switch"), std::string::npos) << all;
   EXPECT_NE(all.find("'gqa' (vs dense): every key is known to this build"), std::string::npos) << all;
   // A pending variant's baseline must exist among variants and pending ones.
-  EXPECT_THROW(load_spec(spec("pending2", "scales:\n  list: [32]\nvariants: {dense: {}}\npending:\n  x: {baseline: y}\n")), Error);
+  const std::string err = test::error_of(
+      [&] { load_spec(spec("pending2", "scales:\n  list: [32]\nvariants: {dense: {}}\npending:\n  x: {baseline: y}\n")); });
+  EXPECT_NE(err.find("pending2.yaml:5: variant 'x' is measured against baseline 'y', which is not a variant"),
+            std::string::npos)
+      << err;
 }
 
 }  // namespace

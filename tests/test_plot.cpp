@@ -128,7 +128,10 @@ TEST(Plot, BadInputNamesTheFileLineOrFlag) {
   expect_error([&] { read_run_curves(d.path / "sweep", "step", {"loss"}); }, "a ladder results directory? pass its runs");
   fs::create_directories(d.path / "empty");
   expect_error([&] { read_run_curves(d.path / "empty", "step", {"loss"}); }, "empty: no metrics.jsonl");
-  expect_error([&] { read_run_curves(d.path / "bad", "flops", {"loss"}); }, "--x flops: ");
+  // --x flops reads the run's config.yaml beside metrics.jsonl for its FLOPs per token: the error names it.
+  expect_error([&] { read_run_curves(d.path / "bad", "flops", {"loss"}); },
+               "--x flops: " + (d.path / "bad" / "metrics.jsonl").string() + " has no run config beside it (" +
+                   (d.path / "bad" / "config.yaml").string() + " not found)");
   expect_error([&] { read_run_curves(d.path / "bad", "epochs", {"loss"}); }, "--x: unknown axis 'epochs'");
 
   PlotOptions o;
