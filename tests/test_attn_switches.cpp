@@ -42,11 +42,16 @@ double dot(const Vec& a, const Vec& b) {
 
 // Central differences of loss() with respect to every element of x, against grad. An element's
 // error is relative to max(|fd|, 1e-3 * max|grad|) so near-zero gradients are not held to noise.
+// Non-finite values fail outright: std::max(m, NaN) keeps m and `NaN > worst` is false, so a running
+// maximum alone would let a kernel that writes NaN or inf pass.
 void check_grad(Vec& x, const Vec& grad, const std::function<double()>& loss, const std::string& what,
                 double tol = 1e-6) {
   ASSERT_EQ(x.size(), grad.size());
   double gmax = 0;
-  for (double g : grad) gmax = std::max(gmax, std::abs(g));
+  for (size_t i = 0; i < grad.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(grad[i])) << what << ": analytic gradient element " << i << " is " << grad[i];
+    gmax = std::max(gmax, std::abs(grad[i]));
+  }
   const double floor = std::max(1e-3 * gmax, 1e-10), eps = 1e-6;
   double worst = 0;
   size_t wi = 0;
@@ -58,7 +63,8 @@ void check_grad(Vec& x, const Vec& grad, const std::function<double()>& loss, co
     const double lm = loss();
     x[i] = save;
     const double fd = (lp - lm) / (2 * eps);
-    const double err = std::abs(fd - grad[i]) / std::max(std::abs(fd), floor);
+    double err = std::abs(fd - grad[i]) / std::max(std::abs(fd), floor);
+    if (!std::isfinite(err)) err = INFINITY;  // a NaN finite difference (the forward wrote NaN) fails
     if (err > worst) worst = err, wi = i;
   }
   EXPECT_LT(worst, tol) << what << ": worst element " << wi << " analytic " << grad[wi];
@@ -103,7 +109,8 @@ TEST(AttnSwitchKernels, PkoShiftGradientMatchesFiniteDifferences) {
   const int N = 10, KV = 2, hd = 8;
   std::vector<uint8_t> reset(N, 0);
   for (int t : {0, 4, 5}) reset[t] = 1;
-  Vec k = randn(size_t(N) * KV * hd, 1), R = randn(k.size(), 2), out(k.size()), dk(k.size());
+  // NaN poison: dk is overwritten, and the shifted-in zeros at resets must be written, not left.
+  Vec k = randn(size_t(N) * KV * hd, 1), R = randn(k.size(), 2), out(k.size(), NAN), dk(k.size(), NAN);
   cpu::pko_shift_backward(dk.data(), R.data(), reset.data(), N, KV, hd, hd / 2);
   check_grad(k, dk, [&] {
     cpu::pko_shift_forward(out.data(), k.data(), reset.data(), N, KV, hd, hd / 2);
@@ -201,7 +208,11 @@ TEST(AttnSwitchKernels, QkPrepGradientMatchesFiniteDifferences) {
         const uint8_t* rs = pko ? reset.data() : nullptr;
         Vec x = randn(size_t(N) * nh * hd, 11), gain = randn(size_t(hd), 12, 0.5), R = randn(x.size(), 13);
         for (auto& g : gain) g += 1.0;
-        Vec out(x.size()), rstd(size_t(N) * nh), dx(x.size()), dgain(size_t(hd), 0.0);
+        // dx is overwritten (NaN poison); dgain accumulates, so it starts from random values and the
+        // check is on its change.
+        Vec out(x.size(), NAN), rstd(size_t(N) * nh, NAN), dx(x.size(), NAN);
+        const Vec dgain0 = randn(size_t(hd), 14);
+        Vec dgain = dgain0;
         auto loss = [&] {
           cpu::qk_prep_forward(out.data(), rstd.data(), x.data(), gain.data(), rs, N, S, nh, hd, rot, 10000.0, norm,
                                1e-6);
@@ -211,7 +222,13 @@ TEST(AttnSwitchKernels, QkPrepGradientMatchesFiniteDifferences) {
         cpu::qk_prep_backward(dx.data(), dgain.data(), R.data(), x.data(), gain.data(), rstd.data(), rs, N, S, nh, hd,
                               rot, 10000.0, norm);
         check_grad(x, dx, loss, what + " dx");
-        if (norm) check_grad(gain, dgain, loss, what + " dgain");
+        if (norm) {
+          Vec dg(static_cast<size_t>(hd));
+          for (int c = 0; c < hd; ++c) dg[c] = dgain[c] - dgain0[c];
+          check_grad(gain, dg, loss, what + " dgain");
+        } else {
+          EXPECT_EQ(dgain, dgain0) << "no norm: dgain untouched";
+        }
       }
 }
 
@@ -248,7 +265,7 @@ TEST(AttnSwitchKernels, XsaOutputIsOrthogonalToTheOwnValueVector) {
 TEST(AttnSwitchKernels, XsaGradientMatchesFiniteDifferences) {
   const int N = 3, H = 4, KV = 2, hd = 5;
   Vec y = randn(size_t(N) * H * hd, 5), v = randn(size_t(N) * KV * hd, 6), R = randn(y.size(), 7);
-  Vec z(y.size()), dy(y.size()), dv(v.size());
+  Vec z(y.size(), NAN), dy(y.size(), NAN), dv(v.size(), NAN);  // all overwritten: NaN poison
   cpu::xsa_backward(dy.data(), dv.data(), R.data(), y.data(), v.data(), N, H, KV, hd);
   auto loss = [&] {
     cpu::xsa_forward(z.data(), y.data(), v.data(), N, H, KV, hd);
@@ -257,7 +274,7 @@ TEST(AttnSwitchKernels, XsaGradientMatchesFiniteDifferences) {
   check_grad(y, dy, loss, "xsa dy");
   check_grad(v, dv, loss, "xsa dv");
   // In place (dy aliasing dz), as the model calls it.
-  Vec inplace = R, dv2(v.size());
+  Vec inplace = R, dv2(v.size(), NAN);
   cpu::xsa_backward(inplace.data(), dv2.data(), inplace.data(), y.data(), v.data(), N, H, KV, hd);
   EXPECT_EQ(inplace, dy);
   EXPECT_EQ(dv2, dv);
@@ -278,11 +295,11 @@ TEST(AttnSwitchKernels, ZeroGateLogitGivesFactorExactlyOne) {
 TEST(AttnSwitchKernels, HeadGateGradientMatchesFiniteDifferences) {
   const int N = 3, H = 4, hd = 5;
   Vec x = randn(size_t(N) * H * hd, 9), logit = randn(size_t(N) * H, 10), R = randn(x.size(), 11);
-  Vec out(x.size()), f(logit.size()), dx(x.size()), dl(logit.size());
+  Vec out(x.size(), NAN), f(logit.size(), NAN), dx(x.size(), NAN), dl(logit.size(), NAN);  // overwritten
   cpu::head_gate_forward(out.data(), f.data(), x.data(), logit.data(), N, H, hd);
   cpu::head_gate_backward(dx.data(), dl.data(), R.data(), x.data(), f.data(), N, H, hd);
   auto loss = [&] {
-    Vec ff(logit.size());
+    Vec ff(logit.size(), NAN);
     cpu::head_gate_forward(out.data(), ff.data(), x.data(), logit.data(), N, H, hd);
     return dot(out, R);
   };
@@ -295,14 +312,14 @@ TEST(AttnSwitchKernels, HeadGateGradientMatchesFiniteDifferences) {
 
 TEST(AttnSwitchKernels, GatedNormPiecesMatchFiniteDifferences) {
   const size_t n = 40;
-  Vec u = randn(n, 12, 2.0), R = randn(n, 13), a(n), du(n);
+  Vec u = randn(n, 12, 2.0), R = randn(n, 13), a(n, NAN), du(n, NAN);  // overwritten: NaN poison
   cpu::silu_backward(du.data(), R.data(), u.data(), n);
   check_grad(u, du, [&] {
     cpu::silu_forward(a.data(), u.data(), n);
     return dot(a, R);
   }, "silu");
 
-  Vec x = randn(n, 14), g = randn(n, 15, 2.0), y(n), s = g, dx(n, 0.5), dg(n);
+  Vec x = randn(n, 14), g = randn(n, 15, 2.0), y(n, NAN), s = g, dx(n, NAN), dg(n, NAN);
   cpu::sigmoid_gate_forward(y.data(), s.data(), x.data(), n);  // s := sigmoid(g)
   cpu::sigmoid_gate_backward(dx.data(), dg.data(), R.data(), x.data(), s.data(), n, false);
   auto loss = [&] {
@@ -312,10 +329,14 @@ TEST(AttnSwitchKernels, GatedNormPiecesMatchFiniteDifferences) {
   };
   check_grad(x, dx, loss, "sigmoid gate dx");
   check_grad(g, dg, loss, "sigmoid gate dg");
-  // accumulate_dx adds to what is there
-  Vec acc(n, 1.0), dg2(n);
+  // accumulate_dx adds to what is there (random, so a kernel that overwrote or added a constant
+  // would show); dg is still overwritten.
+  const Vec acc0 = randn(n, 16);
+  Vec acc = acc0, dg2(n, NAN);
   cpu::sigmoid_gate_backward(acc.data(), dg2.data(), R.data(), x.data(), s.data(), n, true);
-  for (size_t i = 0; i < n; ++i) EXPECT_NEAR(acc[i], 1.0 + dx[i], 1e-15);
+  for (size_t i = 0; i < n; ++i)
+    EXPECT_NEAR(acc[i] - acc0[i], dx[i], 1e-15 * (1 + std::abs(acc0[i]) + std::abs(dx[i])));
+  EXPECT_EQ(dg2, dg);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -356,8 +377,14 @@ double influence(Transformer& model, const std::vector<int32_t>& in, int i, int 
   auto changed = in;
   changed[j] = (in[j] + 7) % V;
   auto l2 = logits_of(model, changed);
+  // NaN on a non-finite logit, which fails both EXPECT_EQ(.., 0) and EXPECT_GT(.., x) at the call
+  // sites; a running std::max would skip a NaN and could report 0.
   double m = 0;
-  for (int c = 0; c < V; ++c) m = std::max(m, double(std::abs(l2[size_t(i) * V + c] - base[size_t(i) * V + c])));
+  for (int c = 0; c < V; ++c) {
+    const double d = std::abs(double(l2[size_t(i) * V + c]) - double(base[size_t(i) * V + c]));
+    if (!std::isfinite(d)) return NAN;
+    m = std::max(m, d);
+  }
   return m;
 }
 
