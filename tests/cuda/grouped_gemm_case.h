@@ -2,9 +2,10 @@
 // (tests/cuda/test_cuda_moe.cpp, CudaMoe.GroupedGemmBothShapes) and the host-emulated one
 // (tests/cuda/emu/test_emu_moe_tc.cpp, CudaEmu.MoeGroupedGemmBothShapes): the case description, the
 // random expert offsets and operands (drawn from the test's seeded generator, in the order the tests
-// always drew them), the CPU reference (cpu::grouped_gemm<float>), and the split of a result into
-// its logical output and the padding that must keep its value. Each test keeps its own cases, how it
-// runs the kernel and its tolerance. Header-only, no CUDA includes: both builds compile it.
+// always drew them), the CPU reference (cpu::grouped_gemm<float>), the C the kernel starts from
+// (poisoned when beta is 0), and the split of a result into its logical output and every other
+// element of C (padding columns, expert-stride gaps), which must keep its initial bytes. Each test
+// keeps its own cases, how it runs the kernel and its tolerance. Header-only, no CUDA includes: both builds compile it.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -92,9 +93,17 @@ inline std::vector<float> reference(const GroupedCase& c, const GroupedProblem& 
   return ref;
 }
 
-// The logical output of `got` and `ref` (padding columns are not part of it), and how many padding
-// elements of `got` differ from the problem's C bytewise (counted only when beta != 0: with beta 0
-// the kernel ran on a poisoned C).
+// The C buffer the kernel must start from: the problem's C, or, with beta 0 (C must not be read),
+// every byte 0xFF (a NaN), as the fixtures' poisoned() / DeviceBuffer::poison() leave it.
+inline std::vector<float> initial_C(const GroupedCase& c, const GroupedProblem& p) {
+  std::vector<float> C0 = p.C;
+  if (c.beta == 0.f && !C0.empty()) std::memset(C0.data(), 0xFF, C0.size() * sizeof(float));
+  return C0;
+}
+
+// The logical output of `got` and `ref`, and how many elements of `got` outside it differ bytewise
+// from initial_C (whatever beta is): the padding columns (ldc > N) and, in the weight-gradient
+// shape, the gap between one expert's block and the next (sC > M * ldc) must keep their bytes.
 struct GroupedOutput {
   std::vector<float> got, ref;
   size_t pad_changed = 0;
@@ -103,18 +112,24 @@ struct GroupedOutput {
 inline GroupedOutput logical_output(const GroupedCase& c, const GroupedProblem& p, const std::vector<float>& got,
                                     const std::vector<float>& ref) {
   GroupedOutput o;
+  const std::vector<float> C0 = initial_C(c, p);
+  if (got.size() != C0.size() || ref.size() != C0.size()) {  // a caller's slip: count it as a failure
+    o.pad_changed = size_t(-1);
+    return o;
+  }
+  std::vector<char> is_out(C0.size(), 0);
   const int blocks = c.rows_out ? 1 : c.E, rows = c.rows_out ? p.total : c.M;
   for (int e = 0; e < blocks; ++e)
     for (int i = 0; i < rows; ++i)
-      for (int j = 0; j < p.ldc; ++j) {
-        const size_t at = size_t(e) * p.sC + size_t(i) * p.ldc + j;
-        if (j < c.N) {
-          o.got.push_back(got[at]);
-          o.ref.push_back(ref[at]);
-        } else if (c.beta != 0.f && std::memcmp(&got[at], &p.C[at], sizeof(float)) != 0) {
-          ++o.pad_changed;
-        }
-      }
+      for (int j = 0; j < c.N; ++j) is_out[size_t(e) * p.sC + size_t(i) * p.ldc + j] = 1;
+  for (size_t at = 0; at < C0.size(); ++at) {
+    if (is_out[at]) {
+      o.got.push_back(got[at]);
+      o.ref.push_back(ref[at]);
+    } else if (std::memcmp(&got[at], &C0[at], sizeof(float)) != 0) {
+      ++o.pad_changed;
+    }
+  }
   return o;
 }
 

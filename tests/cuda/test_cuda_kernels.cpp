@@ -719,6 +719,16 @@ TEST_F(CudaKernels, SoftmaxXentWithZLoss) {
     const int N = 37;
     SCOPED_TRACE(fmt::format("V={}", V));
     auto logits = randv(size_t(N) * V, -4.f, 4.f);
+    // Rows far from 0, where only a kernel that subtracts the row max stays finite: row 1 + 100
+    // (exp overflows fp32 above ~88.7), row 2 - 110 (exp underflows to 0 below ~-103.9), row 3 spread
+    // 30x to [-180, 60] (subtracting the mean instead of the max overflows; its softmax sits on one
+    // logit and its lse stays under 64, so the GPU's exp(x - lse) with lse rounded to fp32 costs at
+    // most ~2e-6 there, not ~4e-6). The CPU test's +40 stays inside fp32 exp's range: it would not tell.
+    for (int j = 0; j < V; ++j) {
+      logits[size_t(1) * V + j] += 100.f;
+      logits[size_t(2) * V + j] -= 110.f;
+      logits[size_t(3) * V + j] = logits[size_t(3) * V + j] * 30.f - 60.f;
+    }
     auto tgt = randi(N, V);
     const float z = 1e-4f, gs = 1.f / N;
     auto d_t = up(tgt);
