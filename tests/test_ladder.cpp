@@ -918,7 +918,73 @@ TEST_F(LadderSweepTest, RunLockedByAnotherWorkerIsLeftToIt) {
     EXPECT_NE(cmds[i].find(" sweep "), std::string::npos);
     EXPECT_NE(cmds[i].find("--only " + p.runs[i].id), std::string::npos);
     EXPECT_NE(cmds[i].find(fs::absolute(out).string()), std::string::npos);
+    EXPECT_EQ(cmds[i].find("--seeds"), std::string::npos) << "the spec's own seeds: nothing to pass";
   }
+  // A sweep given --seeds passes them on: each command plans again, and a run id names its seed
+  // (with the spec's seeds, `--only dense-d32-s7` would be "no such run").
+  LadderSpec spec79 = load_spec(s);
+  spec79.seeds = {7, 9};
+  Plan p79 = make_plan(spec79, 50);
+  auto seeded = sweep_commands(p79, out, {7, 9});
+  ASSERT_EQ(seeded.size(), 8u);
+  for (size_t i = 0; i < seeded.size(); ++i)
+    EXPECT_NE(seeded[i].find(" --seeds 7,9 --only " + p79.runs[i].id), std::string::npos) << seeded[i];
+}
+
+// A ladder needs validation losses: a spec whose runs evaluate nothing is refused at plan time,
+// naming the variant's line, not after its first run has trained to the end.
+TEST_F(LadderSweepTest, NoEvaluationsIsAPlanError) {
+  fs::path s = spec("noeval", R"(scales:
+  rules: {head_dim: 16}
+  list: [{d: 32, steps: 2}]
+seeds: [1]
+variants:
+  dense: {}
+  quiet: {baseline: dense, set: {run.eval_batches: 0}}
+)");
+  try {
+    make_plan(load_spec(s), 50);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(s.string() + ":9: variant 'quiet' at scale d=32: run.eval_batches is 0"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// A run completed by a worker that was killed before storing its result is stored by the next
+// sweep from its metrics log; a final validation loss that was not finite (logged as null) makes
+// it a diverged run, not a finished one with an earlier evaluation standing as its final loss.
+TEST_F(LadderSweepTest, CompletedRunWithANonFiniteFinalValidationLossIsDiverged) {
+  fs::path s = good_spec(), out = dir->path / "out-null-val";
+  run_sweep(s, out);
+  ResultStore store(out);
+  ASSERT_TRUE(store.read_result("wide-d48-s1"));
+  // As if the worker died after the final checkpoint, before the result, and the last evaluation
+  // had been NaN: the stored result gone, the log's last val_loss null.
+  fs::remove(store.result_path("wide-d48-s1"));
+  const fs::path log = store.run_dir("wide-d48-s1") / "metrics.jsonl";
+  std::istringstream in(read_file(log));
+  std::vector<nlohmann::json> lines;
+  for (std::string l; std::getline(in, l);) lines.push_back(nlohmann::json::parse(l));
+  int64_t last_val = -1;
+  for (auto& j : lines)
+    if (j.contains("val_loss")) last_val = j["step"].get<int64_t>();
+  ASSERT_EQ(last_val, 8);
+  std::string out_text;
+  for (auto& j : lines) {
+    if (j.contains("val_loss") && j["step"] == last_val) j["val_loss"] = nullptr;
+    out_text += j.dump() + "\n";
+  }
+  write_text(log, out_text);
+  SweepSummary sum = run_sweep(s, out);
+  EXPECT_EQ(sum.diverged, 1);
+  EXPECT_EQ(sum.trained, 0);
+  auto r = store.read_result("wide-d48-s1");
+  ASSERT_TRUE(r);
+  EXPECT_EQ((*r)["status"], "diverged");
+  EXPECT_NE((*r)["error"].get<std::string>().find("validation loss is not finite at step 8"), std::string::npos)
+      << (*r)["error"];
 }
 
 // Parses a file with Python's XML parser (an independent well-formedness check); returns the root tag.
@@ -1363,7 +1429,7 @@ pending:
   // A pending variant's baseline must exist among variants and pending ones.
   const std::string err = test::error_of(
       [&] { load_spec(spec("pending2", "scales:\n  list: [32]\nvariants: {dense: {}}\npending:\n  x: {baseline: y}\n")); });
-  EXPECT_NE(err.find("pending2.yaml:5: variant 'x' is measured against baseline 'y', which is not a variant"),
+  EXPECT_NE(err.find("pending2.yaml:7: variant 'x' is measured against baseline 'y', which is not a variant"),
             std::string::npos)
       << err;
 }

@@ -136,6 +136,12 @@ Plan make_plan(const LadderSpec& spec, double peak) {
       } catch (const Error& e) {
         fail("{}:{}: variant '{}' at scale d={}: {}", sf, v.line, v.name, s.d, e.what());
       }
+      // A ladder's result is the final validation loss: without evaluations a run would train to
+      // its end and then have nothing to record (found before training, not after).
+      if (cv.run.eval_batches <= 0)
+        fail("{}:{}: variant '{}' at scale d={}: run.eval_batches is {} (a ladder needs validation losses: "
+             "expected > 0)",
+             sf, v.line, v.name, s.d, cv.run.eval_batches);
       for (uint64_t seed : spec.seeds) {
         PlannedRun r;
         r.variant = v.name;

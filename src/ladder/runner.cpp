@@ -71,15 +71,25 @@ void time_plan(const Plan& plan, const ResultStore& store, const TimingSettings&
 
 }  // namespace
 
-std::vector<std::string> sweep_commands(const Plan& plan, const fs::path& out) {
+std::vector<std::string> sweep_commands(const Plan& plan, const fs::path& out, const std::vector<uint64_t>& seeds) {
   std::error_code ec;
   fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   std::string bin = ec ? "ladder" : exe.string();
+  // The seeds given to this sweep travel with each command: a run id names its seed, and the
+  // command plans again (with the spec's own seeds it would not find the run).
+  std::string seed_arg;
+  if (!seeds.empty()) {
+    seed_arg = " --seeds ";
+    for (size_t i = 0; i < seeds.size(); ++i) {
+      if (i) seed_arg += ',';
+      seed_arg += std::to_string(seeds[i]);
+    }
+  }
   std::vector<std::string> cmds;
   for (auto& r : plan.runs)
-    cmds.push_back(fmt::format("cd {} && {} sweep {} --out {} --only {}", shell_quote(fs::current_path().string()),
+    cmds.push_back(fmt::format("cd {} && {} sweep {} --out {}{} --only {}", shell_quote(fs::current_path().string()),
                                shell_quote(bin), shell_quote(fs::absolute(plan.spec.file).string()),
-                               shell_quote(fs::absolute(out).string()), r.id));
+                               shell_quote(fs::absolute(out).string()), seed_arg, r.id));
   return cmds;
 }
 
@@ -112,7 +122,13 @@ nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
   nlohmann::json loss_curve = nlohmann::json::array(), val_curve = nlohmann::json::array();
   std::vector<double> tps, mfu;
   double wall = 0;
+  double last_val_step = -1;
+  bool last_val_finite = true;
   read_metrics(log, [&](long, const nlohmann::json& j) {
+    if (j.contains("val_loss") && j["step"].is_number() && j["step"].get<double>() >= last_val_step) {
+      last_val_step = j["step"].get<double>();
+      last_val_finite = j["val_loss"].is_number() && std::isfinite(j["val_loss"].get<double>());
+    }
     if (j.contains("elapsed_s") && j["elapsed_s"].is_number()) wall = std::max(wall, j["elapsed_s"].get<double>());
     if (j.contains("loss") && j["loss"].is_number()) {
       loss_curve.push_back({j["step"], j["tokens"], j["loss"]});
@@ -121,6 +137,12 @@ nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
     }
     if (j.contains("val_loss") && j["val_loss"].is_number()) val_curve.push_back({j["step"], j["tokens"], j["val_loss"]});
   });
+  // A non-finite validation loss is logged as null; dropping it would leave an earlier evaluation
+  // standing as the run's final loss (a run completed by an earlier worker reaches here without the
+  // trainer's own check).
+  if (!last_val_finite)
+    throw TrainingDiverged(fmt::format("validation loss is not finite at step {} ({})", int64_t(last_val_step),
+                                       log.string()));
   if (val_curve.empty())
     fail("{}: no validation loss logged (run.eval_batches must be > 0 for a ladder)", log.string());
   double best = val_curve[0][2].get<double>();
@@ -191,7 +213,7 @@ SweepSummary sweep(const SweepOptions& opt) {
   }
   store.open_for_sweep(spec, planned_hashes);
   if (opt.list) {
-    for (auto& c : sweep_commands(plan, opt.out)) fmt::print("{}\n", c);
+    for (auto& c : sweep_commands(plan, opt.out, opt.seeds)) fmt::print("{}\n", c);
     return sum;
   }
   fmt::print("{}", format_plan(plan));
@@ -270,12 +292,23 @@ SweepSummary sweep(const SweepOptions& opt) {
       return sum;
     }
     // The trainer checks the training loss only; a non-finite final validation loss (logged as null)
-    // would leave an earlier evaluation standing as the run's final loss.
+    // would leave an earlier evaluation standing as the run's final loss. make_result checks the
+    // log too (a run completed by a killed worker comes back here with no val_losses).
+    nlohmann::json res;
+    std::string diverged;
     if (!ts.val_losses.empty() && !std::isfinite(ts.val_losses.back().second)) {
-      record_diverged(fmt::format("validation loss is {} at step {}", ts.val_losses.back().second,
-                                  ts.val_losses.back().first));
+      diverged = fmt::format("validation loss is {} at step {}", ts.val_losses.back().second,
+                             ts.val_losses.back().first);
     } else {
-      nlohmann::json res = make_result(r, rd);
+      try {
+        res = make_result(r, rd);
+      } catch (const TrainingDiverged& e) {
+        diverged = e.what();
+      }
+    }
+    if (!diverged.empty()) {
+      record_diverged(diverged);
+    } else {
       store.write_result(r.id, res);
       ++sum.trained;
       fmt::print("{}: val loss {:.4f} (best {:.4f}), {:.0f} tokens/s, MFU {:.1f}%, {}\n", tag,

@@ -40,7 +40,8 @@ struct SweepSummary {
 SweepSummary sweep(const SweepOptions& opt);
 
 // The shell commands for --list: `cd CWD && LADDER sweep SPEC --out DIR --only RUN`, absolute paths.
-std::vector<std::string> sweep_commands(const Plan& plan, const std::filesystem::path& out);
+std::vector<std::string> sweep_commands(const Plan& plan, const std::filesystem::path& out,
+                                        const std::vector<uint64_t>& seeds = {});
 
 // The result record of a finished run, from its plan entry and the trainer's metrics.jsonl.
 nlohmann::json make_result(const PlannedRun& run, const std::filesystem::path& run_dir);

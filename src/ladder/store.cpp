@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 #include "core/error.h"
 #include "core/fileio.h"
@@ -156,8 +158,22 @@ std::vector<nlohmann::json> ResultStore::all_results() const {
 RunLock::RunLock(const ResultStore& store, const std::string& id) {
   auto p = store.dir() / "locks" / (id + ".lock");
   fd_ = ::open(p.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd_ < 0) fail("{}: cannot create lock file", p.string());
-  held_ = ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
+  if (fd_ < 0) fail("{}: cannot create lock file: {}", p.string(), std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) {
+    held_ = true;
+    return;
+  }
+  // Only EWOULDBLOCK means another worker holds it. Any other error (a filesystem without flock:
+  // ENOLCK, ENOSYS, EINVAL) would otherwise read as "held" for every run, and a sweep would skip
+  // them all and report success.
+  const int err = errno;
+  if (err != EWOULDBLOCK) {
+    ::close(fd_);
+    fd_ = -1;
+    fail("{}: cannot lock: {} (the results directory must be on a filesystem with flock(2) locks, e.g. a "
+         "local disk, or NFS/Lustre mounted with locking)",
+         p.string(), std::strerror(err));
+  }
 }
 
 RunLock::~RunLock() {
