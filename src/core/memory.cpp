@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -70,28 +71,67 @@ class HostMemory final : public MemorySpace {
 
 }  // namespace
 
+std::optional<uint64_t> cgroup_memory_left(const std::string& sys_cgroup, const std::string& self_cgroup) {
+  namespace fs = std::filesystem;
+  // This process's cgroup, per hierarchy: "0::/path" (v2) or "N:...memory...:/path" (v1).
+  std::string v2_path, v1_path;
+  bool have_v2 = false, have_v1 = false;
+  std::istringstream lines(self_cgroup);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string id = line.substr(0, a), ctrls = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    if (id == "0" && ctrls.empty()) have_v2 = true, v2_path = path;
+    std::istringstream cs(ctrls);
+    for (std::string c; std::getline(cs, c, ',');)
+      if (c == "memory") have_v1 = true, v1_path = path;
+  }
+  // The limit that binds is the tightest of this cgroup's and its ancestors' (each level's limit
+  // less its usage, the inactive page cache not counted: the kernel drops it before it refuses
+  // memory). The walk goes from the process's own directory up to the mount's root; levels missing
+  // from this mount (a cgroup namespace shows its own cgroup as the root) are skipped.
+  const bool v1 = !(have_v2 && fs::exists(fs::path(sys_cgroup) / "cgroup.controllers"));
+  const fs::path root = v1 ? fs::path(sys_cgroup) / "memory" : fs::path(sys_cgroup);
+  const std::string rel = v1 ? (have_v1 ? v1_path : std::string()) : v2_path;
+  const char* max_file = v1 ? "memory.limit_in_bytes" : "memory.max";
+  const char* cur_file = v1 ? "memory.usage_in_bytes" : "memory.current";
+  const char* cache_key = v1 ? "total_inactive_file" : "inactive_file";
+  std::optional<uint64_t> left;
+  // A path outside the mount (a namespace's view of a cgroup above its root) starts at the root.
+  const fs::path rel_norm = fs::path(rel).relative_path().lexically_normal();
+  const bool outside = !rel_norm.empty() && *rel_norm.begin() == "..";
+  fs::path dir = outside ? root : (root / rel_norm).lexically_normal();
+  for (;;) {
+    uint64_t limit = 0, usage = 0;
+    if (read_bytes((dir / max_file).c_str(), limit) && limit < (uint64_t(1) << 60) &&  // v1's "none": ~2^63
+        read_bytes((dir / cur_file).c_str(), usage)) {
+      const uint64_t cache = stat_field((dir / "memory.stat").c_str(), cache_key).value_or(0);
+      usage = usage > cache ? usage - cache : 0;
+      const uint64_t l = limit > usage ? limit - usage : 0;
+      if (!left || l < *left) left = l;
+    }
+    if (dir == root || !dir.has_relative_path() || dir.parent_path() == dir) break;
+    const fs::path up = dir.parent_path();
+    if (up.native().size() < root.native().size()) break;
+    dir = up;
+  }
+  return left;
+}
+
 size_t host_available_bytes(const char** source) {
   const std::optional<uint64_t> avail_kib = stat_field("/proc/meminfo", "MemAvailable:");
   const uint64_t swap_kib = stat_field("/proc/meminfo", "SwapFree:").value_or(0);
   if (source) *source = "MemAvailable + SwapFree in /proc/meminfo";
   uint64_t avail = avail_kib ? (*avail_kib + swap_kib) * 1024 : UINT64_MAX;
-  // A container's limit: cgroup v2 first, then v1 (whose "no limit" is a value near 2^63). Its
-  // usage counts the page cache charged to it, which the kernel drops before it refuses memory: the
-  // inactive file pages are taken off (after a build or a data preparation they can fill the limit).
-  uint64_t limit = 0, usage = 0;
-  const bool v2 = read_bytes("/sys/fs/cgroup/memory.max", limit) && read_bytes("/sys/fs/cgroup/memory.current", usage);
-  const bool v1 = !v2 && read_bytes("/sys/fs/cgroup/memory/memory.limit_in_bytes", limit) &&
-                  limit < (uint64_t(1) << 60) && read_bytes("/sys/fs/cgroup/memory/memory.usage_in_bytes", usage);
-  if (v2 || v1) {
-    const uint64_t cache = stat_field(v2 ? "/sys/fs/cgroup/memory.stat" : "/sys/fs/cgroup/memory/memory.stat",
-                                      v2 ? "inactive_file" : "total_inactive_file")
-                               .value_or(0);
-    usage = usage > cache ? usage - cache : 0;
-    const uint64_t left = limit > usage ? limit - usage : 0;
-    if (left < avail) {
-      avail = left;
-      if (source) *source = "the cgroup's memory limit less its usage";
-    }
+  // A container's or a job's limit (cgroup v2 memory.max, v1 memory.limit_in_bytes), at this
+  // process's own cgroup and above (a batch scheduler's job cgroup sits below the mount's root).
+  std::ifstream f("/proc/self/cgroup");
+  std::stringstream self;
+  self << f.rdbuf();
+  const std::optional<uint64_t> left = cgroup_memory_left("/sys/fs/cgroup", self.str());
+  if (left && *left < avail) {
+    avail = *left;
+    if (source) *source = "the cgroup's memory limit less its usage";
   }
   return avail >= uint64_t(SIZE_MAX) ? SIZE_MAX : size_t(avail);
 }

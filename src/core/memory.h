@@ -5,6 +5,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
 
 namespace ladder {
 
@@ -39,5 +41,9 @@ MemorySpace& host_memory();
 // memory.max, v1 memory.limit_in_bytes) where one is set. SIZE_MAX where /proc/meminfo is missing.
 // `source` (optional) receives what the figure came from, for the error line.
 size_t host_available_bytes(const char** source = nullptr);
+// The cgroup part of it: the least (limit - usage + inactive page cache) over this process's
+// memory cgroup and its ancestors, read under `sys_cgroup` (/sys/fs/cgroup) from the text of
+// /proc/self/cgroup; v2 where the mount is unified, else v1's memory hierarchy. nullopt: no limit.
+std::optional<uint64_t> cgroup_memory_left(const std::string& sys_cgroup, const std::string& self_cgroup);
 
 }  // namespace ladder
