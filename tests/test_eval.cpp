@@ -75,6 +75,30 @@ TEST_F(EvalTest, ReproducesTheValLossTheRunLogged) {
   EXPECT_NE(t.loss, r6.loss);
 }
 
+// A run asking for more validation batches than the split holds evaluates the split's full batches,
+// each window once (it wrapped into the loader's next epoch and counted some windows twice before):
+// its logged loss is `ladder eval`'s default, every full batch.
+TEST_F(EvalTest, MoreEvalBatchesThanTheSplitHoldsReadEachWindowOnce) {
+  Config c = test::tiny_train_config(dir->path);
+  c.run.steps = 2;
+  c.run.ckpt_every = 2;
+  c.run.eval_every = 2;
+  const EvalResult probe = evaluate_checkpoint(dir->path / "run", EvalOptions{});
+  c.run.eval_batches = int(probe.batches) * 3 + 1;  // three epochs' worth and more
+  const fs::path run = dir->path / "run-over";
+  test::train_quietly(c, run);
+  double logged = NAN;
+  std::ifstream f(run / "metrics.jsonl");
+  for (std::string line; std::getline(f, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("val_loss") && j["step"] == 2) logged = j["val_loss"].get<double>();
+  }
+  const EvalResult all = evaluate_checkpoint(run, EvalOptions{});
+  EXPECT_EQ(all.step, 2);
+  EXPECT_EQ(all.batches, probe.batches);
+  EXPECT_EQ(all.loss, logged);
+}
+
 TEST_F(EvalTest, BitsPerByteCountTheTextTheTargetsStandFor) {
   const data::Tokenizer tok = data::Tokenizer::load(dir->path / "data" / "tokenizer.model");
   // Pieces with spaces, byte-fallback characters (none of these letters is in the word salad), new

@@ -107,7 +107,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(run, grad_accum, "micro-batches per optimizer step"),
       LADDER_FIELD(run, seed, "seed of initialization and data order"),
       LADDER_FIELD(run, eval_every, "validation every N steps (and at the end); 0 = only at the end"),
-      LADDER_FIELD(run, eval_batches, "validation batches per evaluation"),
+      LADDER_FIELD(run, eval_batches, "validation batches per evaluation (at most the val split's full batches: each window once)"),
       LADDER_FIELD(run, ckpt_every, "checkpoint every N steps (and at the end); 0 = only at the end"),
       LADDER_FIELD(run, keep_checkpoints, "how many most recent checkpoints to keep"),
       LADDER_FIELD(run, shard_optimizer, "data parallel (mpirun -np R): each rank keeps the optimizer state of, and updates, about 1/R of the tensors: the gradients are reduce-scattered (each rank gets its tensors' sums) and each rank sends its updated weights to the others (ZeRO stage 1): the optimizer state's memory per rank drops up to R-fold (whole tensors per rank, so the largest tensor's state is a floor; the start prints the largest share) for about the traffic of the unsharded gradient allreduce; the unsharded run's results (bit for bit on the CPU with 2 ranks, tested; with more ranks the reduce may add the ranks in another order than the allreduce, and on cuda Muon's batched Newton-Schulz runs over other batches, whose GEMM algorithms may differ: the same within the last bits) and the same checkpoint files, resumable with or without it (docs/data-parallel.md). A single process ignores it"),

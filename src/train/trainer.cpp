@@ -343,6 +343,24 @@ TrainSummary train(const TrainOptions& opt) {
   // to its start): a sample spread over the whole split rather than its first documents.
   data::DataLoader val_loader(data_dir, "val", cfg.model.seq_len, rc.batch_size, data::kValidationSeed, true, rank,
                               world);
+  // An evaluation reads each validation window at most once: a request for more batches than the
+  // split holds would wrap into the loader's next epoch and weigh some windows twice. It reads the
+  // whole split's full batches instead (what `ladder eval` reads by default), and says so.
+  int eval_batches = rc.eval_batches;
+  if (eval_batches > 0) {
+    const int64_t full = int64_t(val_loader.n_windows()) / rc.batch_size;
+    if (full == 0)
+      fail("{}: the val split has {} windows of {} tokens, fewer than one batch of run.batch_size {} (run.eval_batches "
+           "{}): prepare more validation text (ladder data --val-fraction) or set run.eval_batches: 0",
+           data_dir.string(), val_loader.n_windows(), cfg.model.seq_len, rc.batch_size, rc.eval_batches);
+    if (eval_batches > full) {
+      if (rank == 0 && !opt.quiet)
+        fmt::print("note: run.eval_batches {} x run.batch_size {} is more than the val split's {} windows of {} tokens "
+                   "({}): evaluating its {} full batch(es)\n",
+                   eval_batches, rc.batch_size, val_loader.n_windows(), cfg.model.seq_len, data_dir.string(), full);
+      eval_batches = int(full);
+    }
+  }
 
   int64_t start_step = 0, tokens_seen = 0;
   double elapsed_prev = 0;
@@ -438,12 +456,12 @@ TrainSummary train(const TrainOptions& opt) {
   std::vector<double> rates, mfus;
 
   auto evaluate = [&](int64_t step) {
-    if (rc.eval_batches == 0) return;
+    if (eval_batches == 0) return;
     val_loader.reset();
     // The same eval_batches batches as one process, shared out: the loader's batch b on rank r is
     // the subset's batch b*world + r, so rank r takes those below eval_batches.
     double sums[2] = {0, 0};  // cross-entropy, tokens
-    const int mine = (rc.eval_batches - rank + world - 1) / world;
+    const int mine = (eval_batches - rank + world - 1) / world;
     for (int b = 0; b < mine; ++b) {
       val_loader.next(inputs.data(), targets.data());
       LossSums s = model.forward_loss(inputs.data(), targets.data());
