@@ -386,8 +386,16 @@ TEST_F(CheckpointTest, ADamagedNewestCheckpointNamesTheOlderOne) {
   run(c, r, false, 7);  // checkpoints at steps 3 and 6
   const fs::path newest = checkpoint_dir(r, 6), older = checkpoint_dir(r, 3);
   ASSERT_TRUE(fs::exists(older / "state.json"));
-  fs::resize_file(newest / "model.safetensors", 1000);
+  // A truncated state.json too (read before the weights; it gave no hint before).
+  const std::string state = read_file(newest / "state.json");
+  fs::resize_file(newest / "state.json", 40);
   std::string e = error_of([&] { run(c, r, true); });
+  EXPECT_HAS(e, (newest / "state.json").string() + ": corrupt checkpoint state");
+  EXPECT_HAS(e, "(the older checkpoint " + older.string() + " is complete: move " + newest.string() +
+                    " aside to resume from it)");
+  write_file_atomic(newest / "state.json", state);
+  fs::resize_file(newest / "model.safetensors", 1000);
+  e = error_of([&] { run(c, r, true); });
   EXPECT_HAS(e, (newest / "model.safetensors").string());
   EXPECT_HAS(e, "(the older checkpoint " + older.string() + " is complete: move " + newest.string() +
                     " aside to resume from it)");

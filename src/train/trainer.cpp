@@ -365,15 +365,26 @@ TrainSummary train(const TrainOptions& opt) {
   int64_t start_step = 0, tokens_seen = 0;
   double elapsed_prev = 0;
   if (opt.resume && latest) {
-    CheckpointState st = read_checkpoint_state(*latest);
+    // A damaged newest checkpoint (a truncated copy, a bad disk): say where to go back to. Not for
+    // check_resume_compatible's refusals (another config), which an older checkpoint shares.
+    const auto with_fallback = [&](const Error& e) {
+      if (auto prev = previous_checkpoint(*latest))
+        fail("{} (the older checkpoint {} is complete: move {} aside to resume from it)", e.what(), prev->string(),
+             latest->string());
+    };
+    CheckpointState st;
+    try {
+      st = read_checkpoint_state(*latest);
+    } catch (const Error& e) {
+      with_fallback(e);
+      throw;
+    }
     check_resume_compatible(cfg, st.config, *latest, world, st.world, /*say=*/rank == 0);
     try {
       load_checkpoint_weights(*latest, model, optimizer.get());
       train_loader.restore(st.loader, fmt::format("{}, field 'loader'", (*latest / "state.json").string()));
-    } catch (const Error& e) {  // a damaged newest checkpoint (a truncated copy, a bad disk): say where to go back to
-      if (auto prev = previous_checkpoint(*latest))
-        fail("{} (the older checkpoint {} is complete: move {} aside to resume from it)", e.what(), prev->string(),
-             latest->string());
+    } catch (const Error& e) {
+      with_fallback(e);
       throw;
     }
     start_step = st.step;
