@@ -525,6 +525,8 @@ TEST(AttnSwitchConfig, BadInputGivesOneClearError) {
   check([](ModelConfig& m) { m.pko = true, m.long_every = 4, m.window = 8; }, {"model.pko", "model.half_rope"});
   check([](ModelConfig& m) { m.half_rope = true, m.pko = true, m.long_every = 3, m.window = 8; },
         {"model.pko", "layer 3 is short", "model.last_layer_long"});
+  check([](ModelConfig& m) { m.half_rope = true, m.pko = true, m.long_every = 4, m.window = 8, m.qk_norm = false; },
+        {"model.pko", "model.qk_norm: true"});
   check([](ModelConfig& m) { m.gated_norm_rank = -1; }, {"model.gated_norm_rank"});
   check([](ModelConfig& m) { m.q_scale = 0; }, {"model.q_scale"});
   // The document-start rule with no end-of-document token.

@@ -138,6 +138,9 @@ TEST(ConfigInput, RecipeNumbersOutOfRangeNameTheField) {
       {"run.batch_size", [](Config& c) { c.run.batch_size = 100000, c.model.seq_len = 100000; }, "2^31 - 1"},
       {"model.moe_top_k", [](Config& c) { c.model.moe_experts = 8, c.model.moe_top_k = 4,
                                             c.run.batch_size = 1 << 20, c.model.seq_len = 1024; }, "2^31 - 1"},
+      // Every token to every expert: an explicit quantile balancing has nothing to do.
+      {"model.moe_balance", [](Config& c) { c.model.moe_experts = 4, c.model.moe_top_k = 4,
+                                              c.model.moe_balance = "quantile"; }, "nothing to balance"},
   };
   for (auto& [key, set, why] : bad) {
     Config c = small();
@@ -154,6 +157,7 @@ TEST(ConfigInput, RecipeNumbersOutOfRangeNameTheField) {
       [](Config& c) { c.optim.eps = 1e-30; },
       [](Config& c) { c.schedule.type = "wsd", c.schedule.warmup = 100, c.schedule.decay_frac = 0.9; },
       [](Config& c) { c.run.batch_size = 1 << 20, c.model.seq_len = 2047; },  // 2^31 - 2^20 tokens
+      [](Config& c) { c.model.moe_experts = 4, c.model.moe_top_k = 4; },  // auto balancing: none to do
   };
   for (auto& set : good) {
     Config c = small();

@@ -519,6 +519,16 @@ TEST(Optim, BadGroupConfigurationsGiveOneClearLine) {
   expect_error([&] { make_optimizer(oc, hm.params, *be); }, {"optim.adam_lr", "'fast'"});
   oc.adam_lr = "auto";
   expect_error([&] { make_optimizer(oc, hm.params, *be); }, {"optim.adam_lr", "run's size"});
+  // A hyperball lr is a step relative to ||W0||: 1 or more is refused, naming where it came from.
+  oc = preset("muonh");
+  oc.muonh_lr = "1.5";
+  expect_error([&] { make_optimizer(oc, hm.params, *be); }, {"optim.muonh_lr", "muonh groups' lr is 1.5", "< 1"});
+  oc = preset("adamh");
+  oc.adamh_lr = "";
+  oc.lr = 2;
+  expect_error([&] { make_optimizer(oc, hm.params, *be); }, {"optim.lr", "adamh groups' lr is 2", "< 1"});
+  oc.lr = 0.5;
+  EXPECT_NO_THROW(make_optimizer(oc, hm.params, *be));
   // A zero-initialized matrix cannot live on a sphere of radius 0.
   oc = preset("muonh");
   Param& q = hm.param("model.layers.0.self_attn.q_proj.weight");

@@ -58,7 +58,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(model, moe_layers, "MoE: which layers get a MoE block: all, or comma-separated indices (e.g. \"1,3\")"),
       LADDER_FIELD(model, moe_combine, "MoE combine weights: sigmoid (V1, unnormalized) | normalized (scale*sig/sum over top-K)"),
       LADDER_FIELD(model, moe_route_scale, "MoE: factor of the normalized combine weights (recipe 2.5)"),
-      LADDER_FIELD(model, moe_balance, "MoE selection-bias balancing: auto (= quantile when MoE is on) | quantile | none"),
+      LADDER_FIELD(model, moe_balance, "MoE selection-bias balancing: auto (= quantile when MoE is on and moe_top_k < moe_experts) | quantile | none"),
       LADDER_FIELD(model, router_z_loss, "router z-loss coefficient, mean over tokens and MoE layers (0 = off; recipe 1e-3)"),
       LADDER_FIELD(model, half_rope, "RoPE on head dims [0, hd/2) only (hd/4 frequencies, rotate-half pairs); [hd/2, hd) carry no position. Needs head_dim % 4 == 0 (PKO rung: with rope_theta 1e4)"),
       LADDER_FIELD(model, qk_norm_gain, "with qk_norm: true = learned gain per head dim (dense baseline); false = non-parametric RMSNorm (recipe V1)"),
@@ -327,6 +327,10 @@ void validate_moe(const Config& c, const std::string& where) {
   if (m.moe_top_k < 1) fail("{}: model.moe_top_k must be >= 1, got {}", where, m.moe_top_k);
   if (m.moe_top_k > m.moe_experts)
     fail("{}: model.moe_top_k ({}) must be <= model.moe_experts ({})", where, m.moe_top_k, m.moe_experts);
+  if (m.moe_balance == "quantile" && m.moe_top_k == m.moe_experts)
+    fail("{}: model.moe_balance is 'quantile' but model.moe_top_k = model.moe_experts = {}: every token goes to every "
+         "expert, there is nothing to balance (set model.moe_balance: none)",
+         where, m.moe_experts);
   if (m.moe_expert_ff < 0) fail("{}: model.moe_expert_ff must be >= 0 (0 = ceil(d/2/128)*128), got {}", where, m.moe_expert_ff);
   if (m.moe_shared_ff < 0) fail("{}: model.moe_shared_ff must be >= 0 (0 = d_model), got {}", where, m.moe_shared_ff);
   // One expert matrix is indexed with int offsets by the kernels.
@@ -406,6 +410,9 @@ void validate_attention_switches(const ModelConfig& m, const std::string& where)
   if (m.pko) {
     if (!m.half_rope)
       fail("{}: model.pko shifts the RoPE-free half of each key, which needs model.half_rope: true", where);
+    // RECIPE.md's PKO: shift, "then non-parametric RMSNorm on q and k over all hd dims", then RoPE.
+    if (!m.qk_norm)
+      fail("{}: model.pko normalizes q and k after the shift (RECIPE.md), which needs model.qk_norm: true", where);
     bool any_long = false;
     for (int l = 0; l < m.n_layers; ++l) any_long = any_long || m.is_long_layer(l);
     if (!any_long)

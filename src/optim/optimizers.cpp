@@ -518,6 +518,13 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
       g.lr_from = lr.from;
       g.lr_mult = p.role == Role::Embedding ? oc.embed_lr_mult : 1.0;
       g.weight_decay = k == Kind::AdamW && decayed(p.role) ? oc.weight_decay : 0.0;
+      // A hyperball lr is an angle-like step relative to ||W0||: at 1 or more one step can take a
+      // matrix to (or through) the origin, where the rescale to the sphere divides by ~0.
+      if ((k == Kind::AdamH || k == Kind::MuonH) && !(g.lr * g.lr_mult < 1))
+        fail("{} ({}): the {} groups' lr is {}, a relative step on the hyperball: it must be < 1 (the recipe's are "
+             "<= 0.05)",
+             g.lr_from, g.lr_mult != 1 ? fmt::format("x optim.embed_lr_mult {}", g.lr_mult) : "peak", g.optimizer,
+             g.lr * g.lr_mult);
       it = index.emplace(name, groups.size()).first;
       groups.push_back(std::move(g));
     }
