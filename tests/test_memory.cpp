@@ -55,6 +55,7 @@ TEST_F(CgroupTree, V2TakesTheTightestLevelFromTheProcesssOwnCgroupUp) {
   v2("slurm/job_7", std::to_string(16 * GiB), 10 * GiB, 3 * GiB);  // 16 - (10 - 3) = 9 GiB left
   v2("slurm/job_7/step_0", "max", 9 * GiB);
   EXPECT_EQ(cgroup_memory_left(root_.string(), "0::/slurm/job_7/step_0\n"), 9 * GiB);
+  EXPECT_EQ(cgroup_memory_left(root_.string(), "0::/slurm/./job_7/step_0/\n"), 9 * GiB);  // written loosely
   // The root cgroup alone (no limit anywhere on the path): none.
   EXPECT_EQ(cgroup_memory_left(root_.string(), "0::/\n"), std::nullopt);
   // A level whose usage is over its limit leaves 0, not a wrapped-around huge number.

@@ -96,12 +96,13 @@ std::optional<uint64_t> cgroup_memory_left(const std::string& sys_cgroup, const 
   const char* max_file = v1 ? "memory.limit_in_bytes" : "memory.max";
   const char* cur_file = v1 ? "memory.usage_in_bytes" : "memory.current";
   const char* cache_key = v1 ? "total_inactive_file" : "inactive_file";
+  // The process's directory under the mount: its path normalized, without a trailing slash; a
+  // path outside the mount (a namespace's view of a cgroup above its root) starts at the root.
+  fs::path rel_norm = fs::path(rel).relative_path().lexically_normal();
+  if (!rel_norm.empty() && rel_norm.filename().empty()) rel_norm = rel_norm.parent_path();
+  const bool at_root = rel_norm.empty() || rel_norm == "." || *rel_norm.begin() == "..";
   std::optional<uint64_t> left;
-  // A path outside the mount (a namespace's view of a cgroup above its root) starts at the root.
-  const fs::path rel_norm = fs::path(rel).relative_path().lexically_normal();
-  const bool outside = !rel_norm.empty() && *rel_norm.begin() == "..";
-  fs::path dir = outside ? root : (root / rel_norm).lexically_normal();
-  for (;;) {
+  for (fs::path dir = at_root ? root : root / rel_norm;; dir = dir.parent_path()) {
     uint64_t limit = 0, usage = 0;
     if (read_bytes((dir / max_file).c_str(), limit) && limit < (uint64_t(1) << 60) &&  // v1's "none": ~2^63
         read_bytes((dir / cur_file).c_str(), usage)) {
@@ -110,10 +111,7 @@ std::optional<uint64_t> cgroup_memory_left(const std::string& sys_cgroup, const 
       const uint64_t l = limit > usage ? limit - usage : 0;
       if (!left || l < *left) left = l;
     }
-    if (dir == root || !dir.has_relative_path() || dir.parent_path() == dir) break;
-    const fs::path up = dir.parent_path();
-    if (up.native().size() < root.native().size()) break;
-    dir = up;
+    if (dir == root || dir == dir.parent_path()) break;  // below the root by construction: its parents lead there
   }
   return left;
 }

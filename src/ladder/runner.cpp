@@ -7,6 +7,7 @@
 #include <cmath>
 #include <ctime>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "backend/backend.h"
@@ -138,8 +139,7 @@ nlohmann::json make_result(const PlannedRun& r, const fs::path& run_dir) {
     if (j.contains("val_loss") && j["val_loss"].is_number()) val_curve.push_back({j["step"], j["tokens"], j["val_loss"]});
   });
   // A non-finite validation loss is logged as null; dropping it would leave an earlier evaluation
-  // standing as the run's final loss (a run completed by an earlier worker reaches here without the
-  // trainer's own check).
+  // standing as the run's final loss.
   if (!last_val_finite)
     throw TrainingDiverged(fmt::format("validation loss is not finite at step {} ({})", int64_t(last_val_step),
                                        log.string()));
@@ -291,30 +291,22 @@ SweepSummary sweep(const SweepOptions& opt) {
       fmt::print("{}: interrupted at step {}; run the sweep again to resume\n", tag, ts.end_step);
       return sum;
     }
-    // The trainer checks the training loss only; a non-finite final validation loss (logged as null)
-    // would leave an earlier evaluation standing as the run's final loss. make_result checks the
-    // log too (a run completed by a killed worker comes back here with no val_losses).
-    nlohmann::json res;
-    std::string diverged;
-    if (!ts.val_losses.empty() && !std::isfinite(ts.val_losses.back().second)) {
-      diverged = fmt::format("validation loss is {} at step {}", ts.val_losses.back().second,
-                             ts.val_losses.back().first);
-    } else {
-      try {
-        res = make_result(r, rd);
-      } catch (const TrainingDiverged& e) {
-        diverged = e.what();
-      }
+    // The trainer checks the training loss only. make_result reads the run's log, where a non-finite
+    // validation loss is null: a last one makes the run diverged, whether this worker trained it or
+    // found it complete (killed before its result was stored).
+    std::optional<nlohmann::json> res;
+    try {
+      res = make_result(r, rd);
+    } catch (const TrainingDiverged& e) {
+      record_diverged(e.what());
     }
-    if (!diverged.empty()) {
-      record_diverged(diverged);
-    } else {
-      store.write_result(r.id, res);
+    if (res) {
+      store.write_result(r.id, *res);
       ++sum.trained;
       fmt::print("{}: val loss {:.4f} (best {:.4f}), {:.0f} tokens/s, MFU {:.1f}%, {}\n", tag,
-                 res["final_val_loss"].get<double>(), res["best_val_loss"].get<double>(),
-                 res["tokens_per_s"].get<double>(), 100 * res["mfu"].get<double>(),
-                 format_duration(res["wall_s"].get<double>()));
+                 (*res)["final_val_loss"].get<double>(), (*res)["best_val_loss"].get<double>(),
+                 (*res)["tokens_per_s"].get<double>(), 100 * (*res)["mfu"].get<double>(),
+                 format_duration((*res)["wall_s"].get<double>()));
       std::fflush(stdout);
     }
     // A stop signal during the run's last step, final evaluation or final checkpoint: the run
