@@ -140,6 +140,11 @@ TEST_F(CheckpointTest, ResumeWarnsOncePerChangedOptimizerOrScheduleSetting) {
   d.schedule.type = "cosine";
   d.run.steps = 8;
   d.run.log_every = 2;  // not a trajectory setting: no warning
+  // A run trained on a GPU in bf16, continued on the CPU: the arithmetic changes from here on.
+  edit_json(checkpoint_dir(r, 3) / "state.json", [](nlohmann::json& j) {
+    j["config"]["run"]["device"] = "cuda";
+    j["config"]["run"]["precision"] = "bf16";
+  });
   ::testing::internal::CaptureStderr();
   TrainSummary s = run(d, r, true);
   std::string err = ::testing::internal::GetCapturedStderr();
@@ -147,8 +152,10 @@ TEST_F(CheckpointTest, ResumeWarnsOncePerChangedOptimizerOrScheduleSetting) {
   EXPECT_EQ(s.end_step, 8);
   int lines = 0;
   for (size_t p = 0; (p = err.find("warning: ", p)) != std::string::npos; ++p) ++lines;
-  EXPECT_EQ(lines, 4) << err;
-  for (const char* f : {"optim.lr = 0.001 ", "optim.weight_decay = 0.05 ", "schedule.type = \"cosine\" ", "run.steps = 8 "})
+  EXPECT_EQ(lines, 6) << err;
+  for (const char* f : {"optim.lr = 0.001 ", "optim.weight_decay = 0.05 ", "schedule.type = \"cosine\" ", "run.steps = 8 ",
+                        "run.device = \"cpu\" but the checkpoint", "trained with \"cuda\"",
+                        "run.precision = \"fp32\" but the checkpoint", "trained with \"bf16\""})
     EXPECT_HAS(err, f);
   EXPECT_HAS(err, "trained with 0.005: the continuation is not the uninterrupted run's");
   // An unchanged resume warns about nothing.

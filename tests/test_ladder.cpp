@@ -1410,6 +1410,64 @@ TEST_F(LadderSweepTest, IncompatibleOrChangedResultsDirectoryIsRefusedBeforeTrai
   }
 }
 
+// Defect: a run's data was known by its path alone (data.path, in the config hash): prepared again
+// from another corpus at the same path, a sweep counted the runs trained on the old data as done and
+// the report fitted them with the new ones.
+TEST_F(LadderSweepTest, DataPreparedAgainAtTheSamePathIsNotTakenForTheOldData) {
+  auto has = [](const std::string& text, const std::string& part) {
+    EXPECT_NE(text.find(part), std::string::npos) << "expected '" << part << "' in: " << text;
+  };
+  const fs::path d2 = dir->path / "data2";
+  fs::create_directories(d2);
+  test::make_word_salad_data(d2, 200, 21);  // d2/data
+  const fs::path s = spec("data2", fmt::format(R"(set: {{data.path: {}}}
+scales:
+  rules: {{head_dim: 16, kv_ratio: 1, checkpoints: 2, evals: 2}}
+  list: [{{d: 32, steps: 4, batch_size: 4}}]
+seeds: [1]
+variants:
+  dense: {{}}
+  wide: {{baseline: dense, set: {{model.d_ff: 6*d}}}}
+)",
+                                                  (d2 / "data").string()));
+  const fs::path out = dir->path / "out-data2";
+  run_sweep(s, out, [](const PlannedRun& r) { return r.id == "wide-d32-s1" ? 2 : -1; });  // one result, one started
+  const std::string old_id = data_identity(d2 / "data");
+  has(old_id, "vocab 320 ");
+  EXPECT_EQ(results(out).at("dense-d32-s1").value("data", ""), old_id);
+  EXPECT_EQ(nlohmann::json::parse(read_file(out / "runs" / "wide-d32-s1" / "planned.json")).value("data", ""), old_id);
+  EXPECT_EQ(nlohmann::json::parse(read_file(out / "ladder.json"))["data"]["dense-d32-s1"], old_id);
+
+  // The report leaves out a result whose data is not the plan's.
+  const fs::path rf = out / "results" / "dense-d32-s1.json";
+  const std::string result_text = read_file(rf);
+  auto edited = nlohmann::json::parse(result_text);
+  edited["data"] = "tok0000000000000000 vocab 320 eod 2 train 1 val 1";
+  write_text(rf, edited.dump());
+  ReportOptions ro;
+  ro.dir = out;
+  has(test::error_of([&] { write_report(ro); }), "dense-d32-s1 (trained on other data)");
+  write_text(rf, result_text);
+
+  // Another corpus prepared at the same path: the config hashes are unchanged, the data is not.
+  test::make_word_salad_data(d2, 200, 22);
+  const std::string new_id = data_identity(d2 / "data");
+  ASSERT_NE(new_id, old_id);
+  const std::string manifest_before = read_file(out / "ladder.json");
+  std::string e = test::error_of([&] { run_sweep(s, out); });
+  has(e, rf.string() + ": run dense-d32-s1 was trained on other data (" + old_id + "; ");
+  has(e, (d2 / "data").string() + " now holds " + new_id + "); use another --out directory or delete that run");
+  EXPECT_EQ(read_file(out / "ladder.json"), manifest_before) << "refused before the plan was rewritten";
+  fs::remove(rf);
+  fs::remove_all(out / "runs" / "dense-d32-s1");
+  e = test::error_of([&] { run_sweep(s, out); });
+  has(e, "planned.json: run wide-d32-s1 was started on other data (" + old_id);
+  // Without the old runs the sweep trains on the new data and records it.
+  fs::remove_all(out / "runs" / "wide-d32-s1");
+  run_sweep(s, out);
+  for (auto& [id, j] : results(out)) EXPECT_EQ(j.value("data", ""), new_id) << id;
+}
+
 TEST_F(LadderSweepTest, PendingVariantsAreCheckedAndListedNotRun) {
   Plan p = make_plan(load_spec(spec("pending", R"(scales:
   rules: {head_dim: 16}

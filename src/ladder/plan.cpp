@@ -6,6 +6,7 @@
 #include <regex>
 
 #include "core/error.h"
+#include "data/loader.h"
 #include "model/flops.h"
 #include "train/machine.h"
 #include "train/metrics.h"
@@ -16,6 +17,12 @@ namespace ladder {
 std::string config_hash(const Config& cfg) {
   std::string s = to_json(cfg).dump();  // keys sorted: the hash does not depend on schema order
   return fmt::format("{:016x}", XXH64(s.data(), s.size(), 0));
+}
+
+std::string data_identity(const std::filesystem::path& data_dir) {
+  const data::DataMeta m = data::read_meta(data_dir);
+  return fmt::format("tok{:016x} vocab {} eod {} train {} val {}", m.tokenizer_hash, m.vocab_size, m.eod_id,
+                     m.train_tokens, m.val_tokens);
 }
 
 namespace {
@@ -136,6 +143,7 @@ Plan make_plan(const LadderSpec& spec, double peak) {
       } catch (const Error& e) {
         fail("{}:{}: variant '{}' at scale d={}: {}", sf, v.line, v.name, s.d, e.what());
       }
+      const std::string data_id = data_identity(cv.data.path);  // read (and checked) by resolve_data just now
       // A ladder's result is the final validation loss: without evaluations a run would train to
       // its end and then have nothing to record (found before training, not after).
       if (cv.run.eval_batches <= 0)
@@ -154,6 +162,7 @@ Plan make_plan(const LadderSpec& spec, double peak) {
         r.cfg.source = fmt::format("{} ({} d={} seed={})", sf, v.name, s.d, seed);
         r.id = fmt::format("{}-d{}-s{}", v.name, s.d, seed);
         r.config_hash = config_hash(r.cfg);
+        r.data_id = data_id;
         const auto& rc = r.cfg.run;
         r.tokens = rc.steps * int64_t(rc.batch_size) * rc.grad_accum * r.cfg.model.seq_len;
         r.compute = run_compute(r.cfg.model, double(r.tokens));

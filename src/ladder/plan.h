@@ -3,6 +3,7 @@
 // here, before any training starts.
 #pragma once
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@ struct PlannedRun {
   uint64_t seed = 0;
   Config cfg;            // resolved (vocab_size from the data directory)
   std::string config_hash;  // XXH64 of the resolved config's JSON
+  std::string data_id;      // what the data directory holds (data_identity): the config names only its path
   int64_t tokens = 0;    // steps * tokens per step
   double compute = 0;    // C = 3 * forward FLOPs without the LM head * tokens (the ladder's x axis)
   double flops_with_head = 0;  // what MFU uses
@@ -40,6 +42,12 @@ struct Plan {
     for (auto& r : runs) h[r.id] = r.config_hash;
     return h;
   }
+  // Run id -> data identity for every run (ladder.json's "data").
+  std::map<std::string, std::string> data_ids() const {
+    std::map<std::string, std::string> h;
+    for (auto& r : runs) h[r.id] = r.data_id;
+    return h;
+  }
 };
 
 // Resolves every run. `peak_gflops` <= 0: measured (cached per host). Errors name the spec file,
@@ -49,5 +57,10 @@ Plan make_plan(const LadderSpec& spec, double peak_gflops = 0);
 std::string format_plan(const Plan& plan);
 // Hash of a resolved config.
 std::string config_hash(const Config& cfg);
+// What a prepared data directory holds, from its meta.json: the tokenizer's hash, the vocabulary,
+// the end-of-document token and each split's token count ("tok<hash> vocab V eod E train N val M").
+// A directory prepared again from another corpus keeps its path, and so every run config's hash:
+// this is what tells a sweep (and the report) that its stored results were trained on other data.
+std::string data_identity(const std::filesystem::path& data_dir);
 
 }  // namespace ladder

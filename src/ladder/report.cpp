@@ -886,11 +886,18 @@ std::string write_report(const ReportOptions& opt) {
   std::vector<std::string> excluded;
   if (manifest.contains("runs") && manifest["runs"].is_object()) {
     const auto& planned = manifest["runs"];
+    // The data each run of the plan reads (ladder.json's "data"; absent in directories and results
+    // from before it was recorded, which are kept).
+    const nlohmann::json data = manifest.contains("data") && manifest["data"].is_object() ? manifest["data"]
+                                                                                          : nlohmann::json::object();
     std::erase_if(results, [&](const nlohmann::json& x) {
       const std::string id = x.value("run", "");
-      const bool keep = planned.contains(id) && planned[id] == x.value("config_hash", "");
-      if (!keep) excluded.push_back(id + (planned.contains(id) ? " (made with another config)" : " (not in the plan)"));
-      return !keep;
+      std::string why;
+      if (!planned.contains(id)) why = " (not in the plan)";
+      else if (planned[id] != x.value("config_hash", "")) why = " (made with another config)";
+      else if (x.contains("data") && data.contains(id) && data[id] != x["data"]) why = " (trained on other data)";
+      if (!why.empty()) excluded.push_back(id + why);
+      return !why.empty();
     });
     if (results.empty())
       fail("{}: none of the {} stored results belongs to the current plan of {} ({}); run `ladder sweep` first",

@@ -109,6 +109,7 @@ nlohmann::json result_of(const PlannedRun& r, const char* status) {
           {"scale", r.scale},
           {"config", to_json(r.cfg)},
           {"config_hash", r.config_hash},
+          {"data", r.data_id},
           {"revision", code_revision()},
           {"tokens", r.tokens},
           {"compute", r.compute},
@@ -197,11 +198,24 @@ SweepSummary sweep(const SweepOptions& opt) {
   store.check_owner(spec);
   // A directory from an earlier version of the spec: refuse before training anything, and before
   // ladder.json is rewritten (the report would otherwise read the refused plan as current).
+  // Data prepared again at the same path leaves every config hash as it was: the data's identity is
+  // compared too (results and runs from before it was recorded have none and pass).
+  auto other_data = [&](const nlohmann::json& j, const PlannedRun& r) {
+    return j.contains("data") && j["data"] != r.data_id;
+  };
+  auto data_fail = [&](const fs::path& file, const PlannedRun& r, const char* did, const nlohmann::json& j) {
+    fail("{}: run {} was {} on other data ({}; {} now holds {}); use another --out directory or delete that run",
+         file.string(), r.id, did, j["data"].is_string() ? j["data"].get<std::string>() : j["data"].dump(),
+         r.cfg.data.path, r.data_id);
+  };
   for (auto& r : plan.runs) {
-    if (auto res = store.read_result(r.id); res && res->value("config_hash", "") != r.config_hash)
-      fail("{}: run {} was made with another config (hash {}, the spec now gives {}); use another --out directory or "
-           "delete that run",
-           store.result_path(r.id).string(), r.id, res->value("config_hash", ""), r.config_hash);
+    if (auto res = store.read_result(r.id); res) {
+      if (res->value("config_hash", "") != r.config_hash)
+        fail("{}: run {} was made with another config (hash {}, the spec now gives {}); use another --out directory "
+             "or delete that run",
+             store.result_path(r.id).string(), r.id, res->value("config_hash", ""), r.config_hash);
+      if (other_data(*res, r)) data_fail(store.result_path(r.id), r, "trained", *res);
+    }
     auto planned = store.run_dir(r.id) / "planned.json";
     if (fs::exists(planned)) {
       auto j = nlohmann::json::parse(read_file(planned), nullptr, false);
@@ -209,9 +223,10 @@ SweepSummary sweep(const SweepOptions& opt) {
         fail("{}: run {} was started with another config (hash {}, the spec now gives {}); use another --out "
              "directory or delete that run",
              planned.string(), r.id, j.is_object() ? j.value("config_hash", "") : "?", r.config_hash);
+      if (other_data(j, r)) data_fail(planned, r, "started", j);
     }
   }
-  store.open_for_sweep(spec, planned_hashes);
+  store.open_for_sweep(spec, planned_hashes, plan.data_ids());
   if (opt.list) {
     for (auto& c : sweep_commands(plan, opt.out, opt.seeds)) fmt::print("{}\n", c);
     return sum;
@@ -251,7 +266,7 @@ SweepSummary sweep(const SweepOptions& opt) {
     const fs::path rd = store.run_dir(r.id);
     fs::create_directories(rd);
     if (!fs::exists(rd / "planned.json"))
-      write_file_atomic(rd / "planned.json", nlohmann::json{{"config_hash", r.config_hash}, {"run", r.id}}.dump() + "\n");
+      write_file_atomic(rd / "planned.json", nlohmann::json{{"config_hash", r.config_hash}, {"data", r.data_id}, {"run", r.id}}.dump() + "\n");
     fmt::print("{}: training {} steps x {} sequences, {} tokens, C={} (est {})\n", tag, r.cfg.run.steps,
                r.cfg.run.batch_size, human_count(double(r.tokens)), human_count(r.compute),
                format_duration(r.est_seconds));

@@ -63,7 +63,7 @@ void check_result_fields(const nlohmann::json& j, const fs::path& file) {
   need("final_val_loss", "a number", num, finished);
   need("tokens_per_s", "a number", num, finished);
   for (const char* k : {"tokens", "flops_with_head", "best_val_loss", "mfu", "wall_s"}) need(k, "a number", num, false);
-  for (const char* k : {"baseline", "host", "revision", "error"}) need(k, "a string", str, false);
+  for (const char* k : {"baseline", "host", "revision", "error", "data"}) need(k, "a string", str, false);
   need("stacks", "an array of strings", strings, false);
 }
 
@@ -90,7 +90,8 @@ void ResultStore::check_owner(const LadderSpec& spec) const {
   }
 }
 
-void ResultStore::open_for_sweep(const LadderSpec& spec, const std::map<std::string, std::string>& planned_hashes) {
+void ResultStore::open_for_sweep(const LadderSpec& spec, const std::map<std::string, std::string>& planned_hashes,
+                                 const std::map<std::string, std::string>& planned_data) {
   check_owner(spec);
   const fs::path m = dir_ / "ladder.json";
   fs::create_directories(dir_ / "results");
@@ -115,7 +116,8 @@ void ResultStore::open_for_sweep(const LadderSpec& spec, const std::map<std::str
                          return l;
                        }()},
                       {"report", {{"E", spec.report.E}, {"alpha", spec.report.alpha}}},
-                      {"runs", planned_hashes}};
+                      {"runs", planned_hashes},
+                      {"data", planned_data}};
   write_file_atomic(m, j.dump(2) + "\n");
 }
 

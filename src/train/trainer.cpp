@@ -87,10 +87,15 @@ enum class OnChange {
 // a Muon momentum; moving a tensor between groups reinterprets its state), so they are refused like
 // the model; the rest of optim.* and schedule.* only change the update from here on, and run.steps
 // changes the schedule's horizon (and `auto` learning rates): a user may mean that, so it warns.
-// Unlisted run.* keys (eval, logging, checkpointing, device) do not change the trajectory's meaning.
+// run.device, run.precision and run.attention change the arithmetic from here on (another GEMM
+// precision, another attention kernel's rounding): legitimate, e.g. moving a run from a GPU to the
+// CPU, so they warn. The other run.* keys (eval, logging, checkpointing, threads) do not change the
+// trajectory's meaning and are not looked at.
 OnChange on_change(const std::string& sec, const std::string& key) {
   if (sec == "model" || sec == "data") return OnChange::kRefuse;
-  if (sec == "run") return key == "steps" ? OnChange::kWarn : OnChange::kRefuse;
+  if (sec == "run")
+    return key == "steps" || key == "device" || key == "precision" || key == "attention" ? OnChange::kWarn
+                                                                                          : OnChange::kRefuse;
   if (sec == "optim" && (key == "name" || key.ends_with("_params"))) return OnChange::kRefuse;
   return OnChange::kWarn;
 }
@@ -111,7 +116,7 @@ void check_resume_compatible(const Config& cur, const nlohmann::json& saved, con
   const std::vector<std::pair<const char*, std::vector<std::string>>> checked = {
       {"model", {}}, {"data", {}},  // every key
       {"optim", {}}, {"schedule", {}},
-      {"run", {"batch_size", "grad_accum", "seed", "steps"}}};
+      {"run", {"batch_size", "grad_accum", "seed", "steps", "device", "precision", "attention"}}};
   for (const auto& [sec, only] : checked) {
     std::vector<std::string> keys = only;
     if (keys.empty())
