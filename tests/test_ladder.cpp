@@ -21,6 +21,7 @@
 #include "ladder/store.h"
 #include "ladder/timing.h"
 #include "model/flops.h"
+#include "optim/optimizer.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -653,6 +654,47 @@ variants: {dense: {}}
   EXPECT_EQ(c.run.batch_size, std::clamp<int64_t>(batch, 2, 64));
   EXPECT_EQ(c.run.steps, int64_t(std::ceil(budget / double(c.run.batch_size * 32))));
   EXPECT_FALSE(format_plan(q).empty());
+}
+
+// `optim.beta2: auto` in a spec: RECIPE.md's clip(0.999^(tokens per step / 131072), 0.95, 0.9999),
+// per run from the batch the plan chose; a variant's number replaces it, and the config holds a
+// number, so a spec writing the value the formula gives makes the same runs (same hashes).
+TEST_F(LadderSweepTest, AutoBeta2FollowsEachRunsTokensPerStep) {
+  auto beta2_spec = [&](const std::string& name, const std::string& beta2) {
+    return load_spec(spec(name, "set: {optim.beta2: " + beta2 + R"(}
+scales:
+  rules: {head_dim: 16}
+  list:
+    - {d: 32, steps: 2, batch_size: 4}
+    - {d: 48, steps: 2, batch_size: 512}
+variants:
+  dense: {}
+  moe: {baseline: dense, set: {model.moe_experts: 4, model.moe_top_k: 2}}
+  fixed: {baseline: dense, set: {optim.beta2: 0.98}}
+  again: {baseline: fixed, set: {optim.beta2: auto}}
+)"));
+  };
+  Plan p = make_plan(beta2_spec("beta2auto", "auto"), 50);
+  ASSERT_EQ(p.runs.size(), 8u);
+  for (const PlannedRun& r : p.runs) {
+    const double tokens = 32.0 * r.cfg.run.batch_size;  // seq_len 32, grad_accum 1
+    const double want = r.variant == "fixed" ? 0.98 : std::clamp(std::pow(0.999, tokens / 131072.0), 0.95, 0.9999);
+    EXPECT_DOUBLE_EQ(r.cfg.optim.beta2, want) << r.id;
+  }
+  EXPECT_EQ(p.runs[0].cfg.optim.beta2, 0.9999);                           // 128 tokens per step: clipped
+  EXPECT_NEAR(p.runs[4].cfg.optim.beta2, 0.99987494, 1e-8) << p.runs[4].id;  // 16384: 0.999^(1/8)
+  EXPECT_DOUBLE_EQ(recipe_beta2(131072), 0.999);
+  EXPECT_DOUBLE_EQ(recipe_beta2(1e9), 0.95);
+  // The number the formula gives at d=32, written out: the same configs there.
+  Plan q = make_plan(beta2_spec("beta2num", "0.9999"), 50);
+  for (size_t i = 0; i < 4; ++i)
+    if (q.runs[i].variant != "again") EXPECT_EQ(q.runs[i].config_hash, p.runs[i].config_hash) << q.runs[i].id;
+  // A run config is given one number: `auto` there says where it is resolved.
+  fs::path cfg = dir->path / "beta2auto-run.yaml";
+  write_text(cfg, "optim:\n  beta2: auto\n");
+  const std::string e = test::error_of([&] { load_config(cfg, {}); });
+  EXPECT_NE(e.find("beta2auto-run.yaml:2: optim.beta2 expects a number here; `auto`"), std::string::npos) << e;
+  EXPECT_NE(e.find("resolved by ladder specs"), std::string::npos) << e;
 }
 
 TEST_F(LadderSweepTest, KilledSweepResumesToTheSameResultsWithNoDuplicateOrMissingRun) {

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "data/loader.h"
 #include "model/flops.h"
+#include "optim/optimizer.h"
 #include "train/machine.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
@@ -51,13 +52,25 @@ const VariantSpec* find_variant(const LadderSpec& spec, const std::string& name)
   return nullptr;
 }
 
+// `optim.beta2: auto` in a spec: the recipe's beta2 for each run's tokens per step (recipe_beta2),
+// which a ladder picks per rung (scales.rules batch sizes), so that no single number can be written.
+// The config holds a number: `auto` is noted here and resolved once the run's batch is known.
+// Returns whether `key = value` was such a setting (or a number replacing one: `beta2_auto` off).
+bool note_auto_beta2(const std::string& key, const std::string& value, bool& beta2_auto) {
+  if (key != "optim.beta2") return false;
+  const auto a = value.find_first_not_of(" \t"), b = value.find_last_not_of(" \t");
+  beta2_auto = a != std::string::npos && value.substr(a, b - a + 1) == "auto";
+  return beta2_auto;
+}
+
 // Applies a variant's changes on top of its baseline's (recursively: a rung measured against MoE V1
 // is MoE V1 plus its own switch); unknown keys and bad values become one line naming spec and
 // variant. load_spec() has already rejected missing baselines and cycles.
-void apply_variant(Config& c, const LadderSpec& spec, const VariantSpec& v, int d) {
+void apply_variant(Config& c, const LadderSpec& spec, const VariantSpec& v, int d, bool& beta2_auto) {
   if (const VariantSpec* b = v.baseline.empty() ? nullptr : find_variant(spec, v.baseline))
-    apply_variant(c, spec, *b, d);
+    apply_variant(c, spec, *b, d, beta2_auto);
   for (auto& [k, val] : v.set) {
+    if (note_auto_beta2(k, val, beta2_auto)) continue;
     try {
       apply_override(c, k + "=" + substitute_width(val, d));
     } catch (const Error& e) {
@@ -73,9 +86,14 @@ Plan make_plan(const LadderSpec& spec, double peak) {
   plan.spec = spec;
   const std::string sf = spec.file.string();
   Config base;
+  bool base_beta2_auto = false;
   try {
     base = load_config(spec.base, {});
-    for (auto& kv : spec.base_set) apply_override(base, kv);
+    for (auto& kv : spec.base_set) {
+      const auto eq = kv.find('=');
+      if (eq != std::string::npos && note_auto_beta2(kv.substr(0, eq), kv.substr(eq + 1), base_beta2_auto)) continue;
+      apply_override(base, kv);
+    }
   } catch (const Error& e) {
     fail("{}: base config: {}", sf, e.what());
   }
@@ -136,7 +154,10 @@ Plan make_plan(const LadderSpec& spec, double peak) {
 
     for (const VariantSpec& v : spec.variants) {
       Config cv = c;
-      apply_variant(cv, spec, v, s.d);
+      bool beta2_auto = base_beta2_auto;
+      apply_variant(cv, spec, v, s.d, beta2_auto);
+      if (beta2_auto)
+        cv.optim.beta2 = recipe_beta2(double(cv.run.batch_size) * cv.run.grad_accum * cv.model.seq_len);
       try {
         validate(cv);
         resolve_data(cv);
@@ -178,6 +199,8 @@ Plan make_plan(const LadderSpec& spec, double peak) {
     Config c = base;
     std::vector<std::string> unknown;
     for (auto& [k, val] : v.set) {
+      bool beta2_auto = false;
+      if (note_auto_beta2(k, val, beta2_auto)) continue;
       try {
         apply_override(c, k + "=" + substitute_width(val, spec.scales.front().d));
       } catch (const Error& e) {

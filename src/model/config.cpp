@@ -82,7 +82,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(optim, name, "optimizer preset: adamw | adam | adamh | muon | muonh (which tensors each optimizer gets: docs/optimizers.md)"),
       LADDER_FIELD(optim, lr, "peak learning rate"),
       LADDER_FIELD(optim, beta1, "Adam beta1"),
-      LADDER_FIELD(optim, beta2, "Adam beta2"),
+      LADDER_FIELD(optim, beta2, "Adam beta2; in a ladder spec also `auto`: RECIPE.md's clip(0.999^(tokens per step / 131072), 0.95, 0.9999) for each rung's batch"),
       LADDER_FIELD(optim, eps, "Adam epsilon (> 0; the update is computed in float, so at least 1.4e-45)"),
       LADDER_FIELD(optim, weight_decay, "decoupled weight decay of the matrix group (attention, MLP, LM head); >= 0, 0 = off"),
       LADDER_FIELD(optim, embed_lr_mult, "learning-rate multiplier of the embedding group (>= 0; 0 freezes the embedding)"),
@@ -226,6 +226,11 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
               *p = *v;
             }
           } catch (const YAML::Exception&) {
+            if (f.key == "optim.beta2" && text == "auto")
+              fail("{}: optim.beta2 expects a number here; `auto` (the recipe's beta2 from the tokens per step) is "
+                   "resolved by ladder specs, which choose each rung's batch: write the number for this run "
+                   "(clip(0.999^(tokens per step / 131072), 0.95, 0.9999))",
+                   where);
             fail("{}: {} expects {}, got '{}'", where, f.key, expected, text);
           }
         }
