@@ -158,12 +158,27 @@ TEST_F(CheckpointTest, ResumeWarnsOncePerChangedOptimizerOrScheduleSetting) {
                         "run.precision = \"fp32\" but the checkpoint", "trained with \"bf16\""})
     EXPECT_HAS(err, f);
   EXPECT_HAS(err, "trained with 0.005: the continuation is not the uninterrupted run's");
-  // An unchanged resume warns about nothing.
+  // An unchanged resume warns about nothing; nor do GPU-only settings between two CPU runs, nor a
+  // checkpoint from before run.attention was recorded.
   fs::path r2 = killed_run("optim-nowarn", c);
+  edit_json(checkpoint_dir(r2, 3) / "state.json", [](nlohmann::json& j) {
+    j["config"]["run"]["precision"] = "tf32";
+    j["config"]["run"]["attention"] = "cudnn";
+  });
   ::testing::internal::CaptureStderr();
   run(c, r2, true);
   err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(err.find("warning"), std::string::npos) << err;
+  fs::path r3 = killed_run("optim-old-attention", c);
+  edit_json(checkpoint_dir(r3, 3) / "state.json", [](nlohmann::json& j) {
+    j["config"]["run"]["device"] = "cuda";
+    j["config"]["run"].erase("attention");
+  });
+  ::testing::internal::CaptureStderr();
+  run(c, r3, true);
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_HAS(err, "run.device = \"cpu\"");
+  EXPECT_EQ(err.find("run.attention"), std::string::npos) << err;
 }
 
 // Defect: the optimizer's step counter (Adam's bias correction) was read with std::stoll: "abc" gave

@@ -3,10 +3,13 @@
 #include <xxhash.h>
 
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <regex>
 
 #include "core/error.h"
 #include "data/loader.h"
+#include "data/shard.h"
 #include "model/flops.h"
 #include "optim/optimizer.h"
 #include "train/machine.h"
@@ -22,8 +25,23 @@ std::string config_hash(const Config& cfg) {
 
 std::string data_identity(const std::filesystem::path& data_dir) {
   const data::DataMeta m = data::read_meta(data_dir);
-  return fmt::format("tok{:016x} vocab {} eod {} train {} val {}", m.tokenizer_hash, m.vocab_size, m.eod_id,
-                     m.train_tokens, m.val_tokens);
+  // The content: each shard's header records the XXH64 of its tokens (data/shard.h), read here
+  // without mapping or checking the shard (the trainer does that when it opens it).
+  std::vector<uint64_t> sums;
+  for (const auto* list : {&m.train_shards, &m.val_shards})
+    for (const auto& f : *list) {
+      char h[data::kShardHeaderBytes];
+      std::ifstream in(f, std::ios::binary);
+      if (!in.read(h, sizeof h) || std::memcmp(h, data::kShardMagic, sizeof data::kShardMagic) != 0)
+        fail("{}: not a readable Ladder token shard (expected a 64-byte header starting 'LDRTOKS1'); prepare the "
+             "data again with `ladder data`",
+             f.string());
+      uint64_t sum = 0;
+      std::memcpy(&sum, h + 24, sizeof sum);  // little endian, as written (x86-64, aarch64)
+      sums.push_back(sum);
+    }
+  return fmt::format("tok{:016x} vocab {} eod {} train {} val {} tokens {:016x}", m.tokenizer_hash, m.vocab_size,
+                     m.eod_id, m.train_tokens, m.val_tokens, XXH64(sums.data(), sums.size() * sizeof(uint64_t), 0));
 }
 
 namespace {
@@ -157,7 +175,7 @@ Plan make_plan(const LadderSpec& spec, double peak) {
       bool beta2_auto = base_beta2_auto;
       apply_variant(cv, spec, v, s.d, beta2_auto);
       if (beta2_auto)
-        cv.optim.beta2 = recipe_beta2(double(cv.run.batch_size) * cv.run.grad_accum * cv.model.seq_len);
+        cv.optim.beta2 = recipe_beta2(run_shape(cv).tokens_per_step);  // one process: the sweep's runs
       try {
         validate(cv);
         resolve_data(cv);

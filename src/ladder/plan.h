@@ -57,8 +57,9 @@ Plan make_plan(const LadderSpec& spec, double peak_gflops = 0);
 std::string format_plan(const Plan& plan);
 // Hash of a resolved config.
 std::string config_hash(const Config& cfg);
-// What a prepared data directory holds, from its meta.json: the tokenizer's hash, the vocabulary,
-// the end-of-document token and each split's token count ("tok<hash> vocab V eod E train N val M").
+// What a prepared data directory holds, from its meta.json and shard headers: the tokenizer's hash,
+// the vocabulary, the end-of-document token, each split's token count and a hash of the shards'
+// recorded checksums ("tok<hash> vocab V eod E train N val M tokens <hash>").
 // A directory prepared again from another corpus keeps its path, and so every run config's hash:
 // this is what tells a sweep (and the report) that its stored results were trained on other data.
 std::string data_identity(const std::filesystem::path& data_dir);

@@ -181,6 +181,7 @@ SweepSummary sweep(const SweepOptions& opt) {
   if (opt.peak_gflops <= 0 && !opt.dry_run && !opt.list) sgemm_gflops(/*use_cache=*/false);
   Plan plan = make_plan(spec, opt.peak_gflops);
   const auto planned_hashes = plan.hashes();  // the whole plan, --only or not: what the report keeps
+  const auto planned_data = plan.data_ids();   // (the same: each --only worker rewrites ladder.json)
   if (!opt.only.empty()) {
     std::set<std::string> want(opt.only.begin(), opt.only.end()), known;
     for (auto& r : plan.runs) known.insert(r.id);
@@ -204,9 +205,10 @@ SweepSummary sweep(const SweepOptions& opt) {
     return j.contains("data") && j["data"] != r.data_id;
   };
   auto data_fail = [&](const fs::path& file, const PlannedRun& r, const char* did, const nlohmann::json& j) {
-    fail("{}: run {} was {} on other data ({}; {} now holds {}); use another --out directory or delete that run",
+    fail("{}: run {} was {} on other data ({}; {} now holds {}); use another --out directory or delete that run "
+         "({} and {})",
          file.string(), r.id, did, j["data"].is_string() ? j["data"].get<std::string>() : j["data"].dump(),
-         r.cfg.data.path, r.data_id);
+         r.cfg.data.path, r.data_id, store.result_path(r.id).string(), store.run_dir(r.id).string());
   };
   for (auto& r : plan.runs) {
     if (auto res = store.read_result(r.id); res) {
@@ -226,7 +228,7 @@ SweepSummary sweep(const SweepOptions& opt) {
       if (other_data(j, r)) data_fail(planned, r, "started", j);
     }
   }
-  store.open_for_sweep(spec, planned_hashes, plan.data_ids());
+  store.open_for_sweep(spec, planned_hashes, planned_data);
   if (opt.list) {
     for (auto& c : sweep_commands(plan, opt.out, opt.seeds)) fmt::print("{}\n", c);
     return sum;

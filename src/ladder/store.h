@@ -37,9 +37,10 @@ class ResultStore {
   // Creates the layout and (re)writes ladder.json with the spec's report settings, its variants'
   // baselines and stacks, and the plan's runs (id -> config hash), from which the report keeps only
   // the results of the current plan.
-  // `planned_data`: run id -> data identity (Plan::data_ids), recorded as "data" for the report.
+  // `planned_hashes` and `planned_data`: run id -> config hash and -> data identity for the whole plan
+  // (Plan::hashes, Plan::data_ids; not only the runs of an --only worker), recorded for the report.
   void open_for_sweep(const LadderSpec& spec, const std::map<std::string, std::string>& planned_hashes,
-                      const std::map<std::string, std::string>& planned_data = {});
+                      const std::map<std::string, std::string>& planned_data);
   // Reads DIR/ladder.json for the report; errors if missing or from an incompatible version.
   nlohmann::json read_manifest() const;
 

@@ -228,7 +228,8 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
           } catch (const YAML::Exception&) {
             if (f.key == "optim.beta2" && text == "auto")
               fail("{}: optim.beta2 expects a number here; `auto` (the recipe's beta2 from the tokens per step) is "
-                   "resolved by ladder specs, which choose each rung's batch: write the number for this run "
+                   "resolved by ladder specs, which choose each rung's batch: write it in a spec's `set:` or a "
+                   "variant's `set:` (not in a config file, a spec's `base:` included), or write the number "
                    "(clip(0.999^(tokens per step / 131072), 0.95, 0.9999))",
                    where);
             fail("{}: {} expects {}, got '{}'", where, f.key, expected, text);

@@ -95,7 +95,8 @@ double auto_adam_lr(const RunShape& rs);
 // adamh_lr = 13/3 * adam_lr, capped at 0.05.
 double adamh_lr_from_adam(double adam_lr);
 // AdamH v16's beta2 = clip(0.999^(tokens per step / 131072), 0.95, 0.9999): 0.9999 up to ~13k tokens
-// per step, 0.999 at 131k. Ladder specs resolve `optim.beta2: auto` with it per rung (ladder/plan.cpp).
+// per step, 0.999 at 131k; rounded to 8 decimals. Ladder specs resolve `optim.beta2: auto` with it
+// per rung (ladder/plan.cpp).
 double recipe_beta2(double tokens_per_step);
 
 // The parameter groups of a config: the preset of optim.name (RECIPE.md section 3; table in

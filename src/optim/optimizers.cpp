@@ -451,7 +451,9 @@ double auto_adam_lr(const RunShape& rs) {
 double adamh_lr_from_adam(double adam_lr) { return std::min(0.05, 13.0 / 3.0 * adam_lr); }
 
 double recipe_beta2(double tokens_per_step) {
-  return std::clamp(std::pow(0.999, tokens_per_step / 131072.0), 0.95, 0.9999);
+  // Rounded to 8 decimals: the value enters a ladder run's config and so its hash, which must not
+  // depend on the last bit of the machine's pow (workers on several hosts share one results store).
+  return std::round(std::clamp(std::pow(0.999, tokens_per_step / 131072.0), 0.95, 0.9999) * 1e8) / 1e8;
 }
 
 std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& params, const RunShape& rs) {

@@ -89,7 +89,7 @@ enum class OnChange {
 // changes the schedule's horizon (and `auto` learning rates): a user may mean that, so it warns.
 // run.device, run.precision and run.attention change the arithmetic from here on (another GEMM
 // precision, another attention kernel's rounding): legitimate, e.g. moving a run from a GPU to the
-// CPU, so they warn. The other run.* keys (eval, logging, checkpointing, threads) do not change the
+// CPU, so they warn (precision and attention only where one side ran on cuda: the CPU ignores them). The other run.* keys (eval, logging, checkpointing, threads) do not change the
 // trajectory's meaning and are not looked at.
 OnChange on_change(const std::string& sec, const std::string& key) {
   if (sec == "model" || sec == "data") return OnChange::kRefuse;
@@ -141,6 +141,13 @@ void check_resume_compatible(const Config& cur, const nlohmann::json& saved, con
         continue;
       }
       if (it != s->end() && *it == v) continue;
+      if (sec == std::string("run") && (k == "precision" || k == "attention")) {
+        // They choose GPU kernels: with the CPU on both sides they change nothing. A checkpoint from
+        // before run.attention existed ran Ladder's own attention.
+        auto dev = s->find("device");
+        const bool gpu = now.at("run").at("device") == "cuda" || (dev != s->end() && *dev == "cuda");
+        if (!gpu || (k == "attention" && it == s->end() && v == "ladder")) continue;
+      }
       if (on_change(sec, k) == OnChange::kRefuse) {
         if (it == s->end())
           fail("{}: cannot resume: config.{}.{} is missing in the checkpoint (it is {} now)", file, sec, k, v.dump());
