@@ -697,6 +697,8 @@ variants:
   Config c;
   const std::string e2 = test::error_of([&] { apply_override(c, "optim.beta2=auto"); });  // ladder train --set
   EXPECT_NE(e2.find("optim.beta2 expects a number here; `auto`"), std::string::npos) << e2;
+  const std::string e3 = test::error_of([&] { apply_override(c, "optim.beta2=\"auto\""); });  // quoted
+  EXPECT_NE(e3.find("optim.beta2 expects a number here; `auto`"), std::string::npos) << e3;
 }
 
 TEST_F(LadderSweepTest, KilledSweepResumesToTheSameResultsWithNoDuplicateOrMissingRun) {
@@ -1533,12 +1535,16 @@ pending:
   moe_v1: {baseline: dense, set: {model.future_switch: 64}}
   pko: {baseline: moe_v1, set: {model.pko: true}}
   gqa: {baseline: dense, set: {model.n_kv_heads: 1}}
+  typo: {baseline: dense, set: {model.n_kv_heads: one}}
 )")), 50);
   EXPECT_EQ(p.runs.size(), 1u);
-  ASSERT_EQ(p.pending.size(), 3u);
+  ASSERT_EQ(p.pending.size(), 4u);
   std::string all = fmt::format("{}", fmt::join(p.pending, "\n"));
   EXPECT_NE(all.find("'moe_v1' (vs dense): not run, this build lacks model.future_switch"), std::string::npos) << all;
   EXPECT_NE(all.find("'gqa' (vs dense): every key is known to this build"), std::string::npos) << all;
+  // A known key with a value this build refuses is not called missing: the line says what is wrong.
+  EXPECT_NE(all.find("'typo' (vs dense): --set: model.n_kv_heads expects"), std::string::npos) << all;
+  EXPECT_EQ(all.find("lacks model.n_kv_heads"), std::string::npos) << all;
   // A pending variant's baseline must exist among variants and pending ones.
   const std::string err = test::error_of(
       [&] { load_spec(spec("pending2", "scales:\n  list: [32]\nvariants: {dense: {}}\npending:\n  x: {baseline: y}\n")); });

@@ -1,5 +1,6 @@
 #include "ladder/plan.h"
 
+#include <fmt/ranges.h>
 #include <xxhash.h>
 
 #include <cmath>
@@ -215,24 +216,27 @@ Plan make_plan(const LadderSpec& spec, double peak) {
   // Pending variants: apply their changes to the base to tell the user which keys this build lacks.
   for (const VariantSpec& v : spec.pending) {
     Config c = base;
-    std::vector<std::string> unknown;
+    std::vector<std::string> unknown, bad;  // keys this build lacks; known keys with values it refuses
     for (auto& [k, val] : v.set) {
       bool beta2_auto = false;
       if (note_auto_beta2(k, val, beta2_auto)) continue;
+      if (!is_config_key(k)) {
+        unknown.push_back(k);
+        continue;
+      }
       try {
         apply_override(c, k + "=" + substitute_width(val, spec.scales.front().d));
       } catch (const Error& e) {
-        unknown.push_back(k);
+        bad.push_back(e.what());
       }
     }
-    std::string keys;
-    for (auto& k : unknown) keys += (keys.empty() ? "" : ", ") + k;
-    plan.pending.push_back(unknown.empty()
-                               ? fmt::format("pending variant '{}' (vs {}): every key is known to this build: move it to "
-                                             "'variants' to run it",
-                                             v.name, v.baseline)
-                               : fmt::format("pending variant '{}' (vs {}): not run, this build lacks {}", v.name,
-                                             v.baseline, keys));
+    std::string line = fmt::format("pending variant '{}' (vs {}): ", v.name, v.baseline);
+    if (unknown.empty() && bad.empty())
+      line += "every key is known to this build: move it to 'variants' to run it";
+    else if (!unknown.empty())
+      line += fmt::format("not run, this build lacks {}", fmt::join(unknown, ", "));
+    if (!bad.empty()) line += fmt::format("{}{}", unknown.empty() ? "" : "; and ", fmt::join(bad, "; "));
+    plan.pending.push_back(line);
   }
   plan.peak_gflops = peak > 0 ? peak : sgemm_gflops();
   for (auto& r : plan.runs) r.est_seconds = r.flops_with_head / (plan.peak_gflops * 1e9 * spec.report.mfu_estimate);

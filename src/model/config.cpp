@@ -226,7 +226,11 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
               *p = *v;
             }
           } catch (const YAML::Exception&) {
-            if (f.key == "optim.beta2" && text == "auto")
+            // `auto` as written, or quoted (`--set 'optim.beta2="auto"'`, `beta2: "auto"`).
+            auto unquoted = [&] {
+              try { return YAML::Load(text).Scalar(); } catch (const YAML::Exception&) { return std::string(); }
+            };
+            if (f.key == "optim.beta2" && unquoted() == "auto")
               fail("{}: optim.beta2 expects a number here; `auto` (the recipe's beta2 from the tokens per step) is "
                    "resolved by ladder specs, which choose each rung's batch: write it in a spec's `set:` or a "
                    "variant's `set:` (not in a config file, a spec's `base:` included), or write the number "
@@ -373,6 +377,8 @@ int ModelConfig::n_moe_layers() const {
   for (int l = 0; l < n_layers; ++l) n += is_moe_layer(l);
   return n;
 }
+
+bool is_config_key(const std::string& key) { return find_field(key) != nullptr; }
 
 void apply_override(Config& c, const std::string& kv) {
   auto eq = kv.find('=');

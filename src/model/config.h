@@ -141,6 +141,8 @@ struct Config {
 Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides = {});
 // Applies one "key.path=value" override.
 void apply_override(Config& cfg, const std::string& kv);
+// Whether this build's config schema has the key (docs/config.md).
+bool is_config_key(const std::string& key);
 // Shape checks (heads divide d, kv heads divide heads, ...), ranges (every number finite, eps > 0,
 // ...) and whether this build can run run.device; errors name the field.
 void validate(const Config& cfg);
