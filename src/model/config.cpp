@@ -209,9 +209,11 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
           std::string expected = type_name(r);
           if constexpr (std::is_same_v<T, double>) expected = "a finite number";
           if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) expected = integer_range<T>();
+          std::string scalar;  // the value as YAML read it: `auto` whether written quoted or not
           try {
             YAML::Node n = YAML::Load(text);
             if (!n.IsScalar()) throw YAML::Exception(YAML::Mark::null_mark(), "not a scalar");
+            scalar = n.Scalar();
             if constexpr (std::is_same_v<T, bool>) {
               *p = n.as<bool>();
             } else if constexpr (std::is_same_v<T, double>) {
@@ -226,11 +228,7 @@ void set_scalar(Config& c, const Field& f, const std::string& text, const std::s
               *p = *v;
             }
           } catch (const YAML::Exception&) {
-            // `auto` as written, or quoted (`--set 'optim.beta2="auto"'`, `beta2: "auto"`).
-            auto unquoted = [&] {
-              try { return YAML::Load(text).Scalar(); } catch (const YAML::Exception&) { return std::string(); }
-            };
-            if (f.key == "optim.beta2" && unquoted() == "auto")
+            if (f.key == "optim.beta2" && scalar == "auto")
               fail("{}: optim.beta2 expects a number here; `auto` (the recipe's beta2 from the tokens per step) is "
                    "resolved by ladder specs, which choose each rung's batch: write it in a spec's `set:` or a "
                    "variant's `set:` (not in a config file, a spec's `base:` included), or write the number "
