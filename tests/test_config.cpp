@@ -364,5 +364,27 @@ TEST(ConfigInput, ZeroLrWithAGroupLrIsRefused) {
   EXPECT_ERROR_HAS(error_of([&] { validate(c); }), "optim.adam_lr is 'auto'");
 }
 
+// `N*auto` lr keys: a positive finite multiple of the heuristic; anything else names the key.
+TEST(ConfigInput, AutoLrMultiplesAreCheckedWhereTheyAreRead) {
+  Config c = small();
+  c.optim.muonh_lr = "4*auto";
+  c.optim.adamh_lr = "0.5 * auto";
+  EXPECT_NO_THROW(validate(c));
+  EXPECT_EQ(auto_lr_multiplier("k", "auto").value_or(-1), 1.0);
+  EXPECT_EQ(auto_lr_multiplier("k", " 2.5*auto").value_or(-1), 2.5);
+  EXPECT_FALSE(auto_lr_multiplier("k", "0.01").has_value());
+  EXPECT_FALSE(auto_lr_multiplier("k", "").has_value());
+  for (const char* bad : {"-1*auto", "0*auto", "x*auto", "*auto", "inf*auto", "nan*auto"}) {
+    c.optim.muonh_lr = bad;
+    EXPECT_ERROR_HAS(error_of([&] { validate(c); }), "small", "optim.muonh_lr", bad, "N*auto", "> 0");
+  }
+  c.optim.muonh_lr = "4*autos";
+  EXPECT_ERROR_HAS(error_of([&] { validate(c); }), "optim.muonh_lr", "N*auto", "'4*autos'");
+  c.optim.muonh_lr = "4*auto";  // a run's config.yaml keeps it as given (and so does its hash)
+  test::TempDir d("cfg-autolr");
+  write_file_atomic(d.path / "c.yaml", to_yaml(c));
+  EXPECT_EQ(load_config(d.path / "c.yaml").optim.muonh_lr, "4*auto");
+}
+
 }  // namespace
 }  // namespace ladder

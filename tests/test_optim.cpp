@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -472,6 +473,22 @@ TEST(Optim, PresetsPutEachTensorWhereTheRecipeSays) {
     if (g.optimizer == "adam") EXPECT_NEAR(g.lr, adam, 1e-12);
     else EXPECT_NEAR(g.lr, std::min(0.05, 13.0 / 3.0 * adam), 1e-12) << g.name;
   }
+  // "N*auto": N times the heuristic; adamh's auto follows adam's lr as resolved (with its multiple),
+  // muonh's multiple applies to the capped adamh value.
+  oc.adam_lr = "2*auto";
+  oc.adamh_lr = "auto";
+  oc.muonh_lr = " 4 * auto ";
+  opt = make_optimizer(oc, hm.params, *be, rs);
+  std::set<std::string> seen;
+  for (auto& g : opt->groups()) {
+    double want = -1;
+    if (g.optimizer == "adam") want = 2 * adam;
+    if (g.optimizer == "adamh") want = std::min(0.05, 13.0 / 3.0 * 2 * adam);
+    if (g.optimizer == "muonh") want = 4 * std::min(0.05, 13.0 / 3.0 * 2 * adam);
+    EXPECT_NEAR(g.lr, want, 1e-12) << g.name;
+    seen.insert(g.optimizer);
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"adam", "adamh", "muonh"}));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -519,6 +536,13 @@ TEST(Optim, BadGroupConfigurationsGiveOneClearLine) {
   expect_error([&] { make_optimizer(oc, hm.params, *be); }, {"optim.adam_lr", "'fast'"});
   oc.adam_lr = "auto";
   expect_error([&] { make_optimizer(oc, hm.params, *be); }, {"optim.adam_lr", "run's size"});
+  oc.adam_lr = "auto*2";  // the multiple comes first, as in a ladder spec's `0.5*d`
+  expect_error([&] { make_optimizer(oc, hm.params, *be); }, {"optim.adam_lr", "'auto*2'"});
+  oc.adam_lr = "0*auto";
+  expect_error([&] { make_optimizer(oc, hm.params, *be, RunShape{1e6, 4096, 24}); }, {"optim.adam_lr", "N*auto", "> 0", "'0'"});
+  oc = preset("muon");
+  oc.muon_lr = "3*auto";
+  expect_error([&] { make_optimizer(oc, hm.params, *be, RunShape{1e6, 4096, 24}); }, {"optim.muon_lr", "no heuristic"});
   // A hyperball lr is a step relative to ||W0||: 1 or more is refused, naming where it came from.
   oc = preset("muonh");
   oc.muonh_lr = "1.5";

@@ -87,10 +87,10 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(optim, weight_decay, "decoupled weight decay of the matrix group (attention, MLP, LM head); >= 0, 0 = off"),
       LADDER_FIELD(optim, embed_lr_mult, "learning-rate multiplier of the embedding group (>= 0; 0 freezes the embedding)"),
       LADDER_FIELD(optim, clip, "global gradient-norm clipping threshold (>= 0); 0 = off"),
-      LADDER_FIELD(optim, adam_lr, "peak lr of the adam groups: a number, `auto` (RECIPE.md's fitted heuristic) or empty = optim.lr"),
-      LADDER_FIELD(optim, adamh_lr, "peak lr of the adamh groups (angular step): a number, `auto` (13/3 adam_lr, cap 0.05) or empty = optim.lr"),
+      LADDER_FIELD(optim, adam_lr, "peak lr of the adam groups: a number, `auto` (RECIPE.md's fitted heuristic), `N*auto` (N times it) or empty = optim.lr"),
+      LADDER_FIELD(optim, adamh_lr, "peak lr of the adamh groups (angular step): a number, `auto` (13/3 adam_lr, cap 0.05), `N*auto` or empty = optim.lr"),
       LADDER_FIELD(optim, muon_lr, "peak lr of the muon groups: a number or empty = optim.lr (no published heuristic)"),
-      LADDER_FIELD(optim, muonh_lr, "peak lr of the muonh groups (angular step): a number, `auto` (as adamh: our assumption) or empty = optim.lr"),
+      LADDER_FIELD(optim, muonh_lr, "peak lr of the muonh groups (angular step): a number, `auto` (as adamh: our assumption), `N*auto` or empty = optim.lr"),
       LADDER_FIELD(optim, muon_momentum, "Muon/MuonH Nesterov momentum coefficient (recipe 0.95)"),
       LADDER_FIELD(optim, adamw_params, "tensors moved to adamw: comma-separated `role:<role>` or name globs (`*.q_proj.weight`)"),
       LADDER_FIELD(optim, adam_params, "tensors moved to adam (selectors as optim.adamw_params)"),
@@ -378,6 +378,24 @@ int ModelConfig::n_moe_layers() const {
 
 bool is_config_key(const std::string& key) { return find_field(key) != nullptr; }
 
+std::optional<double> auto_lr_multiplier(const std::string& key, const std::string& value) {
+  const auto a = value.find_first_not_of(" \t"), b = value.find_last_not_of(" \t");
+  if (a == std::string::npos) return std::nullopt;
+  const std::string v = value.substr(a, b - a + 1);
+  if (v == "auto") return 1.0;
+  const auto star = v.find('*');
+  if (star == std::string::npos) return std::nullopt;
+  std::string n = v.substr(0, star), rest = v.substr(star + 1);
+  n.erase(n.find_last_not_of(" \t") + 1);
+  rest.erase(0, rest.find_first_not_of(" \t"));
+  if (rest != "auto") return std::nullopt;
+  char* end = nullptr;
+  const double x = std::strtod(n.c_str(), &end);
+  if (n.empty() || end != n.c_str() + n.size() || !(x > 0) || !std::isfinite(x))
+    fail("{}: '{}': the multiplier of `N*auto` must be a number > 0, got '{}'", key, value, n);
+  return x;
+}
+
 void apply_override(Config& c, const std::string& kv) {
   auto eq = kv.find('=');
   if (eq == std::string::npos || eq == 0) fail("--set {}: expected key.path=value", kv);
@@ -507,11 +525,16 @@ void validate_settings(const Config& c, bool this_build) {
     fail("{}: optim.name: unknown optimizer '{}' (expected adamw, adam, adamh, muon or muonh)", where, c.optim.name);
   for (auto [key, v] : {std::pair{"optim.adam_lr", &c.optim.adam_lr}, std::pair{"optim.adamh_lr", &c.optim.adamh_lr},
                         std::pair{"optim.muon_lr", &c.optim.muon_lr}, std::pair{"optim.muonh_lr", &c.optim.muonh_lr}}) {
-    if (v->empty() || *v == "auto") continue;
+    if (v->empty()) continue;
+    try {
+      if (auto_lr_multiplier(key, *v)) continue;
+    } catch (const Error& e) {
+      fail("{}: {}", where, e.what());
+    }
     char* end = nullptr;
     const double x = std::strtod(v->c_str(), &end);
     if (end == v->c_str() || *end != '\0' || !(x >= 0) || !std::isfinite(x))  // strtod also reads inf, nan
-      fail("{}: {} expects a learning rate >= 0, `auto` or empty (= optim.lr), got '{}'", where, key, *v);
+      fail("{}: {} expects a learning rate >= 0, `auto`, `N*auto` or empty (= optim.lr), got '{}'", where, key, *v);
   }
   if (!(c.optim.muon_momentum >= 0 && c.optim.muon_momentum < 1))
     fail("{}: optim.muon_momentum must be in [0, 1), got {}", where, c.optim.muon_momentum);

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,13 +92,18 @@ struct OptimConfig {
   double embed_lr_mult = 1.0;  // learning-rate multiplier of the embedding group
   double clip = 1.0;           // global grad-norm clip; 0 = off
   // RECIPE.md section 3 (src/optim/optimizers.cpp, docs/optimizers.md). Per-optimizer peak learning
-  // rates: "" = optim.lr, a number, or "auto" (the recipe's fitted heuristics).
+  // rates: "" = optim.lr, a number, "auto" (the recipe's fitted heuristics) or "N*auto" (N times
+  // it: a tuned multiple that follows the heuristic across widths, e.g. in a ladder spec).
   std::string adam_lr, adamh_lr, muon_lr, muonh_lr;
   double muon_momentum = 0.95;
   // Group overrides: comma-separated selectors (role:<role> or a name glob) moving tensors from the
   // preset's assignment to this optimizer.
   std::string adamw_params, adam_params, adamh_params, muon_params, muonh_params;
 };
+
+// An lr key's `auto` form: 1 for "auto", N for "N*auto" (N > 0, finite); nothing for any other text
+// (a number, empty). Throws for "N*auto" with a bad N, naming `key`.
+std::optional<double> auto_lr_multiplier(const std::string& key, const std::string& value);
 
 struct ScheduleConfig {
   std::string type = "linear";  // linear | cosine | wsd | constant

@@ -115,11 +115,11 @@ double parse_lr(const std::string& key, const std::string& v) {
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end);
   if (end == v.c_str() || *end != '\0' || !(x >= 0))
-    fail("{}: expects a learning rate >= 0, `auto` or empty (= optim.lr), got '{}'", key, v);
+    fail("{}: expects a learning rate >= 0, `auto`, `N*auto` or empty (= optim.lr), got '{}'", key, v);
   return x;
 }
 
-// Resolves one optimizer's peak lr from its key ("" = optim.lr, a number, or "auto").
+// Resolves one optimizer's peak lr from its key ("" = optim.lr, a number, "auto" or "N*auto").
 struct Lr {
   double value;
   std::string from;
@@ -139,12 +139,14 @@ Lr resolve_lr(const OptimConfig& oc, Kind k, const RunShape& rs) {
            "was built without it",
            key);
   };
+  // "N*auto": N times the heuristic ("auto" is N = 1), shown as such where the lr is printed.
+  auto times = [](double n) { return n == 1 ? std::string() : fmt::format("{:g} x ", n); };
   auto adam = [&]() -> Lr {
     if (oc.adam_lr.empty()) return {oc.lr, "optim.lr"};
-    if (oc.adam_lr == "auto") {
+    if (auto n = auto_lr_multiplier("optim.adam_lr", oc.adam_lr)) {
       need_shape("adam_lr");
-      return {auto_adam_lr(rs),
-              fmt::format("auto: 1.63 T^-0.2813 d^-0.3678 sqrt(B), T={:.3g}, d={}, B={:.3g} (heuristic)",
+      return {*n * auto_adam_lr(rs),
+              fmt::format("{}auto: 1.63 T^-0.2813 d^-0.3678 sqrt(B), T={:.3g}, d={}, B={:.3g} (heuristic)", times(*n),
                           rs.total_tokens, rs.d_model, rs.tokens_per_step / 4096.0)};
     }
     return {parse_lr("optim.adam_lr", oc.adam_lr), "optim.adam_lr"};
@@ -154,14 +156,16 @@ Lr resolve_lr(const OptimConfig& oc, Kind k, const RunShape& rs) {
   const std::string& v = key_value(k);
   const std::string key = std::string(kind_name(k)) + "_lr";
   if (v.empty()) return {oc.lr, "optim.lr"};
-  if (v != "auto") return {parse_lr("optim." + key, v), "optim." + key};
+  const auto n = auto_lr_multiplier("optim." + key, v);
+  if (!n) return {parse_lr("optim." + key, v), "optim." + key};
   if (k == Kind::Muon)
     fail("optim.muon_lr: `auto` is not available: RECIPE.md publishes no heuristic for plain Muon (give a number)");
-  // adamh: the recipe's 13/3 * adam_lr (cap 0.05). muonh: the same angular step size, our assumption
-  // (the recipe gives no separate MuonH heuristic; both are relative steps on the same sphere).
+  // adamh: the recipe's 13/3 * adam_lr (cap 0.05; N*auto multiplies the capped value). muonh: the same
+  // angular step size, our assumption (the recipe gives no separate MuonH heuristic; both are relative
+  // steps on the same sphere).
   Lr a = adam();
-  return {adamh_lr_from_adam(a.value),
-          fmt::format("auto: min(0.05, 13/3 * adam_lr {:.4g}){} (heuristic)", a.value,
+  return {*n * adamh_lr_from_adam(a.value),
+          fmt::format("{}auto: min(0.05, 13/3 * adam_lr {:.4g}){} (heuristic)", times(*n), a.value,
                       k == Kind::MuonH ? ", as adamh" : "")};
 }
 
