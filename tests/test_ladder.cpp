@@ -701,6 +701,36 @@ variants:
   EXPECT_NE(e3.find("optim.beta2 expects a number here; `auto`"), std::string::npos) << e3;
 }
 
+// `N*auto` in a variant: passed to every run's config as written (not read as `N*d`), so the lr is N
+// times the heuristic at each rung's own size; a bad multiple names spec, variant and key.
+TEST_F(LadderSweepTest, AutoLrMultipleReachesEveryRunsConfig) {
+  auto lr_spec = [&](const std::string& name, const std::string& lr) {
+    return load_spec(spec(name, R"(set: {optim.name: adamh, optim.adam_lr: auto, optim.adamh_lr: auto}
+scales:
+  rules: {head_dim: 16}
+  list:
+    - {d: 32, steps: 2, batch_size: 4}
+    - {d: 48, steps: 2, batch_size: 8}
+variants:
+  dense: {}
+  hot: {baseline: dense, set: {optim.adamh_lr: )" + lr + R"(}}
+)"));
+  };
+  Plan p = make_plan(lr_spec("autolr", "2*auto"), 50);
+  ASSERT_EQ(p.runs.size(), 4u);
+  std::map<std::string, std::string> hash;
+  for (const PlannedRun& r : p.runs) {
+    EXPECT_EQ(r.cfg.optim.adamh_lr, r.variant == "hot" ? "2*auto" : "auto") << r.id;
+    hash[r.id] = r.config_hash;
+  }
+  EXPECT_NE(hash["hot-d32-s1"], hash["dense-d32-s1"]);
+  EXPECT_NE(hash["hot-d48-s1"], hash["dense-d48-s1"]);
+  const std::string e = test::error_of([&] { make_plan(lr_spec("autolr-bad", "0*auto"), 50); });
+  EXPECT_NE(e.find("autolr-bad"), std::string::npos) << e;
+  EXPECT_NE(e.find("optim.adamh_lr"), std::string::npos) << e;
+  EXPECT_NE(e.find("N*auto"), std::string::npos) << e;
+}
+
 TEST_F(LadderSweepTest, KilledSweepResumesToTheSameResultsWithNoDuplicateOrMissingRun) {
   fs::path s = good_spec();
   fs::path a = dir->path / "out-uninterrupted", b = dir->path / "out-killed";
