@@ -77,6 +77,17 @@ TEST(ConfigInput, IntegersAreReadExactlyAndRangeChecked) {
 }
 
 // Every number of the schema (the float fields of to_json) refuses NaN and inf, from a file or --set.
+TEST(ConfigInput, AnErrorFromASetValueNamesTheSet) {
+  test::TempDir d("cfg-set-where");
+  const fs::path ok = d.path / "ok.yaml";
+  write_file_atomic(ok, "model:\n  d_model: 64\n");
+  // The value is a number (load_config takes it); only validate() knows q_scale must be > 0.
+  const Config c = load_config(ok, {"model.q_scale=-1", "run.steps=7"});
+  EXPECT_ERROR_HAS(error_of([&] { validate(c); }), ok.string(), "with --set model.q_scale=-1, run.steps=7",
+                   "model.q_scale must be > 0");
+  EXPECT_EQ(load_config(ok).source, ok.string());  // no overrides: the file alone
+}
+
 TEST(ConfigInput, EveryNumberMustBeFinite) {
   test::TempDir d("cfg-finite");
   const fs::path ok = d.path / "ok.yaml";

@@ -422,6 +422,12 @@ Config load_config(const std::filesystem::path& file, const std::vector<std::str
     walk(c, root, "", file.string());
   }
   for (auto& o : overrides) apply_override(c, o);
+  // validate() and the trainer find errors after the overrides are in, and a bad value may have come
+  // from a --set rather than the file: the errors name both.
+  if (!overrides.empty()) {
+    c.source += " with --set ";
+    for (size_t i = 0; i < overrides.size(); ++i) c.source += (i ? ", " : "") + overrides[i];
+  }
   return c;
 }
 

@@ -139,7 +139,7 @@ struct Config {
   ScheduleConfig schedule;
   DataConfig data;
   RunConfig run;
-  std::string source;  // file it was read from (for error messages)
+  std::string source;  // file it was read from, and the --set overrides applied (for error messages)
 };
 
 // Loads a YAML file (missing keys keep their defaults), then applies "key.path=value" overrides.
