@@ -9,6 +9,7 @@
 #include <regex>
 #include <set>
 
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/rng.h"
@@ -22,6 +23,7 @@
 #include "ladder/timing.h"
 #include "model/flops.h"
 #include "optim/optimizer.h"
+#include "train/machine.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -405,6 +407,23 @@ TEST(LadderReport, ASeedMissingRunsIsLeftOutOfTheLawIntervals) {
   EXPECT_NEAR(std::log(c.law_theo.value / c.law_theo.lo), half, 1e-3 * half + 1e-9);
 }
 
+// A machine is its host name and its CPU: cloud VMs share host names ("vm") over different CPUs.
+TEST(LadderReport, MachineLabelNamesHostCpuAndThreads) {
+  EXPECT_EQ(machine_label("vm", "AMD EPYC", 2), "vm (AMD EPYC, 2 threads)");
+  EXPECT_EQ(machine_label("vm", "AMD EPYC", 0), "vm (AMD EPYC)");
+  EXPECT_EQ(machine_label("vm", "", 2), "vm");  // a result from before the CPU was recorded
+  std::ifstream in("/proc/cpuinfo");
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (all.find("\nmodel name") == std::string::npos && all.rfind("model name", 0) != 0)
+    GTEST_SKIP() << "/proc/cpuinfo names no CPU model here (cpu_model() is \"\")";
+  const std::string m = cpu_model();
+  ASSERT_FALSE(m.empty());
+  EXPECT_NE(all.find(m), std::string::npos) << m;  // the file's own words
+  EXPECT_EQ(m.find("model name"), std::string::npos) << m;
+  EXPECT_NE(m.front(), ' ');
+  EXPECT_NE(m.back(), ' ');
+}
+
 // What a reader must know before trusting a number is listed at the top of the report: runs from
 // different hosts compared, several code revisions, an unbounded speedup, a law whose E sits at a
 // bound of its range.
@@ -416,6 +435,7 @@ TEST(LadderReport, WarningsNameWhatNotToTrust) {
     rs.push_back(fake_result("dense", "", d, 1, C, law(C), 1000));
     auto v = fake_result("fast", "dense", d, 1, C, law(1.5 * C), 1000);
     if (d == 128) v["host"] = "other", v["revision"] = "r2";
+    if (d == 256) v["cpu"] = "EPYC 9654", v["threads"] = 2;  // the same host name on another CPU: another machine
     rs.push_back(v);
     // Below the baseline's Marin floor (E = 2) at every scale: unbounded.
     rs.push_back(fake_result("magic", "dense", d, 1, C, 1.9 - 0.01 * std::log2(d), 1000));
@@ -428,6 +448,8 @@ TEST(LadderReport, WarningsNameWhatNotToTrust) {
   };
   EXPECT_TRUE(has("fast vs dense d=128: runs from different hosts (h, other)")) << fmt::format("{}", fmt::join(r.warnings, "\n"));
   EXPECT_FALSE(has("fast vs dense d=64: runs from different hosts"));
+  EXPECT_TRUE(has("fast vs dense d=256: runs from different hosts (h, h (EPYC 9654, 2 threads))"));
+  EXPECT_TRUE(has("the runs were trained on 3 machines (h; h (EPYC 9654, 2 threads); other)"));
   EXPECT_TRUE(has("2 code revisions (r, r2)"));
   EXPECT_TRUE(has("magic d=64: the variant's loss is at or below the baseline law's floor E"));
   // magic's points, 1.9 - 0.01 log2 d, bend nowhere: its law's E cannot be located.
@@ -769,8 +791,10 @@ TEST_F(LadderSweepTest, KilledSweepResumesToTheSameResultsWithNoDuplicateOrMissi
       EXPECT_EQ(x["loss_curve"][i][2].get<double>(), y["loss_curve"][i][2].get<double>()) << id << " step " << i + 1;
     }
     for (auto k : {"variant", "baseline", "d", "seed", "config", "revision", "tokens", "compute", "flops_with_head",
-                   "tokens_per_s", "mfu", "wall_s", "host", "scale"})
+                   "tokens_per_s", "mfu", "wall_s", "host", "cpu", "threads", "scale"})
       EXPECT_TRUE(y.contains(k)) << k;
+    EXPECT_EQ(y["cpu"], cpu_model());
+    EXPECT_EQ(y["threads"], cpu_threads());
     EXPECT_GT(y["tokens_per_s"].get<double>(), 0);
   }
   // Nothing but the four result files in results/ (no temp files left behind).
@@ -1232,6 +1256,7 @@ TEST_F(LadderSweepTest, TimingMeasuresEveryModelOnceAndTheReportUsesIt) {
   const Timing t = read_timing(out / "timing.json");
   EXPECT_EQ(t.rounds, 3);
   EXPECT_EQ(t.sgemm_gflops, 50);
+  EXPECT_EQ(t.cpu, cpu_model());  // where it was timed, beside the host name
   const Plan plan = make_plan(load_spec(s), 50);
   ASSERT_EQ(t.cells.size(), 4u);
   for (auto& r : plan.runs) {

@@ -10,6 +10,7 @@
 #include "core/stats.h"
 #include "ladder/store.h"
 #include "ladder/svg.h"
+#include "train/machine.h"
 #include "train/metrics.h"
 
 namespace fs = std::filesystem;
@@ -19,6 +20,12 @@ namespace ladder {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Where a stored result was trained: the host name, and the CPU and thread count where the result
+// records them (host names alone do not tell cloud VMs apart).
+std::string result_machine(const nlohmann::json& r) {
+  return machine_label(r.value("host", ""), r.value("cpu", ""), r.value("threads", 0));
+}
 
 struct Obs {
   double C, L, tps;
@@ -241,10 +248,17 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     const double C = r.at("compute").get<double>(), tps = r.at("tokens_per_s").get<double>();
     const double tokens = r.value("tokens", 0.0);
     cells[v][d].push_back({C, r.at("final_val_loss").get<double>(), tps, tokens > 0 ? C / tokens * tps : kNaN,
-                           r.value("seed", uint64_t(0)), r.value("host", "")});
+                           r.value("seed", uint64_t(0)), result_machine(r)});
   }
   rep.scales.assign(scales.begin(), scales.end());
   rep.revisions.assign(revs.begin(), revs.end());
+  std::set<std::string> machines;
+  for (auto& r : results) machines.insert(result_machine(r));
+  if (machines.size() > 1)
+    rep.warnings.push_back(fmt::format("the runs were trained on {} machines ({}): their tokens/s and MFU compare the "
+                                       "machines too; a realized speedup is one machine's only where the timing "
+                                       "(timing.json) measured both sides",
+                                       machines.size(), fmt::join(machines, "; ")));
   if (rep.revisions.size() > 1)
     rep.warnings.push_back(fmt::format("the results come from {} code revisions ({}): their compute and losses are "
                                        "compared as if one program had produced them",
@@ -585,10 +599,13 @@ std::vector<Table> tables(const Report& r) {
     Table th{"Throughput, timed side by side: tokens/s [range over rounds]; model FLOP/s over the baseline's",
              fmt::format("Each model's training step (forward, backward, optimizer; synthetic tokens, the first "
                          "seed's config) timed after every run had finished: {} rounds, each timing every model once "
-                         "({} untimed then {} timed steps, the median), the order reversed every other round; on {} "
-                         "with {} threads, revision {}, {} to {}{}. The ratio is the median of the per-round ratios "
+                         "({} untimed then {} timed steps, the median), the order reversed every other round; on {}, "
+                         "revision {}, {} to {}{}. The ratio is the median of the per-round ratios "
                          "[smallest-largest]: what the realized speedups use.",
-                         tm.rounds, tm.warmup, tm.steps, tm.host, tm.threads, tm.revision, tm.started_at,
+                         tm.rounds, tm.warmup, tm.steps,
+                         tm.cpu.empty() ? fmt::format("{} with {} threads", tm.host, tm.threads)
+                                        : machine_label(tm.host, tm.cpu, tm.threads),
+                         tm.revision, tm.started_at,
                          tm.finished_at,
                          tm.sgemm_gflops > 0 ? fmt::format("; sgemm {:.0f} GFLOP/s then", tm.sgemm_gflops) : ""),
              scale_head({"variant", "vs"}),
@@ -633,7 +650,7 @@ std::vector<Table> tables(const Report& r) {
       runs.rows.push_back({x.value("run", ""), x.value("variant", ""), std::to_string(x.value("d", 0)),
                            std::to_string(x.value("seed", uint64_t(0))), human_count(x.value("tokens", 0.0)),
                            sci(x.value("compute", 0.0)), sci(x.value("flops_with_head", 0.0)), "diverged", "-", "-",
-                           "-", "-", x.value("host", ""), x.value("revision", "")});
+                           "-", "-", result_machine(x), x.value("revision", "")});
       continue;
     }
     runs.rows.push_back({x.value("run", ""), x.value("variant", ""), std::to_string(x.value("d", 0)),
@@ -643,7 +660,7 @@ std::vector<Table> tables(const Report& r) {
                          fmt::format("{:.4f}", x.value("best_val_loss", kNaN)),
                          fmt::format("{:.0f}", x.value("tokens_per_s", 0.0)),
                          fmt::format("{:.1f}%", 100 * x.value("mfu", 0.0)), format_duration(x.value("wall_s", 0.0)),
-                         x.value("host", ""), x.value("revision", "")});
+                         result_machine(x), x.value("revision", "")});
   }
   t.push_back(runs);
   return t;

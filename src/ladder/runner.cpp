@@ -115,6 +115,8 @@ nlohmann::json result_of(const PlannedRun& r, const char* status) {
           {"compute", r.compute},
           {"flops_with_head", r.flops_with_head},
           {"host", host_name()},
+          {"cpu", cpu_model()},
+          {"threads", cpu_threads()},
           {"finished_at", utc_now()}};
 }
 

@@ -63,7 +63,8 @@ void check_result_fields(const nlohmann::json& j, const fs::path& file) {
   need("final_val_loss", "a number", num, finished);
   need("tokens_per_s", "a number", num, finished);
   for (const char* k : {"tokens", "flops_with_head", "best_val_loss", "mfu", "wall_s"}) need(k, "a number", num, false);
-  for (const char* k : {"baseline", "host", "revision", "error", "data"}) need(k, "a string", str, false);
+  for (const char* k : {"baseline", "host", "cpu", "revision", "error", "data"}) need(k, "a string", str, false);
+  need("threads", "a whole number", whole, false);
   need("stacks", "an array of strings", strings, false);
 }
 

@@ -49,6 +49,7 @@ Timing measure_timing(const Plan& plan, const TimingSettings& s, double sgemm_ra
   Timing t;
   t.rounds = s.rounds, t.steps = s.steps, t.warmup = s.warmup;
   t.host = host_name();
+  t.cpu = cpu_model();
   t.revision = code_revision();
   t.threads = cpu_threads();
   t.started_at = utc_now();
@@ -91,7 +92,7 @@ nlohmann::json timing_to_json(const Timing& t) {
                      {"step_s", c.step_s}});
   return {{"format", "ladder-timing"}, {"version", kTimingVersion}, {"rounds", t.rounds},
           {"steps", t.steps},           {"warmup", t.warmup},          {"host", t.host},
-          {"revision", t.revision},     {"threads", t.threads},        {"sgemm_gflops", t.sgemm_gflops},
+          {"cpu", t.cpu},               {"revision", t.revision},     {"threads", t.threads},        {"sgemm_gflops", t.sgemm_gflops},
           {"started_at", t.started_at}, {"finished_at", t.finished_at}, {"cells", cells}};
 }
 
@@ -124,6 +125,7 @@ Timing read_timing(const std::filesystem::path& file) {
   t.threads = field(j, "threads", "a whole number", count, "").get<int>();
   t.sgemm_gflops = field(j, "sgemm_gflops", "a number", num, "").get<double>();
   t.host = field(j, "host", "a string", str, "").get<std::string>();
+  if (j.contains("cpu")) t.cpu = field(j, "cpu", "a string", str, "").get<std::string>();
   t.revision = field(j, "revision", "a string", str, "").get<std::string>();
   t.started_at = field(j, "started_at", "a string", str, "").get<std::string>();
   t.finished_at = field(j, "finished_at", "a string", str, "").get<std::string>();

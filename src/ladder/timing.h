@@ -35,7 +35,7 @@ struct TimedCell {
 
 struct Timing {
   int rounds = 0, steps = 0, warmup = 0;
-  std::string host, revision, started_at, finished_at;
+  std::string host, cpu, revision, started_at, finished_at;  // cpu: "" in files from before it was recorded
   int threads = 0;
   double sgemm_gflops = 0;
   std::vector<TimedCell> cells;

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -22,6 +23,25 @@ std::string host_name() {
   char h[256] = {0};
   ::gethostname(h, sizeof(h) - 1);
   return h;
+}
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const auto a = line.find_first_not_of(" \t", colon + 1);
+    const auto b = line.find_last_not_of(" \t\r");
+    return a == std::string::npos ? std::string() : line.substr(a, b - a + 1);
+  }
+  return "";
+}
+
+std::string machine_label(const std::string& host, const std::string& cpu, int threads) {
+  if (cpu.empty()) return host;
+  return threads > 0 ? fmt::format("{} ({}, {} threads)", host, cpu, threads) : fmt::format("{} ({})", host, cpu);
 }
 
 std::string utc_now() {

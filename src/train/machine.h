@@ -20,6 +20,13 @@ std::filesystem::path sgemm_cache_file();
 
 // This machine's host name, as results and timings record where they were measured.
 std::string host_name();
+// The CPU's model name from /proc/cpuinfo ("" where there is none). Results record it beside the host
+// name: cloud VMs often share one host name ("vm") over different hardware, and tokens/s measured on
+// two CPUs are not one machine's numbers.
+std::string cpu_model();
+// Where a result or timing was measured, as the report compares it: "host (cpu, N threads)", or the
+// host name alone when the CPU is not known (results from before the CPU was recorded).
+std::string machine_label(const std::string& host, const std::string& cpu, int threads);
 // The current UTC time as "2026-12-02T08:00:00Z".
 std::string utc_now();
 
