@@ -437,6 +437,10 @@ TEST(LadderReport, WarningsNameWhatNotToTrust) {
     if (d == 128) v["host"] = "other", v["revision"] = "r2";
     if (d == 256) v["cpu"] = "EPYC 9654", v["threads"] = 2;  // the same host name on another CPU: another machine
     rs.push_back(v);
+    // Another machine at two widths: one warning that names both.
+    auto w = fake_result("far", "dense", d, 1, C, law(C), 1000);
+    if (d != 64) w["host"] = "far-host";
+    rs.push_back(w);
     // Below the baseline's Marin floor (E = 2) at every scale: unbounded.
     rs.push_back(fake_result("magic", "dense", d, 1, C, 1.9 - 0.01 * std::log2(d), 1000));
   }
@@ -449,7 +453,8 @@ TEST(LadderReport, WarningsNameWhatNotToTrust) {
   EXPECT_TRUE(has("fast vs dense d=128: runs from different hosts (h, other)")) << fmt::format("{}", fmt::join(r.warnings, "\n"));
   EXPECT_FALSE(has("fast vs dense d=64: runs from different hosts"));
   EXPECT_TRUE(has("fast vs dense d=256: runs from different hosts (h, h (EPYC 9654, 2 threads))"));
-  EXPECT_TRUE(has("the runs were trained on 3 machines (h; h (EPYC 9654, 2 threads); other)"));
+  EXPECT_TRUE(has("the runs were trained on 4 machines (far-host; h; h (EPYC 9654, 2 threads); other)"));
+  EXPECT_TRUE(has("far vs dense d=128, 256: runs from different hosts (far-host, h)"));
   EXPECT_TRUE(has("2 code revisions (r, r2)"));
   EXPECT_TRUE(has("magic d=64: the variant's loss is at or below the baseline law's floor E"));
   // magic's points, 1.9 - 0.01 log2 d, bend nowhere: its law's E cannot be located.

@@ -370,6 +370,9 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     row.law_ok = point.law_ok[n];
     if (row.law_ok && row.law.E_at_bound) E_at_bound.push_back(n);
     std::vector<double> gm, gl, gci;
+    // Widths where this variant and its baseline were trained on different machines and not timed
+    // side by side, by the machines involved: one warning per set of machines, not one per width.
+    std::map<std::string, std::vector<int>> cross_machine;
     for (int d : rep.scales) {
       SpeedupCell c;
       c.d = d;
@@ -404,10 +407,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
                 "{} vs {} d={}: not both in the sweep's timing (timing.json): the realized speedup there compares the "
                 "training runs' own tokens/s; `ladder sweep ... --retime` times every model again",
                 n, row.baseline, d));
-          if (hosts.size() > 1 && !is_timed)
-            rep.warnings.push_back(fmt::format(
-                "{} vs {} d={}: runs from different hosts ({}); the realized speedup then also compares the machines",
-                n, row.baseline, d, fmt::join(hosts, ", ")));
+          if (hosts.size() > 1 && !is_timed) cross_machine[fmt::format("{}", fmt::join(hosts, ", "))].push_back(d);
         } else if (base_here) {
           std::set<uint64_t> sv, sb;
           for (auto& o : cells[n][d]) sv.insert(o.seed);
@@ -452,6 +452,10 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
       }
       row.cells.push_back(c);
     }
+    for (auto& [machines, ds] : cross_machine)
+      rep.warnings.push_back(fmt::format(
+          "{} vs {} d={}: runs from different hosts ({}); the realized speedup then also compares the machines", n,
+          row.baseline, fmt::join(ds, ", "), machines));
     if (!row.baseline.empty()) {
       row.gate_marin = gate(gm);
       row.gate_law = gate(gl);
