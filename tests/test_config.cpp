@@ -76,7 +76,7 @@ TEST(ConfigInput, IntegersAreReadExactlyAndRangeChecked) {
   EXPECT_EQ(load_config(ok, {"run.seed=1.8446744073709551615e19"}).run.seed, std::numeric_limits<uint64_t>::max());
 }
 
-// Every number of the schema (the float fields of to_json) refuses NaN and inf, from a file or --set.
+// An error found after the overrides names the --set values beside the file: the bad value may be theirs.
 TEST(ConfigInput, AnErrorFromASetValueNamesTheSet) {
   test::TempDir d("cfg-set-where");
   const fs::path ok = d.path / "ok.yaml";
@@ -88,6 +88,7 @@ TEST(ConfigInput, AnErrorFromASetValueNamesTheSet) {
   EXPECT_EQ(load_config(ok).source, ok.string());  // no overrides: the file alone
 }
 
+// Every number of the schema (the float fields of to_json) refuses NaN and inf, from a file or --set.
 TEST(ConfigInput, EveryNumberMustBeFinite) {
   test::TempDir d("cfg-finite");
   const fs::path ok = d.path / "ok.yaml";

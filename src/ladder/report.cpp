@@ -224,7 +224,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
   std::map<std::string, VariantInfo> info;
   std::map<std::string, std::map<int, int>> diverged;  // variant -> width -> runs that diverged
   std::set<int> scales;
-  std::set<std::string> revs;
+  std::set<std::string> revs, machines;
   for (auto& r : results) {
     std::string v = r.at("variant");
     int d = r.at("d");
@@ -234,6 +234,8 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
       info[v] = {r.value("baseline", ""), r.value("stacks", std::vector<std::string>{})};
     scales.insert(d);
     revs.insert(r.value("revision", "unknown"));
+    const std::string machine = result_machine(r);
+    machines.insert(machine);
     if (r.value("status", "finished") == "diverged") {
       // No loss to fit: the run is listed and its seed counts as missing in every comparison.
       const std::string id = r.value("run", "");
@@ -248,12 +250,10 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     const double C = r.at("compute").get<double>(), tps = r.at("tokens_per_s").get<double>();
     const double tokens = r.value("tokens", 0.0);
     cells[v][d].push_back({C, r.at("final_val_loss").get<double>(), tps, tokens > 0 ? C / tokens * tps : kNaN,
-                           r.value("seed", uint64_t(0)), result_machine(r)});
+                           r.value("seed", uint64_t(0)), machine});
   }
   rep.scales.assign(scales.begin(), scales.end());
   rep.revisions.assign(revs.begin(), revs.end());
-  std::set<std::string> machines;
-  for (auto& r : results) machines.insert(result_machine(r));
   if (machines.size() > 1)
     rep.warnings.push_back(fmt::format("the runs were trained on {} machines ({}): their tokens/s and MFU compare the "
                                        "machines too; a realized speedup is one machine's only where the timing "

@@ -92,8 +92,9 @@ nlohmann::json timing_to_json(const Timing& t) {
                      {"step_s", c.step_s}});
   return {{"format", "ladder-timing"}, {"version", kTimingVersion}, {"rounds", t.rounds},
           {"steps", t.steps},           {"warmup", t.warmup},          {"host", t.host},
-          {"cpu", t.cpu},               {"revision", t.revision},     {"threads", t.threads},        {"sgemm_gflops", t.sgemm_gflops},
-          {"started_at", t.started_at}, {"finished_at", t.finished_at}, {"cells", cells}};
+          {"cpu", t.cpu},               {"revision", t.revision},      {"threads", t.threads},
+          {"sgemm_gflops", t.sgemm_gflops}, {"started_at", t.started_at}, {"finished_at", t.finished_at},
+          {"cells", cells}};
 }
 
 Timing read_timing(const std::filesystem::path& file) {

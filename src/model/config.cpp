@@ -424,10 +424,7 @@ Config load_config(const std::filesystem::path& file, const std::vector<std::str
   for (auto& o : overrides) apply_override(c, o);
   // validate() and the trainer find errors after the overrides are in, and a bad value may have come
   // from a --set rather than the file: the errors name both.
-  if (!overrides.empty()) {
-    c.source += " with --set ";
-    for (size_t i = 0; i < overrides.size(); ++i) c.source += (i ? ", " : "") + overrides[i];
-  }
+  if (!overrides.empty()) c.source += fmt::format(" with --set {}", fmt::join(overrides, ", "));
   return c;
 }
 
