@@ -1391,6 +1391,59 @@ TEST_F(LadderSweepTest, SeedsFlagReplacesTheSpecsSeeds) {
   EXPECT_NE(test::error_of([&] { sweep(o); }).find("--seeds 3,3: a seed is listed twice"), std::string::npos);
 }
 
+// --reuse copies in the runs another directory holds with the same id, config hash and data, as
+// they are, and trains the rest: a run of the same id made with another config is trained anew.
+TEST_F(LadderSweepTest, ReuseCopiesMatchingRunsFromAnotherDirectoryAndTrainsTheRest) {
+  const fs::path src = fake_sweep("reuse-src");  // good_spec's 4 runs: dense and wide at d = 32, 48
+  ResultStore from(src);
+  auto tampered = *from.read_result("wide-d48-s1");
+  tampered["config_hash"] = "0123456789abcdef";  // as if made by another ladder's config of that name
+  from.write_result("wide-d48-s1", tampered);
+  const fs::path spec_file = spec("reuse", R"(scales:
+  rules: {head_dim: 16, kv_ratio: 1, checkpoints: 2, evals: 2}
+  list:
+    - {d: 32, steps: 8, batch_size: 4}
+    - {d: 48, steps: 8, batch_size: 4}
+seeds: [1]
+variants:
+  dense: {}
+  wide:
+    baseline: dense
+    set: {model.d_ff: 6*d}
+  narrow:
+    baseline: dense
+    set: {model.d_ff: 2*d}
+report: {E: 1.0, alpha: 0.1}
+)");
+  const fs::path out = dir->path / "out-reuse";
+  SweepOptions o;
+  o.spec_file = spec_file, o.out = out, o.peak_gflops = 50, o.reuse = {src};
+  ::testing::internal::CaptureStdout();
+  SweepSummary s = sweep(o);
+  const std::string log = ::testing::internal::GetCapturedStdout();
+  EXPECT_EQ(s.planned, 6);
+  EXPECT_EQ(s.reused, 3);   // dense x 2, wide at d = 32
+  EXPECT_EQ(s.trained, 3);  // narrow x 2 (no such runs there), wide at d = 48 (another config there)
+  auto got = results(out);
+  ASSERT_EQ(got.size(), 6u);
+  for (const char* id : {"dense-d32-s1", "dense-d48-s1", "wide-d32-s1"}) EXPECT_EQ(got[id], *from.read_result(id)) << id;
+  EXPECT_NE(got["wide-d48-s1"]["config_hash"], "0123456789abcdef");
+  EXPECT_FALSE(fs::exists(ResultStore(out).run_dir("dense-d32-s1")));  // nothing trained for it
+  EXPECT_NE(log.find("[1/6] dense-d32-s1: reused from " + from.result_path("dense-d32-s1").string()), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("wide-d48-s1: not reused from " + from.result_path("wide-d48-s1").string() +
+                     ": another config (hash 0123456789abcdef)"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("3 trained now, 3 reused, 0 already done"), std::string::npos) << log;
+  // A second sweep finds them all stored; a directory that holds no results is named.
+  EXPECT_EQ(sweep(o).already_done, 6);
+  o.reuse = {dir->path / "no-such-dir"};
+  EXPECT_NE(test::error_of([&] { sweep(o); })
+                .find("--reuse " + (dir->path / "no-such-dir").string() + ": not a results directory"),
+            std::string::npos);
+}
+
 TEST_F(LadderSweepTest, BadSpecsFailWithOneLineBeforeTraining) {
   auto expect_error = [&](const std::string& name, const std::string& body, const std::string& want) {
     fs::path out = dir->path / ("out-bad-" + name);

@@ -153,6 +153,10 @@ int main(int argc, char** argv) {
       ->check(non_negative)
       ->allow_extra_args(false);
   sw->add_flag("--retime", swopt.retime, "time the models again (spec `timing:`) even when DIR/timing.json matches");
+  sw->add_option("--reuse", swopt.reuse,
+                 "copy in, instead of training, runs this other results directory holds with the same id, config "
+                 "hash and data (repeatable)")
+      ->allow_extra_args(false);
   auto* rp = app.add_subcommand("report", "speedup tables, fitted laws, plots and HTML from a results directory");
   ReportOptions rpopt;
   rp->add_option("dir", rpopt.dir, "results directory written by `ladder sweep`")->required();

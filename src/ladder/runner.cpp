@@ -194,6 +194,10 @@ SweepSummary sweep(const SweepOptions& opt) {
   ResultStore store(opt.out);
   SweepSummary sum;
   sum.planned = int(plan.runs.size());
+  for (const fs::path& d : opt.reuse)
+    if (!fs::is_directory(d / "results"))
+      fail("--reuse {}: not a results directory (expected {} holding <run>.json files)", d.string(),
+           (d / "results").string());
   if (opt.dry_run) {
     fmt::print("{}", format_plan(plan));
     return sum;
@@ -267,6 +271,30 @@ SweepSummary sweep(const SweepOptions& opt) {
       continue;
     }
     if (stored()) continue;  // finished by another worker between the check and the lock
+    // --reuse: the same config on the same data gives the same run (up to the machine's rounding),
+    // so a result another directory holds for it is copied in, as it is, instead of trained again.
+    // The id alone is not enough: ladders name their runs alike (dense-d64-s1) with other configs.
+    bool reused = false;
+    for (const fs::path& d : opt.reuse) {
+      const ResultStore other(d);
+      const auto res = other.read_result(r.id);
+      if (!res) continue;
+      if (res->value("config_hash", "") != r.config_hash || other_data(*res, r)) {
+        fmt::print("{}: not reused from {}: {} (the plan gives config hash {} on data {})\n", tag,
+                   other.result_path(r.id).string(),
+                   res->value("config_hash", "") != r.config_hash
+                       ? fmt::format("another config (hash {})", res->value("config_hash", ""))
+                       : fmt::format("other data ({})", (*res)["data"].dump()),
+                   r.config_hash, r.data_id);
+        continue;
+      }
+      store.write_result(r.id, *res);
+      ++sum.reused;
+      reused = true;
+      fmt::print("{}: reused from {} (same config hash {})\n", tag, other.result_path(r.id).string(), r.config_hash);
+      break;
+    }
+    if (reused) continue;
     const fs::path rd = store.run_dir(r.id);
     fs::create_directories(rd);
     if (!fs::exists(rd / "planned.json"))
@@ -343,9 +371,10 @@ SweepSummary sweep(const SweepOptions& opt) {
     else
       time_plan(plan, store, spec.timing, opt.retime, opt.peak_gflops);
   }
-  fmt::print("sweep: {} runs: {} trained now, {} already done, {} diverged, {} left to other workers; next: ladder "
+  fmt::print("sweep: {} runs: {} trained now, {}{} already done, {} diverged, {} left to other workers; next: ladder "
              "report {}\n",
-             sum.planned, sum.trained, sum.already_done, sum.diverged, sum.busy, opt.out.string());
+             sum.planned, sum.trained, sum.reused > 0 ? fmt::format("{} reused, ", sum.reused) : "", sum.already_done,
+             sum.diverged, sum.busy, opt.out.string());
   return sum;
 }
 

@@ -24,6 +24,9 @@ struct SweepOptions {
   std::vector<uint64_t> seeds;    // replaces the spec's seeds (the plan, ladder.json and so the report follow)
   double peak_gflops = 0;         // <= 0: measured (cached)
   bool retime = false;            // time the models again even when DIR/timing.json matches the plan
+  // Other results directories whose stored runs are copied in instead of trained, where one has the
+  // run's id, config hash and data (a ladder sharing rungs with one already swept).
+  std::vector<std::filesystem::path> reuse;
   // Testing: steps after which a run's training returns as if the process were killed (-1 = never);
   // the sweep then stops, as a killed sweep would.
   std::function<int64_t(const PlannedRun&)> stop_after;
@@ -33,6 +36,7 @@ struct SweepOptions {
 
 struct SweepSummary {
   int planned = 0, trained = 0, already_done = 0, busy = 0;
+  int reused = 0;            // copied from a --reuse directory (same id, config hash and data)
   int diverged = 0;          // runs recorded as diverged, now or by an earlier sweep (never retried)
   bool interrupted = false;  // a stop signal came (or a simulated kill): the sweep stopped there
 };
