@@ -1399,22 +1399,11 @@ TEST_F(LadderSweepTest, ReuseCopiesMatchingRunsFromAnotherDirectoryAndTrainsTheR
   auto tampered = *from.read_result("wide-d48-s1");
   tampered["config_hash"] = "0123456789abcdef";  // as if made by another ladder's config of that name
   from.write_result("wide-d48-s1", tampered);
-  const fs::path spec_file = spec("reuse", R"(scales:
-  rules: {head_dim: 16, kv_ratio: 1, checkpoints: 2, evals: 2}
-  list:
-    - {d: 32, steps: 8, batch_size: 4}
-    - {d: 48, steps: 8, batch_size: 4}
-seeds: [1]
-variants:
-  dense: {}
-  wide:
-    baseline: dense
-    set: {model.d_ff: 6*d}
-  narrow:
-    baseline: dense
-    set: {model.d_ff: 2*d}
-report: {E: 1.0, alpha: 0.1}
-)");
+  // good_spec's ladder with one more variant: its runs have no counterpart in the source.
+  std::string body = read_file(good_spec());
+  body = body.substr(body.find("scales:"));
+  body.insert(body.find("report:"), "  narrow:\n    baseline: dense\n    set: {model.d_ff: 2*d}\n");
+  const fs::path spec_file = spec("reuse", body);
   const fs::path out = dir->path / "out-reuse";
   SweepOptions o;
   o.spec_file = spec_file, o.out = out, o.peak_gflops = 50, o.reuse = {src};
