@@ -274,27 +274,28 @@ SweepSummary sweep(const SweepOptions& opt) {
     // --reuse: the same config on the same data gives the same run (up to the machine's rounding),
     // so a result another directory holds for it is copied in, as it is, instead of trained again.
     // The id alone is not enough: ladders name their runs alike (dense-d64-s1) with other configs.
-    bool reused = false;
-    for (const fs::path& d : opt.reuse) {
-      const ResultStore other(d);
-      const auto res = other.read_result(r.id);
-      if (!res) continue;
-      if (res->value("config_hash", "") != r.config_hash || other_data(*res, r)) {
-        fmt::print("{}: not reused from {}: {} (the plan gives config hash {} on data {})\n", tag,
-                   other.result_path(r.id).string(),
-                   res->value("config_hash", "") != r.config_hash
-                       ? fmt::format("another config (hash {})", res->value("config_hash", ""))
-                       : fmt::format("other data ({})", (*res)["data"].dump()),
-                   r.config_hash, r.data_id);
-        continue;
+    auto reused = [&] {
+      for (const fs::path& d : opt.reuse) {
+        const ResultStore other(d);
+        const auto res = other.read_result(r.id);
+        if (!res) continue;
+        const std::string hash = res->value("config_hash", "");
+        if (hash != r.config_hash || other_data(*res, r)) {
+          fmt::print("{}: not reused from {}: {} (the plan gives config hash {} on data {})\n", tag,
+                     other.result_path(r.id).string(),
+                     hash != r.config_hash ? fmt::format("another config (hash {})", hash)
+                                           : fmt::format("other data ({})", (*res)["data"].dump()),
+                     r.config_hash, r.data_id);
+          continue;
+        }
+        store.write_result(r.id, *res);
+        ++sum.reused;
+        fmt::print("{}: reused from {} (same config hash {})\n", tag, other.result_path(r.id).string(), r.config_hash);
+        return true;
       }
-      store.write_result(r.id, *res);
-      ++sum.reused;
-      reused = true;
-      fmt::print("{}: reused from {} (same config hash {})\n", tag, other.result_path(r.id).string(), r.config_hash);
-      break;
-    }
-    if (reused) continue;
+      return false;
+    };
+    if (reused()) continue;
     const fs::path rd = store.run_dir(r.id);
     fs::create_directories(rd);
     if (!fs::exists(rd / "planned.json"))
