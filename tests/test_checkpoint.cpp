@@ -140,6 +140,7 @@ TEST_F(CheckpointTest, ResumeWarnsOncePerChangedOptimizerOrScheduleSetting) {
   d.schedule.type = "cosine";
   d.run.steps = 8;
   d.run.log_every = 2;  // not a trajectory setting: no warning
+  d.optim.lr_mults = "role:attention=2";
   // A run trained on a GPU in bf16, continued on the CPU: the arithmetic changes from here on.
   edit_json(checkpoint_dir(r, 3) / "state.json", [](nlohmann::json& j) {
     j["config"]["run"]["device"] = "cuda";
@@ -152,18 +153,20 @@ TEST_F(CheckpointTest, ResumeWarnsOncePerChangedOptimizerOrScheduleSetting) {
   EXPECT_EQ(s.end_step, 8);
   int lines = 0;
   for (size_t p = 0; (p = err.find("warning: ", p)) != std::string::npos; ++p) ++lines;
-  EXPECT_EQ(lines, 6) << err;
-  for (const char* f : {"optim.lr = 0.001 ", "optim.weight_decay = 0.05 ", "schedule.type = \"cosine\" ", "run.steps = 8 ",
+  EXPECT_EQ(lines, 7) << err;
+  for (const char* f : {"optim.lr = 0.001 ", "optim.lr_mults = \"role:attention=2\" ", "optim.weight_decay = 0.05 ", "schedule.type = \"cosine\" ", "run.steps = 8 ",
                         "run.device = \"cpu\" but the checkpoint", "trained with \"cuda\"",
                         "run.precision = \"fp32\" but the checkpoint", "trained with \"bf16\""})
     EXPECT_HAS(err, f);
   EXPECT_HAS(err, "trained with 0.005: the continuation is not the uninterrupted run's");
   // An unchanged resume warns about nothing; nor do GPU-only settings between two CPU runs, nor a
-  // checkpoint from before run.attention was recorded.
+  // checkpoint from before run.attention was recorded, nor one from before a late key existed
+  // (model/config.h: it trained with the key's default).
   fs::path r2 = killed_run("optim-nowarn", c);
   edit_json(checkpoint_dir(r2, 3) / "state.json", [](nlohmann::json& j) {
     j["config"]["run"]["precision"] = "tf32";
     j["config"]["run"]["attention"] = "cudnn";
+    j["config"]["optim"].erase("lr_mults");
   });
   ::testing::internal::CaptureStderr();
   run(c, r2, true);

@@ -294,6 +294,26 @@ TEST(ConfigInput, ShippedConfigsStillValidate) {
   EXPECT_GT(runs, 0);
 }
 
+// Late keys (added after the config hash's first format) leave a run's identity unchanged while at
+// their defaults, and a file written before one existed reads as its default; any other key stays
+// required, and setting a late key changes the identity.
+TEST(ConfigInput, LateKeysAtTheirDefaultsLeaveTheIdentityAsBefore) {
+  EXPECT_TRUE(is_late_key("optim.lr_mults"));
+  EXPECT_FALSE(is_late_key("optim.muonh_params"));
+  EXPECT_FALSE(is_late_key("optim.no_such_key"));
+  Config c;
+  nlohmann::json before = to_json(c);
+  before["optim"].erase("lr_mults");  // what a file written before the key holds
+  EXPECT_EQ(identity_json(c), before);
+  EXPECT_EQ(from_json(before, "old.json").optim.lr_mults, "");
+  c.optim.lr_mults = "role:expert=4";
+  EXPECT_EQ(identity_json(c)["optim"]["lr_mults"], "role:expert=4");
+  EXPECT_EQ(identity_json(c), to_json(c));
+  nlohmann::json older = to_json(Config{});
+  older["optim"].erase("muonh_params");
+  EXPECT_ERROR_HAS(test::error_of([&] { from_json(older, "old.json"); }), "old.json", "missing key optim.muonh_params");
+}
+
 // to_yaml's strings read back as written, whatever they hold.
 TEST(ConfigInput, YamlRoundTripsAnyString) {
   test::TempDir d("cfg-yaml");

@@ -20,7 +20,8 @@
 namespace ladder {
 
 std::string config_hash(const Config& cfg) {
-  std::string s = to_json(cfg).dump();  // keys sorted: the hash does not depend on schema order
+  // Keys sorted: the hash does not depend on schema order; late keys at their defaults left out.
+  std::string s = identity_json(cfg).dump();
   return fmt::format("{:016x}", XXH64(s.data(), s.size(), 0));
 }
 

@@ -22,7 +22,7 @@ struct PlannedRun {
   int d = 0;
   uint64_t seed = 0;
   Config cfg;            // resolved (vocab_size from the data directory)
-  std::string config_hash;  // XXH64 of the resolved config's JSON
+  std::string config_hash;  // XXH64 of the resolved config's identity_json (model/config.h)
   std::string data_id;      // what the data directory holds (data_identity): the config names only its path
   int64_t tokens = 0;    // steps * tokens per step
   double compute = 0;    // C = 3 * forward FLOPs without the LM head * tokens (the ladder's x axis)

@@ -28,10 +28,16 @@ struct Field {
   std::string key;
   std::string doc;
   std::function<Ref(Config&)> ref;
+  // Added after the config hash's first format (2026-12): hashed only when not at its default, and
+  // optional in from_json, so runs and checkpoints written before it keep their identity.
+  bool late = false;
 };
 
 #define LADDER_FIELD(sec, name, doc) \
   Field { #sec "." #name, doc, [](Config& c) -> Ref { return &c.sec.name; } }
+// Every key added from now on is a late one (is_late_key).
+#define LADDER_LATE_FIELD(sec, name, doc) \
+  Field { #sec "." #name, doc, [](Config& c) -> Ref { return &c.sec.name; }, true }
 
 // The schema: every configuration key, in the order it is printed.
 const std::vector<Field>& schema() {
@@ -97,6 +103,7 @@ const std::vector<Field>& schema() {
       LADDER_FIELD(optim, adamh_params, "tensors moved to adamh (selectors as optim.adamw_params)"),
       LADDER_FIELD(optim, muon_params, "tensors moved to muon (selectors as optim.adamw_params)"),
       LADDER_FIELD(optim, muonh_params, "tensors moved to muonh (selectors as optim.adamw_params)"),
+      LADDER_LATE_FIELD(optim, lr_mults, "per-tensor lr factors: comma-separated `selector=factor` (selectors as optim.adamw_params, factor >= 0), e.g. `role:expert=4`: the matched tensors' peak lr (their optimizer's, after optim.embed_lr_mult) times the factor, in a group of their own; a tensor matched twice or a selector that matches nothing is an error"),
       LADDER_FIELD(schedule, type, "learning-rate schedule: linear | cosine | wsd | constant"),
       LADDER_FIELD(schedule, warmup, "linear warmup: < 1 = fraction of steps, >= 1 = steps (a whole number, at most run.steps)"),
       LADDER_FIELD(schedule, final_lr_frac, "learning rate the decay ends at, as a fraction of the peak (reached at step run.steps, one past the last: the last step's is one decay step above it)"),
@@ -378,6 +385,30 @@ int ModelConfig::n_moe_layers() const {
 
 bool is_config_key(const std::string& key) { return find_field(key) != nullptr; }
 
+std::vector<std::pair<std::string, double>> parse_lr_mults(const std::string& value) {
+  std::vector<std::pair<std::string, double>> out;
+  auto trim = [](const std::string& x) {
+    const auto a = x.find_first_not_of(" \t"), b = x.find_last_not_of(" \t");
+    return a == std::string::npos ? std::string() : x.substr(a, b - a + 1);
+  };
+  std::istringstream in(value);
+  for (std::string entry; std::getline(in, entry, ',');) {
+    entry = trim(entry);
+    if (entry.empty()) continue;
+    const auto eq = entry.rfind('=');
+    const std::string sel = eq == std::string::npos ? "" : trim(entry.substr(0, eq));
+    const std::string num = eq == std::string::npos ? "" : trim(entry.substr(eq + 1));
+    char* end = nullptr;
+    const double x = std::strtod(num.c_str(), &end);
+    if (sel.empty() || num.empty() || *end != '\0' || !std::isfinite(x) || x < 0)
+      fail("optim.lr_mults: entry '{}' is not `selector=factor` (a role:<role> or name glob, then a number >= 0; "
+           "e.g. role:expert=4)",
+           entry);
+    out.emplace_back(sel, x);
+  }
+  return out;
+}
+
 std::optional<double> auto_lr_multiplier(const std::string& key, const std::string& value) {
   const auto a = value.find_first_not_of(" \t"), b = value.find_last_not_of(" \t");
   if (a == std::string::npos) return std::nullopt;
@@ -564,6 +595,11 @@ void validate_settings(const Config& c, bool this_build) {
   // 0 freezes the embedding, as optim.lr 0 freezes everything; a negative one climbs the loss.
   if (!(o.embed_lr_mult >= 0)) fail("{}: optim.embed_lr_mult must be >= 0, got {}", where, o.embed_lr_mult);
   if (!(o.clip >= 0)) fail("{}: optim.clip must be >= 0 (0 = off), got {}", where, o.clip);
+  try {
+    parse_lr_mults(o.lr_mults);
+  } catch (const Error& e) {
+    fail("{}: {}", where, e.what());
+  }
   const auto& s = c.schedule;
   if (s.type != "linear" && s.type != "cosine" && s.type != "wsd" && s.type != "constant")
     fail("{}: schedule.type '{}' is not known (expected linear, cosine, wsd or constant)", where, s.type);
@@ -651,6 +687,23 @@ std::string to_yaml(const Config& cin) {
   return out.str();
 }
 
+bool is_late_key(const std::string& key) {
+  const Field* f = find_field(key);
+  return f && f->late;
+}
+
+nlohmann::json identity_json(const Config& c) {
+  nlohmann::json j = to_json(c);
+  const nlohmann::json d = to_json(Config{});
+  for (auto& f : schema()) {
+    if (!f.late) continue;
+    const auto dot = f.key.find('.');
+    const std::string sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
+    if (j[sec][name] == d[sec][name]) j[sec].erase(name);
+  }
+  return j;
+}
+
 nlohmann::json to_json(const Config& cin) {
   Config c = cin;
   nlohmann::json j;
@@ -672,6 +725,7 @@ Config from_json(const nlohmann::json& j, const std::string& source) {
   for (auto& f : schema()) {
     auto dot = f.key.find('.');
     auto sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
+    if (f.late && j.contains(sec) && j[sec].is_object() && !j[sec].contains(name)) continue;  // its default
     if (!j.contains(sec) || !j[sec].is_object() || !j[sec].contains(name))
       fail("{}: config is missing key {}", source, f.key);
     const nlohmann::json& v = j[sec][name];

@@ -99,7 +99,13 @@ struct OptimConfig {
   // Group overrides: comma-separated selectors (role:<role> or a name glob) moving tensors from the
   // preset's assignment to this optimizer.
   std::string adamw_params, adam_params, adamh_params, muon_params, muonh_params;
+  // Per-tensor lr factors on top of the optimizer's: "selector=factor, ..." (parse_lr_mults).
+  std::string lr_mults;
 };
+
+// optim.lr_mults' entries, in order: each a selector (as in optim.<opt>_params) and its factor
+// (finite, >= 0). Throws for bad text, naming the key and the entry.
+std::vector<std::pair<std::string, double>> parse_lr_mults(const std::string& value);
 
 // An lr key's `auto` form: 1 for "auto", N for "N*auto" (N > 0, finite); nothing for any other text
 // (a number, empty). Throws for "N*auto" with a bad N, naming `key`.
@@ -157,7 +163,15 @@ void validate_attention_switches(const ModelConfig& m, const std::string& where)
 // The resolved config as YAML text (every key) and as JSON.
 std::string to_yaml(const Config& cfg);
 nlohmann::json to_json(const Config& cfg);
-// The inverse of to_json, for a checkpoint's config: every value type- and range-checked, then
+// Keys added after the config hash's first format (optim.lr_mults, ...). A file written before one
+// existed (a stored run's config, a checkpoint's state.json) lacks it, which means its default.
+bool is_late_key(const std::string& key);
+// What a run's identity (the ladder's config hash) is taken over: to_json without the late keys
+// that hold their defaults, so a run stored before a key existed keeps its hash when that key is
+// not used, and any use of the key changes it.
+nlohmann::json identity_json(const Config& cfg);
+// The inverse of to_json, for a checkpoint's config: every value type- and range-checked (a late key
+// may be missing: its default), then
 // validate()'s checks except the device one (a CUDA run's checkpoint can be sampled on the CPU);
 // errors name `source` (the file) and the key.
 Config from_json(const nlohmann::json& j, const std::string& source);

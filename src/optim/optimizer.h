@@ -15,7 +15,9 @@
 namespace ladder {
 
 struct ParamGroup {
-  std::string name;  // "matrices", "embedding", "norms" (adamw); else the optimizer's name
+  // "matrices", "embedding", "norms" (adamw); else the optimizer's name (".embedding" for the
+  // embedding); " x<factor>" for tensors with an optim.lr_mults factor
+  std::string name;
   std::vector<Param*> params;
   double lr_mult = 1.0;
   double weight_decay = 0.0;
@@ -24,8 +26,6 @@ struct ParamGroup {
   std::string lr_from;              // where lr came from, for --dry-run ("optim.lr", "auto: ...")
 };
 
-// Default AdamW grouping: matrices (attention, MLP, LM head) decay; embeddings and norm gains do not.
-std::vector<ParamGroup> default_groups(std::vector<Param>& params, const OptimConfig& oc);
 
 // A named state tensor for checkpoints (e.g. "exp_avg.model.norm.weight"). `data` is a pointer of
 // the optimizer's memory() (the backend's): checkpoints copy it through host staging. With a sharded

@@ -66,7 +66,7 @@ Kind preset_kind(Kind preset, Role r) {
   return Kind::Adam;
 }
 
-// AdamW decays matrices only (as default_groups).
+// AdamW decays matrices only (attention, MLP, experts, GatedNorm, LM head).
 bool decayed(Role r) { return hidden_matrix(r) || r == Role::Head; }
 
 const std::string& params_key(const OptimConfig& oc, Kind k) {
@@ -110,6 +110,16 @@ std::string shape_str(const std::vector<int64_t>& s) {
 constexpr Role kAllRoles[] = {Role::Embedding, Role::AttnMatrix,   Role::MlpMatrix, Role::Head,
                               Role::NormGain,  Role::Router,       Role::ExpertMatrix, Role::SharedExpert,
                               Role::AttnGate,  Role::GatedNormMatrix};
+
+// A role:<role> selector must name a role (a typo would otherwise match nothing, or be reported as such).
+void check_role_selector(const std::string& key, const std::string& sel) {
+  if (sel.rfind("role:", 0) != 0) return;
+  for (Role r : kAllRoles)
+    if (sel.substr(5) == role_name(r)) return;
+  std::string roles;
+  for (Role r : kAllRoles) roles += std::string(roles.empty() ? "" : ", ") + role_name(r);
+  fail("{}: unknown role '{}' in '{}' (roles: {})", key, sel.substr(5), sel, roles);
+}
 
 double parse_lr(const std::string& key, const std::string& v) {
   char* end = nullptr;
@@ -471,15 +481,7 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
   for (int k = 0; k < 5; ++k) {
     const std::string key = std::string("optim.") + kKindNames[k] + "_params";
     for (const std::string& sel : split_selectors(params_key(oc, Kind(k)))) {
-      if (sel.rfind("role:", 0) == 0) {
-        bool known = false;
-        for (Role r : kAllRoles) known |= sel.substr(5) == role_name(r);
-        if (!known) {
-          std::string roles;
-          for (Role r : kAllRoles) roles += std::string(roles.empty() ? "" : ", ") + role_name(r);
-          fail("{}: unknown role '{}' in '{}' (roles: {})", key, sel.substr(5), sel, roles);
-        }
-      }
+      check_role_selector(key, sel);
       bool any = false;
       for (size_t i = 0; i < params.size(); ++i) {
         if (!selector_matches(sel, params[i])) continue;
@@ -506,8 +508,26 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
       fail("{}: '{}' has shape {}; {} takes 2-D matrices or [E, out, in] expert stacks", who, p.name,
            shape_str(p.shape), kind_name(kind[i]));
   }
-  // 4. Groups: by optimizer; AdamW keeps its three groups (matrices decay, embedding, the rest),
-  // other optimizers split off the embedding only for optim.embed_lr_mult.
+  // 4. optim.lr_mults: a factor per tensor (1 where no entry matches), checked as the claims above.
+  std::vector<double> factor(params.size(), 1.0);
+  std::vector<std::string> factor_by(params.size());
+  for (const auto& [sel, f] : parse_lr_mults(oc.lr_mults)) {
+    check_role_selector("optim.lr_mults", sel);
+    bool any = false;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!selector_matches(sel, params[i])) continue;
+      any = true;
+      if (!factor_by[i].empty())
+        fail("optim.lr_mults: '{}' is matched by both '{}' and '{}' (give each tensor one factor)", params[i].name,
+             factor_by[i], sel);
+      factor_by[i] = sel;
+      factor[i] = f;
+    }
+    if (!any) fail("optim.lr_mults: selector '{}' matches no parameter of this model", sel);
+  }
+  // 5. Groups: by optimizer; AdamW keeps its three groups (matrices decay, embedding, the rest),
+  // other optimizers split off the embedding only for optim.embed_lr_mult; tensors with an
+  // optim.lr_mults factor other than 1 get a group of their own per factor ("adamh x4").
   std::vector<ParamGroup> groups;
   std::map<std::string, size_t> index;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -518,6 +538,7 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
       name = p.role == Role::Embedding ? "embedding" : decayed(p.role) ? "matrices" : "norms";
     else
       name = std::string(kind_name(k)) + (p.role == Role::Embedding ? ".embedding" : "");
+    if (factor[i] != 1.0) name += fmt::format(" x{:g}", factor[i]);
     auto it = index.find(name);
     if (it == index.end()) {
       ParamGroup g;
@@ -526,15 +547,16 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
       Lr lr = resolve_lr(oc, k, rs);
       g.lr = lr.value;
       g.lr_from = lr.from;
-      g.lr_mult = p.role == Role::Embedding ? oc.embed_lr_mult : 1.0;
+      g.lr_mult = (p.role == Role::Embedding ? oc.embed_lr_mult : 1.0) * factor[i];
       g.weight_decay = k == Kind::AdamW && decayed(p.role) ? oc.weight_decay : 0.0;
       // A hyperball lr is an angle-like step relative to ||W0||: at 1 or more one step can take a
       // matrix to (or through) the origin, where the rescale to the sphere divides by ~0.
       if ((k == Kind::AdamH || k == Kind::MuonH) && !(g.lr * g.lr_mult < 1))
         fail("{} ({}): the {} groups' lr is {}, a relative step on the hyperball: it must be < 1 (the recipe's are "
              "<= 0.05)",
-             g.lr_from, g.lr_mult != 1 ? fmt::format("x optim.embed_lr_mult {}", g.lr_mult) : "peak", g.optimizer,
-             g.lr * g.lr_mult);
+             g.lr_from,
+             g.lr_mult != 1 ? fmt::format("x {:g} from optim.embed_lr_mult and optim.lr_mults", g.lr_mult) : "peak",
+             g.optimizer, g.lr * g.lr_mult);
       it = index.emplace(name, groups.size()).first;
       groups.push_back(std::move(g));
     }
@@ -628,18 +650,18 @@ std::string dry_run_report(const Config& cfg, int world) {
     for (Param* p : g.params) of[p] = &g;
   std::ostringstream o;
   o << fmt::format("optimizer preset: {} ({})\n", cfg.optim.name, cfg.source);
-  o << fmt::format("{:<48} {:<14} {:<14} {:<16} {:<10} {:>10}\n", "tensor", "role", "shape", "group", "optimizer",
+  o << fmt::format("{:<48} {:<14} {:<14} {:<20} {:<10} {:>10}\n", "tensor", "role", "shape", "group", "optimizer",
                    "peak lr");
   for (auto& p : model.params()) {
     const ParamGroup& g = *of.at(&p);
-    o << fmt::format("{:<48} {:<14} {:<14} {:<16} {:<10} {:>10.4g}\n", p.name, role_name(p.role), shape_str(p.shape),
+    o << fmt::format("{:<48} {:<14} {:<14} {:<20} {:<10} {:>10.4g}\n", p.name, role_name(p.role), shape_str(p.shape),
                      g.name, g.optimizer, g.lr * g.lr_mult);
   }
   o << "groups:\n";
   for (auto& g : groups) {
     size_t n = 0;
     for (Param* p : g.params) n += p->numel;
-    o << fmt::format("  {:<16} {:<6} {:>3} tensors {:>11} values  lr {:.4g}{} ({}){}\n", g.name, g.optimizer,
+    o << fmt::format("  {:<20} {:<6} {:>3} tensors {:>11} values  lr {:.4g}{} ({}){}\n", g.name, g.optimizer,
                      g.params.size(), n, g.lr * g.lr_mult, g.lr_mult != 1.0 ? fmt::format(" (x{})", g.lr_mult) : "",
                      g.lr_from, g.weight_decay > 0 ? fmt::format(", weight decay {}", g.weight_decay) : "");
   }

@@ -141,6 +141,8 @@ void check_resume_compatible(const Config& cur, const nlohmann::json& saved, con
         continue;
       }
       if (it != s->end() && *it == v) continue;
+      // A key added after the checkpoint was written: it trained with the key's default.
+      if (it == s->end() && is_late_key(std::string(sec) + "." + k) && v == to_json(Config{}).at(sec).at(k)) continue;
       if (sec == std::string("run") && (k == "precision" || k == "attention")) {
         // They choose GPU kernels: with the CPU on both sides they change nothing. A checkpoint from
         // before run.attention existed ran Ladder's own attention.
