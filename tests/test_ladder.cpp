@@ -1678,6 +1678,108 @@ namespace ladder {
 namespace {
 
 // A variant is its baseline's config plus its own changes (a rung over MoE V1 keeps MoE V1).
+// `extends`: a spec read over another, as a JSON merge patch (docs/ladder.md, "Specs that extend
+// others"): the result plans the same runs (config hashes) as the spec written out in full; null
+// removes; the extended spec's paths stay relative to it; errors name the file that holds the entry.
+TEST_F(LadderSweepTest, SpecThatExtendsAnotherPlansAsTheSpecWrittenOut) {
+  good_spec();  // tiny.yaml: base.yaml, widths 32 and 48, seed 1, dense and wide (d_ff 6*d), E 1.0 alpha 0.1
+  fs::create_directories(dir->path / "sub");
+  auto write = [&](const std::string& rel, const std::string& text) {
+    write_text(dir->path / rel, text);
+    return dir->path / rel;
+  };
+  const fs::path child = write("sub/child.yaml", R"(name: child
+extends: ../tiny.yaml
+set: {optim.lr: 0.01}
+scales:
+  list: [{d: 32, steps: 8, batch_size: 4}]
+seeds: [1, 2]
+variants:
+  wide: {set: {model.d_ff: 5*d}}
+  deep: {baseline: dense, set: {model.n_layers: 3}}
+report: {alpha: 0.2}
+)");
+  const fs::path flat = spec("flat", R"(set: {optim.lr: 0.01}
+scales:
+  rules: {head_dim: 16, kv_ratio: 1, checkpoints: 2, evals: 2}
+  list: [{d: 32, steps: 8, batch_size: 4}]
+seeds: [1, 2]
+variants:
+  dense: {}
+  wide: {baseline: dense, set: {model.d_ff: 5*d}}
+  deep: {baseline: dense, set: {model.n_layers: 3}}
+report: {E: 1.0, alpha: 0.2}
+)");
+  const LadderSpec c = load_spec(child);
+  EXPECT_EQ(c.name, "child");
+  EXPECT_EQ(c.file, child);
+  EXPECT_EQ(fs::weakly_canonical(c.base), fs::weakly_canonical(dir->path / "base.yaml"));
+  EXPECT_EQ(c.report.E, 1.0);
+  EXPECT_EQ(c.report.alpha, 0.2);
+  EXPECT_EQ(c.rules.checkpoints, 2);
+  Plan pc = make_plan(c, 50), pf = make_plan(load_spec(flat), 50);
+  EXPECT_EQ(pc.hashes(), pf.hashes());
+  EXPECT_EQ(pc.runs.size(), 6u);
+  for (auto& r : pc.runs) {
+    EXPECT_EQ(r.cfg.optim.lr, 0.01) << r.id;
+    EXPECT_EQ(r.cfg.model.d_ff, r.variant == "wide" ? 160 : 128) << r.id;
+  }
+  // null removes a variant, a variant's key, a set key; a grandchild reads through both.
+  const fs::path grand = write("sub/grand.yaml", R"(extends: child.yaml
+set: {optim.lr: null}
+variants:
+  deep: null
+  wide: {set: {model.d_ff: null, model.n_layers: 2}}
+)");
+  const LadderSpec g = load_spec(grand);
+  EXPECT_EQ(g.name, "grand");
+  ASSERT_EQ(g.variants.size(), 2u);
+  Plan pg = make_plan(g, 50);
+  for (auto& r : pg.runs) {
+    EXPECT_EQ(r.cfg.optim.lr, 0.005) << r.id;  // base.yaml's
+    EXPECT_EQ(r.cfg.model.d_ff, 128) << r.id;
+    EXPECT_EQ(r.cfg.model.n_layers, r.variant == "wide" ? 2 : layers_for_width(32)) << r.id;
+  }
+  // Errors name the file (and line) that holds the entry.
+  auto error_of = [](const fs::path& f) { return test::error_of([&] { load_spec(f); }); };
+  std::string e = error_of(write("sub/nodense.yaml", "extends: ../tiny.yaml\nvariants:\n  dense: null\n"));
+  EXPECT_NE(e.find("tiny.yaml:"), std::string::npos) << e;  // wide is defined there
+  EXPECT_NE(e.find("variant 'wide' is measured against baseline 'dense', which is not a variant"), std::string::npos) << e;
+  e = error_of(write("sub/nokey.yaml", "extends: ../tiny.yaml\nset: {optim.lr: null}\n"));
+  EXPECT_NE(e.find("nokey.yaml:2: set: optim.lr: null removes a key the extended spec sets"), std::string::npos) << e;
+  e = error_of(write("sub/nofile.yaml", "name: x\nextends: nope.yaml\n"));
+  EXPECT_NE(e.find("nofile.yaml:2: extends "), std::string::npos) << e;
+  EXPECT_NE(e.find("nope.yaml: no such file"), std::string::npos) << e;
+  write("sub/a.yaml", "extends: b.yaml\n");
+  e = error_of(write("sub/b.yaml", "extends: a.yaml\n"));
+  EXPECT_NE(e.find("the specs extend each other in a cycle (b.yaml -> a.yaml -> b.yaml)"), std::string::npos) << e;
+  write("sub/badparent.yaml", "extends: bad.yaml\n");
+  write("sub/bad.yaml", "extends: ../tiny.yaml\nseeds: [1, 1]\n");
+  e = error_of(dir->path / "sub/badparent.yaml");
+  EXPECT_NE(e.find("bad.yaml:2: seed 1 is listed twice"), std::string::npos) << e;
+  e = error_of(write("sub/nobase.yaml", "variants:\n  dense: {}\n"));
+  EXPECT_NE(e.find("nobase.yaml: missing 'base'"), std::string::npos) << e;
+}
+
+// Every shipped ladder spec reads (the derived ones through `extends`), with a root variant.
+TEST(LadderSpecs, ShippedSpecsLoad) {
+  int n = 0;
+  for (auto& e : fs::directory_iterator(fs::path(LADDER_SOURCE_DIR) / "configs/ladders")) {
+    if (e.path().extension() != ".yaml") continue;
+    ++n;
+    try {
+      const LadderSpec s = load_spec(e.path());
+      EXPECT_EQ(s.name, e.path().stem().string());
+      EXPECT_TRUE(fs::exists(s.base)) << e.path();
+      EXPECT_FALSE(s.variants.empty());
+      EXPECT_TRUE(s.variants.front().baseline.empty()) << e.path();
+    } catch (const Error& err) {
+      ADD_FAILURE() << err.what();
+    }
+  }
+  EXPECT_GE(n, 9);
+}
+
 TEST_F(LadderSweepTest, VariantsInheritTheirBaselinesChanges) {
   Plan p = make_plan(load_spec(spec("inherit", R"(scales:
   rules: {head_dim: 16}

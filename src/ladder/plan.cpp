@@ -94,7 +94,7 @@ void apply_variant(Config& c, const LadderSpec& spec, const VariantSpec& v, int 
     try {
       apply_override(c, k + "=" + substitute_width(val, d));
     } catch (const Error& e) {
-      fail("{}:{}: variant '{}': {}", spec.file.string(), v.line, v.name, e.what());
+      fail("{}: variant '{}': {}", v.where, v.name, e.what());
     }
   }
 }
@@ -122,7 +122,7 @@ Plan make_plan(const LadderSpec& spec, double peak) {
   // Per scale: the base config at that width (shared by every variant), then each variant on top.
   for (const ScaleSpec& s : spec.scales) {
     auto bad_scale = [&](const std::string& why) {
-      fail("{}:{}: scale d={} cannot be built: {}", sf, s.line, s.d, why);
+      fail("{}: scale d={} cannot be built: {}", s.where, s.d, why);
     };
     Config c = base;
     c.source = fmt::format("{} (scale d={})", sf, s.d);
@@ -182,15 +182,15 @@ Plan make_plan(const LadderSpec& spec, double peak) {
         validate(cv);
         resolve_data(cv);
       } catch (const Error& e) {
-        fail("{}:{}: variant '{}' at scale d={}: {}", sf, v.line, v.name, s.d, e.what());
+        fail("{}: variant '{}' at scale d={}: {}", v.where, v.name, s.d, e.what());
       }
       const std::string data_id = data_identity(cv.data.path);  // read (and checked) by resolve_data just now
       // A ladder's result is the final validation loss: without evaluations a run would train to
       // its end and then have nothing to record (found before training, not after).
       if (cv.run.eval_batches <= 0)
-        fail("{}:{}: variant '{}' at scale d={}: run.eval_batches is {} (a ladder needs validation losses: "
+        fail("{}: variant '{}' at scale d={}: run.eval_batches is {} (a ladder needs validation losses: "
              "expected > 0)",
-             sf, v.line, v.name, s.d, cv.run.eval_batches);
+             v.where, v.name, s.d, cv.run.eval_batches);
       for (uint64_t seed : spec.seeds) {
         PlannedRun r;
         r.variant = v.name;

@@ -64,25 +64,40 @@ bool valid_name(const std::string& s) {
   return true;
 }
 
-VariantSpec read_variant(const Reader& r, const std::string& name, const YAML::Node& v, int line) {
-  VariantSpec vs;
+// A variant's entry over what it inherits (`base`: the extended spec's variant of that name, or
+// nullptr): baseline and stacks given here replace, set merges key by key (a null value removes
+// the key), as a JSON merge patch would.
+VariantSpec read_variant(const Reader& r, const std::string& name, const YAML::Node& v, int line,
+                         const VariantSpec* base) {
+  VariantSpec vs = base ? *base : VariantSpec{};
   vs.name = name;
-  vs.line = line;
-  if (!valid_name(name)) fail("{}:{}: variant name '{}' must be 1-64 letters, digits, '_' or '-'", r.file, line, name);
+  vs.where = fmt::format("{}:{}", r.file, line);
+  if (!valid_name(name)) fail("{}: variant name '{}' must be 1-64 letters, digits, '_' or '-'", vs.where, name);
   if (v.IsNull()) return vs;
-  if (!v.IsMap()) fail("{}:{}: variant '{}' expects a mapping (baseline, set, stacks)", r.file, line, name);
+  if (!v.IsMap()) fail("{}: variant '{}' expects a mapping (baseline, set, stacks)", vs.where, name);
   r.check_keys(v, fmt::format("variant '{}'", name), {"baseline", "set", "stacks", "note"});
-  if (v["baseline"] && !v["baseline"].IsNull()) vs.baseline = r.scalar<std::string>(v["baseline"], "baseline", "a variant name");
+  if (auto b = v["baseline"]) vs.baseline = b.IsNull() ? "" : r.scalar<std::string>(b, "baseline", "a variant name");
   if (auto s = v["set"]) {
     if (!s.IsMap()) fail("{}: variant '{}': set expects a mapping of dotted config keys to values", r.at(s), name);
     for (auto it = s.begin(); it != s.end(); ++it) {
-      if (!it->second.IsScalar())
-        fail("{}: variant '{}': {} expects a scalar value", r.at(it->first), name, it->first.as<std::string>());
-      vs.set.emplace_back(it->first.as<std::string>(), it->second.Scalar());
+      const std::string key = it->first.as<std::string>();
+      if (it->second.IsNull() && base) {
+        auto gone = std::remove_if(vs.set.begin(), vs.set.end(), [&](auto& kv) { return kv.first == key; });
+        if (gone == vs.set.end())
+          fail("{}: variant '{}': {}: null removes a key the extended spec's variant sets, and it does not set it",
+               r.at(it->first), name, key);
+        vs.set.erase(gone, vs.set.end());
+        continue;
+      }
+      if (!it->second.IsScalar()) fail("{}: variant '{}': {} expects a scalar value", r.at(it->first), name, key);
+      auto same = std::find_if(vs.set.begin(), vs.set.end(), [&](auto& kv) { return kv.first == key; });
+      if (same != vs.set.end()) same->second = it->second.Scalar();
+      else vs.set.emplace_back(key, it->second.Scalar());
     }
   }
   if (auto s = v["stacks"]) {
     if (!s.IsSequence()) fail("{}: variant '{}': stacks expects a list of variant names", r.at(s), name);
+    vs.stacks.clear();
     for (auto x : s) vs.stacks.push_back(r.scalar<std::string>(x, "stacks", "a variant name"));
   }
   return vs;
@@ -94,8 +109,8 @@ std::vector<VariantSpec> order_variants(const std::string& file, const std::vect
   for (auto& v : vs) by[v.name] = &v;
   for (auto& v : vs)
     if (!v.baseline.empty() && !by.count(v.baseline))
-      fail("{}:{}: variant '{}' is measured against baseline '{}', which is not a variant of this spec", file, v.line,
-           v.name, v.baseline);
+      fail("{}: variant '{}' is measured against baseline '{}', which is not a variant of this spec", v.where, v.name,
+           v.baseline);
   std::vector<VariantSpec> out;
   std::map<std::string, int> state;  // 0 new, 1 on the path, 2 done
   std::function<void(const VariantSpec&, std::vector<std::string>&)> visit = [&](const VariantSpec& v,
@@ -106,8 +121,8 @@ std::vector<VariantSpec> order_variants(const std::string& file, const std::vect
       std::string cyc;
       auto start = std::find(path.begin(), path.end(), v.name);
       for (auto it = start; it != path.end(); ++it) cyc += (cyc.empty() ? "" : " -> ") + *it;
-      fail("{}:{}: the baselines form a cycle: {} (every chain of baselines must end at a variant without one)", file,
-           v.line, cyc);
+      fail("{}: the baselines form a cycle: {} (every chain of baselines must end at a variant without one)", v.where,
+           cyc);
     }
     state[v.name] = 1;
     if (!v.baseline.empty()) visit(*by[v.baseline], path);
@@ -126,88 +141,117 @@ std::vector<VariantSpec> order_variants(const std::string& file, const std::vect
 
 }  // namespace
 
-LadderSpec load_spec(const fs::path& file) {
+namespace {
+
+// Reads one spec file into `s`: first the spec it `extends` (recursively), then this file's keys
+// over it, as a JSON merge patch: mappings (set, scales.rules, variants and their set, report,
+// timing) merge key by key, a null value removes what the extended spec gave, anything else
+// (base, scales.list, seeds, a variant's baseline and stacks) replaces. `chain`: the files being
+// read, for cycles. The whole is checked by load_spec.
+void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& chain) {
   Reader r{file.string()};
   const YAML::Node root = load_yaml_file(file, "ladder spec");
   if (!root.IsMap()) fail("{}: expected a mapping (name, base, set, scales, seeds, variants, report)", file.string());
   reject_duplicate_keys(root, file.string());  // node["seeds"] would silently take the first
   r.check_keys(root, "the ladder spec",
-               {"format", "name", "base", "set", "scales", "seeds", "variants", "pending", "report", "timing", "note"});
-  LadderSpec s;
-  s.file = file;
+               {"format", "name", "extends", "base", "set", "scales", "seeds", "variants", "pending", "report", "timing",
+                "note"});
   if (auto f = root["format"]; f && r.integer(f, "format", 0) != 1)
     fail("{}: format {} is not supported (this build reads ladder spec format 1)", r.at(f), f.Scalar());
+  chain.push_back(fs::weakly_canonical(file));
+  const bool extends = bool(root["extends"]);  // a null then removes what the extended spec gave
+  if (auto e = root["extends"]) {
+    fs::path parent = r.scalar<std::string>(e, "extends", "a ladder spec path (relative to this file)");
+    if (parent.is_relative()) parent = file.parent_path() / parent;
+    std::string cycle;
+    for (auto& f : chain) cycle += f.filename().string() + " -> ";
+    if (std::find(chain.begin(), chain.end(), fs::weakly_canonical(parent)) != chain.end())
+      fail("{}: extends {}: the specs extend each other in a cycle ({}{})", r.at(e), parent.string(), cycle,
+           parent.filename().string());
+    if (!fs::is_regular_file(parent)) fail("{}: extends {}: no such file", r.at(e), parent.string());
+    read_spec_file(parent, s, chain);
+  }
   s.name = root["name"] ? r.scalar<std::string>(root["name"], "name", "a string") : file.stem().string();
-  if (!root["base"]) fail("{}: missing 'base' (the base config YAML, relative to the spec file)", file.string());
-  s.base = r.scalar<std::string>(root["base"], "base", "a config file path");
-  if (s.base.is_relative()) s.base = file.parent_path() / s.base;
+  if (auto b = root["base"]) {
+    s.base = r.scalar<std::string>(b, "base", "a config file path");
+    if (s.base.is_relative()) s.base = file.parent_path() / s.base;
+  }
   if (auto st = root["set"]) {
     if (!st.IsMap()) fail("{}: set expects a mapping of dotted config keys to values", r.at(st));
     for (auto it = st.begin(); it != st.end(); ++it) {
-      if (!it->second.IsScalar()) fail("{}: set: {} expects a scalar value", r.at(it->first), it->first.as<std::string>());
-      s.base_set.push_back(it->first.as<std::string>() + "=" + it->second.Scalar());
+      const std::string key = it->first.as<std::string>();
+      const auto earlier = std::remove_if(s.base_set.begin(), s.base_set.end(),
+                                          [&](const std::string& kv) { return kv.rfind(key + "=", 0) == 0; });
+      if (it->second.IsNull() && extends && earlier == s.base_set.end())
+        fail("{}: set: {}: null removes a key the extended spec sets, and it does not set it", r.at(it->first), key);
+      s.base_set.erase(earlier, s.base_set.end());
+      if (it->second.IsNull() && extends) continue;
+      if (!it->second.IsScalar()) fail("{}: set: {} expects a scalar value", r.at(it->first), key);
+      s.base_set.push_back(key + "=" + it->second.Scalar());
     }
   }
-
-  auto sc = root["scales"];
-  if (!sc || !sc.IsMap()) fail("{}: missing 'scales' (a mapping with 'rules' and 'list')", file.string());
-  r.check_keys(sc, "scales", {"rules", "list"});
-  if (auto ru = sc["rules"]) {
-    if (!ru.IsMap()) fail("{}: scales.rules expects a mapping", r.at(ru));
-    r.check_keys(ru, "scales.rules", {"head_dim", "kv_ratio", "ff_mult", "tokens_per_param", "target_steps", "min_batch",
-                                      "max_batch", "checkpoints", "evals"});
-    auto& R = s.rules;
-    if (ru["head_dim"]) R.head_dim = int(r.integer(ru["head_dim"], "scales.rules.head_dim", 0));
-    if (ru["kv_ratio"]) R.kv_ratio = int(r.integer(ru["kv_ratio"], "scales.rules.kv_ratio", 1));
-    if (ru["ff_mult"]) R.ff_mult = r.number(ru["ff_mult"], "scales.rules.ff_mult", 0);
-    if (ru["tokens_per_param"]) R.tokens_per_param = r.number(ru["tokens_per_param"], "scales.rules.tokens_per_param", 1e-9);
-    if (ru["target_steps"]) R.target_steps = r.integer(ru["target_steps"], "scales.rules.target_steps", 1);
-    if (ru["min_batch"]) R.min_batch = int(r.integer(ru["min_batch"], "scales.rules.min_batch", 1));
-    if (ru["max_batch"]) R.max_batch = int(r.integer(ru["max_batch"], "scales.rules.max_batch", 1));
-    if (ru["checkpoints"]) R.checkpoints = int(r.integer(ru["checkpoints"], "scales.rules.checkpoints", 1));
-    if (ru["evals"]) R.evals = int(r.integer(ru["evals"], "scales.rules.evals", 1));
-    if (R.min_batch > R.max_batch) fail("{}: scales.rules.min_batch ({}) > max_batch ({})", r.at(ru), R.min_batch, R.max_batch);
-  }
-  auto list = sc["list"];
-  if (!list || !list.IsSequence() || list.size() == 0)
-    fail("{}: scales.list expects a non-empty list of scales (each at least {{d: WIDTH}})", file.string());
-  std::set<int> widths;
-  for (auto e : list) {
-    ScaleSpec x;
-    x.line = e.Mark().line + 1;
-    if (e.IsScalar()) {
-      x.d = int(r.integer(e, "scales.list[]", 1));
-    } else if (e.IsMap()) {
-      r.check_keys(e, "a scale", {"d", "layers", "heads", "kv_heads", "d_ff", "batch_size", "steps", "tokens"});
-      if (!e["d"]) fail("{}: a scale needs its width d", r.at(e));
-      x.d = int(r.integer(e["d"], "d", 1));
-      if (e["layers"]) x.layers = int(r.integer(e["layers"], "layers", 1));
-      if (e["heads"]) x.heads = int(r.integer(e["heads"], "heads", 1));
-      if (e["kv_heads"]) x.kv_heads = int(r.integer(e["kv_heads"], "kv_heads", 1));
-      if (e["d_ff"]) x.d_ff = int(r.integer(e["d_ff"], "d_ff", 1));
-      if (e["batch_size"]) x.batch_size = int(r.integer(e["batch_size"], "batch_size", 1));
-      if (e["steps"]) x.steps = r.integer(e["steps"], "steps", 1);
-      if (e["tokens"]) x.tokens = r.integer(e["tokens"], "tokens", 1);
-      // tokens = steps x batch x seq_len x grad_accum: with steps given, tokens could only pick the
-      // batch (rounded to a power of two and clamped), so the run would not train the tokens asked for.
-      if (x.steps > 0 && x.tokens > 0)
-        fail("{}: scale d={} gives both steps and tokens: give one (tokens: the budget, steps follow from it; steps: "
-             "with batch_size, tokens = steps x batch_size x seq_len x grad_accum)",
-             r.at(e), x.d);
-    } else {
-      fail("{}: a scale is a width or a mapping {{d, layers, heads, kv_heads, d_ff, batch_size, steps, tokens}}", r.at(e));
+  if (auto sc = root["scales"]) {
+    if (!sc.IsMap()) fail("{}: scales expects a mapping with 'rules' and 'list'", r.at(sc));
+    r.check_keys(sc, "scales", {"rules", "list"});
+    if (auto ru = sc["rules"]) {
+      if (!ru.IsMap()) fail("{}: scales.rules expects a mapping", r.at(ru));
+      r.check_keys(ru, "scales.rules", {"head_dim", "kv_ratio", "ff_mult", "tokens_per_param", "target_steps", "min_batch",
+                                        "max_batch", "checkpoints", "evals"});
+      auto& R = s.rules;
+      if (ru["head_dim"]) R.head_dim = int(r.integer(ru["head_dim"], "scales.rules.head_dim", 0));
+      if (ru["kv_ratio"]) R.kv_ratio = int(r.integer(ru["kv_ratio"], "scales.rules.kv_ratio", 1));
+      if (ru["ff_mult"]) R.ff_mult = r.number(ru["ff_mult"], "scales.rules.ff_mult", 0);
+      if (ru["tokens_per_param"]) R.tokens_per_param = r.number(ru["tokens_per_param"], "scales.rules.tokens_per_param", 1e-9);
+      if (ru["target_steps"]) R.target_steps = r.integer(ru["target_steps"], "scales.rules.target_steps", 1);
+      if (ru["min_batch"]) R.min_batch = int(r.integer(ru["min_batch"], "scales.rules.min_batch", 1));
+      if (ru["max_batch"]) R.max_batch = int(r.integer(ru["max_batch"], "scales.rules.max_batch", 1));
+      if (ru["checkpoints"]) R.checkpoints = int(r.integer(ru["checkpoints"], "scales.rules.checkpoints", 1));
+      if (ru["evals"]) R.evals = int(r.integer(ru["evals"], "scales.rules.evals", 1));
+      if (R.min_batch > R.max_batch)
+        fail("{}: scales.rules.min_batch ({}) > max_batch ({})", r.at(ru), R.min_batch, R.max_batch);
     }
-    if (!widths.insert(x.d).second) fail("{}: scale d={} is listed twice", r.at(e), x.d);
-    s.scales.push_back(x);
+    if (auto list = sc["list"]) {
+      if (!list.IsSequence() || list.size() == 0)
+        fail("{}: scales.list expects a non-empty list of scales (each at least {{d: WIDTH}})", r.at(list));
+      s.scales.clear();
+      std::set<int> widths;
+      for (auto e : list) {
+        ScaleSpec x;
+        x.where = r.at(e);
+        if (e.IsScalar()) {
+          x.d = int(r.integer(e, "scales.list[]", 1));
+        } else if (e.IsMap()) {
+          r.check_keys(e, "a scale", {"d", "layers", "heads", "kv_heads", "d_ff", "batch_size", "steps", "tokens"});
+          if (!e["d"]) fail("{}: a scale needs its width d", r.at(e));
+          x.d = int(r.integer(e["d"], "d", 1));
+          if (e["layers"]) x.layers = int(r.integer(e["layers"], "layers", 1));
+          if (e["heads"]) x.heads = int(r.integer(e["heads"], "heads", 1));
+          if (e["kv_heads"]) x.kv_heads = int(r.integer(e["kv_heads"], "kv_heads", 1));
+          if (e["d_ff"]) x.d_ff = int(r.integer(e["d_ff"], "d_ff", 1));
+          if (e["batch_size"]) x.batch_size = int(r.integer(e["batch_size"], "batch_size", 1));
+          if (e["steps"]) x.steps = r.integer(e["steps"], "steps", 1);
+          if (e["tokens"]) x.tokens = r.integer(e["tokens"], "tokens", 1);
+          // tokens = steps x batch x seq_len x grad_accum: with steps given, tokens could only pick the
+          // batch (rounded to a power of two and clamped), so the run would not train the tokens asked for.
+          if (x.steps > 0 && x.tokens > 0)
+            fail("{}: scale d={} gives both steps and tokens: give one (tokens: the budget, steps follow from it; steps: "
+                 "with batch_size, tokens = steps x batch_size x seq_len x grad_accum)",
+                 r.at(e), x.d);
+        } else {
+          fail("{}: a scale is a width or a mapping {{d, layers, heads, kv_heads, d_ff, batch_size, steps, tokens}}", r.at(e));
+        }
+        if (!widths.insert(x.d).second) fail("{}: scale d={} is listed twice", r.at(e), x.d);
+        s.scales.push_back(x);
+      }
+    }
   }
-  std::sort(s.scales.begin(), s.scales.end(), [](auto& a, auto& b) { return a.d < b.d; });
 
   auto seeds = root["seeds"];
   if (!seeds) {
-    s.seeds = {1};
   } else if (seeds.IsScalar()) {
     s.seeds = {uint64_t(r.integer(seeds, "seeds", 0))};
   } else if (seeds.IsSequence() && seeds.size() > 0) {
+    s.seeds.clear();
     std::set<uint64_t> seen;
     for (auto x : seeds) {
       uint64_t v = uint64_t(r.integer(x, "seeds[]", 0));
@@ -218,41 +262,25 @@ LadderSpec load_spec(const fs::path& file) {
     fail("{}: seeds expects a non-empty list of integers", r.at(seeds));
   }
 
-  auto read_variants = [&](const YAML::Node& vs, const char* what) {
-    std::vector<VariantSpec> out;
-    if (!vs) return out;
+  // Variants and pending variants: an entry for a name the extended spec has merges into its
+  // variant (null removes it); a new name is a new variant.
+  auto merge_variants = [&](const YAML::Node& vs, const char* what, std::vector<VariantSpec>& into) {
+    if (!vs) return;
     if (!vs.IsMap()) fail("{}: {} expects a mapping of variant names to {{baseline, set, stacks}}", r.at(vs), what);
-    for (auto it = vs.begin(); it != vs.end(); ++it)
-      out.push_back(read_variant(r, it->first.as<std::string>(), it->second, it->first.Mark().line + 1));
-    return out;
-  };
-  auto variants = read_variants(root["variants"], "variants");
-  if (variants.empty()) fail("{}: variants expects at least one variant (the root, e.g. 'dense: {{}}')", file.string());
-  s.variants = order_variants(file.string(), variants);
-  std::map<std::string, const VariantSpec*> by;
-  for (auto& v : s.variants) by[v.name] = &v;
-  for (auto& v : s.variants) {
-    for (auto& rung : v.stacks) {
-      if (!by.count(rung))
-        fail("{}:{}: variant '{}' stacks '{}', which is not a variant of this spec", file.string(), v.line, v.name, rung);
-      if (by[rung]->baseline != v.baseline)
-        fail("{}:{}: variant '{}' stacks '{}', whose baseline '{}' differs from its own '{}' (a stack is compared with "
-             "the product of rungs measured against the same baseline)",
-             file.string(), v.line, v.name, rung, by[rung]->baseline, v.baseline);
+    for (auto it = vs.begin(); it != vs.end(); ++it) {
+      const std::string name = it->first.as<std::string>();
+      auto have = std::find_if(into.begin(), into.end(), [&](auto& v) { return v.name == name; });
+      if (have != into.end() && it->second.IsNull()) {
+        into.erase(have);
+        continue;
+      }
+      VariantSpec v = read_variant(r, name, it->second, it->first.Mark().line + 1, have != into.end() ? &*have : nullptr);
+      if (have != into.end()) *have = std::move(v);
+      else into.push_back(std::move(v));
     }
-  }
-  // Pending variants may refer to real and pending variants; their structure is checked the same way.
-  auto pending = read_variants(root["pending"], "pending");
-  for (auto& p : pending)
-    if (by.count(p.name)) fail("{}:{}: pending variant '{}' is also a variant", file.string(), p.line, p.name);
-  if (!pending.empty()) {
-    auto all = s.variants;
-    all.insert(all.end(), pending.begin(), pending.end());
-    auto ordered = order_variants(file.string(), all);
-    for (auto& v : ordered)
-      if (!by.count(v.name)) s.pending.push_back(v);
-  }
-
+  };
+  merge_variants(root["variants"], "variants", s.variants);
+  merge_variants(root["pending"], "pending", s.pending);
   if (auto rep = root["report"]) {
     if (!rep.IsMap()) fail("{}: report expects a mapping (E, alpha, mfu_estimate)", r.at(rep));
     // Retired, not unknown: specs written for earlier versions keep working, and say so once.
@@ -279,6 +307,45 @@ LadderSpec load_spec(const fs::path& file) {
     read("rounds", 0, s.timing.rounds);
     read("steps", 1, s.timing.steps);
     read("warmup", 1, s.timing.warmup);
+  }
+}
+
+}  // namespace
+
+LadderSpec load_spec(const fs::path& file) {
+  LadderSpec s;
+  std::vector<fs::path> chain;
+  read_spec_file(file, s, chain);
+  s.file = file;
+  if (s.base.empty()) fail("{}: missing 'base' (the base config YAML, relative to the spec file)", file.string());
+  if (s.scales.empty()) fail("{}: missing 'scales' (a mapping with 'rules' and 'list')", file.string());
+  std::sort(s.scales.begin(), s.scales.end(), [](auto& a, auto& b) { return a.d < b.d; });
+  if (s.seeds.empty()) s.seeds = {1};
+  if (s.variants.empty())
+    fail("{}: variants expects at least one variant (the root, e.g. 'dense: {{}}')", file.string());
+  s.variants = order_variants(file.string(), s.variants);
+  std::map<std::string, const VariantSpec*> by;
+  for (auto& v : s.variants) by[v.name] = &v;
+  for (auto& v : s.variants) {
+    for (auto& rung : v.stacks) {
+      if (!by.count(rung)) fail("{}: variant '{}' stacks '{}', which is not a variant of this spec", v.where, v.name, rung);
+      if (by[rung]->baseline != v.baseline)
+        fail("{}: variant '{}' stacks '{}', whose baseline '{}' differs from its own '{}' (a stack is compared with "
+             "the product of rungs measured against the same baseline)",
+             v.where, v.name, rung, by[rung]->baseline, v.baseline);
+    }
+  }
+  // Pending variants may refer to real and pending variants; their structure is checked the same way.
+  const std::vector<VariantSpec> pending = std::move(s.pending);
+  s.pending.clear();
+  for (auto& p : pending)
+    if (by.count(p.name)) fail("{}: pending variant '{}' is also a variant", p.where, p.name);
+  if (!pending.empty()) {
+    auto all = s.variants;
+    all.insert(all.end(), pending.begin(), pending.end());
+    auto ordered = order_variants(file.string(), all);
+    for (auto& v : ordered)
+      if (!by.count(v.name)) s.pending.push_back(v);
   }
   return s;
 }

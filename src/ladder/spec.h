@@ -27,14 +27,14 @@ struct ScaleSpec {
   // Given values (0 = derived by the rules).
   int layers = 0, heads = 0, kv_heads = 0, d_ff = 0, batch_size = 0;
   int64_t steps = 0, tokens = 0;
-  int line = 0;
+  std::string where;  // "file:line" of its entry (error messages; a spec may extend another)
 };
 
 struct VariantSpec {
   std::string name, baseline;                             // baseline empty: a root (e.g. dense)
   std::vector<std::pair<std::string, std::string>> set;   // dotted config key -> value ("N*d": N times the width)
   std::vector<std::string> stacks;                        // for a stacked variant: the rungs it combines
-  int line = 0;
+  std::string where;                                      // "file:line" of its (last) entry
 };
 
 struct ReportSettings {
