@@ -109,13 +109,17 @@ Plan make_plan(const LadderSpec& spec, double peak) {
   bool base_beta2_auto = false;
   try {
     base = load_config(spec.base, {});
-    for (auto& kv : spec.base_set) {
+  } catch (const Error& e) {
+    fail("{}: base config: {}", sf, e.what());
+  }
+  for (auto& [kv, where] : spec.base_set) {
+    try {
       const auto eq = kv.find('=');
       if (eq != std::string::npos && note_auto_beta2(kv.substr(0, eq), kv.substr(eq + 1), base_beta2_auto)) continue;
       apply_override(base, kv);
+    } catch (const Error& e) {
+      fail("{}: set: {}", where, e.what());
     }
-  } catch (const Error& e) {
-    fail("{}: base config: {}", sf, e.what());
   }
   const auto& R = spec.rules;
 

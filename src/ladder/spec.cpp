@@ -181,13 +181,13 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
     for (auto it = st.begin(); it != st.end(); ++it) {
       const std::string key = it->first.as<std::string>();
       const auto earlier = std::remove_if(s.base_set.begin(), s.base_set.end(),
-                                          [&](const std::string& kv) { return kv.rfind(key + "=", 0) == 0; });
+                                          [&](const auto& kv) { return kv.first.rfind(key + "=", 0) == 0; });
       if (it->second.IsNull() && extends && earlier == s.base_set.end())
         fail("{}: set: {}: null removes a key the extended spec sets, and it does not set it", r.at(it->first), key);
       s.base_set.erase(earlier, s.base_set.end());
       if (it->second.IsNull() && extends) continue;
       if (!it->second.IsScalar()) fail("{}: set: {} expects a scalar value", r.at(it->first), key);
-      s.base_set.push_back(key + "=" + it->second.Scalar());
+      s.base_set.emplace_back(key + "=" + it->second.Scalar(), r.at(it->first));
     }
   }
   if (auto sc = root["scales"]) {
@@ -270,7 +270,11 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
     for (auto it = vs.begin(); it != vs.end(); ++it) {
       const std::string name = it->first.as<std::string>();
       auto have = std::find_if(into.begin(), into.end(), [&](auto& v) { return v.name == name; });
-      if (have != into.end() && it->second.IsNull()) {
+      if (extends && it->second.IsNull()) {  // in a spec of its own, `dense:` is a variant without changes
+        if (have == into.end())
+          fail("{}: {}: {}: null removes a variant the extended spec has, and it has none of that name (write "
+               "'{}: {{}}' for a new variant without changes)",
+               r.at(it->first), what, name, name);
         into.erase(have);
         continue;
       }
@@ -318,7 +322,8 @@ LadderSpec load_spec(const fs::path& file) {
   read_spec_file(file, s, chain);
   s.file = file;
   if (s.base.empty()) fail("{}: missing 'base' (the base config YAML, relative to the spec file)", file.string());
-  if (s.scales.empty()) fail("{}: missing 'scales' (a mapping with 'rules' and 'list')", file.string());
+  if (s.scales.empty())
+    fail("{}: missing scales.list (a non-empty list of scales, each at least {{d: WIDTH}})", file.string());
   std::sort(s.scales.begin(), s.scales.end(), [](auto& a, auto& b) { return a.d < b.d; });
   if (s.seeds.empty()) s.seeds = {1};
   if (s.variants.empty())

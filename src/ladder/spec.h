@@ -56,7 +56,8 @@ struct LadderSpec {
   std::filesystem::path file;
   std::string name;
   std::filesystem::path base;             // base config (relative paths: to the spec file)
-  std::vector<std::string> base_set;      // "key=value" applied to the base for every run
+  // "key=value" applied to the base for every run, each with the "file:line" that set it
+  std::vector<std::pair<std::string, std::string>> base_set;
   ScaleRules rules;
   std::vector<ScaleSpec> scales;
   std::vector<uint64_t> seeds;

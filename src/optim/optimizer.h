@@ -14,6 +14,10 @@
 
 namespace ladder {
 
+// At most this many groups (the CUDA backend's per-group scalars are kernel arguments:
+// switch_optim_ops.cuh kOptMaxGroups, asserted equal there).
+constexpr int kMaxOptimizerGroups = 32;
+
 struct ParamGroup {
   // "matrices", "embedding", "norms" (adamw); else the optimizer's name (".embedding" for the
   // embedding); " x<factor>" for tensors with an optim.lr_mults factor

@@ -538,7 +538,7 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
       name = p.role == Role::Embedding ? "embedding" : decayed(p.role) ? "matrices" : "norms";
     else
       name = std::string(kind_name(k)) + (p.role == Role::Embedding ? ".embedding" : "");
-    if (factor[i] != 1.0) name += fmt::format(" x{:g}", factor[i]);
+    if (factor[i] != 1.0) name += fmt::format(" x{}", factor[i]);  // shortest exact form: one group per factor
     auto it = index.find(name);
     if (it == index.end()) {
       ParamGroup g;
@@ -551,17 +551,25 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
       g.weight_decay = k == Kind::AdamW && decayed(p.role) ? oc.weight_decay : 0.0;
       // A hyperball lr is an angle-like step relative to ||W0||: at 1 or more one step can take a
       // matrix to (or through) the origin, where the rescale to the sphere divides by ~0.
-      if ((k == Kind::AdamH || k == Kind::MuonH) && !(g.lr * g.lr_mult < 1))
-        fail("{} ({}): the {} groups' lr is {}, a relative step on the hyperball: it must be < 1 (the recipe's are "
+      if ((k == Kind::AdamH || k == Kind::MuonH) && !(g.lr * g.lr_mult < 1)) {
+        std::string times;
+        if (p.role == Role::Embedding && oc.embed_lr_mult != 1) times += fmt::format(" x optim.embed_lr_mult {}", oc.embed_lr_mult);
+        if (factor[i] != 1) times += fmt::format(" x optim.lr_mults {}", factor[i]);
+        fail("{} (peak{}): group {}'s lr is {}, a relative step on the hyperball: it must be < 1 (the recipe's are "
              "<= 0.05)",
-             g.lr_from,
-             g.lr_mult != 1 ? fmt::format("x {:g} from optim.embed_lr_mult and optim.lr_mults", g.lr_mult) : "peak",
-             g.optimizer, g.lr * g.lr_mult);
+             g.lr_from, times, g.name, g.lr * g.lr_mult);
+      }
       it = index.emplace(name, groups.size()).first;
       groups.push_back(std::move(g));
     }
     groups[it->second].params.push_back(&p);
   }
+  // The CUDA backend passes per-group scalars as kernel arguments: say so here (and in --dry-run),
+  // not at a GPU run's first step.
+  if (groups.size() > size_t(kMaxOptimizerGroups))
+    fail("optim: {} parameter groups, at most {} (each optimizer x embedding x optim.lr_mults factor is one; use fewer "
+         "distinct factors)",
+         groups.size(), kMaxOptimizerGroups);
   return groups;
 }
 

@@ -22,6 +22,7 @@
 #include "backend/cuda/kernels.cuh"
 #include "backend/cuda/lt_gemm.h"
 #include "backend/cuda/switch_optim_ops.cuh"
+#include "optim/optimizer.h"
 #include "backend/cuda/moe_ops.cuh"
 #include "backend/cuda/nccl_collectives.h"
 #include "dist/comm.h"
@@ -1271,6 +1272,7 @@ class CudaBackendImpl final : public CudaBackend {
     DeviceBuffer<float> scal;
   };
   // w16: the mirror copy of each tensor (count pointers, nullptr where none), or nullptr.
+  static_assert(k::kOptMaxGroups == kMaxOptimizerGroups, "plan_groups refuses more groups than the kernels take");
   OptimTable& optim_table(const OptimTensor* t, size_t count, TableKind kind, int ngroups, uint16_t* const* w16) {
     if (ngroups > k::kOptMaxGroups)
       fail("multi-tensor optimizer step on CUDA: {} parameter groups, at most {} supported", ngroups,
