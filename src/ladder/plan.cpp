@@ -89,7 +89,7 @@ bool note_auto_beta2(const std::string& key, const std::string& value, bool& bet
 void apply_variant(Config& c, const LadderSpec& spec, const VariantSpec& v, int d, bool& beta2_auto) {
   if (const VariantSpec* b = v.baseline.empty() ? nullptr : find_variant(spec, v.baseline))
     apply_variant(c, spec, *b, d, beta2_auto);
-  for (auto& [k, val] : v.set) {
+  for (auto& [k, val, where] : v.set) {
     if (note_auto_beta2(k, val, beta2_auto)) continue;
     try {
       apply_override(c, k + "=" + substitute_width(val, d));
@@ -112,11 +112,10 @@ Plan make_plan(const LadderSpec& spec, double peak) {
   } catch (const Error& e) {
     fail("{}: base config: {}", sf, e.what());
   }
-  for (auto& [kv, where] : spec.base_set) {
+  for (auto& [k, val, where] : spec.base_set) {
     try {
-      const auto eq = kv.find('=');
-      if (eq != std::string::npos && note_auto_beta2(kv.substr(0, eq), kv.substr(eq + 1), base_beta2_auto)) continue;
-      apply_override(base, kv);
+      if (note_auto_beta2(k, val, base_beta2_auto)) continue;
+      apply_override(base, k + "=" + val);
     } catch (const Error& e) {
       fail("{}: set: {}", where, e.what());
     }
@@ -222,7 +221,7 @@ Plan make_plan(const LadderSpec& spec, double peak) {
   for (const VariantSpec& v : spec.pending) {
     Config c = base;
     std::vector<std::string> unknown, bad;  // keys this build lacks; known keys with values it refuses
-    for (auto& [k, val] : v.set) {
+    for (auto& [k, val, where] : v.set) {
       bool beta2_auto = false;
       if (note_auto_beta2(k, val, beta2_auto)) continue;
       if (!is_config_key(k)) {

@@ -64,6 +64,27 @@ bool valid_name(const std::string& s) {
   return true;
 }
 
+// A `set:` mapping over the entries `into` already holds: a key given again takes the new value
+// (in place); where `removable` (the spec extends another), a null removes the key, which `owner`
+// must have set. `what` prefixes errors ("variant 'x': ").
+void merge_set(const Reader& r, const YAML::Node& st, const std::string& what, const char* owner, bool removable,
+               std::vector<SetEntry>& into) {
+  for (auto it = st.begin(); it != st.end(); ++it) {
+    const std::string key = it->first.as<std::string>();
+    auto have = std::find_if(into.begin(), into.end(), [&](const SetEntry& e) { return e.key == key; });
+    if (it->second.IsNull() && removable) {
+      if (have == into.end())
+        fail("{}: {}{}: null removes a key {} sets, and it does not set it", r.at(it->first), what, key, owner);
+      into.erase(have);
+      continue;
+    }
+    if (!it->second.IsScalar()) fail("{}: {}{} expects a scalar value", r.at(it->first), what, key);
+    SetEntry e{key, it->second.Scalar(), r.at(it->first)};
+    if (have != into.end()) *have = std::move(e);
+    else into.push_back(std::move(e));
+  }
+}
+
 // A variant's entry over what it inherits (`base`: the extended spec's variant of that name, or
 // nullptr): baseline and stacks given here replace, set merges key by key (a null value removes
 // the key), as a JSON merge patch would.
@@ -79,21 +100,7 @@ VariantSpec read_variant(const Reader& r, const std::string& name, const YAML::N
   if (auto b = v["baseline"]) vs.baseline = b.IsNull() ? "" : r.scalar<std::string>(b, "baseline", "a variant name");
   if (auto s = v["set"]) {
     if (!s.IsMap()) fail("{}: variant '{}': set expects a mapping of dotted config keys to values", r.at(s), name);
-    for (auto it = s.begin(); it != s.end(); ++it) {
-      const std::string key = it->first.as<std::string>();
-      if (it->second.IsNull() && base) {
-        auto gone = std::remove_if(vs.set.begin(), vs.set.end(), [&](auto& kv) { return kv.first == key; });
-        if (gone == vs.set.end())
-          fail("{}: variant '{}': {}: null removes a key the extended spec's variant sets, and it does not set it",
-               r.at(it->first), name, key);
-        vs.set.erase(gone, vs.set.end());
-        continue;
-      }
-      if (!it->second.IsScalar()) fail("{}: variant '{}': {} expects a scalar value", r.at(it->first), name, key);
-      auto same = std::find_if(vs.set.begin(), vs.set.end(), [&](auto& kv) { return kv.first == key; });
-      if (same != vs.set.end()) same->second = it->second.Scalar();
-      else vs.set.emplace_back(key, it->second.Scalar());
-    }
+    merge_set(r, s, fmt::format("variant '{}': ", name), "the extended spec's variant", base != nullptr, vs.set);
   }
   if (auto s = v["stacks"]) {
     if (!s.IsSequence()) fail("{}: variant '{}': stacks expects a list of variant names", r.at(s), name);
@@ -163,11 +170,12 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
   if (auto e = root["extends"]) {
     fs::path parent = r.scalar<std::string>(e, "extends", "a ladder spec path (relative to this file)");
     if (parent.is_relative()) parent = file.parent_path() / parent;
-    std::string cycle;
-    for (auto& f : chain) cycle += f.filename().string() + " -> ";
-    if (std::find(chain.begin(), chain.end(), fs::weakly_canonical(parent)) != chain.end())
+    if (std::find(chain.begin(), chain.end(), fs::weakly_canonical(parent)) != chain.end()) {
+      std::string cycle;
+      for (auto& f : chain) cycle += f.filename().string() + " -> ";
       fail("{}: extends {}: the specs extend each other in a cycle ({}{})", r.at(e), parent.string(), cycle,
            parent.filename().string());
+    }
     if (!fs::is_regular_file(parent)) fail("{}: extends {}: no such file", r.at(e), parent.string());
     read_spec_file(parent, s, chain);
   }
@@ -178,17 +186,7 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
   }
   if (auto st = root["set"]) {
     if (!st.IsMap()) fail("{}: set expects a mapping of dotted config keys to values", r.at(st));
-    for (auto it = st.begin(); it != st.end(); ++it) {
-      const std::string key = it->first.as<std::string>();
-      const auto earlier = std::remove_if(s.base_set.begin(), s.base_set.end(),
-                                          [&](const auto& kv) { return kv.first.rfind(key + "=", 0) == 0; });
-      if (it->second.IsNull() && extends && earlier == s.base_set.end())
-        fail("{}: set: {}: null removes a key the extended spec sets, and it does not set it", r.at(it->first), key);
-      s.base_set.erase(earlier, s.base_set.end());
-      if (it->second.IsNull() && extends) continue;
-      if (!it->second.IsScalar()) fail("{}: set: {} expects a scalar value", r.at(it->first), key);
-      s.base_set.emplace_back(key + "=" + it->second.Scalar(), r.at(it->first));
-    }
+    merge_set(r, st, "set: ", "the extended spec", extends, s.base_set);
   }
   if (auto sc = root["scales"]) {
     if (!sc.IsMap()) fail("{}: scales expects a mapping with 'rules' and 'list'", r.at(sc));

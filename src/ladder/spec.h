@@ -30,9 +30,15 @@ struct ScaleSpec {
   std::string where;  // "file:line" of its entry (error messages; a spec may extend another)
 };
 
+// One `set:` entry: a dotted config key, its value ("N*d": N times the width) and the "file:line"
+// that gave it (a spec may extend another).
+struct SetEntry {
+  std::string key, value, where;
+};
+
 struct VariantSpec {
   std::string name, baseline;                             // baseline empty: a root (e.g. dense)
-  std::vector<std::pair<std::string, std::string>> set;   // dotted config key -> value ("N*d": N times the width)
+  std::vector<SetEntry> set;                              // its changes, in order
   std::vector<std::string> stacks;                        // for a stacked variant: the rungs it combines
   std::string where;                                      // "file:line" of its (last) entry
 };
@@ -56,8 +62,7 @@ struct LadderSpec {
   std::filesystem::path file;
   std::string name;
   std::filesystem::path base;             // base config (relative paths: to the spec file)
-  // "key=value" applied to the base for every run, each with the "file:line" that set it
-  std::vector<std::pair<std::string, std::string>> base_set;
+  std::vector<SetEntry> base_set;         // applied to the base for every run
   ScaleRules rules;
   std::vector<ScaleSpec> scales;
   std::vector<uint64_t> seeds;

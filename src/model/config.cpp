@@ -385,19 +385,27 @@ int ModelConfig::n_moe_layers() const {
 
 bool is_config_key(const std::string& key) { return find_field(key) != nullptr; }
 
+namespace {
+std::string trim_blanks(const std::string& x) {
+  const auto a = x.find_first_not_of(" \t"), b = x.find_last_not_of(" \t");
+  return a == std::string::npos ? std::string() : x.substr(a, b - a + 1);
+}
+}  // namespace
+
+std::vector<std::string> split_selectors(const std::string& value) {
+  std::vector<std::string> out;
+  std::istringstream in(value);
+  for (std::string entry; std::getline(in, entry, ',');)
+    if (entry = trim_blanks(entry); !entry.empty()) out.push_back(entry);
+  return out;
+}
+
 std::vector<std::pair<std::string, double>> parse_lr_mults(const std::string& value) {
   std::vector<std::pair<std::string, double>> out;
-  auto trim = [](const std::string& x) {
-    const auto a = x.find_first_not_of(" \t"), b = x.find_last_not_of(" \t");
-    return a == std::string::npos ? std::string() : x.substr(a, b - a + 1);
-  };
-  std::istringstream in(value);
-  for (std::string entry; std::getline(in, entry, ',');) {
-    entry = trim(entry);
-    if (entry.empty()) continue;
+  for (const std::string& entry : split_selectors(value)) {
     const auto eq = entry.rfind('=');
-    const std::string sel = eq == std::string::npos ? "" : trim(entry.substr(0, eq));
-    const std::string num = eq == std::string::npos ? "" : trim(entry.substr(eq + 1));
+    const std::string sel = eq == std::string::npos ? "" : trim_blanks(entry.substr(0, eq));
+    const std::string num = eq == std::string::npos ? "" : trim_blanks(entry.substr(eq + 1));
     char* end = nullptr;
     const double x = std::strtod(num.c_str(), &end);
     if (sel.empty() || num.empty() || *end != '\0' || !std::isfinite(x) || x < 0)
@@ -410,9 +418,8 @@ std::vector<std::pair<std::string, double>> parse_lr_mults(const std::string& va
 }
 
 std::optional<double> auto_lr_multiplier(const std::string& key, const std::string& value) {
-  const auto a = value.find_first_not_of(" \t"), b = value.find_last_not_of(" \t");
-  if (a == std::string::npos) return std::nullopt;
-  const std::string v = value.substr(a, b - a + 1);
+  const std::string v = trim_blanks(value);
+  if (v.empty()) return std::nullopt;
   if (v == "auto") return 1.0;
   const auto star = v.find('*');
   if (star == std::string::npos) return std::nullopt;

@@ -103,6 +103,9 @@ struct OptimConfig {
   std::string lr_mults;
 };
 
+// A selector list (optim.<opt>_params, optim.lr_mults): the comma-separated entries, each without
+// its surrounding blanks, empty ones dropped.
+std::vector<std::string> split_selectors(const std::string& value);
 // optim.lr_mults' entries, in order: each a selector (as in optim.<opt>_params) and its factor
 // (finite, >= 0). Throws for bad text, naming the key and the entry.
 std::vector<std::pair<std::string, double>> parse_lr_mults(const std::string& value);

@@ -30,7 +30,6 @@ struct ParamGroup {
   std::string lr_from;              // where lr came from, for --dry-run ("optim.lr", "auto: ...")
 };
 
-
 // A named state tensor for checkpoints (e.g. "exp_avg.model.norm.weight"). `data` is a pointer of
 // the optimizer's memory() (the backend's): checkpoints copy it through host staging. With a sharded
 // optimizer (OptimizerShards) every rank lists every tensor, in the same order; the ones another

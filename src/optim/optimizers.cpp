@@ -80,22 +80,6 @@ const std::string& params_key(const OptimConfig& oc, Kind k) {
   return oc.adamw_params;
 }
 
-std::vector<std::string> split_selectors(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  auto flush = [&] {
-    auto a = cur.find_first_not_of(" \t"), b = cur.find_last_not_of(" \t");
-    if (a != std::string::npos) out.push_back(cur.substr(a, b - a + 1));
-    cur.clear();
-  };
-  for (char ch : s) {
-    if (ch == ',') flush();
-    else cur += ch;
-  }
-  flush();
-  return out;
-}
-
 bool selector_matches(const std::string& sel, const Param& p) {
   if (sel.rfind("role:", 0) == 0) return sel.substr(5) == role_name(p.role);
   return fnmatch(sel.c_str(), p.name.c_str(), 0) == 0;
@@ -111,14 +95,20 @@ constexpr Role kAllRoles[] = {Role::Embedding, Role::AttnMatrix,   Role::MlpMatr
                               Role::NormGain,  Role::Router,       Role::ExpertMatrix, Role::SharedExpert,
                               Role::AttnGate,  Role::GatedNormMatrix};
 
-// A role:<role> selector must name a role (a typo would otherwise match nothing, or be reported as such).
-void check_role_selector(const std::string& key, const std::string& sel) {
-  if (sel.rfind("role:", 0) != 0) return;
-  for (Role r : kAllRoles)
-    if (sel.substr(5) == role_name(r)) return;
-  std::string roles;
-  for (Role r : kAllRoles) roles += std::string(roles.empty() ? "" : ", ") + role_name(r);
-  fail("{}: unknown role '{}' in '{}' (roles: {})", key, sel.substr(5), sel, roles);
+// The parameters a selector of `key` picks (indices into params). A role:<role> must name a role
+// and a selector must match something: a typo would otherwise silently change nothing.
+std::vector<size_t> select_params(const std::string& key, const std::string& sel, const std::vector<Param>& params) {
+  if (sel.rfind("role:", 0) == 0 &&
+      std::none_of(std::begin(kAllRoles), std::end(kAllRoles), [&](Role r) { return sel.substr(5) == role_name(r); })) {
+    std::string roles;
+    for (Role r : kAllRoles) roles += std::string(roles.empty() ? "" : ", ") + role_name(r);
+    fail("{}: unknown role '{}' in '{}' (roles: {})", key, sel.substr(5), sel, roles);
+  }
+  std::vector<size_t> out;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (selector_matches(sel, params[i])) out.push_back(i);
+  if (out.empty()) fail("{}: selector '{}' matches no parameter of this model", key, sel);
+  return out;
 }
 
 double parse_lr(const std::string& key, const std::string& v) {
@@ -476,24 +466,18 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
   std::vector<Kind> kind(params.size());
   for (size_t i = 0; i < params.size(); ++i) kind[i] = preset_kind(preset, params[i].role);
   // 2. Overrides: each optim.<opt>_params claims tensors; a tensor claimed by two keys is an error,
-  // and so is a selector that matches nothing (a typo would otherwise silently change nothing).
+  // and so is a selector that matches nothing (select_params).
   std::vector<int> claimed_by(params.size(), -1);
   for (int k = 0; k < 5; ++k) {
     const std::string key = std::string("optim.") + kKindNames[k] + "_params";
-    for (const std::string& sel : split_selectors(params_key(oc, Kind(k)))) {
-      check_role_selector(key, sel);
-      bool any = false;
-      for (size_t i = 0; i < params.size(); ++i) {
-        if (!selector_matches(sel, params[i])) continue;
-        any = true;
+    for (const std::string& sel : split_selectors(params_key(oc, Kind(k))))
+      for (size_t i : select_params(key, sel, params)) {
         if (claimed_by[i] >= 0 && claimed_by[i] != k)
           fail("{}: '{}' is also claimed by optim.{}_params (a tensor belongs to exactly one group)", key,
                params[i].name, kKindNames[claimed_by[i]]);
         claimed_by[i] = k;
         kind[i] = Kind(k);
       }
-      if (!any) fail("{}: selector '{}' matches no parameter of this model", key, sel);
-    }
   }
   // 3. Muon and the hyperball work on matrices: a vector there is a configuration error.
   for (size_t i = 0; i < params.size(); ++i) {
@@ -511,20 +495,14 @@ std::vector<ParamGroup> plan_groups(const OptimConfig& oc, std::vector<Param>& p
   // 4. optim.lr_mults: a factor per tensor (1 where no entry matches), checked as the claims above.
   std::vector<double> factor(params.size(), 1.0);
   std::vector<std::string> factor_by(params.size());
-  for (const auto& [sel, f] : parse_lr_mults(oc.lr_mults)) {
-    check_role_selector("optim.lr_mults", sel);
-    bool any = false;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (!selector_matches(sel, params[i])) continue;
-      any = true;
+  for (const auto& [sel, f] : parse_lr_mults(oc.lr_mults))
+    for (size_t i : select_params("optim.lr_mults", sel, params)) {
       if (!factor_by[i].empty())
         fail("optim.lr_mults: '{}' is matched by both '{}' and '{}' (give each tensor one factor)", params[i].name,
              factor_by[i], sel);
       factor_by[i] = sel;
       factor[i] = f;
     }
-    if (!any) fail("optim.lr_mults: selector '{}' matches no parameter of this model", sel);
-  }
   // 5. Groups: by optimizer; AdamW keeps its three groups (matrices decay, embedding, the rest),
   // other optimizers split off the embedding only for optim.embed_lr_mult; tensors with an
   // optim.lr_mults factor other than 1 get a group of their own per factor ("adamh x4").
