@@ -313,6 +313,14 @@ TEST(ConfigInput, LateKeysAtTheirDefaultsLeaveTheIdentityAsBefore) {
   c.optim.lr_mults = "role:expert=4";
   EXPECT_EQ(identity_json(c)["optim"]["lr_mults"], "role:expert=4");
   EXPECT_EQ(identity_json(c), to_json(c));
+  // The identity takes the parsed entries: blanks and the factor's spelling do not make another run.
+  Config same = c, other = c;
+  same.optim.lr_mults = " role:expert = 4.0 ";
+  EXPECT_EQ(identity_json(same), identity_json(c));
+  same.optim.lr_mults = "role:expert=4, *.q_proj.weight=0.50";
+  EXPECT_EQ(identity_json(same)["optim"]["lr_mults"], "role:expert=4,*.q_proj.weight=0.5");
+  other.optim.lr_mults = "role:expert=4.5";
+  EXPECT_NE(identity_json(other), identity_json(c));
   nlohmann::json older = to_json(Config{});
   older["optim"].erase("muonh_params");
   EXPECT_ERROR_HAS(test::error_of([&] { from_json(older, "old.json"); }), "old.json", "missing key optim.muonh_params");

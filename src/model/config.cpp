@@ -708,6 +708,14 @@ nlohmann::json identity_json(const Config& c) {
     const std::string sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
     if (j[sec][name] == d[sec][name]) j[sec].erase(name);
   }
+  // optim.lr_mults as its parsed entries, so `role:expert = 4.0` and `role:expert=4` are one run
+  // (a written form that is already canonical, as every stored run's, keeps its hash).
+  if (!c.optim.lr_mults.empty()) {
+    std::string canon;
+    for (const auto& [sel, x] : parse_lr_mults(c.optim.lr_mults))
+      canon += fmt::format("{}{}={}", canon.empty() ? "" : ",", sel, x);
+    j["optim"]["lr_mults"] = canon;
+  }
   return j;
 }
 
