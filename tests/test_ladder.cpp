@@ -1454,6 +1454,10 @@ TEST_F(LadderSweepTest, BadSpecsFailWithOneLineBeforeTraining) {
                "the baselines form a cycle: a -> b -> a");
   expect_error("unknownkey", scales + "variants:\n  dense: {}\n  moe: {baseline: dense, set: {moe.experts: 64}}\n",
                "variant 'moe': --set moe.experts=64: unknown config key 'moe.experts'");
+  expect_error("unknownkey2",  // a block-style set: the error names the bad entry's line, not the variant's
+               scales + "variants:\n  dense: {}\n  moe:\n    baseline: dense\n    set:\n      model.moe_experts: 4\n"
+                        "      moe.experts: 64\n",
+               "unknownkey2.yaml:12: variant 'moe': --set moe.experts=64: unknown config key 'moe.experts'");
   expect_error("badscale", "scales:\n  rules: {head_dim: 16}\n  list: [{d: 40, steps: 2}]\nvariants:\n  dense: {}\n",
                "scale d=40 cannot be built: scales.rules.head_dim 16 does not divide d");
   expect_error("badkv", "scales:\n  rules: {head_dim: 16, kv_ratio: 4}\n  list: [{d: 48, steps: 2}]\nvariants:\n  dense: {}\n",

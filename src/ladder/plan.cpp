@@ -78,8 +78,7 @@ const VariantSpec* find_variant(const LadderSpec& spec, const std::string& name)
 // Returns whether `key = value` was such a setting (or a number replacing one: `beta2_auto` off).
 bool note_auto_beta2(const std::string& key, const std::string& value, bool& beta2_auto) {
   if (key != "optim.beta2") return false;
-  const auto a = value.find_first_not_of(" \t"), b = value.find_last_not_of(" \t");
-  beta2_auto = a != std::string::npos && value.substr(a, b - a + 1) == "auto";
+  beta2_auto = trim_blanks(value) == "auto";
   return beta2_auto;
 }
 
@@ -94,7 +93,7 @@ void apply_variant(Config& c, const LadderSpec& spec, const VariantSpec& v, int 
     try {
       apply_override(c, k + "=" + substitute_width(val, d));
     } catch (const Error& e) {
-      fail("{}: variant '{}': {}", v.where, v.name, e.what());
+      fail("{}: variant '{}': {}", where, v.name, e.what());
     }
   }
 }

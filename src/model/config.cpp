@@ -385,12 +385,10 @@ int ModelConfig::n_moe_layers() const {
 
 bool is_config_key(const std::string& key) { return find_field(key) != nullptr; }
 
-namespace {
 std::string trim_blanks(const std::string& x) {
   const auto a = x.find_first_not_of(" \t"), b = x.find_last_not_of(" \t");
   return a == std::string::npos ? std::string() : x.substr(a, b - a + 1);
 }
-}  // namespace
 
 std::vector<std::string> split_selectors(const std::string& value) {
   std::vector<std::string> out;
@@ -423,10 +421,8 @@ std::optional<double> auto_lr_multiplier(const std::string& key, const std::stri
   if (v == "auto") return 1.0;
   const auto star = v.find('*');
   if (star == std::string::npos) return std::nullopt;
-  std::string n = v.substr(0, star), rest = v.substr(star + 1);
-  n.erase(n.find_last_not_of(" \t") + 1);
-  rest.erase(0, rest.find_first_not_of(" \t"));
-  if (rest != "auto") return std::nullopt;
+  const std::string n = trim_blanks(v.substr(0, star));
+  if (trim_blanks(v.substr(star + 1)) != "auto") return std::nullopt;
   char* end = nullptr;
   const double x = std::strtod(n.c_str(), &end);
   if (n.empty() || end != n.c_str() + n.size() || !(x > 0) || !std::isfinite(x))

@@ -103,6 +103,8 @@ struct OptimConfig {
   std::string lr_mults;
 };
 
+// `x` without its leading and trailing spaces and tabs (config values as the user wrote them).
+std::string trim_blanks(const std::string& x);
 // A selector list (optim.<opt>_params, optim.lr_mults): the comma-separated entries, each without
 // its surrounding blanks, empty ones dropped.
 std::vector<std::string> split_selectors(const std::string& value);
