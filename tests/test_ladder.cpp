@@ -1192,6 +1192,34 @@ report: {E: 1.0, alpha: 0.1}
   }
   EXPECT_NE(md.find("Stacked variant vs the product"), std::string::npos);
 
+  // --vs: every variant against one of them (here `hot`, itself measured against dense in the spec),
+  // each Marin cell that pair's by hand; no stacks; an unknown variant is an error naming it.
+  {
+    ReportOptions rv = ro;
+    rv.vs = "hot";
+    rv.out = out / "report-vs-hot";
+    const std::string mv = write_report(rv);
+    EXPECT_NE(mv.find("--vs hot: every variant is measured against hot, not against its spec baseline"),
+              std::string::npos) << mv;
+    EXPECT_EQ(mv.find("Stacked variant vs the product"), std::string::npos);
+    EXPECT_EQ(mv.find("| hot | dense |"), std::string::npos) << "hot is the root now";
+    for (const char* v : {"dense", "wide", "both"}) {
+      auto mean = [&](const std::string& variant, const char* key) {
+        return 0.5 * (stored.at(fmt::format("{}-d32-s1", variant))[key].get<double>() +
+                      stored.at(fmt::format("{}-d32-s2", variant))[key].get<double>());
+      };
+      const double want = marin_theoretical_speedup(mean("hot", "compute"), mean("hot", "final_val_loss"),
+                                                    mean(v, "compute"), mean(v, "final_val_loss"), 1.0, 0.1);
+      const std::string row = fmt::format("| {} | hot | {} (", v, format_speedup(want));
+      EXPECT_NE(mv.find(row), std::string::npos) << row << "\n" << mv;
+    }
+    rv.vs = "nope";
+    const std::string e = test::error_of([&] { write_report(rv); });
+    EXPECT_NE(e.find("--vs nope: " + out.string() + " has no finished run of a variant 'nope' (it has: both, dense, "
+                     "hot, wide)"),
+              std::string::npos) << e;
+  }
+
   // A stored result outside the spec's current plan (a scale since removed) and one made with
   // another config are left out of every fit and table, and the report says which.
   auto stray = stored.begin()->second;

@@ -163,6 +163,7 @@ int main(int argc, char** argv) {
   rp->add_option("--out", rpopt.out, "output directory (default DIR/report)");
   rp->add_option("--E", rpopt.E, "Marin's method: fixed E (default: the spec's report.E)");
   rp->add_option("--alpha", rpopt.alpha, "Marin's method: fixed alpha (default: the spec's report.alpha)");
+  rp->add_option("--vs", rpopt.vs, "measure every variant against this one instead of its spec baseline");
 
   auto* doc = app.add_subcommand("config-doc", "print every config key, its type, default and meaning (Markdown)");
 

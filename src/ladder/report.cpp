@@ -952,6 +952,14 @@ std::string write_report(const ReportOptions& opt) {
         for (auto& x : l["stacks"])
           if (x.is_string()) links[v].stacks.push_back(x.get<std::string>());
     }
+  if (!opt.vs.empty()) {
+    std::set<std::string> present;
+    for (auto& x : results) present.insert(x.value("variant", ""));
+    if (!present.count(opt.vs))
+      fail("--vs {}: {} has no finished run of a variant '{}' (it has: {})", opt.vs, opt.dir.string(), opt.vs,
+           fmt::join(present, ", "));
+    for (auto& v : present) links[v] = {v == opt.vs ? "" : opt.vs, {}};
+  }
   // The sweep's throughput timing, for the cells timed with the config their results were made with.
   std::optional<Timing> timing;
   std::vector<std::string> stale;
@@ -973,6 +981,10 @@ std::string write_report(const ReportOptions& opt) {
                                   "plan has: {} (`ladder sweep ... --retime` times again)",
                                   stale.size(), fmt::join(stale, ", ")));
   r.name = manifest.value("spec_name", opt.dir.filename().string());
+  if (!opt.vs.empty())
+    r.warnings.insert(r.warnings.begin(), fmt::format("--vs {}: every variant is measured against {}, not against its "
+                                                      "spec baseline (no stacks)",
+                                                      opt.vs, opt.vs));
   if (!excluded.empty())
     r.warnings.insert(r.warnings.begin(),
                       fmt::format("{} stored result(s) left out, not part of the spec's current plan: {}", excluded.size(),

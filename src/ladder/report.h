@@ -92,6 +92,9 @@ std::string report_html(const Report& r);  // embeds both plots
 struct ReportOptions {
   std::filesystem::path dir, out;           // out empty: DIR/report
   std::optional<double> E, alpha;           // default: the spec's report settings stored in DIR/ladder.json
+  // Every other variant measured against this one instead of its spec baseline (stacks dropped):
+  // a variant two rungs above the root read against the root directly, with its own interval.
+  std::string vs;
 };
 // Reads DIR, writes the four files, returns the Markdown (also printed by the CLI).
 std::string write_report(const ReportOptions& opt);
