@@ -1168,6 +1168,11 @@ report: {E: 1.0, alpha: 0.1}
   std::vector<nlohmann::json> all;
   for (auto& [id, j] : stored) all.push_back(j);
   Report r = compute_report(all, 1.0, 0.1);
+  // A variant's mean over the two seeds of a stored result's field at width d.
+  auto seed_mean = [&](const std::string& variant, int d, const char* key) {
+    return 0.5 * (stored.at(fmt::format("{}-d{}-s1", variant, d))[key].get<double>() +
+                  stored.at(fmt::format("{}-d{}-s2", variant, d))[key].get<double>());
+  };
   for (auto& v : r.variants) {
     if (v.baseline.empty()) continue;
     std::string row = fmt::format("<tr><td>{}</td><td>{}</td>", v.name, v.baseline);
@@ -1180,10 +1185,7 @@ report: {E: 1.0, alpha: 0.1}
     // and final losses, of the variant and of its baseline (not the means the report filled in).
     ASSERT_EQ(v.cells.size(), 3u);
     for (auto& c : v.cells) {
-      auto mean = [&](const std::string& variant, const char* key) {
-        return 0.5 * (stored.at(fmt::format("{}-d{}-s1", variant, c.d))[key].get<double>() +
-                      stored.at(fmt::format("{}-d{}-s2", variant, c.d))[key].get<double>());
-      };
+      auto mean = [&](const std::string& variant, const char* key) { return seed_mean(variant, c.d, key); };
       const double want = marin_theoretical_speedup(mean(v.baseline, "compute"), mean(v.baseline, "final_val_loss"),
                                                     mean(v.name, "compute"), mean(v.name, "final_val_loss"), 1.0, 0.1);
       ASSERT_TRUE(std::isfinite(want)) << v.name << " d=" << c.d;
@@ -1204,10 +1206,7 @@ report: {E: 1.0, alpha: 0.1}
     EXPECT_EQ(mv.find("Stacked variant vs the product"), std::string::npos);
     EXPECT_EQ(mv.find("| hot | dense |"), std::string::npos) << "hot is the root now";
     for (const char* v : {"dense", "wide", "both"}) {
-      auto mean = [&](const std::string& variant, const char* key) {
-        return 0.5 * (stored.at(fmt::format("{}-d32-s1", variant))[key].get<double>() +
-                      stored.at(fmt::format("{}-d32-s2", variant))[key].get<double>());
-      };
+      auto mean = [&](const std::string& variant, const char* key) { return seed_mean(variant, 32, key); };
       const double want = marin_theoretical_speedup(mean("hot", "compute"), mean("hot", "final_val_loss"),
                                                     mean(v, "compute"), mean(v, "final_val_loss"), 1.0, 0.1);
       const std::string row = fmt::format("| {} | hot | {} (", v, format_speedup(want));
