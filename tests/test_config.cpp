@@ -321,6 +321,30 @@ TEST(ConfigInput, LateKeysAtTheirDefaultsLeaveTheIdentityAsBefore) {
   EXPECT_EQ(identity_json(same)["optim"]["lr_mults"], "role:expert=4,*.q_proj.weight=0.5");
   other.optim.lr_mults = "role:expert=4.5";
   EXPECT_NE(identity_json(other), identity_json(c));
+  // The selector lists and the lr keys likewise: entries joined by ", " and N / numbers printed
+  // shortest, the forms stored runs were written in (those keep their hashes).
+  Config lists = c;  // lr_mults set: to_json and the identity then hold the same keys
+  lists.optim.muonh_params = "role:expert, role:attention";
+  lists.optim.adamh_params = "role:gated_norm";
+  lists.optim.muonh_lr = "8*auto";
+  lists.optim.adamh_lr = "auto";
+  lists.optim.adam_lr = "0.001";
+  EXPECT_EQ(identity_json(lists), to_json(lists)) << "a stored form is already canonical";
+  Config spelled = lists;
+  spelled.optim.muonh_params = " role:expert ,,role:attention ";
+  spelled.optim.adamh_params = "role:gated_norm,";
+  spelled.optim.muonh_lr = " 8.0 * auto";
+  spelled.optim.adamh_lr = "1*auto";
+  spelled.optim.adam_lr = "1e-3";
+  EXPECT_EQ(identity_json(spelled), identity_json(lists));
+  for (auto [key, value] : {std::pair{"optim.muonh_params", "role:attention, role:expert"},
+                            std::pair{"optim.adamh_params", ""}, std::pair{"optim.muonh_lr", "16*auto"},
+                            std::pair{"optim.adamh_lr", ""}, std::pair{"optim.adam_lr", "0.002"},
+                            std::pair{"optim.muon_lr", "0.001"}}) {
+    Config changed = lists;
+    apply_override(changed, std::string(key) + "=" + value);
+    EXPECT_NE(identity_json(changed), identity_json(lists)) << key << "=" << value;
+  }
   nlohmann::json older = to_json(Config{});
   older["optim"].erase("muonh_params");
   EXPECT_ERROR_HAS(test::error_of([&] { from_json(older, "old.json"); }), "old.json", "missing key optim.muonh_params");

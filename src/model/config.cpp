@@ -712,6 +712,30 @@ nlohmann::json identity_json(const Config& c) {
       canon += fmt::format("{}{}={}", canon.empty() ? "" : ",", sel, x);
     j["optim"]["lr_mults"] = canon;
   }
+  // The selector lists as their entries joined by ", " (the form every stored run was written in,
+  // so those keep their hashes): `role:expert,role:attention` is `role:expert, role:attention`.
+  for (const auto& [key, v] : {std::pair{"adamw_params", &c.optim.adamw_params},
+                               std::pair{"adam_params", &c.optim.adam_params},
+                               std::pair{"adamh_params", &c.optim.adamh_params},
+                               std::pair{"muon_params", &c.optim.muon_params},
+                               std::pair{"muonh_params", &c.optim.muonh_params}}) {
+    std::string canon;
+    for (const std::string& sel : split_selectors(*v)) canon += (canon.empty() ? "" : ", ") + sel;
+    j["optim"][key] = canon;
+  }
+  // The lr keys as what they resolve to: "N*auto" with N printed shortest ("8.0 * auto" is
+  // "8*auto", "1*auto" is "auto"), a number printed shortest ("1e-3" is "0.001"); "" (optim.lr) as is.
+  for (const auto& [key, v] : {std::pair{"adam_lr", &c.optim.adam_lr}, std::pair{"adamh_lr", &c.optim.adamh_lr},
+                               std::pair{"muon_lr", &c.optim.muon_lr}, std::pair{"muonh_lr", &c.optim.muonh_lr}}) {
+    if (v->empty()) continue;
+    if (const auto n = auto_lr_multiplier(std::string("optim.") + key, *v)) {
+      j["optim"][key] = *n == 1 ? std::string("auto") : fmt::format("{}*auto", *n);
+      continue;
+    }
+    char* end = nullptr;
+    const double x = std::strtod(v->c_str(), &end);
+    if (end != v->c_str() && *end == '\0' && std::isfinite(x)) j["optim"][key] = fmt::format("{}", x);
+  }
   return j;
 }
 
