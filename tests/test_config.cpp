@@ -27,13 +27,6 @@ namespace {
 // type escapes and fails the test too: users must never see a bare library error).
 using test::error_of;
 
-#define EXPECT_ERROR_HAS(msg, ...)                                                \
-  do {                                                                            \
-    const std::string m_ = (msg);                                                 \
-    for (const std::string& n_ : std::initializer_list<std::string>{__VA_ARGS__})  \
-      EXPECT_NE(m_.find(n_), std::string::npos) << n_ << " not in: " << m_;      \
-  } while (0)
-
 // A small config that validates on this build.
 Config small() {
   Config c;

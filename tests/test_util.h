@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <initializer_list>
 #include <string>
 
 #include <fmt/format.h>
@@ -91,3 +92,11 @@ std::string error_of(Fn fn) {
 }
 
 }  // namespace ladder::test
+
+// Every one of the strings after `msg` is in it (an error message names the file, key, value...).
+#define EXPECT_ERROR_HAS(msg, ...)                                                \
+  do {                                                                            \
+    const std::string m_ = (msg);                                                 \
+    for (const std::string& n_ : std::initializer_list<std::string>{__VA_ARGS__})  \
+      EXPECT_NE(m_.find(n_), std::string::npos) << n_ << " not in: " << m_;      \
+  } while (0)

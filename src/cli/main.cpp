@@ -1,4 +1,4 @@
-// `ladder`: the one command. Verbs: data, train, sample, eval, bench, plot, config-doc, sweep, report.
+// `ladder`: the one command. Verbs: data, train, sample, eval, inspect, bench, plot, config-doc, sweep, report.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
@@ -17,6 +17,7 @@
 #include "train/bench.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
+#include "train/inspect.h"
 #include "train/optim_bench.h"
 #include "train/plot.h"
 #include "train/sampler.h"
@@ -100,6 +101,16 @@ int main(int argc, char** argv) {
   ev->add_option("--threads", eopt.threads, "CPU threads (0 = all)")->check(non_negative);
   ev->add_option("--device", eopt.device, "cpu | cuda (a CUDA build; the checkpoint's run.precision)")->capture_default_str();
   ev->add_flag("--json", ejson, "print one JSON object");
+
+  // ladder inspect (src/train/inspect.h)
+  auto* in = app.add_subcommand("inspect", "each weight tensor of a checkpoint: its optimizer, norms, largest singular value, stable rank");
+  std::string inspect_ckpt;
+  InspectOptions iopt;
+  bool ijson = false;
+  in->add_option("checkpoint", inspect_ckpt, "checkpoint directory, or a run directory (its latest checkpoint)")->required();
+  in->add_option("--params", iopt.params, "only these tensors: selectors as in optim.<opt>_params (\"role:gated_norm, *.q_proj.weight\")");
+  in->add_option("--threads", iopt.threads, "CPU threads (0 = all)")->check(non_negative);
+  in->add_flag("--json", ijson, "print one JSON object");
 
   // ladder bench
   auto* be = app.add_subcommand("bench", "measure sgemm rate and training throughput (MFU) of a preset");
@@ -221,6 +232,9 @@ int main(int argc, char** argv) {
     } else if (ev->parsed()) {
       EvalResult r = evaluate_checkpoint(eval_ckpt, eopt);
       std::cout << (ejson ? to_json(r).dump() + "\n" : format_eval(r));
+    } else if (in->parsed()) {
+      InspectResult r = inspect_checkpoint(inspect_ckpt, iopt);
+      std::cout << (ijson ? to_json(r).dump() + "\n" : format_inspect(r));
     } else if (be->parsed() && boptim) {
       // The optimizer benchmark times host buffers (Newton-Schulz on host matrices): CPU only.
       if (!bench_device.empty() && bench_device != "cpu")

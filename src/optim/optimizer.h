@@ -102,6 +102,11 @@ double adamh_lr_from_adam(double adam_lr);
 // per rung (ladder/plan.cpp).
 double recipe_beta2(double tokens_per_step);
 
+// The parameters a selector (role:<role> or a name glob, as in optim.<opt>_params) picks, as
+// indices into params. A role:<role> must name a role and a selector must match something (a typo
+// would otherwise silently change nothing): errors name `key` and the selector.
+std::vector<size_t> select_params(const std::string& key, const std::string& sel, const std::vector<Param>& params);
+
 // The parameter groups of a config: the preset of optim.name (RECIPE.md section 3; table in
 // docs/optimizers.md), then the tensors claimed by optim.<optimizer>_params moved. Bad input (a
 // selector matching nothing, a tensor claimed twice, a vector in a Muon or hyperball group, an

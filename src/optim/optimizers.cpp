@@ -95,8 +95,8 @@ constexpr Role kAllRoles[] = {Role::Embedding, Role::AttnMatrix,   Role::MlpMatr
                               Role::NormGain,  Role::Router,       Role::ExpertMatrix, Role::SharedExpert,
                               Role::AttnGate,  Role::GatedNormMatrix};
 
-// The parameters a selector of `key` picks (indices into params). A role:<role> must name a role
-// and a selector must match something: a typo would otherwise silently change nothing.
+}  // namespace
+
 std::vector<size_t> select_params(const std::string& key, const std::string& sel, const std::vector<Param>& params) {
   if (sel.rfind("role:", 0) == 0 &&
       std::none_of(std::begin(kAllRoles), std::end(kAllRoles), [&](Role r) { return sel.substr(5) == role_name(r); })) {
@@ -110,6 +110,8 @@ std::vector<size_t> select_params(const std::string& key, const std::string& sel
   if (out.empty()) fail("{}: selector '{}' matches no parameter of this model", key, sel);
   return out;
 }
+
+namespace {
 
 double parse_lr(const std::string& key, const std::string& v) {
   char* end = nullptr;
