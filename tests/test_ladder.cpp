@@ -408,6 +408,25 @@ TEST(LadderReport, ASeedMissingRunsIsLeftOutOfTheLawIntervals) {
 }
 
 // A machine is its host name and its CPU: cloud VMs share host names ("vm") over different CPUs.
+// A sweep warns before training when its results would not name the code that made them.
+TEST(LadderSweep, RevisionWarningNamesDirtyAndStaleBuilds) {
+  EXPECT_EQ(revision_warning("d9e1d16", "d9e1d16"), "");
+  EXPECT_EQ(revision_warning("d9e1d16", ""), "") << "a tree that cannot be read is no warning";
+  EXPECT_EQ(revision_warning("unknown", "d9e1d16"), "") << "a build outside git has nothing to compare";
+  const std::string dirty = revision_warning("d9e1d16-dirty", "d9e1d16-dirty");
+  EXPECT_NE(dirty.find("uncommitted changes (d9e1d16-dirty)"), std::string::npos) << dirty;
+  const std::string stale = revision_warning("d9e1d16", "fc25ca1");
+  EXPECT_NE(stale.find("built at d9e1d16"), std::string::npos) << stale;
+  EXPECT_NE(stale.find("now at fc25ca1"), std::string::npos) << stale;
+  EXPECT_NE(stale.find("rebuild"), std::string::npos) << stale;
+  EXPECT_NE(revision_warning("d9e1d16", "d9e1d16-dirty"), "") << "edits made after the build are not in it";
+  const std::string tree = source_tree_revision();  // this checkout's, as cmake/revision.cmake reads it
+  EXPECT_EQ(tree.find('\n'), std::string::npos);
+  if (!tree.empty() && std::string(code_revision()) == tree && tree.find("-dirty") == std::string::npos) {
+    EXPECT_EQ(revision_warning(code_revision(), tree), "");  // a clean build of this tree
+  }
+}
+
 TEST(LadderReport, MachineLabelNamesHostCpuAndThreads) {
   EXPECT_EQ(machine_label("vm", "AMD EPYC", 2), "vm (AMD EPYC, 2 threads)");
   EXPECT_EQ(machine_label("vm", "AMD EPYC", 0), "vm (AMD EPYC)");

@@ -239,6 +239,10 @@ SweepSummary sweep(const SweepOptions& opt) {
     for (auto& c : sweep_commands(plan, opt.out, opt.seeds)) fmt::print("{}\n", c);
     return sum;
   }
+  // Every result records the binary's revision: say so before training when that revision is not
+  // the code the user is looking at (last seen: 92 runs of a ladder trained by a stale build).
+  if (const std::string w = revision_warning(code_revision(), source_tree_revision()); !w.empty())
+    fmt::print("{}\n", w);
   fmt::print("{}", format_plan(plan));
   std::fflush(stdout);
 
