@@ -40,10 +40,6 @@ bool parse_dtype(std::string_view s, DType* out) {
   return false;
 }
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ", "));
-}
-
 // Element count with overflow detection; false for a negative dim or overflow. Shape [] is a
 // scalar: the empty product, 1.
 bool checked_numel(const std::vector<int64_t>& shape, int64_t* out) {
@@ -60,6 +56,8 @@ bool checked_nbytes(int64_t numel, DType d, size_t* out) {
 }
 
 }  // namespace
+
+std::string shape_str(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 size_t dtype_size(DType d) {
   switch (d) {

@@ -23,6 +23,8 @@ class MappedFile;  // core/fileio.h
 enum class DType { F32, F64, I32, I64, U8, BF16, F16, U16 };
 
 size_t dtype_size(DType d);
+// A shape as "[2, 3, 4]" (errors and tables; "[]" for a scalar).
+std::string shape_str(const std::vector<int64_t>& shape);
 // The name used in the header ("F32", "BF16", ...).
 const char* dtype_name(DType d);
 

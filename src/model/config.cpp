@@ -12,6 +12,7 @@
 #include <functional>
 #include <cmath>
 #include <algorithm>
+#include <array>
 #include <map>
 #include <sstream>
 #include <variant>
@@ -492,6 +493,20 @@ void validate_attention_switches(const ModelConfig& m, const std::string& where)
 
 namespace {
 
+// The per-optimizer lr keys (optim.<name>) and their values: what validate() checks and
+// identity_json() canonicalizes.
+std::array<std::pair<const char*, const std::string*>, 4> lr_keys(const OptimConfig& o) {
+  return {{{"adam_lr", &o.adam_lr}, {"adamh_lr", &o.adamh_lr}, {"muon_lr", &o.muon_lr}, {"muonh_lr", &o.muonh_lr}}};
+}
+
+// An lr key's value as a plain number, if the whole text is a finite one (strtod also reads inf, nan).
+std::optional<double> plain_lr(const std::string& v) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() || *end != '\0' || !std::isfinite(x)) return std::nullopt;
+  return x;
+}
+
 // validate(); `this_build` false leaves out whether this build can run run.device: a checkpoint's
 // config (from_json) may come from a CUDA run and still be sampled on the CPU.
 void validate_settings(const Config& c, bool this_build) {
@@ -560,17 +575,15 @@ void validate_settings(const Config& c, bool this_build) {
   if (c.optim.name != "adamw" && c.optim.name != "adam" && c.optim.name != "adamh" && c.optim.name != "muon" &&
       c.optim.name != "muonh")
     fail("{}: optim.name: unknown optimizer '{}' (expected adamw, adam, adamh, muon or muonh)", where, c.optim.name);
-  for (auto [key, v] : {std::pair{"optim.adam_lr", &c.optim.adam_lr}, std::pair{"optim.adamh_lr", &c.optim.adamh_lr},
-                        std::pair{"optim.muon_lr", &c.optim.muon_lr}, std::pair{"optim.muonh_lr", &c.optim.muonh_lr}}) {
+  for (auto [name, v] : lr_keys(c.optim)) {
     if (v->empty()) continue;
+    const std::string key = std::string("optim.") + name;
     try {
       if (auto_lr_multiplier(key, *v)) continue;
     } catch (const Error& e) {
       fail("{}: {}", where, e.what());
     }
-    char* end = nullptr;
-    const double x = std::strtod(v->c_str(), &end);
-    if (end == v->c_str() || *end != '\0' || !(x >= 0) || !std::isfinite(x))  // strtod also reads inf, nan
+    if (const auto x = plain_lr(*v); !x || !(*x >= 0))
       fail("{}: {} expects a learning rate >= 0, `auto`, `N*auto` or empty (= optim.lr), got '{}'", where, key, *v);
   }
   if (!(c.optim.muon_momentum >= 0 && c.optim.muon_momentum < 1))
@@ -725,16 +738,12 @@ nlohmann::json identity_json(const Config& c) {
   }
   // The lr keys as what they resolve to: "N*auto" with N printed shortest ("8.0 * auto" is
   // "8*auto", "1*auto" is "auto"), a number printed shortest ("1e-3" is "0.001"); "" (optim.lr) as is.
-  for (const auto& [key, v] : {std::pair{"adam_lr", &c.optim.adam_lr}, std::pair{"adamh_lr", &c.optim.adamh_lr},
-                               std::pair{"muon_lr", &c.optim.muon_lr}, std::pair{"muonh_lr", &c.optim.muonh_lr}}) {
+  for (const auto& [key, v] : lr_keys(c.optim)) {
     if (v->empty()) continue;
-    if (const auto n = auto_lr_multiplier(std::string("optim.") + key, *v)) {
+    if (const auto n = auto_lr_multiplier(std::string("optim.") + key, *v))
       j["optim"][key] = *n == 1 ? std::string("auto") : fmt::format("{}*auto", *n);
-      continue;
-    }
-    char* end = nullptr;
-    const double x = std::strtod(v->c_str(), &end);
-    if (end != v->c_str() && *end == '\0' && std::isfinite(x)) j["optim"][key] = fmt::format("{}", x);
+    else if (const auto x = plain_lr(*v))
+      j["optim"][key] = fmt::format("{}", *x);
   }
   return j;
 }

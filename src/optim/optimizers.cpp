@@ -25,6 +25,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
@@ -83,12 +84,6 @@ const std::string& params_key(const OptimConfig& oc, Kind k) {
 bool selector_matches(const std::string& sel, const Param& p) {
   if (sel.rfind("role:", 0) == 0) return sel.substr(5) == role_name(p.role);
   return fnmatch(sel.c_str(), p.name.c_str(), 0) == 0;
-}
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
 }
 
 constexpr Role kAllRoles[] = {Role::Embedding, Role::AttnMatrix,   Role::MlpMatrix, Role::Head,

@@ -9,6 +9,7 @@
 
 #include "backend/backend.h"
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "model/config.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"
@@ -84,12 +85,6 @@ TensorStats tensor_stats(const Param& p) {
   return t;
 }
 
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 }  // namespace
 
 InspectResult inspect_checkpoint(const fs::path& checkpoint, const InspectOptions& opt) {
@@ -141,7 +136,7 @@ std::string format_inspect(const InspectResult& r) {
                    "rms", "||W||_F", "sigma1", "stable rank");
   for (const TensorStats& t : r.tensors) {
     o += fmt::format("{:<{}} {:<13} {:<9} {:<16} {:>9.4g} {:>9.4g}", t.name, width, t.role,
-                     t.optimizer.empty() ? "-" : t.optimizer, shape_text(t.shape), t.rms, t.frobenius);
+                     t.optimizer.empty() ? "-" : t.optimizer, shape_str(t.shape), t.rms, t.frobenius);
     if (t.matrices > 0) o += fmt::format(" {:>8.4g}  {:.2f} / {}", t.sigma1, t.stable_rank, t.rank_bound);
     o += "\n";
   }
