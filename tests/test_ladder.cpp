@@ -373,7 +373,9 @@ TEST(LadderReport, IntervalsCoverTheTrueSpeedupOnSyntheticLadders) {
     EXPECT_GE(double(covered) / total, 0.90) << nseeds << " seeds: " << covered << " of " << total << " cells";
     // Not by being uninformative: median widths measured 0.32 (3 seeds) and 0.15 (5 seeds) in logs.
     std::nth_element(widths.begin(), widths.begin() + widths.size() / 2, widths.end());
-    if (nseeds >= 3) EXPECT_LT(widths[widths.size() / 2], nseeds == 3 ? 0.5 : 0.25) << nseeds << " seeds";
+    if (nseeds >= 3) {
+      EXPECT_LT(widths[widths.size() / 2], nseeds == 3 ? 0.5 : 0.25) << nseeds << " seeds";
+    }
   }
 }
 
@@ -425,6 +427,24 @@ TEST(LadderSweep, RevisionWarningNamesDirtyAndStaleBuilds) {
   if (!tree.empty() && std::string(code_revision()) == tree && tree.find("-dirty") == std::string::npos) {
     EXPECT_EQ(revision_warning(code_revision(), tree), "");  // a clean build of this tree
   }
+}
+
+TEST(LadderSweep, SourceTreeRevisionReadsACheckoutWhosePathHoldsQuotes) {
+  // The path reaches `git -C` through a shell: a quote or a space in it must not end the word.
+  const std::string dir = ::testing::TempDir() + "ladder rev 'quoted' dir";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string git = "git -C \"" + dir + "\" -c user.name=t -c user.email=t -c commit.gpgsign=false ";
+  if (std::system((git + "init -q >/dev/null 2>&1").c_str()) != 0) GTEST_SKIP() << "no git on this machine";
+  std::ofstream(dir + "/f") << "x\n";
+  ASSERT_EQ(std::system((git + "add f && " + git + "commit -q -m x >/dev/null 2>&1").c_str()), 0);
+  const std::string rev = source_tree_revision(dir);
+  EXPECT_EQ(rev.size(), 7u) << rev;  // an abbreviated hash: the repository was found under its real name
+  EXPECT_EQ(rev.find_first_not_of("0123456789abcdef"), std::string::npos) << rev;
+  std::ofstream(dir + "/f") << "y\n";
+  EXPECT_EQ(source_tree_revision(dir), rev + "-dirty");
+  EXPECT_EQ(source_tree_revision(dir + "/missing"), "") << "no checkout there";
+  std::filesystem::remove_all(dir);
 }
 
 TEST(LadderReport, MachineLabelNamesHostCpuAndThreads) {

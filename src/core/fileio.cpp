@@ -111,6 +111,12 @@ std::string read_file(const std::filesystem::path& path) {
   return ss.str();
 }
 
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
 MappedFile MappedFile::open(const std::filesystem::path& path, const char* what) {
   const std::string f = path.string();
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

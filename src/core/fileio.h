@@ -41,6 +41,9 @@ void fsync_dir(const std::filesystem::path& dir);
 bool create_directories_durably(const std::filesystem::path& dir);
 // Reads a whole file; throws ladder::Error naming the path if missing/unreadable.
 std::string read_file(const std::filesystem::path& path);
+// One word for /bin/sh (a path in a command run through popen or printed for a user to paste):
+// single-quoted, each ' in it written as '\'' (close, escaped quote, reopen).
+std::string shell_quote(const std::string& s);
 
 // A whole file mapped read-only (token shards): the pages live in the page cache, shared by every
 // process that maps the file (the ranks of a data-parallel job on one machine), and are read on

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include "core/fileio.h"
 #include "ladder_revision.h"
 #include "ladder/store.h"
 
@@ -12,9 +13,9 @@ namespace ladder {
 
 const char* code_revision() { return LADDER_REVISION; }
 
-std::string source_tree_revision() {
+std::string source_tree_revision(const std::string& dir) {
   // The same command as cmake/revision.cmake, so that the two compare as equal when nothing changed.
-  const std::string cmd = fmt::format("git -C '{}' describe --always --dirty --tags 2>/dev/null", LADDER_SOURCE_DIR);
+  const std::string cmd = fmt::format("git -C {} describe --always --dirty --tags 2>/dev/null", shell_quote(dir));
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return "";
   std::string out;

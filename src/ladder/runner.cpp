@@ -27,12 +27,6 @@ namespace ladder {
 
 namespace {
 
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
 // The throughput timing of a finished plan (ladder/timing.h): measured once, again when the plan or
 // the spec's timing settings change or --retime asks.
 void time_plan(const Plan& plan, const ResultStore& store, const TimingSettings& ts, bool retime, double peak) {

@@ -25,8 +25,9 @@ constexpr int kResultsVersion = 1;
 // The revision the binary was built from (`git describe --always --dirty`, or "unknown").
 const char* code_revision();
 // The revision of the source tree the binary was built from, as it is now (`git describe` there, or
-// "" where that cannot be read: no git, no checkout, the binary moved to another machine).
-std::string source_tree_revision();
+// "" where that cannot be read: no git, no checkout, the binary moved to another machine). `dir` is
+// another checkout's (any path: it reaches the shell quoted).
+std::string source_tree_revision(const std::string& dir = LADDER_SOURCE_DIR);
 // What a sweep says before it trains when its results would not name the code that made them: a
 // binary built from uncommitted changes (`...-dirty`), or one whose source tree has moved on since
 // (a stale build). "" when `binary` is a clean build of `tree` (or `tree` is unknown).

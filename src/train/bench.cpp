@@ -81,17 +81,6 @@ void synthetic_batch(const Config& cfg, std::vector<int32_t>& in, std::vector<in
   }
 }
 
-namespace {
-
-// One word for /bin/sh: single-quoted, each ' written as '\''.
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-}  // namespace
-
 nlohmann::json run_torch_bench(const Config& cfg, const BenchOptions& opt) {
   const bool cuda = cfg.run.device == "cuda";
   // Debian's torch on the CPU; on a GPU machine the python whose torch has CUDA.
