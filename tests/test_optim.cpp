@@ -489,6 +489,14 @@ TEST(Optim, PresetsPutEachTensorWhereTheRecipeSays) {
     seen.insert(g.optimizer);
   }
   EXPECT_EQ(seen, (std::set<std::string>{"adam", "adamh", "muonh"}));
+  // An optimizer built from an OptimConfig alone (no Config::validate before it) refuses what
+  // validate would: a number that is no finite lr >= 0, named with its key.
+  for (const char* bad : {"inf", "nan", "-1", "0.1x", "1e999"}) {
+    OptimConfig b = preset("muonh");
+    b.muonh_lr = bad;
+    EXPECT_ERROR_HAS(test::error_of([&] { make_optimizer(b, hm.params, *be, rs); }),
+                     "optim.muonh_lr: expects a learning rate >= 0", bad);
+  }
 }
 
 // optim.lr_mults: the matched tensors step as if their optimizer's lr were that many times larger,

@@ -111,7 +111,7 @@ namespace {
 double parse_lr(const std::string& key, const std::string& v) {
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end);
-  if (end == v.c_str() || *end != '\0' || !(x >= 0))
+  if (end == v.c_str() || *end != '\0' || !(x >= 0) || !std::isfinite(x))
     fail("{}: expects a learning rate >= 0, `auto`, `N*auto` or empty (= optim.lr), got '{}'", key, v);
   return x;
 }
