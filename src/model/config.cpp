@@ -424,10 +424,15 @@ std::optional<double> auto_lr_multiplier(const std::string& key, const std::stri
   if (star == std::string::npos) return std::nullopt;
   const std::string n = trim_blanks(v.substr(0, star));
   if (trim_blanks(v.substr(star + 1)) != "auto") return std::nullopt;
+  const auto x = plain_lr(n);
+  if (!x || !(*x > 0)) fail("{}: '{}': the multiplier of `N*auto` must be a number > 0, got '{}'", key, value, n);
+  return *x;
+}
+
+std::optional<double> plain_lr(const std::string& value) {
   char* end = nullptr;
-  const double x = std::strtod(n.c_str(), &end);
-  if (n.empty() || end != n.c_str() + n.size() || !(x > 0) || !std::isfinite(x))
-    fail("{}: '{}': the multiplier of `N*auto` must be a number > 0, got '{}'", key, value, n);
+  const double x = std::strtod(value.c_str(), &end);
+  if (end == value.c_str() || *end != '\0' || !std::isfinite(x)) return std::nullopt;
   return x;
 }
 
@@ -497,14 +502,6 @@ namespace {
 // identity_json() canonicalizes.
 std::array<std::pair<const char*, const std::string*>, 4> lr_keys(const OptimConfig& o) {
   return {{{"adam_lr", &o.adam_lr}, {"adamh_lr", &o.adamh_lr}, {"muon_lr", &o.muon_lr}, {"muonh_lr", &o.muonh_lr}}};
-}
-
-// An lr key's value as a plain number, if the whole text is a finite one (strtod also reads inf, nan).
-std::optional<double> plain_lr(const std::string& v) {
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (end == v.c_str() || *end != '\0' || !std::isfinite(x)) return std::nullopt;
-  return x;
 }
 
 // validate(); `this_build` false leaves out whether this build can run run.device: a checkpoint's

@@ -115,6 +115,9 @@ std::vector<std::pair<std::string, double>> parse_lr_mults(const std::string& va
 // An lr key's `auto` form: 1 for "auto", N for "N*auto" (N > 0, finite); nothing for any other text
 // (a number, empty). Throws for "N*auto" with a bad N, naming `key`.
 std::optional<double> auto_lr_multiplier(const std::string& key, const std::string& value);
+// An lr key's value as a plain number, if the whole text is a finite one (strtod also reads inf,
+// nan); nothing otherwise. The sign is the caller's to check.
+std::optional<double> plain_lr(const std::string& value);
 
 struct ScheduleConfig {
   std::string type = "linear";  // linear | cosine | wsd | constant

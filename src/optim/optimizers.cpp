@@ -109,11 +109,10 @@ std::vector<size_t> select_params(const std::string& key, const std::string& sel
 namespace {
 
 double parse_lr(const std::string& key, const std::string& v) {
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (end == v.c_str() || *end != '\0' || !(x >= 0) || !std::isfinite(x))
+  const auto x = plain_lr(v);  // the number Config::validate accepts (model/config.h)
+  if (!x || !(*x >= 0))
     fail("{}: expects a learning rate >= 0, `auto`, `N*auto` or empty (= optim.lr), got '{}'", key, v);
-  return x;
+  return *x;
 }
 
 // Resolves one optimizer's peak lr from its key ("" = optim.lr, a number, "auto" or "N*auto").
