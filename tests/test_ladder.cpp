@@ -169,6 +169,54 @@ TEST(LadderReport, MarinCellsGatesAndStacksFromStoredResults) {
   EXPECT_NE(md.find("| both | fast x slow | 1.25x vs 1.25x / 1.25x vs 1.25x |"), std::string::npos) << md;
 }
 
+// The backtest forecasts each variant's widest width from its narrower ones. "on_law" follows
+// 2 + 100 C^-0.1 at every width: both forecasts hit its loss (factor 1). "better" follows it at the
+// three narrower widths and at the widest reaches the loss the law gives at 1.5x its compute: both
+// forecasts say the law's loss there and a factor of 1.5 (the refit on three exact points is the
+// law itself; Marin's law with the true E and alpha is too). "short" has two widths: no forecast.
+TEST(LadderReport, BacktestForecastsTheWidestWidthFromTheNarrowerOnes) {
+  auto law = [](double C) { return 2.0 + 100.0 * std::pow(C, -0.1); };
+  std::vector<nlohmann::json> rs;
+  const std::vector<int> widths = {64, 128, 256, 512};
+  for (int d : widths)
+    for (int s = 1; s <= 2; ++s) {
+      const double C = 1e12 * d, noise = s == 1 ? -0.002 : 0.002;  // seed offsets: the mean stays on the law
+      rs.push_back(fake_result("on_law", "", d, s, C, law(C) + noise, 1000));
+      rs.push_back(fake_result("better", "on_law", d, s, C, law(d == 512 ? 1.5 * C : C) + noise, 1000));
+      if (d <= 128) rs.push_back(fake_result("short", "on_law", d, s, C, law(C) + noise, 1000));
+    }
+  Report r = compute_report(rs, 2.0, 0.1);
+  ASSERT_EQ(r.forecasts.size(), 2u);
+  const double C = 512e12;
+  for (const Forecast& f : r.forecasts) {
+    SCOPED_TRACE(f.variant);
+    EXPECT_EQ(f.d, 512);
+    EXPECT_EQ(f.d_prev, 256);
+    EXPECT_EQ(f.n_widths, 3);
+    EXPECT_NEAR(f.C, C, 1e-3);
+    ASSERT_TRUE(f.law_ok);
+    EXPECT_TRUE(f.law.fit_alpha);
+    EXPECT_NEAR(f.law_loss, law(C), 1e-4);
+    EXPECT_NEAR(f.marin_loss, law(C), 1e-9);
+    // Two seeds 0.004 apart: mean +- t(1) * 0.002 * sqrt(2) / sqrt(2).
+    EXPECT_NEAR(f.measured.hi - f.measured.value, 12.706 * 0.002, 1e-6);
+  }
+  EXPECT_EQ(r.forecasts[0].variant, "on_law");
+  EXPECT_NEAR(r.forecasts[0].measured.value, law(C), 1e-12);
+  EXPECT_NEAR(r.forecasts[0].law_factor, 1.0, 2e-3);
+  EXPECT_NEAR(r.forecasts[0].marin_factor, 1.0, 1e-9);
+  EXPECT_EQ(r.forecasts[1].variant, "better");
+  EXPECT_NEAR(r.forecasts[1].measured.value, law(1.5 * C), 1e-12);
+  EXPECT_NEAR(r.forecasts[1].law_factor, 1.5, 3e-3);
+  EXPECT_NEAR(r.forecasts[1].marin_factor, 1.5, 1e-9);
+  const std::string md = report_markdown(r);
+  EXPECT_NE(md.find("## Backtest: each variant's widest width forecast from its narrower ones"), std::string::npos);
+  EXPECT_NE(md.find(fmt::format("| better | d=512 | {:.4f} [", law(1.5 * C))), std::string::npos) << md;
+  EXPECT_NE(md.find(fmt::format("| 3 widths (d <= 256) |")), std::string::npos) << md;
+  EXPECT_NE(md.find(fmt::format("| {:.4f} (1.50x) |", law(C))), std::string::npos) << md;  // Marin's, exact
+  EXPECT_EQ(md.find("| short | d="), std::string::npos) << md;
+}
+
 TEST(LadderReport, IntervalsOverSeedsBracketThePointEstimate) {
   auto law = [](double C) { return 2.0 + 100.0 * std::pow(C, -0.1); };
   Philox rng(3, 3);

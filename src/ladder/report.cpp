@@ -463,6 +463,37 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     }
     rep.variants.push_back(std::move(row));
   }
+  // The backtest: each variant's widest width forecast from its narrower ones (pooled seeds).
+  for (auto& n : names) {
+    if (!cells.count(n) || cells[n].size() < 3) continue;
+    const auto& byd = cells[n];
+    Forecast f;
+    f.variant = n;
+    f.d = byd.rbegin()->first;
+    f.d_prev = std::next(byd.rbegin())->first;
+    f.n_widths = int(byd.size()) - 1;
+    const std::vector<Obs>& held = byd.rbegin()->second;
+    const Mean m = mean_of(held), mp = mean_of(byd.at(f.d_prev));
+    f.C = m.C;
+    f.measured.value = m.L;
+    if (held.size() >= 2) {
+      double q = 0;
+      for (auto& o : held) q += (o.L - m.L) * (o.L - m.L);
+      const double half = t975(int(held.size()) - 1) * std::sqrt(q / double(held.size() - 1) / double(held.size()));
+      f.measured.lo = m.L - half, f.measured.hi = m.L + half;
+    }
+    std::map<int, std::vector<Obs>> rest(byd.begin(), std::prev(byd.end()));
+    f.law_ok = fit_law(rest, E, alpha, f.law);
+    if (f.law_ok) {
+      f.law_loss = f.law.loss(m.C);
+      f.law_factor = f.law.compute_for(m.L) / m.C;
+    }
+    if (mp.L > E) {
+      f.marin_loss = E + (mp.L - E) * std::pow(mp.C / m.C, alpha);
+      f.marin_factor = marin_theoretical_speedup(mp.C, mp.L, m.C, m.L, E, alpha);
+    }
+    rep.forecasts.push_back(f);
+  }
   for (auto& [b, byd] : base_below_E) {
     std::vector<std::string> at;
     for (auto& [d, l] : byd) at.push_back(fmt::format("d={} ({:.4f})", d, l));
@@ -644,6 +675,38 @@ std::vector<Table> tables(const Report& r) {
                          std::to_string(v.law.n_points), std::to_string(v.law.n_distinct),
                          std::to_string(v.law.residual_dof()), fmt::format("{:.4f}", v.law.rmse)});
   t.push_back(laws);
+
+  if (!r.forecasts.empty()) {
+    Table fc{"Backtest: each variant's widest width forecast from its narrower ones",
+             fmt::format("Every speedup at the widest width reads the baseline's law beyond the baseline's own points; "
+                         "this table says how well such a reading held on this data. Each variant's law refit "
+                         "without its widest width (fitted as in the table above), and Marin's law (E = {:g}, alpha "
+                         "= {:g} fixed, A through the variant's mean at the next-widest width), forecast the mean "
+                         "loss there. In parentheses the compute factor: the compute that law puts at the measured "
+                         "loss over the compute the runs spent (> 1: the runs did better than forecast); a speedup "
+                         "read on a law that far beyond its points can be off by a factor of this size.",
+                         r.E, r.alpha),
+             {"variant", "held out", "measured loss [95%]", "refit on", "refit law", "law forecast (factor)",
+              "Marin forecast (factor)"},
+             {}};
+    for (auto& f : r.forecasts) {
+      const std::string meas =
+          std::isnan(f.measured.lo)
+              ? fmt::format("{:.4f}", f.measured.value)
+              : fmt::format("{:.4f} [{:.4f}-{:.4f}]", f.measured.value, f.measured.lo, f.measured.hi);
+      auto fcst = [](double loss, double factor) {
+        return std::isnan(loss) ? std::string("n/a") : fmt::format("{:.4f} ({})", loss, format_speedup(factor));
+      };
+      std::string law = "no law (fit failed or not decreasing)";
+      if (f.law_ok)
+        law = fmt::format("{:.3f} + {:.4g} * C^-{:.4f}; {}{}", f.law.E, f.law.A, f.law.alpha, fitted_text(f.law),
+                          f.law.E_at_bound ? ", E at a bound" : "");
+      fc.rows.push_back({f.variant, fmt::format("d={}", f.d), meas,
+                         fmt::format("{} widths (d <= {})", f.n_widths, f.d_prev), law, fcst(f.law_loss, f.law_factor),
+                         fcst(f.marin_loss, f.marin_factor)});
+    }
+    t.push_back(fc);
+  }
 
   Table runs{"Runs", "As stored in results/ (final and best validation loss over the run's evaluations; "
              "diverged: its loss became non-finite, and it is in no fit).",

@@ -49,6 +49,24 @@ struct VariantRow {
   std::string gate_marin, gate_law, gate_ci;  // "pass", "FAIL" or "n/a"
 };
 
+// A backtest of the extrapolation that speedups at a ladder's widest width lean on: a variant's
+// widest width forecast by its law refit without that width, and by Marin's law (E, alpha fixed, A
+// through the variant's own mean at the next-widest width). The compute factor is the compute the
+// forecasting law puts at the measured loss over the compute the runs spent: > 1, the runs reached
+// a loss that law expected only at more compute (they did better than forecast); the same factor
+// by which a speedup read on that law beyond its last point would be off.
+struct Forecast {
+  std::string variant;
+  int d = 0, d_prev = 0;    // the width held out; the widest width left in
+  int n_widths = 0;         // widths the refit law saw
+  double C = std::numeric_limits<double>::quiet_NaN();  // the held-out runs' mean compute
+  Interval measured;        // mean final validation loss over seeds there [95% t-interval, >= 2 seeds]
+  PowerLaw law;             // refit without d
+  bool law_ok = false;
+  double law_loss = std::numeric_limits<double>::quiet_NaN(), law_factor = std::numeric_limits<double>::quiet_NaN();
+  double marin_loss = std::numeric_limits<double>::quiet_NaN(), marin_factor = std::numeric_limits<double>::quiet_NaN();
+};
+
 struct Report {
   std::string name;
   double E = 1.6, alpha = 0.0941;
@@ -57,6 +75,7 @@ struct Report {
   std::vector<std::string> warnings;  // what a reader must know before trusting a number, in order found
   std::vector<int> scales;
   std::vector<VariantRow> variants;        // baselines first
+  std::vector<Forecast> forecasts;         // per variant with runs at >= 3 widths, in variant order
   std::vector<nlohmann::json> results;     // as stored, sorted by run id (diverged runs included)
   std::vector<std::string> diverged;       // ids of the runs that diverged (in no fit)
   std::vector<std::string> revisions;
