@@ -187,11 +187,14 @@ PowerLaw fit_power_law(const std::vector<LawPoint>& pts, double E0, double alpha
   return law;
 }
 
+PowerLaw law_through(double C, double L, double E, double alpha) {
+  return PowerLaw{E, (L - E) * std::pow(C, alpha), alpha};
+}
+
 double marin_theoretical_speedup(double C_base, double L_base, double C_variant, double L_variant, double E,
                                  double alpha) {
   if (!(L_base > E)) return std::numeric_limits<double>::quiet_NaN();  // the baseline point is below the law's floor
-  PowerLaw base{E, (L_base - E) * std::pow(C_base, alpha), alpha};
-  return base.compute_for(L_variant) / C_variant;
+  return law_through(C_base, L_base, E, alpha).compute_for(L_variant) / C_variant;
 }
 
 double realized_speedup(double theoretical, double flops_per_s_variant, double flops_per_s_base) {

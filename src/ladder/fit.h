@@ -43,6 +43,10 @@ struct LawPoint {
 // Levenberg-Marquardt on the loss-space residuals from the best grid point.
 PowerLaw fit_power_law(const std::vector<LawPoint>& pts, double E0, double alpha0);
 
+// Marin's law through one point: E and alpha fixed, A = (L - E) * C^alpha (A <= 0, no decreasing
+// law, when L <= E).
+PowerLaw law_through(double C, double L, double E, double alpha);
+
 // Marin's method at one scale: A refit through the baseline's point (C_base, L_base) with E, alpha
 // fixed; C_needed = (A / (L_variant - E))^(1/alpha); theoretical = C_needed / C_variant.
 // +inf when L_variant <= E.

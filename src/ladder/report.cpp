@@ -180,6 +180,13 @@ double t975(int df) {
   return 1.960 + f * (2.042 - 1.960);
 }
 
+// Half-width of the 95% Student-t interval on the mean of xs (at least 2 values), around `mean`.
+double t_half_width(const std::vector<double>& xs, double mean) {
+  double q = 0;
+  for (double x : xs) q += (x - mean) * (x - mean);
+  return t975(int(xs.size()) - 1) * std::sqrt(q / double(xs.size() - 1) / double(xs.size()));
+}
+
 std::string gate(const std::vector<double>& xs) {
   if (xs.empty()) return "n/a";
   for (double x : xs)
@@ -429,10 +436,9 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
             iv[k]->value = s[k];
             const auto& ps = per_seed[n][d][k];
             if (ps.size() >= 2 && std::isfinite(s[k]) && s[k] > 0) {
-              double m = 0, q = 0;
+              double m = 0;
               for (double x : ps) m += x / double(ps.size());
-              for (double x : ps) q += (x - m) * (x - m);
-              const double half = t975(int(ps.size()) - 1) * std::sqrt(q / double(ps.size() - 1) / double(ps.size()));
+              const double half = t_half_width(ps, m);
               iv[k]->lo = s[k] * std::exp(-half);
               iv[k]->hi = s[k] * std::exp(half);
             }
@@ -477,9 +483,9 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     f.C = m.C;
     f.measured.value = m.L;
     if (held.size() >= 2) {
-      double q = 0;
-      for (auto& o : held) q += (o.L - m.L) * (o.L - m.L);
-      const double half = t975(int(held.size()) - 1) * std::sqrt(q / double(held.size() - 1) / double(held.size()));
+      std::vector<double> losses;
+      for (auto& o : held) losses.push_back(o.L);
+      const double half = t_half_width(losses, m.L);
       f.measured.lo = m.L - half, f.measured.hi = m.L + half;
     }
     std::map<int, std::vector<Obs>> rest(byd.begin(), std::prev(byd.end()));
@@ -489,8 +495,9 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
       f.law_factor = f.law.compute_for(m.L) / m.C;
     }
     if (mp.L > E) {
-      f.marin_loss = E + (mp.L - E) * std::pow(mp.C / m.C, alpha);
-      f.marin_factor = marin_theoretical_speedup(mp.C, mp.L, m.C, m.L, E, alpha);
+      const PowerLaw marin = law_through(mp.C, mp.L, E, alpha);
+      f.marin_loss = marin.loss(m.C);
+      f.marin_factor = marin.compute_for(m.L) / m.C;  // marin_theoretical_speedup of the widest point over the next
     }
     rep.forecasts.push_back(f);
   }
