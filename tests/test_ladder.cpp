@@ -118,6 +118,30 @@ TEST(LadderFit, SpeedupsMatchRecipeFormulasByHand) {
   EXPECT_NEAR(law_speedup(b, b, 1e15), 1.0, 1e-9);
 }
 
+// The law-free reading: straight lines in log C between the points, bounds outside them.
+TEST(LadderFit, CurveReadingInterpolatesInLogComputeAndBoundsOutside) {
+  // Given out of order: the reading sorts by compute.
+  const std::vector<LawPoint> curve = {{1e11, 4.0}, {1e10, 5.0}, {1e12, 3.0}};
+  CurveReading r = compute_on_curve(curve, 4.5);
+  EXPECT_EQ(r.bound, 0);
+  EXPECT_NEAR(std::log10(r.C), 10.5, 1e-12);
+  EXPECT_NEAR(compute_on_curve(curve, 4.0).C, 1e11, 1e-3);  // exact at a point
+  EXPECT_NEAR(std::log10(compute_on_curve(curve, 3.25).C), 11.75, 1e-12);
+  // Below every point: the compute needed is more than the largest measured (a lower bound).
+  r = compute_on_curve(curve, 2.5);
+  EXPECT_EQ(r.bound, +1);
+  EXPECT_EQ(r.C, 1e12);
+  // Above every point: less than the smallest (an upper bound).
+  r = compute_on_curve(curve, 6.0);
+  EXPECT_EQ(r.bound, -1);
+  EXPECT_EQ(r.C, 1e10);
+  // A curve that rises again: the first crossing in compute order.
+  EXPECT_NEAR(std::log10(compute_on_curve({{1e10, 5.0}, {1e11, 3.0}, {1e12, 4.0}}, 3.5).C), 10.75, 1e-12);
+  EXPECT_EQ(compute_on_curve({{1e10, 5.0}}, 5.0).C, 1e10);
+  EXPECT_EQ(compute_on_curve({{1e10, 5.0}}, 5.5).bound, -1);
+  EXPECT_TRUE(std::isnan(compute_on_curve({}, 5.0).C));
+}
+
 // A stored result as the sweep writes it (only the fields the report reads).
 nlohmann::json fake_result(const std::string& variant, const std::string& baseline, int d, int seed, double C,
                            double loss, double tps, std::vector<std::string> stacks = {}) {
@@ -631,6 +655,98 @@ TEST(LadderReport, BaselineLossAtOrBelowEIsNamedInTheWarnings) {
                                  law(128e12), law(256e12), E)) != std::string::npos &&
               w.find("lower --E") != std::string::npos;
   EXPECT_TRUE(warned) << fmt::format("{}", fmt::join(r.warnings, "\n"));
+}
+
+// The interpolated speedups read the baseline's measured curve. dense's loss is straight in log C,
+// so a straight-line reading is exact: "fast" reaches dense's loss with 1.2x less compute on seed 1
+// and 1.8x on seed 2 (pooled means: sqrt(1.2 * 1.8) = 1.4697x, Student's t over the two seeds'
+// 1.2x and 1.8x around it); at d = 512 seed 2's loss is below dense's widest, so that cell is a
+// lower bound (dense's compute there over fast's: > 1.00x) with no interval. "slow" needs 1.25x
+// more compute: 0.80x, and at d = 64 its loss is above dense's narrowest: < 1.00x, a FAIL.
+TEST(LadderReport, InterpolatedSpeedupsReadTheBaselinesMeasuredCurve) {
+  auto line = [](double C) { return 10.0 - 0.5 * std::log10(C); };
+  std::vector<nlohmann::json> rs;
+  for (int d : {64, 128, 256, 512})
+    for (int s : {1, 2}) {
+      const double C = 1e12 * d;
+      rs.push_back(fake_result("dense", "", d, s, C, line(C), 1000));
+      rs.push_back(fake_result("fast", "dense", d, s, C, line((s == 1 ? 1.2 : 1.8) * C), 1000));
+      rs.push_back(fake_result("slow", "dense", d, s, C, line(C / 1.25), 500));
+    }
+  Report r = compute_report(rs, 2.0, 0.1);
+  ASSERT_EQ(r.variants.size(), 3u);
+  const VariantRow &fast = r.variants[1], &slow = r.variants[2];
+  ASSERT_EQ(fast.name, "fast");
+  const double half = 12.706 * std::log(1.8 / 1.2) / 2;
+  for (size_t i = 0; i < 3; ++i) {
+    const SpeedupCell& c = fast.cells[i];
+    SCOPED_TRACE(c.d);
+    EXPECT_EQ(c.interp_bound, 0);
+    EXPECT_NEAR(c.interp_theo.value, std::sqrt(1.2 * 1.8), 1e-9);
+    EXPECT_NEAR(c.interp_real.value, std::sqrt(1.2 * 1.8), 1e-9);
+    EXPECT_NEAR(std::log(c.interp_theo.lo), std::log(std::sqrt(1.2 * 1.8)) - half, 1e-9);
+    EXPECT_NEAR(std::log(c.interp_theo.hi), std::log(std::sqrt(1.2 * 1.8)) + half, 1e-9);
+  }
+  const SpeedupCell& widest = fast.cells[3];
+  EXPECT_EQ(widest.interp_bound, +1);
+  EXPECT_NEAR(widest.interp_theo.value, 1.0, 1e-12);
+  EXPECT_TRUE(std::isnan(widest.interp_theo.lo));
+  EXPECT_EQ(fast.gate_interp, "pass");
+  EXPECT_EQ(slow.cells[0].interp_bound, -1);
+  EXPECT_NEAR(slow.cells[0].interp_theo.value, 1.0, 1e-12);
+  for (size_t i = 1; i < 4; ++i) {
+    EXPECT_EQ(slow.cells[i].interp_bound, 0);
+    EXPECT_NEAR(slow.cells[i].interp_theo.value, 0.8, 1e-9);
+    EXPECT_NEAR(slow.cells[i].interp_real.value, 0.4, 1e-9);  // half dense's tokens/s
+    EXPECT_NEAR(slow.cells[i].interp_theo.lo, 0.8, 1e-9);     // both seeds agree
+  }
+  EXPECT_EQ(slow.gate_interp, "FAIL");
+  EXPECT_EQ(format_interp_cell(widest), "> 1.00x (> 1.00x)");
+  const std::string md = report_markdown(r);
+  EXPECT_NE(md.find("## Speedup over baseline, interpolated on the baseline's measured widths (no law)"),
+            std::string::npos);
+  EXPECT_NE(md.find(fmt::format("| fast | dense | 1.47x [{}-{}] (1.47x [", format_speedup(std::sqrt(2.16) * std::exp(-half)),
+                                format_speedup(std::sqrt(2.16) * std::exp(half)))),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| > 1.00x (> 1.00x) | pass |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| slow | dense | < 1.00x (< 0.50x) | 0.80x [0.80x-0.80x] (0.40x [0.40x-0.40x]) |"),
+            std::string::npos)
+      << md;
+}
+
+// The gate over interpolated speedups counts a bound only where it decides.
+TEST(LadderReport, InterpolatedGateCountsABoundWhereItDecides) {
+  SpeedupCell c;
+  c.n_variant = 1;
+  c.interp_theo = {0.8, kNaN(), kNaN()};
+  c.interp_real = {0.7, kNaN(), kNaN()};
+  c.interp_bound = -1;
+  EXPECT_EQ(format_interp_cell(c), "< 0.80x (< 0.70x)");
+  c.interp_bound = 0;
+  EXPECT_EQ(format_interp_cell(c), "0.80x (0.70x)");
+  // Through the report: a variant whose loss is below its baseline's at every width gives lower
+  // bounds; > 0.50x (less compute than the baseline's widest, and a better loss) decides nothing.
+  std::vector<nlohmann::json> rs;
+  for (int d : {64, 128}) {
+    rs.push_back(fake_result("dense", "", d, 1, 1e12 * d, 5.0 - 0.001 * d, 1000));
+    rs.push_back(fake_result("better", "dense", d, 1, 1e12 * d, 4.0 - 0.001 * d, 1000));
+  }
+  Report r = compute_report(rs, 2.0, 0.1);
+  ASSERT_EQ(r.variants[1].name, "better");
+  EXPECT_EQ(r.variants[1].cells[0].interp_bound, +1);
+  EXPECT_NEAR(r.variants[1].cells[0].interp_theo.value, 2.0, 1e-12);
+  EXPECT_NEAR(r.variants[1].cells[1].interp_theo.value, 1.0, 1e-12);
+  EXPECT_EQ(r.variants[1].gate_interp, "pass");
+  rs.push_back(fake_result("dense", "", 256, 1, 256e12, 4.5, 1000));
+  rs.push_back(fake_result("better", "dense", 256, 1, 128e12, 3.5, 1000));  // > 0.5x: undecided
+  r = compute_report(rs, 2.0, 0.1);
+  EXPECT_NEAR(r.variants[1].cells[2].interp_theo.value, 2.0, 1e-12);
+  EXPECT_NEAR(r.variants[1].cells[0].interp_theo.value, 4.0, 1e-12);
+  rs.back()["compute"] = 1024e12;
+  r = compute_report(rs, 2.0, 0.1);
+  EXPECT_NEAR(r.variants[1].cells[2].interp_theo.value, 0.25, 1e-12);
+  EXPECT_EQ(r.variants[1].gate_interp, "n/a");
 }
 
 // The fitted-law table shows an interval on the realized speedup too (docs/ladder.md, "Intervals").

@@ -201,6 +201,24 @@ double realized_speedup(double theoretical, double flops_per_s_variant, double f
   return theoretical * flops_per_s_variant / flops_per_s_base;
 }
 
+CurveReading compute_on_curve(std::vector<LawPoint> curve, double loss) {
+  CurveReading r;
+  if (curve.empty()) return r;
+  std::sort(curve.begin(), curve.end(), [](const LawPoint& a, const LawPoint& b) { return a.C < b.C; });
+  for (size_t i = 0; i + 1 < curve.size(); ++i) {
+    const LawPoint &a = curve[i], &b = curve[i + 1];
+    if ((a.loss - loss) * (b.loss - loss) > 0) continue;  // both ends on one side
+    const double t = a.loss == b.loss ? 0.0 : (a.loss - loss) / (a.loss - b.loss);
+    r.C = std::exp(std::log(a.C) + t * (std::log(b.C) - std::log(a.C)));
+    return r;
+  }
+  if (curve.size() == 1 && curve[0].loss == loss) return r.C = curve[0].C, r;
+  const bool below = std::all_of(curve.begin(), curve.end(), [&](const LawPoint& p) { return loss < p.loss; });
+  r.bound = below ? +1 : -1;
+  r.C = below ? curve.back().C : curve.front().C;
+  return r;
+}
+
 double law_speedup(const PowerLaw& base, const PowerLaw& variant, double C_variant) {
   return base.compute_for(variant.loss(C_variant)) / C_variant;
 }

@@ -7,7 +7,10 @@
 //  - Ladder's: a law fitted per variant over the whole ladder (every scale and seed); the speedup at a
 //    scale is read at equal loss: the baseline law's compute for the loss the variant's law gives at
 //    the variant's compute, over that compute.
+//  - Interpolated (no law): the baseline's measured curve, its mean loss per scale against compute,
+//    read at the variant's loss between the two scales that bracket it; where no two do, a bound.
 #pragma once
+#include <limits>
 #include <vector>
 
 namespace ladder {
@@ -59,6 +62,18 @@ double marin_theoretical_speedup(double C_base, double L_base, double C_variant,
 // both models spend the same FLOPs per token (not so for dense -> MoE); Ladder passes model FLOP/s
 // (C per token x tokens/s), following section 1 where the two disagree.
 double realized_speedup(double theoretical, double flops_per_s_variant, double flops_per_s_base);
+// The compute a measured curve needs to reach `loss`, with no law: the points (one per scale, e.g.
+// the baseline's mean loss and compute there) sorted by compute and joined by straight lines in
+// log C, read at the first segment whose ends bracket the loss. Outside the points' losses it is a
+// bound on the compute needed, assuming only that loss falls as compute grows: bound = +1, the loss
+// is below every point's (C: the largest compute measured; more is needed), -1 above every point's
+// (C: the smallest; less is needed). C is NaN for no points.
+struct CurveReading {
+  double C = std::numeric_limits<double>::quiet_NaN();
+  int bound = 0;
+};
+CurveReading compute_on_curve(std::vector<LawPoint> curve, double loss);
+
 // Ladder's: the baseline law's compute for the loss the variant's law predicts at C_variant, over C_variant.
 double law_speedup(const PowerLaw& base, const PowerLaw& variant, double C_variant);
 

@@ -98,12 +98,16 @@ Paired pair_up(const std::string& vname, const std::map<int, std::vector<Obs>>& 
 }
 
 // Point estimates of one data set (all seeds pooled, or one seed's runs): per variant its law over
-// all its runs and, per width, {Marin theoretical, Marin realized, law theoretical, law realized}
-// from the runs paired with its baseline's (pair_up).
+// all its runs and, per width, {Marin theoretical, Marin realized, law theoretical, law realized,
+// interpolated theoretical, interpolated realized} from the runs paired with its baseline's
+// (pair_up); `bound` the interpolated ones' CurveReading::bound.
+constexpr int kKinds = 6;
+using Speedups = std::array<double, kKinds>;
 struct Estimates {
   std::map<std::string, PowerLaw> laws;
   std::map<std::string, bool> law_ok;
-  std::map<std::string, std::map<int, std::array<double, 4>>> sp;
+  std::map<std::string, std::map<int, Speedups>> sp;
+  std::map<std::string, std::map<int, int>> bound;
   std::map<std::string, Paired> pairs;  // per variant with a baseline
 };
 
@@ -141,8 +145,15 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
       ok_v = fit_law(p.v, E, alpha, lv);
       ok_b = fit_law(p.b, E, alpha, lb);
     }
+    // The baseline's measured curve: its paired runs' mean compute and loss at each width.
+    std::vector<LawPoint> curve;
+    for (auto& [d, obs] : p.b) {
+      const Mean m = mean_of(obs);
+      curve.push_back({m.C, m.L});
+    }
     for (auto& [d, obs] : byd) {
-      std::array<double, 4> s = {kNaN, kNaN, kNaN, kNaN};
+      Speedups s;
+      s.fill(kNaN);
       if (p.v.count(d) && p.b.count(d)) {
         Mean mv = mean_of(p.v.at(d)), mb = mean_of(p.b.at(d));
         // FLOP/s of the variant and of the baseline: timed side by side where the sweep did, else
@@ -155,6 +166,10 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
           s[2] = law_speedup(lb, lv, mv.C);
           s[3] = realized_speedup(s[2], fv, fb);
         }
+        const CurveReading at = compute_on_curve(curve, mv.L);
+        s[4] = at.C / mv.C;
+        s[5] = realized_speedup(s[4], fv, fb);
+        est.bound[v][d] = at.bound;
       }
       est.sp[v][d] = s;
     }
@@ -196,6 +211,19 @@ std::string gate(const std::vector<double>& xs) {
   return "pass";
 }
 
+// The gate over values that may be bounds (x, bound as in CurveReading): a missing value, n/a; a
+// value <= 1 or an upper bound <= 1 at some width, FAIL; else a bound that decides nothing, n/a.
+std::string gate_bounded(const std::vector<std::pair<double, int>>& xs) {
+  if (xs.empty()) return "n/a";
+  for (auto& [x, b] : xs)
+    if (std::isnan(x)) return "n/a";
+  for (auto& [x, b] : xs)
+    if (b <= 0 && !(x > 1)) return "FAIL";
+  for (auto& [x, b] : xs)
+    if (b < 0 || !(x >= 1)) return "n/a";  // < x with x > 1, or > x with x < 1
+  return "pass";
+}
+
 std::string sci(double v) { return fmt::format("{:.3g}", v); }
 
 std::string html_escape(const std::string& s) { return svg::escape(s); }
@@ -208,15 +236,27 @@ std::string format_speedup(double x) {
   return fmt::format("{:.2f}x", x);
 }
 
-std::string format_cell(const SpeedupCell& c, bool law, bool with_interval) {
+namespace {
+std::string format_pair(const SpeedupCell& c, const Interval& t, const Interval& r, bool with_interval,
+                        const std::string& prefix) {
   if (c.n_variant == 0) return c.n_diverged > 0 ? "diverged" : "-";
-  const Interval& t = law ? c.law_theo : c.marin_theo;
-  const Interval& r = law ? c.law_real : c.marin_real;
   auto interval = [&](const Interval& i) {
     return with_interval && !std::isnan(i.lo) ? fmt::format(" [{}-{}]", format_speedup(i.lo), format_speedup(i.hi))
                                               : std::string();
   };
-  return fmt::format("{}{} ({}{})", format_speedup(t.value), interval(t), format_speedup(r.value), interval(r));
+  auto value = [&](double x) { return std::isnan(x) ? format_speedup(x) : prefix + format_speedup(x); };
+  return fmt::format("{}{} ({}{})", value(t.value), interval(t), value(r.value), interval(r));
+}
+}  // namespace
+
+std::string format_cell(const SpeedupCell& c, bool law, bool with_interval) {
+  return law ? format_pair(c, c.law_theo, c.law_real, with_interval, "")
+             : format_pair(c, c.marin_theo, c.marin_real, with_interval, "");
+}
+
+std::string format_interp_cell(const SpeedupCell& c) {
+  return format_pair(c, c.interp_theo, c.interp_real, true,
+                     c.interp_bound > 0 ? "> " : c.interp_bound < 0 ? "< " : "");
 }
 
 Report compute_report(const std::vector<nlohmann::json>& results, double E, double alpha,
@@ -317,7 +357,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
   rep.n_seeds = int(seed_set.size());
   // variant -> width -> per speedup kind: the log estimates of the seeds that gave a finite one,
   // and how many seeds had results in that cell.
-  std::map<std::string, std::map<int, std::array<std::vector<double>, 4>>> per_seed;
+  std::map<std::string, std::map<int, std::array<std::vector<double>, kKinds>>> per_seed;
   std::map<std::string, std::map<int, int>> seeds_in_cell;
   std::map<std::string, std::set<uint64_t>> incomplete_seeds;
   if (rep.intervals)
@@ -337,15 +377,20 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
           if (!one.count(v) || !one[v].count(d)) return false;
         return true;
       };
-      for (auto& [v, byd] : evaluate(one, info, E, alpha, timed).sp) {
+      Estimates seed_est = evaluate(one, info, E, alpha, timed);
+      for (auto& [v, byd] : seed_est.sp) {
         const std::string& b = info.at(v).baseline;
         const bool laws_ok = complete(v) && cells.count(b) && complete(b);
         if (!laws_ok && !incomplete_seeds[v].count(sd)) incomplete_seeds[v].insert(sd);
         for (auto& [d, s] : byd) {
           if (!one.count(b) || !one[b].count(d)) continue;  // no pair at this width for this seed
           ++seeds_in_cell[v][d];
-          for (int k = 0; k < 4; ++k)
-            if (std::isfinite(s[k]) && s[k] > 0 && (k < 2 || laws_ok)) per_seed[v][d][k].push_back(std::log(s[k]));
+          // The law and interpolated speedups rest on every width of the pair: only complete seeds
+          // count; an interpolated one only where it is a value, not a bound.
+          const bool in_range = seed_est.bound[v][d] == 0;
+          for (int k = 0; k < kKinds; ++k)
+            if (std::isfinite(s[k]) && s[k] > 0 && (k < 2 || laws_ok) && (k < 4 || in_range))
+              per_seed[v][d][k].push_back(std::log(s[k]));
         }
       }
     }
@@ -377,6 +422,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     row.law_ok = point.law_ok[n];
     if (row.law_ok && row.law.E_at_bound) E_at_bound.push_back(n);
     std::vector<double> gm, gl, gci;
+    std::vector<std::pair<double, int>> gi;  // interpolated speedup, bound
     // Widths where this variant and its baseline were trained on different machines and not timed
     // side by side, by the machines involved: one warning per set of machines, not one per width.
     std::map<std::string, std::vector<int>> cross_machine;
@@ -425,17 +471,22 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
         }
         if (!row.baseline.empty()) {
           auto s = point.sp[n][d];
-          Interval* iv[4] = {&c.marin_theo, &c.marin_real, &c.law_theo, &c.law_real};
+          c.interp_bound = point.bound[n][d];
+          Interval* iv[kKinds] = {&c.marin_theo, &c.marin_real, &c.law_theo,
+                                  &c.law_real,   &c.interp_theo, &c.interp_real};
           if (std::isinf(s[0]) || std::isinf(s[2]))
             rep.warnings.push_back(fmt::format(
                 "{} d={}: the variant's loss is at or below the baseline law's floor E, which no baseline compute "
                 "reaches: the speedup is unbounded (inf), counts as > 1 in the point-estimate gates and has no "
                 "interval",
                 n, d));
-          for (int k = 0; k < 4; ++k) {
+          for (int k = 0; k < kKinds; ++k) {
             iv[k]->value = s[k];
             const auto& ps = per_seed[n][d][k];
-            if (ps.size() >= 2 && std::isfinite(s[k]) && s[k] > 0) {
+            // An interpolated interval needs every seed's reading: the seeds whose own loss left
+            // their baseline's range are the extreme ones, and an interval without them is too narrow.
+            const bool all_seeds = k < 4 || (c.interp_bound == 0 && int(ps.size()) == seeds_in_cell[n][d]);
+            if (ps.size() >= 2 && std::isfinite(s[k]) && s[k] > 0 && all_seeds) {
               double m = 0;
               for (double x : ps) m += x / double(ps.size());
               const double half = t_half_width(ps, m);
@@ -455,6 +506,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
         gm.push_back(c.n_variant ? c.marin_theo.value : kNaN);
         gl.push_back(c.n_variant ? c.law_theo.value : kNaN);
         gci.push_back(c.n_variant ? c.law_theo.lo : kNaN);
+        gi.push_back({c.n_variant ? c.interp_theo.value : kNaN, c.interp_bound});
       }
       row.cells.push_back(c);
     }
@@ -466,6 +518,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
       row.gate_marin = gate(gm);
       row.gate_law = gate(gl);
       row.gate_ci = rep.intervals ? gate(gci) : "n/a";
+      row.gate_interp = gate_bounded(gi);
     }
     rep.variants.push_back(std::move(row));
   }
@@ -604,21 +657,42 @@ std::vector<Table> tables(const Report& r) {
             {}};
   law.head.push_back("gate");
   law.head.push_back("gate (interval > 1)");
+  Table interp{"Speedup over baseline, interpolated on the baseline's measured widths (no law): theoretical [95% "
+               "interval] (realized [95% interval])",
+               fmt::format("The compute at which the baseline's measured curve (its mean loss at each width against "
+                           "its mean compute, straight in log C between adjacent widths) reaches the variant's mean "
+                           "loss, over the variant's compute; realized as in Marin's table. No law and no "
+                           "extrapolation: where the variant's loss is below the baseline's at every width, the "
+                           "baseline needs more than its widest width's compute and the cell is a lower bound "
+                           "(> x, if only its loss keeps falling as compute grows); above it at every width, an "
+                           "upper bound (< x). The fitted laws' speedups beyond the baseline's points are read on "
+                           "an extrapolation (see the backtest); these are not.{} Gate: > 1 at every width, a "
+                           "bound counting where it decides.",
+                           r.intervals ? " Intervals as in the fitted-law table, where every seed's own reading "
+                                         "lies between two of its baseline's widths."
+                                       : ""),
+               scale_head({"variant", "vs"}),
+               {}};
+  interp.head.push_back("gate");
   for (auto& v : r.variants) {
     if (v.baseline.empty()) continue;
-    std::vector<std::string> a = {v.name, v.baseline}, b = a;
-    for (auto& c : v.cells) {
-      a.push_back(format_cell(c, false, false));
-      b.push_back(format_cell(c, true, true));
+    std::vector<std::string> a = {v.name, v.baseline}, b = a, c = a;
+    for (auto& x : v.cells) {
+      a.push_back(format_cell(x, false, false));
+      b.push_back(format_cell(x, true, true));
+      c.push_back(format_interp_cell(x));
     }
     a.push_back(v.gate_marin);
     b.push_back(v.gate_law);
     b.push_back(v.gate_ci);
+    c.push_back(v.gate_interp);
     marin.rows.push_back(a);
     law.rows.push_back(b);
+    interp.rows.push_back(c);
   }
   t.push_back(marin);
   t.push_back(law);
+  t.push_back(interp);
 
   auto st = stack_lines(r);
   if (!st.empty()) {

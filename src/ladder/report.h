@@ -1,6 +1,7 @@
 // `ladder report DIR`: speedups of every variant over its baseline at every scale, by Marin's method
-// and by Ladder's fitted laws with 95% intervals over seeds (Student's t over per-seed estimates); the gate verdict; the stacked
-// variant against the product of its rungs. Writes report.md, loss_vs_compute.svg, speedups.svg,
+// and by Ladder's fitted laws with 95% intervals over seeds (Student's t over per-seed estimates), and
+// with no law, interpolated on the baseline's measured widths (bounds outside them); the gate
+// verdicts; the stacked variant against the product of its rungs; a backtest of the widest width. Writes report.md, loss_vs_compute.svg, speedups.svg,
 // val_curves.svg (validation loss during training, per width) and
 // a self-contained report.html under DIR/report (or --out).
 #pragma once
@@ -33,6 +34,11 @@ struct SpeedupCell {
   // Means over the paired seeds (with no baseline or no pair here: over the variant's own runs).
   double C = 0, loss = 0, base_C = 0, base_loss = 0, tps = 0, base_tps = 0;
   Interval marin_theo, marin_real, law_theo, law_real;
+  // Interpolated on the baseline's measured curve, no law (compute_on_curve): interp_bound +1, the
+  // variant's loss is below every width's of its baseline and the values are lower bounds (> x);
+  // -1, above every width's: upper bounds (< x); 0, read between two widths.
+  Interval interp_theo, interp_real;
+  int interp_bound = 0;
   // From the sweep's throughput timing (timing.json), where this cell was timed: tokens/s (median,
   // smallest and largest over the rounds) and, where its baseline was timed too, the model-FLOP/s
   // ratio over it (median, smallest and largest of the per-round ratios) that the realized speedups
@@ -47,6 +53,9 @@ struct VariantRow {
   bool law_ok = false;
   std::vector<SpeedupCell> cells;  // one per scale of the report (n_variant 0: no finished run there)
   std::string gate_marin, gate_law, gate_ci;  // "pass", "FAIL" or "n/a"
+  // Interpolated speedups > 1 at every width ("pass"), <= 1 at one ("FAIL"); n/a where a width has
+  // none, or a bound that decides nothing (> 0.8x, < 1.3x).
+  std::string gate_interp;
 };
 
 // A backtest of the extrapolation that speedups at a ladder's widest width lean on: a variant's
@@ -103,6 +112,8 @@ std::string format_speedup(double x);                 // "1.32x", "inf", "n/a"
 // and its interval, then the realized one and its interval (none with one seed per cell); "diverged"
 // where the variant's only runs diverged, "-" where it has none.
 std::string format_cell(const SpeedupCell& c, bool law, bool with_interval);
+// The interpolated speedups the same way, a bound written "> 1.74x (> 1.08x)" / "< 0.50x (< 0.45x)".
+std::string format_interp_cell(const SpeedupCell& c);
 std::string report_markdown(const Report& r);
 std::string loss_plot_svg(const Report& r);
 std::string speedup_plot_svg(const Report& r);
