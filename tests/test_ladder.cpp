@@ -1960,9 +1960,10 @@ variants:
   }
   // Errors name the file (and line) that holds the entry.
   auto error_of = [](const fs::path& f) { return test::error_of([&] { load_spec(f); }); };
-  std::string e = error_of(write("sub/nodense.yaml", "extends: ../tiny.yaml\nvariants:\n  dense: null\n"));
-  EXPECT_NE(e.find("tiny.yaml:"), std::string::npos) << e;  // wide is defined there
-  EXPECT_NE(e.find("variant 'wide' is measured against baseline 'dense', which is not a variant"), std::string::npos) << e;
+  std::string e = error_of(write("sub/nowide.yaml", "extends: ../tiny.yaml\nvariants:\n  wide: {baseline: dence}\n"));
+  EXPECT_NE(e.find("nowide.yaml:3: variant 'wide' is measured against baseline 'dence', which is not a variant"),
+            std::string::npos)
+      << e;
   e = error_of(write("sub/nokey.yaml", "extends: ../tiny.yaml\nset: {optim.lr: null}\n"));
   EXPECT_NE(e.find("nokey.yaml:2: set: optim.lr: null removes a key the extended spec sets"), std::string::npos) << e;
   e = error_of(write("sub/nofile.yaml", "name: x\nextends: nope.yaml\n"));
@@ -1984,6 +1985,43 @@ variants:
   e = test::error_of([&] { make_plan(load_spec(dir->path / "sub/badsetchild.yaml"), 50); });
   EXPECT_NE(e.find("badset.yaml:2: set: "), std::string::npos) << e;
   EXPECT_NE(e.find("model.moe_expertz"), std::string::npos) << e;
+  // A removed variant's dependents keep their configs (its changes fold into theirs, theirs win) and
+  // are measured against its baseline: the same hashes as the chain written out in full.
+  const fs::path chain = spec("chain", R"(scales:
+  rules: {head_dim: 16, kv_ratio: 1, checkpoints: 2, evals: 2}
+  list: [{d: 32, steps: 8, batch_size: 4}]
+seeds: [1]
+variants:
+  dense: {}
+  mid: {baseline: dense, set: {model.d_ff: 5*d, model.n_layers: 2}}
+  top: {baseline: mid, set: {model.n_layers: 3, optim.lr: 0.02}}
+  side: {baseline: mid, set: {model.d_ff: 6*d}}
+)");
+  const LadderSpec cut = load_spec(write("sub/cut.yaml", "extends: ../chain.yaml\nvariants:\n  mid: null\n"));
+  ASSERT_EQ(cut.variants.size(), 3u);
+  for (auto& v : cut.variants) EXPECT_EQ(v.baseline, v.name == "dense" ? "" : "dense") << v.name;
+  const auto full = make_plan(load_spec(chain), 50).hashes(), folded = make_plan(cut, 50).hashes();
+  EXPECT_EQ(folded.size(), 3u);
+  for (auto& [id, h] : folded) EXPECT_EQ(h, full.at(id)) << id;
+  Plan pcut = make_plan(cut, 50);
+  for (auto& r : pcut.runs) {
+    if (r.variant == "dense") continue;
+    EXPECT_EQ(r.cfg.model.n_layers, r.variant == "top" ? 3 : 2) << r.id;  // top's own n_layers wins
+    EXPECT_EQ(r.cfg.model.d_ff, r.variant == "top" ? 160 : 192) << r.id;
+  }
+  // The root removed: its dependents become roots (tiny.yaml's wide, same hash).
+  const LadderSpec nd = load_spec(write("sub/nodense.yaml", "extends: ../tiny.yaml\nvariants:\n  dense: null\n"));
+  ASSERT_EQ(nd.variants.size(), 1u);
+  EXPECT_EQ(nd.variants[0].baseline, "");
+  const auto tiny_h = make_plan(load_spec(good_spec()), 50).hashes();
+  for (auto& [id, h] : make_plan(nd, 50).hashes()) EXPECT_EQ(h, tiny_h.at(id)) << id;
+  // A rung removed from under a chain twice (grandchild nulls what the child kept): still the same.
+  write("sub/cut2.yaml", "extends: ../chain.yaml\nvariants:\n  side: null\n");
+  const LadderSpec cut2 = load_spec(write("sub/cut3.yaml", "extends: cut2.yaml\nvariants:\n  mid: null\n  dense: null\n"));
+  ASSERT_EQ(cut2.variants.size(), 1u);
+  EXPECT_EQ(cut2.variants[0].name, "top");
+  EXPECT_EQ(cut2.variants[0].baseline, "");
+  for (auto& [id, h] : make_plan(cut2, 50).hashes()) EXPECT_EQ(h, full.at(id)) << id;
   // Pending variants merge as variants do.
   const LadderSpec pend = load_spec(write("sub/pend.yaml", "extends: ../tiny.yaml\npending:\n  moe: {baseline: dense, set: {model.moe_experts: 4}}\n"));
   const LadderSpec pend2 = load_spec(write("sub/pend2.yaml", "extends: pend.yaml\npending:\n  moe: {set: {model.moe_top_k: 1}}\n"));

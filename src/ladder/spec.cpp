@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -260,8 +261,25 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
     fail("{}: seeds expects a non-empty list of integers", r.at(seeds));
   }
 
+  // A removed variant's dependents keep their configs: a variant is its baseline's config plus its
+  // own changes, so the removed one's changes fold into theirs (theirs win on a shared key), and
+  // they are measured against its baseline instead (none: they become roots). A study of the top
+  // rung of a chain then nulls the rungs below it rather than writing their changes out again.
+  auto fold_dependents = [&](const VariantSpec& gone) {
+    for (auto* list : {&s.variants, &s.pending})
+      for (auto& v : *list) {
+        if (v.baseline != gone.name) continue;
+        std::vector<SetEntry> set;
+        for (auto& e : gone.set)
+          if (std::none_of(v.set.begin(), v.set.end(), [&](const SetEntry& x) { return x.key == e.key; }))
+            set.push_back(e);
+        set.insert(set.end(), v.set.begin(), v.set.end());
+        v.set = std::move(set);
+        v.baseline = gone.baseline;
+      }
+  };
   // Variants and pending variants: an entry for a name the extended spec has merges into its
-  // variant (null removes it); a new name is a new variant.
+  // variant (null removes it, folding it into its dependents); a new name is a new variant.
   auto merge_variants = [&](const YAML::Node& vs, const char* what, std::vector<VariantSpec>& into) {
     if (!vs) return;
     if (!vs.IsMap()) fail("{}: {} expects a mapping of variant names to {{baseline, set, stacks}}", r.at(vs), what);
@@ -273,7 +291,9 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
           fail("{}: {}: {}: null removes a variant the extended spec has, and it has none of that name (write "
                "'{}: {{}}' for a new variant without changes)",
                r.at(it->first), what, name, name);
+        const VariantSpec gone = std::move(*have);
         into.erase(have);
+        fold_dependents(gone);
         continue;
       }
       VariantSpec v = read_variant(r, name, it->second, it->first.Mark().line + 1, have != into.end() ? &*have : nullptr);
