@@ -913,6 +913,7 @@ std::string speedup_plot_svg(const Report& r) {
   for (auto* v : rungs)
     for (auto& cell : v->cells) {
       widen(cell.marin_theo.value), widen(cell.law_theo.value), widen(cell.law_theo.lo), widen(cell.law_theo.hi);
+      widen(cell.interp_theo.value);
     }
   if (rungs.empty() || r.scales.empty()) {
     c.text(W / 2, H / 2, "no variant with a baseline", 14, "middle");
@@ -950,6 +951,16 @@ std::string speedup_plot_svg(const Report& r) {
         double y = clampy(cell.marin_theo.value);
         c.rect(x + 6, y - 3.5, 7, 7, "white", col);
       }
+      // Interpolated, no law: a diamond; a bound a triangle pointing the way the speedup lies.
+      if (!std::isnan(cell.interp_theo.value)) {
+        const double ix = x - 10, y = clampy(cell.interp_theo.value);
+        if (cell.interp_bound == 0)
+          c.polyline({{ix, y - 4.5}, {ix + 4, y}, {ix, y + 4.5}, {ix - 4, y}, {ix, y - 4.5}}, col, 1.3);
+        else {
+          const double tip = cell.interp_bound > 0 ? -5 : 5;
+          c.polyline({{ix - 4, y}, {ix + 4, y}, {ix, y + tip}, {ix - 4, y}}, col, 1.3);
+        }
+      }
     }
   }
   for (size_t k = 0; k < rungs.size(); ++k) {
@@ -961,6 +972,8 @@ std::string speedup_plot_svg(const Report& r) {
   double ly = T + 14 + 18 * double(rungs.size()) + 10;
   c.text(W - R + 12, ly, "dot + bar: fitted laws, 95%", 10);
   c.text(W - R + 12, ly + 13, "square: Marin's method", 10);
+  c.text(W - R + 12, ly + 26, "diamond: interpolated, no law;", 10);
+  c.text(W - R + 12, ly + 39, "triangle: a bound (up: >, down: <)", 10);
   return c.str();
 }
 
