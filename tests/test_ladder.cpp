@@ -686,6 +686,9 @@ TEST(LadderReport, InterpolatedSpeedupsReadTheBaselinesMeasuredCurve) {
     EXPECT_NEAR(c.interp_real.value, std::sqrt(1.2 * 1.8), 1e-9);
     EXPECT_NEAR(std::log(c.interp_theo.lo), std::log(std::sqrt(1.2 * 1.8)) - half, 1e-9);
     EXPECT_NEAR(std::log(c.interp_theo.hi), std::log(std::sqrt(1.2 * 1.8)) + half, 1e-9);
+    EXPECT_EQ(c.interp_from, c.d);  // read between its own width and the next (2x the compute)
+    EXPECT_EQ(c.interp_to, 2 * c.d);
+    EXPECT_NEAR(c.interp_span, 2.0, 1e-12);
   }
   const SpeedupCell& widest = fast.cells[3];
   EXPECT_EQ(widest.interp_bound, +1);
@@ -710,6 +713,11 @@ TEST(LadderReport, InterpolatedSpeedupsReadTheBaselinesMeasuredCurve) {
             std::string::npos)
       << md;
   EXPECT_NE(md.find("| > 1.00x (> 1.00x) | pass |"), std::string::npos) << md;
+  // Every stretch is 2x; the first of the longest is named, with the readings on it.
+  EXPECT_NE(md.find("the longest stretch read here is dense's from d=64 to d=128, 2.0x in compute (fast d=64, "
+                    "slow d=128)."),
+            std::string::npos)
+      << md;
   EXPECT_NE(md.find("| slow | dense | < 1.00x (< 0.50x) | 0.80x [0.80x-0.80x] (0.40x [0.40x-0.40x]) |"),
             std::string::npos)
       << md;

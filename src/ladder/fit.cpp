@@ -210,9 +210,10 @@ CurveReading compute_on_curve(std::vector<LawPoint> curve, double loss) {
     if ((a.loss - loss) * (b.loss - loss) > 0) continue;  // both ends on one side
     const double t = a.loss == b.loss ? 0.0 : (a.loss - loss) / (a.loss - b.loss);
     r.C = std::exp(std::log(a.C) + t * (std::log(b.C) - std::log(a.C)));
+    r.C_lo = a.C, r.C_hi = b.C;
     return r;
   }
-  if (curve.size() == 1 && curve[0].loss == loss) return r.C = curve[0].C, r;
+  if (curve.size() == 1 && curve[0].loss == loss) return r.C = r.C_lo = r.C_hi = curve[0].C, r;
   const bool below = std::all_of(curve.begin(), curve.end(), [&](const LawPoint& p) { return loss < p.loss; });
   r.bound = below ? +1 : -1;
   r.C = below ? curve.back().C : curve.front().C;

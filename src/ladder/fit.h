@@ -71,6 +71,9 @@ double realized_speedup(double theoretical, double flops_per_s_variant, double f
 struct CurveReading {
   double C = std::numeric_limits<double>::quiet_NaN();
   int bound = 0;
+  // Inside (bound 0): the computes of the two points read between (equal at a point's own loss
+  // on a one-point curve); the longer that stretch, the less a straight line says about the curve.
+  double C_lo = std::numeric_limits<double>::quiet_NaN(), C_hi = std::numeric_limits<double>::quiet_NaN();
 };
 CurveReading compute_on_curve(std::vector<LawPoint> curve, double loss);
 

@@ -108,6 +108,7 @@ struct Estimates {
   std::map<std::string, bool> law_ok;
   std::map<std::string, std::map<int, Speedups>> sp;
   std::map<std::string, std::map<int, int>> bound;
+  std::map<std::string, std::map<int, std::array<int, 2>>> between;  // the baseline's widths read between
   std::map<std::string, Paired> pairs;  // per variant with a baseline
 };
 
@@ -147,9 +148,11 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
     }
     // The baseline's measured curve: its paired runs' mean compute and loss at each width.
     std::vector<LawPoint> curve;
+    std::map<double, int> width_at;  // compute -> width, to name the stretch a reading lies on
     for (auto& [d, obs] : p.b) {
       const Mean m = mean_of(obs);
       curve.push_back({m.C, m.L});
+      width_at[m.C] = d;
     }
     for (auto& [d, obs] : byd) {
       Speedups s;
@@ -170,6 +173,7 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
         s[4] = at.C / mv.C;
         s[5] = realized_speedup(s[4], fv, fb);
         est.bound[v][d] = at.bound;
+        if (at.bound == 0) est.between[v][d] = {width_at[at.C_lo], width_at[at.C_hi]};
       }
       est.sp[v][d] = s;
     }
@@ -472,6 +476,12 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
         if (!row.baseline.empty()) {
           auto s = point.sp[n][d];
           c.interp_bound = point.bound[n][d];
+          if (c.interp_bound == 0 && point.between[n].count(d)) {
+            const auto [from, to] = point.between[n][d];
+            const auto& b = point.pairs.at(n).b;
+            c.interp_from = from, c.interp_to = to;
+            c.interp_span = mean_of(b.at(to)).C / mean_of(b.at(from)).C;
+          }
           Interval* iv[kKinds] = {&c.marin_theo, &c.marin_real, &c.law_theo,
                                   &c.law_real,   &c.interp_theo, &c.interp_real};
           if (std::isinf(s[0]) || std::isinf(s[2]))
@@ -625,6 +635,26 @@ struct Table {
   std::vector<std::vector<std::string>> rows;
 };
 
+// The interpolated table's caveat, from the data: the longest stretch of a baseline's curve that a
+// reading lies on (a straight line in log C says less about the curve the longer the stretch).
+std::string longest_stretch(const Report& r) {
+  const VariantRow* at = nullptr;
+  const SpeedupCell* cell = nullptr;
+  for (auto& v : r.variants)
+    for (auto& c : v.cells)
+      if (c.n_variant > 0 && c.interp_span > 1 && (!cell || c.interp_span > cell->interp_span)) at = &v, cell = &c;
+  if (!cell) return "";
+  std::vector<std::string> on;  // the readings on that stretch
+  for (auto& v : r.variants)
+    for (auto& c : v.cells)
+      if (c.n_variant > 0 && v.baseline == at->baseline && c.interp_from == cell->interp_from &&
+          c.interp_to == cell->interp_to && c.interp_span > 1)
+        on.push_back(fmt::format("{} d={}", v.name, c.d));
+  return fmt::format(" Between two widths the curve is taken as straight; the longest stretch read here is {}'s from "
+                     "d={} to d={}, {:.1f}x in compute ({}).",
+                     at->baseline, cell->interp_from, cell->interp_to, cell->interp_span, fmt::join(on, ", "));
+}
+
 std::vector<Table> tables(const Report& r) {
   std::vector<Table> t;
   auto scale_head = [&](std::vector<std::string> h) {
@@ -666,11 +696,12 @@ std::vector<Table> tables(const Report& r) {
                            "baseline needs more than its widest width's compute and the cell is a lower bound "
                            "(> x, if only its loss keeps falling as compute grows); above it at every width, an "
                            "upper bound (< x). The fitted laws' speedups beyond the baseline's points are read on "
-                           "an extrapolation (see the backtest); these are not.{} Gate: > 1 at every width, a "
+                           "an extrapolation (see the backtest); these are not.{}{} Gate: > 1 at every width, a "
                            "bound counting where it decides.",
                            r.intervals ? " Intervals as in the fitted-law table, where every seed's own reading "
                                          "lies between two of its baseline's widths."
-                                       : ""),
+                                       : "",
+                           longest_stretch(r)),
                scale_head({"variant", "vs"}),
                {}};
   interp.head.push_back("gate");

@@ -39,6 +39,10 @@ struct SpeedupCell {
   // -1, above every width's: upper bounds (< x); 0, read between two widths.
   Interval interp_theo, interp_real;
   int interp_bound = 0;
+  // Read between two widths (interp_bound 0): those widths of the baseline and how far apart in
+  // compute they are (the straight line's stretch).
+  int interp_from = 0, interp_to = 0;
+  double interp_span = std::numeric_limits<double>::quiet_NaN();
   // From the sweep's throughput timing (timing.json), where this cell was timed: tokens/s (median,
   // smallest and largest over the rounds) and, where its baseline was timed too, the model-FLOP/s
   // ratio over it (median, smallest and largest of the per-round ratios) that the realized speedups
