@@ -125,12 +125,19 @@ TEST(LadderFit, CurveReadingInterpolatesInLogComputeAndBoundsOutside) {
   CurveReading r = compute_on_curve(curve, 4.5);
   EXPECT_EQ(r.bound, 0);
   EXPECT_NEAR(std::log10(r.C), 10.5, 1e-12);
-  EXPECT_NEAR(compute_on_curve(curve, 4.0).C, 1e11, 1e-3);  // exact at a point
+  EXPECT_EQ(r.lo, 1);  // the caller's indices, lower compute first
+  EXPECT_EQ(r.hi, 0);
+  r = compute_on_curve(curve, 4.0);  // exact at a point, which is then the whole stretch
+  EXPECT_NEAR(r.C / 1e11, 1.0, 1e-12);
+  EXPECT_EQ(r.lo, 0);
+  EXPECT_EQ(r.hi, 0);
+  EXPECT_EQ(compute_on_curve(curve, 3.0).lo, 2);
   EXPECT_NEAR(std::log10(compute_on_curve(curve, 3.25).C), 11.75, 1e-12);
   // Below every point: the compute needed is more than the largest measured (a lower bound).
   r = compute_on_curve(curve, 2.5);
   EXPECT_EQ(r.bound, +1);
   EXPECT_EQ(r.C, 1e12);
+  EXPECT_EQ(r.lo, -1);
   // Above every point: less than the smallest (an upper bound).
   r = compute_on_curve(curve, 6.0);
   EXPECT_EQ(r.bound, -1);
@@ -140,6 +147,13 @@ TEST(LadderFit, CurveReadingInterpolatesInLogComputeAndBoundsOutside) {
   EXPECT_EQ(compute_on_curve({{1e10, 5.0}}, 5.0).C, 1e10);
   EXPECT_EQ(compute_on_curve({{1e10, 5.0}}, 5.5).bound, -1);
   EXPECT_TRUE(std::isnan(compute_on_curve({}, 5.0).C));
+  // Nothing is read from a non-finite value (no bound either).
+  r = compute_on_curve(curve, kNaN());
+  EXPECT_TRUE(std::isnan(r.C));
+  EXPECT_EQ(r.lo, -1);
+  r = compute_on_curve({{1e10, 5.0}, {1e11, kNaN()}}, 4.0);
+  EXPECT_TRUE(std::isnan(r.C));
+  EXPECT_EQ(r.bound, 0);
 }
 
 // A stored result as the sweep writes it (only the fields the report reads).
@@ -479,6 +493,20 @@ TEST(LadderReport, ASeedMissingRunsIsLeftOutOfTheLawIntervals) {
   const auto& c = r.variants[1].cells[0];
   EXPECT_NEAR(std::log(c.law_theo.hi / c.law_theo.value), half, 1e-3 * half + 1e-9);
   EXPECT_NEAR(std::log(c.law_theo.value / c.law_theo.lo), half, 1e-3 * half + 1e-9);
+  // The interpolated readings rest on the baseline's curve: seed 3 lacks dense's widest width, so
+  // its curve is another one and no cell has an interpolated interval (all seeds or none).
+  for (auto& cell : r.variants[1].cells) EXPECT_TRUE(std::isnan(cell.interp_theo.lo)) << cell.d;
+  // A seed lacking a width of the variant alone still reads its other widths on the full curve.
+  std::vector<nlohmann::json> rv;
+  for (auto& x : rs)
+    if (!(x["variant"] == "dense" && x["d"] == 512)) rv.push_back(x);
+  for (int s = 1; s <= 3; ++s) rv.push_back(fake_result("dense", "", 512, s, 512e12, law(512e12), 1000));
+  std::erase_if(rv, [](const nlohmann::json& x) { return x["variant"] == "fast" && x["d"] == 512 && x["seed"] == 3; });
+  r = compute_report(rv, 2.0, 0.1);
+  const auto& c64 = r.variants[1].cells[0];
+  ASSERT_EQ(c64.interp_bound, 0);
+  EXPECT_FALSE(std::isnan(c64.interp_theo.lo));
+  EXPECT_LT(c64.interp_theo.lo, c64.interp_theo.value);
 }
 
 // A machine is its host name and its CPU: cloud VMs share host names ("vm") over different CPUs.
@@ -747,14 +775,35 @@ TEST(LadderReport, InterpolatedGateCountsABoundWhereItDecides) {
   EXPECT_NEAR(r.variants[1].cells[1].interp_theo.value, 1.0, 1e-12);
   EXPECT_EQ(r.variants[1].gate_interp, "pass");
   rs.push_back(fake_result("dense", "", 256, 1, 256e12, 4.5, 1000));
-  rs.push_back(fake_result("better", "dense", 256, 1, 128e12, 3.5, 1000));  // > 0.5x: undecided
+  rs.push_back(fake_result("better", "dense", 256, 1, 128e12, 3.5, 1000));  // half the compute: > 2.00x
   r = compute_report(rs, 2.0, 0.1);
   EXPECT_NEAR(r.variants[1].cells[2].interp_theo.value, 2.0, 1e-12);
   EXPECT_NEAR(r.variants[1].cells[0].interp_theo.value, 4.0, 1e-12);
-  rs.back()["compute"] = 1024e12;
+  EXPECT_EQ(r.variants[1].gate_interp, "pass");
+  rs.back()["compute"] = 1024e12;  // 4x dense's widest compute: > 0.25x decides nothing
   r = compute_report(rs, 2.0, 0.1);
   EXPECT_NEAR(r.variants[1].cells[2].interp_theo.value, 0.25, 1e-12);
   EXPECT_EQ(r.variants[1].gate_interp, "n/a");
+  // Upper bounds: "worse" is above dense's loss at every width. At dense's own computes: < 1.00x,
+  // which fails; at a quarter of dense's narrowest compute: < 4.00x at d = 64, which decides nothing.
+  std::vector<nlohmann::json> up;
+  for (int d : {64, 128}) {
+    up.push_back(fake_result("dense", "", d, 1, 1e12 * d, 5.0 - 0.001 * d, 1000));
+    up.push_back(fake_result("worse", "dense", d, 1, 1e12 * d, 6.0 - 0.001 * d, 1000));
+  }
+  r = compute_report(up, 2.0, 0.1);
+  EXPECT_EQ(r.variants[1].cells[0].interp_bound, -1);
+  EXPECT_NEAR(r.variants[1].cells[0].interp_theo.value, 1.0, 1e-12);
+  EXPECT_NEAR(r.variants[1].cells[1].interp_theo.value, 0.5, 1e-12);  // dense's narrowest over its compute
+  EXPECT_EQ(r.variants[1].gate_interp, "FAIL");
+  up[1]["compute"] = 16e12;
+  up[3]["compute"] = 32e12;
+  r = compute_report(up, 2.0, 0.1);
+  EXPECT_NEAR(r.variants[1].cells[0].interp_theo.value, 4.0, 1e-12);
+  EXPECT_NEAR(r.variants[1].cells[1].interp_theo.value, 2.0, 1e-12);
+  EXPECT_EQ(r.variants[1].gate_interp, "n/a");
+  // Realized: the same tokens/s at a quarter of the FLOPs per token is a quarter of the FLOP/s.
+  EXPECT_EQ(format_interp_cell(r.variants[1].cells[0]), "< 4.00x (< 1.00x)");
 }
 
 // The fitted-law table shows an interval on the realized speedup too (docs/ladder.md, "Intervals").
@@ -2017,6 +2066,33 @@ variants:
     EXPECT_EQ(r.cfg.model.n_layers, r.variant == "top" ? 3 : 2) << r.id;  // top's own n_layers wins
     EXPECT_EQ(r.cfg.model.d_ff, r.variant == "top" ? 160 : 192) << r.id;
   }
+  // The fold happens once the file is read: the order of its entries does not matter, and a
+  // dependent given another baseline there keeps only its own changes.
+  const LadderSpec o1 = load_spec(write("sub/o1.yaml", "extends: ../chain.yaml\nvariants:\n  mid: null\n  top: {baseline: dense}\n"));
+  const LadderSpec o2 = load_spec(write("sub/o2.yaml", "extends: ../chain.yaml\nvariants:\n  top: {baseline: dense}\n  mid: null\n"));
+  EXPECT_EQ(make_plan(o1, 50).hashes(), make_plan(o2, 50).hashes());
+  for (auto& r : make_plan(o1, 50).runs)
+    if (r.variant == "top") EXPECT_EQ(r.cfg.model.d_ff, 4 * 32) << "mid's d_ff is not top's now";
+  const LadderSpec o3 = load_spec(write("sub/o3.yaml", "extends: ../chain.yaml\nvariants:\n  side: null\n  mid: null\n"));
+  EXPECT_EQ(make_plan(o3, 50).hashes(), make_plan(load_spec(write("sub/o4.yaml", "extends: ../chain.yaml\nvariants:\n  mid: null\n  side: null\n")), 50).hashes());
+  // Pending variants measured against a removed variant fold the same way.
+  const LadderSpec pfold = load_spec(write("sub/pf.yaml", "extends: ../chain.yaml\npending:\n  late: {baseline: mid, set: {optim.lr: 0.03}}\n"));
+  (void)pfold;
+  const LadderSpec pf2 = load_spec(write("sub/pf2.yaml", "extends: pf.yaml\nvariants:\n  mid: null\n"));
+  ASSERT_EQ(pf2.pending.size(), 1u);
+  EXPECT_EQ(pf2.pending[0].baseline, "dense");
+  std::set<std::string> late_keys;
+  for (auto& e : pf2.pending[0].set) late_keys.insert(e.key);
+  EXPECT_EQ(late_keys, (std::set<std::string>{"model.d_ff", "model.n_layers", "optim.lr"}));
+  // An entry folded from a removed variant names where it was written, and that variant.
+  write("sub/badmid.yaml", "extends: ../chain.yaml\nvariants:\n  mid: {set: {model.moe_expertz: 4}}\n");
+  e = test::error_of([&] { make_plan(load_spec(write("sub/badcut.yaml", "extends: badmid.yaml\nvariants:\n  mid: null\n")), 50); });
+  EXPECT_NE(e.find("badmid.yaml:3 (from removed variant 'mid'): variant 'top'"), std::string::npos) << e;
+  // A removed rung that a remaining variant stacks: an error at the null.
+  write("sub/stk.yaml", "extends: ../chain.yaml\nvariants:\n  both: {baseline: mid, stacks: [top, side]}\n");
+  e = error_of(write("sub/stkcut.yaml", "extends: stk.yaml\nvariants:\n  top: null\n"));
+  EXPECT_NE(e.find("stkcut.yaml:3: top: null removes a variant that 'both' ("), std::string::npos) << e;
+  EXPECT_NE(e.find("stk.yaml:3) stacks; remove 'both' too"), std::string::npos) << e;
   // The root removed: its dependents become roots (tiny.yaml's wide, same hash).
   const LadderSpec nd = load_spec(write("sub/nodense.yaml", "extends: ../tiny.yaml\nvariants:\n  dense: null\n"));
   ASSERT_EQ(nd.variants.size(), 1u);

@@ -201,22 +201,29 @@ double realized_speedup(double theoretical, double flops_per_s_variant, double f
   return theoretical * flops_per_s_variant / flops_per_s_base;
 }
 
-CurveReading compute_on_curve(std::vector<LawPoint> curve, double loss) {
+CurveReading compute_on_curve(const std::vector<LawPoint>& curve, double loss) {
   CurveReading r;
-  if (curve.empty()) return r;
-  std::sort(curve.begin(), curve.end(), [](const LawPoint& a, const LawPoint& b) { return a.C < b.C; });
-  for (size_t i = 0; i + 1 < curve.size(); ++i) {
-    const LawPoint &a = curve[i], &b = curve[i + 1];
+  if (curve.empty() || !std::isfinite(loss)) return r;
+  for (auto& p : curve)
+    if (!(p.C > 0) || !std::isfinite(p.C) || !std::isfinite(p.loss)) return r;
+  std::vector<int> order(curve.size());  // indices in compute order (the caller's indices come back)
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return curve[a].C < curve[b].C; });
+  auto at_point = [&](int i) { return r.C = curve[i].C, r.lo = r.hi = i, r; };
+  for (size_t k = 0; k + 1 < order.size(); ++k) {
+    const LawPoint &a = curve[order[k]], &b = curve[order[k + 1]];
     if ((a.loss - loss) * (b.loss - loss) > 0) continue;  // both ends on one side
-    const double t = a.loss == b.loss ? 0.0 : (a.loss - loss) / (a.loss - b.loss);
+    if (a.loss == loss) return at_point(order[k]);
+    if (b.loss == loss) return at_point(order[k + 1]);
+    const double t = (a.loss - loss) / (a.loss - b.loss);
     r.C = std::exp(std::log(a.C) + t * (std::log(b.C) - std::log(a.C)));
-    r.C_lo = a.C, r.C_hi = b.C;
+    r.lo = order[k], r.hi = order[k + 1];
     return r;
   }
-  if (curve.size() == 1 && curve[0].loss == loss) return r.C = r.C_lo = r.C_hi = curve[0].C, r;
+  if (curve.size() == 1 && curve[0].loss == loss) return at_point(0);
   const bool below = std::all_of(curve.begin(), curve.end(), [&](const LawPoint& p) { return loss < p.loss; });
   r.bound = below ? +1 : -1;
-  r.C = below ? curve.back().C : curve.front().C;
+  r.C = curve[below ? order.back() : order.front()].C;
   return r;
 }
 

@@ -67,15 +67,16 @@ double realized_speedup(double theoretical, double flops_per_s_variant, double f
 // log C, read at the first segment whose ends bracket the loss. Outside the points' losses it is a
 // bound on the compute needed, assuming only that loss falls as compute grows: bound = +1, the loss
 // is below every point's (C: the largest compute measured; more is needed), -1 above every point's
-// (C: the smallest; less is needed). C is NaN for no points.
+// (C: the smallest; less is needed). C is NaN for no points or a non-finite value.
 struct CurveReading {
   double C = std::numeric_limits<double>::quiet_NaN();
   int bound = 0;
-  // Inside (bound 0): the computes of the two points read between (equal at a point's own loss
-  // on a one-point curve); the longer that stretch, the less a straight line says about the curve.
-  double C_lo = std::numeric_limits<double>::quiet_NaN(), C_hi = std::numeric_limits<double>::quiet_NaN();
+  // Inside (bound 0): the indices (in `curve`) of the two points read between, lower compute first;
+  // both the same point where the loss is that point's own. The longer that stretch in compute,
+  // the less a straight line says about the curve. -1: not read between points.
+  int lo = -1, hi = -1;
 };
-CurveReading compute_on_curve(std::vector<LawPoint> curve, double loss);
+CurveReading compute_on_curve(const std::vector<LawPoint>& curve, double loss);
 
 // Ladder's: the baseline law's compute for the loss the variant's law predicts at C_variant, over C_variant.
 double law_speedup(const PowerLaw& base, const PowerLaw& variant, double C_variant);

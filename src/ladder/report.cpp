@@ -148,11 +148,11 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
     }
     // The baseline's measured curve: its paired runs' mean compute and loss at each width.
     std::vector<LawPoint> curve;
-    std::map<double, int> width_at;  // compute -> width, to name the stretch a reading lies on
+    std::vector<int> widths;  // curve[i] is the baseline's mean point at widths[i]
     for (auto& [d, obs] : p.b) {
       const Mean m = mean_of(obs);
       curve.push_back({m.C, m.L});
-      width_at[m.C] = d;
+      widths.push_back(d);
     }
     for (auto& [d, obs] : byd) {
       Speedups s;
@@ -173,7 +173,7 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
         s[4] = at.C / mv.C;
         s[5] = realized_speedup(s[4], fv, fb);
         est.bound[v][d] = at.bound;
-        if (at.bound == 0) est.between[v][d] = {width_at[at.C_lo], width_at[at.C_hi]};
+        if (at.bound == 0 && at.lo >= 0) est.between[v][d] = {widths[at.lo], widths[at.hi]};
       }
       est.sp[v][d] = s;
     }
@@ -391,9 +391,13 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
           ++seeds_in_cell[v][d];
           // The law and interpolated speedups rest on every width of the pair: only complete seeds
           // count; an interpolated one only where it is a value, not a bound.
-          const bool in_range = seed_est.bound[v][d] == 0;
+          const auto bv = seed_est.bound.find(v);
+          const bool in_range = bv != seed_est.bound.end() && bv->second.count(d) && bv->second.at(d) == 0;
+          // An interpolated reading rests on the baseline's curve alone: a seed lacking some width of
+          // the variant still reads it the pooled way, one lacking a width of the baseline does not.
+          const bool curve_ok = cells.count(b) && complete(b);
           for (int k = 0; k < kKinds; ++k)
-            if (std::isfinite(s[k]) && s[k] > 0 && (k < 2 || laws_ok) && (k < 4 || in_range))
+            if (std::isfinite(s[k]) && s[k] > 0 && (k < 2 || (k < 4 ? laws_ok : curve_ok && in_range)))
               per_seed[v][d][k].push_back(std::log(s[k]));
         }
       }
@@ -698,8 +702,8 @@ std::vector<Table> tables(const Report& r) {
                            "upper bound (< x). The fitted laws' speedups beyond the baseline's points are read on "
                            "an extrapolation (see the backtest); these are not.{}{} Gate: > 1 at every width, a "
                            "bound counting where it decides.",
-                           r.intervals ? " Intervals as in the fitted-law table, where every seed's own reading "
-                                         "lies between two of its baseline's widths."
+                           r.intervals ? " Intervals as in the fitted-law table, where every seed has the baseline "
+                                         "at every width and its own reading lies between two of them."
                                        : "",
                            longest_stretch(r)),
                scale_head({"variant", "vs"}),

@@ -261,25 +261,13 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
     fail("{}: seeds expects a non-empty list of integers", r.at(seeds));
   }
 
-  // A removed variant's dependents keep their configs: a variant is its baseline's config plus its
-  // own changes, so the removed one's changes fold into theirs (theirs win on a shared key), and
-  // they are measured against its baseline instead (none: they become roots). A study of the top
-  // rung of a chain then nulls the rungs below it rather than writing their changes out again.
-  auto fold_dependents = [&](const VariantSpec& gone) {
-    for (auto* list : {&s.variants, &s.pending})
-      for (auto& v : *list) {
-        if (v.baseline != gone.name) continue;
-        std::vector<SetEntry> set;
-        for (auto& e : gone.set)
-          if (std::none_of(v.set.begin(), v.set.end(), [&](const SetEntry& x) { return x.key == e.key; }))
-            set.push_back(e);
-        set.insert(set.end(), v.set.begin(), v.set.end());
-        v.set = std::move(set);
-        v.baseline = gone.baseline;
-      }
-  };
   // Variants and pending variants: an entry for a name the extended spec has merges into its
-  // variant (null removes it, folding it into its dependents); a new name is a new variant.
+  // variant (null removes it: folded into its dependents below); a new name is a new variant.
+  struct Removed {
+    VariantSpec v;
+    std::string where;  // the null's file:line
+  };
+  std::vector<Removed> removed;
   auto merge_variants = [&](const YAML::Node& vs, const char* what, std::vector<VariantSpec>& into) {
     if (!vs) return;
     if (!vs.IsMap()) fail("{}: {} expects a mapping of variant names to {{baseline, set, stacks}}", r.at(vs), what);
@@ -291,9 +279,8 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
           fail("{}: {}: {}: null removes a variant the extended spec has, and it has none of that name (write "
                "'{}: {{}}' for a new variant without changes)",
                r.at(it->first), what, name, name);
-        const VariantSpec gone = std::move(*have);
+        removed.push_back({std::move(*have), r.at(it->first)});
         into.erase(have);
-        fold_dependents(gone);
         continue;
       }
       VariantSpec v = read_variant(r, name, it->second, it->first.Mark().line + 1, have != into.end() ? &*have : nullptr);
@@ -303,6 +290,38 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
   };
   merge_variants(root["variants"], "variants", s.variants);
   merge_variants(root["pending"], "pending", s.pending);
+  // A removed variant's dependents keep their configs: a variant is its baseline's config plus its
+  // own changes, so the removed one's changes fold into theirs (theirs win on a shared key), and
+  // they are measured against its baseline instead (none: they become roots). A study of the top
+  // rung of a chain then nulls the rungs below it rather than writing their changes out again.
+  // Folded once the whole file is read, into the variants whose baseline still names the removed
+  // one (a dependent given another baseline in this file keeps only its own changes), so the order
+  // of the file's entries does not matter; a removed rung a remaining variant stacks is an error.
+  for (size_t i = 0; i < removed.size(); ++i) {
+    const VariantSpec& gone = removed[i].v;
+    for (auto* list : {&s.variants, &s.pending})
+      for (auto& v : *list)
+        if (std::find(v.stacks.begin(), v.stacks.end(), gone.name) != v.stacks.end())
+          fail("{}: {}: null removes a variant that '{}' ({}) stacks; remove '{}' too, or give its stacks without "
+               "'{}'",
+               removed[i].where, gone.name, v.name, v.where, v.name, gone.name);
+    auto fold = [&](VariantSpec& v) {
+      if (v.baseline != gone.name) return;
+      std::vector<SetEntry> set;
+      for (SetEntry e : gone.set)
+        if (std::none_of(v.set.begin(), v.set.end(), [&](const SetEntry& x) { return x.key == e.key; })) {
+          if (e.where.find(" (from removed ") == std::string::npos)
+            e.where += fmt::format(" (from removed variant '{}')", gone.name);
+          set.push_back(std::move(e));
+        }
+      set.insert(set.end(), v.set.begin(), v.set.end());
+      v.set = std::move(set);
+      v.baseline = gone.baseline;
+    };
+    for (auto* list : {&s.variants, &s.pending})
+      for (auto& v : *list) fold(v);
+    for (size_t j = i + 1; j < removed.size(); ++j) fold(removed[j].v);
+  }
   if (auto rep = root["report"]) {
     if (!rep.IsMap()) fail("{}: report expects a mapping (E, alpha, mfu_estimate)", r.at(rep));
     // Retired, not unknown: specs written for earlier versions keep working, and say so once.
