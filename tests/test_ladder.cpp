@@ -2136,6 +2136,44 @@ TEST(LadderSpecs, ShippedSpecsLoad) {
   EXPECT_GE(n, 9);
 }
 
+// A scale may train only the variants it lists: the baseline one width beyond its variants, so
+// that the report reads their widest width between two of its points. The runs it keeps are the
+// full grid's (same config hashes); a name that is not a variant is an error at the scale.
+TEST_F(LadderSweepTest, AScaleTrainsOnlyTheVariantsItLists) {
+  const std::string head = R"(scales:
+  rules: {head_dim: 16, kv_ratio: 1, checkpoints: 2, evals: 2}
+  list:
+    - {d: 32, steps: 8, batch_size: 4}
+)";
+  const std::string tail = R"(seeds: [1, 2]
+variants:
+  dense: {}
+  wide: {baseline: dense, set: {model.d_ff: 6*d}}
+)";
+  const Plan full = make_plan(load_spec(spec("grid", head + "    - {d: 48, steps: 8, batch_size: 4}\n" + tail)), 50);
+  const Plan only = make_plan(load_spec(spec("only", head + "    - {d: 48, steps: 8, batch_size: 4, variants: [dense]}\n" + tail)), 50);
+  ASSERT_EQ(full.runs.size(), 8u);
+  ASSERT_EQ(only.runs.size(), 6u);
+  const auto fh = full.hashes();
+  for (auto& [id, h] : only.hashes()) EXPECT_EQ(h, fh.at(id)) << id;
+  EXPECT_FALSE(only.hashes().count("wide-d48-s1"));
+  EXPECT_TRUE(only.hashes().count("dense-d48-s2"));
+  EXPECT_NE(format_plan(only).find("6 runs = 2 variants x 2 scales x 2 seeds (some scales train only the variants they list)"),
+            std::string::npos)
+      << format_plan(only);
+  auto err = [&](const std::string& name, const std::string& list) {
+    return test::error_of([&] { load_spec(spec(name, head + "    - {d: 48, steps: 8, variants: " + list + "}\n" + tail)); });
+  };
+  std::string e = err("badname", "[dence]");
+  EXPECT_NE(e.find("badname.yaml:7: scale d=48 lists variant 'dence', which is not a variant of this spec"),
+            std::string::npos)
+      << e;
+  e = err("emptylist", "[]");
+  EXPECT_NE(e.find("scale d=48: variants expects a non-empty list of variant names"), std::string::npos) << e;
+  e = err("twice", "[dense, dense]");
+  EXPECT_NE(e.find("scale d=48: variant 'dense' is listed twice"), std::string::npos) << e;
+}
+
 TEST_F(LadderSweepTest, VariantsInheritTheirBaselinesChanges) {
   Plan p = make_plan(load_spec(spec("inherit", R"(scales:
   rules: {head_dim: 16}

@@ -175,6 +175,7 @@ Plan make_plan(const LadderSpec& spec, double peak) {
                             {"steps", steps},   {"tokens", steps * batch * seq_accum}};
 
     for (const VariantSpec& v : spec.variants) {
+      if (!s.variants.empty() && std::find(s.variants.begin(), s.variants.end(), v.name) == s.variants.end()) continue;
       Config cv = c;
       bool beta2_auto = base_beta2_auto;
       apply_variant(cv, spec, v, s.d, beta2_auto);
@@ -247,9 +248,12 @@ Plan make_plan(const LadderSpec& spec, double peak) {
 }
 
 std::string format_plan(const Plan& p) {
-  std::string out = fmt::format("ladder '{}' ({}): {} runs = {} variants x {} scales x {} seeds\n", p.spec.name,
+  std::string out = fmt::format("ladder '{}' ({}): {} runs = {} variants x {} scales x {} seeds{}\n", p.spec.name,
                                 p.spec.file.string(), p.runs.size(), p.spec.variants.size(), p.spec.scales.size(),
-                                p.spec.seeds.size());
+                                p.spec.seeds.size(),
+                                p.runs.size() < p.spec.variants.size() * p.spec.scales.size() * p.spec.seeds.size()
+                                    ? " (some scales train only the variants they list)"
+                                    : "");
   out += fmt::format("{:<28} {:>5} {:>3} {:>3} {:>5} {:>6} {:>6} {:>8} {:>9} {:>9} {:>8}\n", "run", "d", "L", "H",
                      "d_ff", "batch", "steps", "tokens", "C", "C+head", "est");
   double total_c = 0, total_s = 0;

@@ -220,7 +220,8 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
         if (e.IsScalar()) {
           x.d = int(r.integer(e, "scales.list[]", 1));
         } else if (e.IsMap()) {
-          r.check_keys(e, "a scale", {"d", "layers", "heads", "kv_heads", "d_ff", "batch_size", "steps", "tokens"});
+          r.check_keys(e, "a scale",
+                       {"d", "layers", "heads", "kv_heads", "d_ff", "batch_size", "steps", "tokens", "variants"});
           if (!e["d"]) fail("{}: a scale needs its width d", r.at(e));
           x.d = int(r.integer(e["d"], "d", 1));
           if (e["layers"]) x.layers = int(r.integer(e["layers"], "layers", 1));
@@ -230,6 +231,16 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
           if (e["batch_size"]) x.batch_size = int(r.integer(e["batch_size"], "batch_size", 1));
           if (e["steps"]) x.steps = r.integer(e["steps"], "steps", 1);
           if (e["tokens"]) x.tokens = r.integer(e["tokens"], "tokens", 1);
+          if (auto vs = e["variants"]) {
+            if (!vs.IsSequence() || vs.size() == 0)
+              fail("{}: scale d={}: variants expects a non-empty list of variant names (those trained at this width)",
+                   r.at(vs), x.d);
+            for (auto n : vs) {
+              x.variants.push_back(r.scalar<std::string>(n, "variants[]", "a variant name"));
+              if (std::count(x.variants.begin(), x.variants.end(), x.variants.back()) > 1)
+                fail("{}: scale d={}: variant '{}' is listed twice", r.at(n), x.d, x.variants.back());
+            }
+          }
           // tokens = steps x batch x seq_len x grad_accum: with steps given, tokens could only pick the
           // batch (rounded to a power of two and clamped), so the run would not train the tokens asked for.
           if (x.steps > 0 && x.tokens > 0)
@@ -237,7 +248,9 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
                  "with batch_size, tokens = steps x batch_size x seq_len x grad_accum)",
                  r.at(e), x.d);
         } else {
-          fail("{}: a scale is a width or a mapping {{d, layers, heads, kv_heads, d_ff, batch_size, steps, tokens}}", r.at(e));
+          fail("{}: a scale is a width or a mapping {{d, layers, heads, kv_heads, d_ff, batch_size, steps, tokens, "
+               "variants}}",
+               r.at(e));
         }
         if (!widths.insert(x.d).second) fail("{}: scale d={} is listed twice", r.at(e), x.d);
         s.scales.push_back(x);
@@ -368,6 +381,10 @@ LadderSpec load_spec(const fs::path& file) {
   s.variants = order_variants(file.string(), s.variants);
   std::map<std::string, const VariantSpec*> by;
   for (auto& v : s.variants) by[v.name] = &v;
+  for (auto& sc : s.scales)
+    for (auto& n : sc.variants)
+      if (!by.count(n))
+        fail("{}: scale d={} lists variant '{}', which is not a variant of this spec", sc.where, sc.d, n);
   for (auto& v : s.variants) {
     for (auto& rung : v.stacks) {
       if (!by.count(rung)) fail("{}: variant '{}' stacks '{}', which is not a variant of this spec", v.where, v.name, rung);

@@ -27,6 +27,9 @@ struct ScaleSpec {
   // Given values (0 = derived by the rules).
   int layers = 0, heads = 0, kv_heads = 0, d_ff = 0, batch_size = 0;
   int64_t steps = 0, tokens = 0;
+  // The variants trained at this width; empty: every one. A baseline measured one width beyond its
+  // variants lets the report read their widest width between two of its points, with no law.
+  std::vector<std::string> variants;
   std::string where;  // "file:line" of its entry (error messages; a spec may extend another)
 };
 
