@@ -2161,6 +2161,24 @@ variants:
   EXPECT_NE(format_plan(only).find("6 runs = 2 variants x 2 scales x 2 seeds (some scales train only the variants they list)"),
             std::string::npos)
       << format_plan(only);
+  // The report's gates judge the widths a variant is planned at: wide has no d = 48 by design.
+  const fs::path out = dir->path / "only-sweep";
+  {
+    ResultStore store(out);
+    store.open_for_sweep(only.spec, only.hashes(), only.data_ids());
+    for (auto& r : only.runs) {
+      // wide reaches a lower loss than dense at every width (its widths' losses: dense's at 1.5x).
+      auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute,
+                           5.0 - 0.4 * std::log10(r.compute * (r.variant == "wide" ? 1.5 : 1.0) / 1e9), 1000);
+      j["config_hash"] = r.config_hash;
+      store.write_result(r.id, j);
+    }
+  }
+  ReportOptions ro;
+  ro.dir = out;
+  const std::string md = write_report(ro);
+  EXPECT_NE(md.find("| wide | dense | 1.50x [1.50x-1.50x] (2.00x [2.00x-2.00x]) | - | pass |\n"), std::string::npos) << md;
+  EXPECT_EQ(md.find("| n/a |"), std::string::npos) << md;
   auto err = [&](const std::string& name, const std::string& list) {
     return test::error_of([&] { load_spec(spec(name, head + "    - {d: 48, steps: 8, variants: " + list + "}\n" + tail)); });
   };

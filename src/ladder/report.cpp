@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <map>
+#include <regex>
 #include <set>
 
 #include "core/error.h"
@@ -53,6 +54,8 @@ Mean mean_of(const std::vector<Obs>& v) {
 struct VariantInfo {
   std::string baseline;
   std::vector<std::string> stacks;
+  std::vector<int> widths;  // planned widths (VariantLinks::widths); empty: every width
+  bool planned_at(int d) const { return widths.empty() || std::find(widths.begin(), widths.end(), d) != widths.end(); }
 };
 
 // The runs of a variant and of its baseline that a speedup compares. A variant and its baseline
@@ -280,7 +283,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
     std::string v = r.at("variant");
     int d = r.at("d");
     if (auto l = links.find(v); l != links.end())
-      info[v] = {l->second.baseline, l->second.stacks};
+      info[v] = {l->second.baseline, l->second.stacks, l->second.widths};
     else
       info[v] = {r.value("baseline", ""), r.value("stacks", std::vector<std::string>{})};
     scales.insert(d);
@@ -516,7 +519,7 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
           }
         }
       }
-      if (!row.baseline.empty()) {
+      if (!row.baseline.empty() && info[n].planned_at(d)) {  // a width it is not planned at is no gap
         gm.push_back(c.n_variant ? c.marin_theo.value : kNaN);
         gl.push_back(c.n_variant ? c.law_theo.value : kNaN);
         gci.push_back(c.n_variant ? c.law_theo.lo : kNaN);
@@ -1144,13 +1147,22 @@ std::string write_report(const ReportOptions& opt) {
         for (auto& x : l["stacks"])
           if (x.is_string()) links[v].stacks.push_back(x.get<std::string>());
     }
+  // The widths each variant is planned at, from the plan's run ids (`<variant>-d<width>-s<seed>`).
+  if (manifest.contains("runs") && manifest["runs"].is_object()) {
+    static const std::regex id_re(R"(^(.+)-d([0-9]+)-s[0-9]+$)");
+    std::map<std::string, std::set<int>> widths;
+    for (auto& [id, h] : manifest["runs"].items())
+      if (std::smatch m; std::regex_match(id, m, id_re)) widths[m[1].str()].insert(std::stoi(m[2].str()));
+    for (auto& [v, ds] : widths)  // (a variant without recorded links keeps its results' own)
+      if (auto l = links.find(v); l != links.end()) l->second.widths.assign(ds.begin(), ds.end());
+  }
   if (!opt.vs.empty()) {
     std::set<std::string> present;
     for (auto& x : results) present.insert(x.value("variant", ""));
     if (!present.count(opt.vs))
       fail("--vs {}: {} has no finished run of a variant '{}' (it has: {})", opt.vs, opt.dir.string(), opt.vs,
            fmt::join(present, ", "));
-    for (auto& v : present) links[v] = {v == opt.vs ? "" : opt.vs, {}};
+    for (auto& v : present) links[v].baseline = v == opt.vs ? "" : opt.vs, links[v].stacks.clear();
   }
   // The sweep's throughput timing, for the cells timed with the config their results were made with.
   std::optional<Timing> timing;

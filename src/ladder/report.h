@@ -99,6 +99,9 @@ struct Report {
 struct VariantLinks {
   std::string baseline;
   std::vector<std::string> stacks;
+  // The widths the plan trains it at (a scale may list only some variants); empty: every width of
+  // the report. The gates judge these widths: elsewhere the variant was never meant to run.
+  std::vector<int> widths;
 };
 
 // Computes the report from stored results (finished runs, and diverged runs: listed, left out of
