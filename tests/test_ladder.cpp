@@ -2179,6 +2179,33 @@ variants:
   const std::string md = write_report(ro);
   EXPECT_NE(md.find("| wide | dense | 1.50x [1.50x-1.50x] (2.00x [2.00x-2.00x]) | - | pass |\n"), std::string::npos) << md;
   EXPECT_EQ(md.find("| n/a |"), std::string::npos) << md;
+  ro.vs = "dense";  // --vs keeps the planned widths
+  const std::string vs_md = write_report(ro);
+  EXPECT_NE(vs_md.find("| wide | dense | 1.50x [1.50x-1.50x] (2.00x [2.00x-2.00x]) | - | pass |\n"), std::string::npos)
+      << vs_md;
+  // A width the variant IS planned at but has no result yet stays a gap (n/a): the full grid with
+  // wide's d = 48 runs unfinished.
+  const fs::path gap = dir->path / "gap-sweep";
+  {
+    ResultStore store(gap);
+    store.open_for_sweep(full.spec, full.hashes(), full.data_ids());
+    for (auto& r : full.runs) {
+      if (r.variant == "wide" && r.d == 48) continue;
+      auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute,
+                           5.0 - 0.4 * std::log10(r.compute * (r.variant == "wide" ? 1.5 : 1.0) / 1e9), 1000);
+      j["config_hash"] = r.config_hash;
+      store.write_result(r.id, j);
+    }
+  }
+  ReportOptions rg;
+  rg.dir = gap;
+  const std::string gap_md = write_report(rg);
+  EXPECT_NE(gap_md.find("| wide | dense | 1.50x [1.50x-1.50x] (2.00x [2.00x-2.00x]) | - | n/a |\n"), std::string::npos)
+      << gap_md;
+  // --only keeps one run: the plan's note is about the spec, not the count.
+  Plan one = full;
+  one.runs.resize(1);
+  EXPECT_EQ(format_plan(one).find("some scales train only"), std::string::npos) << format_plan(one);
   auto err = [&](const std::string& name, const std::string& list) {
     return test::error_of([&] { load_spec(spec(name, head + "    - {d: 48, steps: 8, variants: " + list + "}\n" + tail)); });
   };
@@ -2190,6 +2217,16 @@ variants:
   EXPECT_NE(e.find("scale d=48: variants expects a non-empty list of variant names"), std::string::npos) << e;
   e = err("twice", "[dense, dense]");
   EXPECT_NE(e.find("scale d=48: variant 'dense' is listed twice"), std::string::npos) << e;
+  e = err("nobase", "[wide]");
+  EXPECT_NE(e.find("nobase.yaml:7: scale d=48 lists 'wide' but not its baseline 'dense'"), std::string::npos) << e;
+  // A spec extending one whose scale lists a variant it removes: the error says how to go on.
+  spec("listed", head + "    - {d: 48, steps: 8, batch_size: 4, variants: [dense, wide]}\n" + tail);
+  write_text(dir->path / "listcut.yaml", "extends: listed.yaml\nvariants:\n  wide: null\n");
+  e = test::error_of([&] { load_spec(dir->path / "listcut.yaml"); });
+  EXPECT_NE(e.find("listed.yaml:7: scale d=48 lists variant 'wide', which is not a variant of this spec (a spec "
+                   "that extends another and removes a variant gives scales.list again)"),
+            std::string::npos)
+      << e;
 }
 
 TEST_F(LadderSweepTest, VariantsInheritTheirBaselinesChanges) {

@@ -251,7 +251,8 @@ std::string format_plan(const Plan& p) {
   std::string out = fmt::format("ladder '{}' ({}): {} runs = {} variants x {} scales x {} seeds{}\n", p.spec.name,
                                 p.spec.file.string(), p.runs.size(), p.spec.variants.size(), p.spec.scales.size(),
                                 p.spec.seeds.size(),
-                                p.runs.size() < p.spec.variants.size() * p.spec.scales.size() * p.spec.seeds.size()
+                                std::any_of(p.spec.scales.begin(), p.spec.scales.end(),
+                                            [](const ScaleSpec& s) { return !s.variants.empty(); })
                                     ? " (some scales train only the variants they list)"
                                     : "");
   out += fmt::format("{:<28} {:>5} {:>3} {:>3} {:>5} {:>6} {:>6} {:>8} {:>9} {:>9} {:>8}\n", "run", "d", "L", "H",

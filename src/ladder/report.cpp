@@ -672,7 +672,7 @@ std::vector<Table> tables(const Report& r) {
               fmt::format("Loss law E + A*C^-alpha with E = {:g}, alpha = {:g} fixed and A refit through the baseline's "
                           "point at each scale (RECIPE.md section 4); realized (wall-clock) = theoretical x the ratio of "
                           "model FLOP/s (C per token x tokens/s): the baseline's time to the variant's loss over the "
-                          "variant's time; {}. Gate: theoretical > 1 at every scale.",
+                          "variant's time; {}. Gate: theoretical > 1 at every scale the variant is planned at.",
                           r.E, r.alpha,
                           r.timing ? "the FLOP/s from the sweep's interleaved timing (the Throughput table), where "
                                      "both were timed"
@@ -703,8 +703,8 @@ std::vector<Table> tables(const Report& r) {
                            "baseline needs more than its widest width's compute and the cell is a lower bound "
                            "(> x, if only its loss keeps falling as compute grows); above it at every width, an "
                            "upper bound (< x). The fitted laws' speedups beyond the baseline's points are read on "
-                           "an extrapolation (see the backtest); these are not.{}{} Gate: > 1 at every width, a "
-                           "bound counting where it decides.",
+                           "an extrapolation (see the backtest); these are not.{}{} Gate: > 1 at every width the "
+                           "variant is planned at, a bound counting where it decides.",
                            r.intervals ? " Intervals as in the fitted-law table, where every seed has the baseline "
                                          "at every width and its own reading lies between two of them."
                                        : "",
@@ -797,7 +797,8 @@ std::vector<Table> tables(const Report& r) {
 
   if (!r.forecasts.empty()) {
     Table fc{"Backtest: each variant's widest width forecast from its narrower ones",
-             fmt::format("Every speedup at the widest width reads the baseline's law beyond the baseline's own points; "
+             fmt::format("A speedup at a variant's widest width, where its loss is below every loss its baseline reached, "
+                         "reads the baseline's law beyond the baseline's own points; "
                          "this table says how well such a reading held on this data. Each variant's law refit "
                          "without its widest width (fitted as in the table above), and Marin's law (E = {:g}, alpha "
                          "= {:g} fixed, A through the variant's mean at the next-widest width), forecast the mean "
@@ -1162,7 +1163,10 @@ std::string write_report(const ReportOptions& opt) {
     if (!present.count(opt.vs))
       fail("--vs {}: {} has no finished run of a variant '{}' (it has: {})", opt.vs, opt.dir.string(), opt.vs,
            fmt::join(present, ", "));
-    for (auto& v : present) links[v].baseline = v == opt.vs ? "" : opt.vs, links[v].stacks.clear();
+    for (auto& v : present) {  // (the planned widths stay)
+      links[v].baseline = v == opt.vs ? "" : opt.vs;
+      links[v].stacks.clear();
+    }
   }
   // The sweep's throughput timing, for the cells timed with the config their results were made with.
   std::optional<Timing> timing;

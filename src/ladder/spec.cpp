@@ -381,10 +381,25 @@ LadderSpec load_spec(const fs::path& file) {
   s.variants = order_variants(file.string(), s.variants);
   std::map<std::string, const VariantSpec*> by;
   for (auto& v : s.variants) by[v.name] = &v;
-  for (auto& sc : s.scales)
-    for (auto& n : sc.variants)
+  // A scale's variant list: real variants, each with its baseline and its stack's rungs (a variant
+  // at a width its baseline lacks has nothing to be measured against there).
+  for (auto& sc : s.scales) {
+    auto listed = [&](const std::string& n) { return std::find(sc.variants.begin(), sc.variants.end(), n) != sc.variants.end(); };
+    for (auto& n : sc.variants) {
       if (!by.count(n))
-        fail("{}: scale d={} lists variant '{}', which is not a variant of this spec", sc.where, sc.d, n);
+        fail("{}: scale d={} lists variant '{}', which is not a variant of this spec{}", sc.where, sc.d, n,
+             std::any_of(s.pending.begin(), s.pending.end(), [&](auto& p) { return p.name == n; })
+                 ? " (it is pending: checked, never run)"
+                 : " (a spec that extends another and removes a variant gives scales.list again)");
+      const VariantSpec& v = *by[n];
+      if (!v.baseline.empty() && !listed(v.baseline))
+        fail("{}: scale d={} lists '{}' but not its baseline '{}' (nothing to measure it against there)", sc.where,
+             sc.d, n, v.baseline);
+      for (auto& rung : v.stacks)
+        if (by.count(rung) && !listed(rung))
+          fail("{}: scale d={} lists '{}' but not '{}', a rung it stacks", sc.where, sc.d, n, rung);
+    }
+  }
   for (auto& v : s.variants) {
     for (auto& rung : v.stacks) {
       if (!by.count(rung)) fail("{}: variant '{}' stacks '{}', which is not a variant of this spec", v.where, v.name, rung);
