@@ -2161,45 +2161,36 @@ variants:
   EXPECT_NE(format_plan(only).find("6 runs = 2 variants x 2 scales x 2 seeds (some scales train only the variants they list)"),
             std::string::npos)
       << format_plan(only);
-  // The report's gates judge the widths a variant is planned at: wide has no d = 48 by design.
-  const fs::path out = dir->path / "only-sweep";
-  {
-    ResultStore store(out);
-    store.open_for_sweep(only.spec, only.hashes(), only.data_ids());
-    for (auto& r : only.runs) {
-      // wide reaches a lower loss than dense at every width (its widths' losses: dense's at 1.5x).
-      auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute,
-                           5.0 - 0.4 * std::log10(r.compute * (r.variant == "wide" ? 1.5 : 1.0) / 1e9), 1000);
-      j["config_hash"] = r.config_hash;
-      store.write_result(r.id, j);
+  // A results directory of a plan with every run stored but those `skip` names; wide reaches a lower
+  // loss than dense at every width (its widths' losses: dense's at 1.5x the compute).
+  auto fake_report = [&](const Plan& plan, const std::string& name, const std::string& skip, const std::string& vs) {
+    const fs::path out = dir->path / name;
+    {
+      ResultStore store(out);
+      store.open_for_sweep(plan.spec, plan.hashes(), plan.data_ids());
+      for (auto& r : plan.runs) {
+        if (r.id.rfind(skip, 0) == 0 && !skip.empty()) continue;
+        auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute,
+                             5.0 - 0.4 * std::log10(r.compute * (r.variant == "wide" ? 1.5 : 1.0) / 1e9), 1000);
+        j["config_hash"] = r.config_hash;
+        store.write_result(r.id, j);
+      }
     }
-  }
-  ReportOptions ro;
-  ro.dir = out;
-  const std::string md = write_report(ro);
+    ReportOptions ro;
+    ro.dir = out;
+    ro.vs = vs;
+    return write_report(ro);
+  };
+  // The report's gates judge the widths a variant is planned at: wide has no d = 48 by design.
+  const std::string md = fake_report(only, "only-sweep", "", "");
   EXPECT_NE(md.find("| wide | dense | 1.50x [1.50x-1.50x] (2.00x [2.00x-2.00x]) | - | pass |\n"), std::string::npos) << md;
   EXPECT_EQ(md.find("| n/a |"), std::string::npos) << md;
-  ro.vs = "dense";  // --vs keeps the planned widths
-  const std::string vs_md = write_report(ro);
+  const std::string vs_md = fake_report(only, "only-sweep-vs", "", "dense");  // --vs keeps the planned widths
   EXPECT_NE(vs_md.find("| wide | dense | 1.50x [1.50x-1.50x] (2.00x [2.00x-2.00x]) | - | pass |\n"), std::string::npos)
       << vs_md;
   // A width the variant IS planned at but has no result yet stays a gap (n/a): the full grid with
   // wide's d = 48 runs unfinished.
-  const fs::path gap = dir->path / "gap-sweep";
-  {
-    ResultStore store(gap);
-    store.open_for_sweep(full.spec, full.hashes(), full.data_ids());
-    for (auto& r : full.runs) {
-      if (r.variant == "wide" && r.d == 48) continue;
-      auto j = fake_result(r.variant, r.baseline, r.d, int(r.seed), r.compute,
-                           5.0 - 0.4 * std::log10(r.compute * (r.variant == "wide" ? 1.5 : 1.0) / 1e9), 1000);
-      j["config_hash"] = r.config_hash;
-      store.write_result(r.id, j);
-    }
-  }
-  ReportOptions rg;
-  rg.dir = gap;
-  const std::string gap_md = write_report(rg);
+  const std::string gap_md = fake_report(full, "gap-sweep", "wide-d48-", "");
   EXPECT_NE(gap_md.find("| wide | dense | 1.50x [1.50x-1.50x] (2.00x [2.00x-2.00x]) | - | n/a |\n"), std::string::npos)
       << gap_md;
   // --only keeps one run: the plan's note is about the spec, not the count.
