@@ -2210,6 +2210,13 @@ variants:
   EXPECT_NE(e.find("scale d=48: variant 'dense' is listed twice"), std::string::npos) << e;
   e = err("nobase", "[wide]");
   EXPECT_NE(e.find("nobase.yaml:7: scale d=48 lists 'wide' but not its baseline 'dense'"), std::string::npos) << e;
+  // The gates read each variant's widths back from the plan's run ids; a name may hold "-d..-s..".
+  std::string pv;
+  int pd = 0;
+  ASSERT_TRUE(parse_run_id(run_id("x-d3-s1", 32, 7), pv, pd));
+  EXPECT_EQ(pv, "x-d3-s1");
+  EXPECT_EQ(pd, 32);
+  EXPECT_FALSE(parse_run_id("dense-d32", pv, pd));
   // A spec extending one whose scale lists a variant it removes: the error says how to go on.
   spec("listed", head + "    - {d: 48, steps: 8, batch_size: 4, variants: [dense, wide]}\n" + tail);
   write_text(dir->path / "listcut.yaml", "extends: listed.yaml\nvariants:\n  wide: null\n");

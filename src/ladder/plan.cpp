@@ -204,7 +204,7 @@ Plan make_plan(const LadderSpec& spec, double peak) {
         r.cfg = cv;
         r.cfg.run.seed = seed;
         r.cfg.source = fmt::format("{} ({} d={} seed={})", sf, v.name, s.d, seed);
-        r.id = fmt::format("{}-d{}-s{}", v.name, s.d, seed);
+        r.id = run_id(v.name, s.d, seed);
         r.config_hash = config_hash(r.cfg);
         r.data_id = data_id;
         const auto& rc = r.cfg.run;
@@ -245,6 +245,17 @@ Plan make_plan(const LadderSpec& spec, double peak) {
   plan.peak_gflops = peak > 0 ? peak : sgemm_gflops();
   for (auto& r : plan.runs) r.est_seconds = r.flops_with_head / (plan.peak_gflops * 1e9 * spec.report.mfu_estimate);
   return plan;
+}
+
+std::string run_id(const std::string& variant, int d, uint64_t seed) { return fmt::format("{}-d{}-s{}", variant, d, seed); }
+
+bool parse_run_id(const std::string& id, std::string& variant, int& d) {
+  static const std::regex re(R"(^(.+)-d([0-9]+)-s[0-9]+$)");  // the variant may hold '-' (greedy, anchored)
+  std::smatch m;
+  if (!std::regex_match(id, m, re)) return false;
+  variant = m[1].str();
+  d = std::stoi(m[2].str());
+  return true;
 }
 
 std::string format_plan(const Plan& p) {

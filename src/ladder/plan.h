@@ -55,6 +55,10 @@ struct Plan {
 Plan make_plan(const LadderSpec& spec, double peak_gflops = 0);
 // The plan as a table (runs, FLOPs, estimated time, totals) for the terminal.
 std::string format_plan(const Plan& plan);
+// A run's id, "<variant>-d<width>-s<seed>" (PlannedRun::id), and the variant and width read back
+// from one (false: not such an id).
+std::string run_id(const std::string& variant, int d, uint64_t seed);
+bool parse_run_id(const std::string& id, std::string& variant, int& d);
 // Hash of a resolved config.
 std::string config_hash(const Config& cfg);
 // What a prepared data directory holds, from its meta.json and shard headers: the tokenizer's hash,

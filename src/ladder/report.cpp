@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <array>
 #include <map>
-#include <regex>
 #include <set>
 
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/stats.h"
+#include "ladder/plan.h"
 #include "ladder/store.h"
 #include "ladder/svg.h"
 #include "train/machine.h"
@@ -103,15 +103,19 @@ Paired pair_up(const std::string& vname, const std::map<int, std::vector<Obs>>& 
 // Point estimates of one data set (all seeds pooled, or one seed's runs): per variant its law over
 // all its runs and, per width, {Marin theoretical, Marin realized, law theoretical, law realized,
 // interpolated theoretical, interpolated realized} from the runs paired with its baseline's
-// (pair_up); `bound` the interpolated ones' CurveReading::bound.
+// (pair_up); `reading` where the interpolated ones lie on the baseline's curve.
 constexpr int kKinds = 6;
 using Speedups = std::array<double, kKinds>;
+struct CurvePlace {
+  int bound = 0;                 // CurveReading::bound
+  int from = 0, to = 0;          // bound 0: the baseline's widths read between
+  double span = kNaN;            // bound 0: their compute ratio (the straight line's stretch)
+};
 struct Estimates {
   std::map<std::string, PowerLaw> laws;
   std::map<std::string, bool> law_ok;
   std::map<std::string, std::map<int, Speedups>> sp;
-  std::map<std::string, std::map<int, int>> bound;
-  std::map<std::string, std::map<int, std::array<int, 2>>> between;  // the baseline's widths read between
+  std::map<std::string, std::map<int, CurvePlace>> reading;
   std::map<std::string, Paired> pairs;  // per variant with a baseline
 };
 
@@ -175,8 +179,10 @@ Estimates evaluate(const Cells& cells, const std::map<std::string, VariantInfo>&
         const CurveReading at = compute_on_curve(curve, mv.L);
         s[4] = at.C / mv.C;
         s[5] = realized_speedup(s[4], fv, fb);
-        est.bound[v][d] = at.bound;
-        if (at.bound == 0 && at.lo >= 0) est.between[v][d] = {widths[at.lo], widths[at.hi]};
+        CurvePlace& place = est.reading[v][d];
+        place.bound = at.bound;
+        if (at.bound == 0 && at.lo >= 0)
+          place.from = widths[at.lo], place.to = widths[at.hi], place.span = curve[at.hi].C / curve[at.lo].C;
       }
       est.sp[v][d] = s;
     }
@@ -209,15 +215,6 @@ double t_half_width(const std::vector<double>& xs, double mean) {
   return t975(int(xs.size()) - 1) * std::sqrt(q / double(xs.size() - 1) / double(xs.size()));
 }
 
-std::string gate(const std::vector<double>& xs) {
-  if (xs.empty()) return "n/a";
-  for (double x : xs)
-    if (std::isnan(x)) return "n/a";
-  for (double x : xs)
-    if (!(x > 1)) return "FAIL";
-  return "pass";
-}
-
 // The gate over values that may be bounds (x, bound as in CurveReading): a missing value, n/a; a
 // value <= 1 or an upper bound <= 1 at some width, FAIL; else a bound that decides nothing, n/a.
 std::string gate_bounded(const std::vector<std::pair<double, int>>& xs) {
@@ -229,6 +226,13 @@ std::string gate_bounded(const std::vector<std::pair<double, int>>& xs) {
   for (auto& [x, b] : xs)
     if (b < 0 || !(x >= 1)) return "n/a";  // < x with x > 1, or > x with x < 1
   return "pass";
+}
+
+// The gate over point values: every one > 1 ("pass"), one <= 1 ("FAIL"), one missing ("n/a").
+std::string gate(const std::vector<double>& xs) {
+  std::vector<std::pair<double, int>> values;
+  for (double x : xs) values.push_back({x, 0});
+  return gate_bounded(values);
 }
 
 std::string sci(double v) { return fmt::format("{:.3g}", v); }
@@ -387,18 +391,19 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
       Estimates seed_est = evaluate(one, info, E, alpha, timed);
       for (auto& [v, byd] : seed_est.sp) {
         const std::string& b = info.at(v).baseline;
-        const bool laws_ok = complete(v) && cells.count(b) && complete(b);
+        // The law speedups rest on every width of the pair: only complete seeds count. An
+        // interpolated reading rests on the baseline's curve alone: a seed lacking some width of the
+        // variant still reads it the pooled way, one lacking a width of the baseline does not; and
+        // it counts only where it is a value, not a bound.
+        const bool curve_ok = cells.count(b) && complete(b);
+        const bool laws_ok = complete(v) && curve_ok;
         if (!laws_ok && !incomplete_seeds[v].count(sd)) incomplete_seeds[v].insert(sd);
+        const auto places = seed_est.reading.find(v);
         for (auto& [d, s] : byd) {
           if (!one.count(b) || !one[b].count(d)) continue;  // no pair at this width for this seed
           ++seeds_in_cell[v][d];
-          // The law and interpolated speedups rest on every width of the pair: only complete seeds
-          // count; an interpolated one only where it is a value, not a bound.
-          const auto bv = seed_est.bound.find(v);
-          const bool in_range = bv != seed_est.bound.end() && bv->second.count(d) && bv->second.at(d) == 0;
-          // An interpolated reading rests on the baseline's curve alone: a seed lacking some width of
-          // the variant still reads it the pooled way, one lacking a width of the baseline does not.
-          const bool curve_ok = cells.count(b) && complete(b);
+          const bool in_range = places != seed_est.reading.end() && places->second.count(d) &&
+                                places->second.at(d).bound == 0;
           for (int k = 0; k < kKinds; ++k)
             if (std::isfinite(s[k]) && s[k] > 0 && (k < 2 || (k < 4 ? laws_ok : curve_ok && in_range)))
               per_seed[v][d][k].push_back(std::log(s[k]));
@@ -482,13 +487,9 @@ Report compute_report(const std::vector<nlohmann::json>& results, double E, doub
         }
         if (!row.baseline.empty()) {
           auto s = point.sp[n][d];
-          c.interp_bound = point.bound[n][d];
-          if (c.interp_bound == 0 && point.between[n].count(d)) {
-            const auto [from, to] = point.between[n][d];
-            const auto& b = point.pairs.at(n).b;
-            c.interp_from = from, c.interp_to = to;
-            c.interp_span = mean_of(b.at(to)).C / mean_of(b.at(from)).C;
-          }
+          const CurvePlace& place = point.reading[n][d];
+          c.interp_bound = place.bound;
+          c.interp_from = place.from, c.interp_to = place.to, c.interp_span = place.span;
           Interval* iv[kKinds] = {&c.marin_theo, &c.marin_real, &c.law_theo,
                                   &c.law_real,   &c.interp_theo, &c.interp_real};
           if (std::isinf(s[0]) || std::isinf(s[2]))
@@ -1150,10 +1151,12 @@ std::string write_report(const ReportOptions& opt) {
     }
   // The widths each variant is planned at, from the plan's run ids (`<variant>-d<width>-s<seed>`).
   if (manifest.contains("runs") && manifest["runs"].is_object()) {
-    static const std::regex id_re(R"(^(.+)-d([0-9]+)-s[0-9]+$)");
     std::map<std::string, std::set<int>> widths;
-    for (auto& [id, h] : manifest["runs"].items())
-      if (std::smatch m; std::regex_match(id, m, id_re)) widths[m[1].str()].insert(std::stoi(m[2].str()));
+    for (auto& [id, h] : manifest["runs"].items()) {
+      std::string v;
+      int d = 0;
+      if (parse_run_id(id, v, d)) widths[v].insert(d);
+    }
     for (auto& [v, ds] : widths)  // (a variant without recorded links keeps its results' own)
       if (auto l = links.find(v); l != links.end()) l->second.widths.assign(ds.begin(), ds.end());
   }
