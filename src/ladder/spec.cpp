@@ -312,12 +312,6 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
   // of the file's entries does not matter; a removed rung a remaining variant stacks is an error.
   for (size_t i = 0; i < removed.size(); ++i) {
     const VariantSpec& gone = removed[i].v;
-    for (auto* list : {&s.variants, &s.pending})
-      for (auto& v : *list)
-        if (std::find(v.stacks.begin(), v.stacks.end(), gone.name) != v.stacks.end())
-          fail("{}: {}: null removes a variant that '{}' ({}) stacks; remove '{}' too, or give its stacks without "
-               "'{}'",
-               removed[i].where, gone.name, v.name, v.where, v.name, gone.name);
     auto fold = [&](VariantSpec& v) {
       if (v.baseline != gone.name) return;
       std::vector<SetEntry> set;
@@ -332,7 +326,13 @@ void read_spec_file(const fs::path& file, LadderSpec& s, std::vector<fs::path>& 
       v.baseline = gone.baseline;
     };
     for (auto* list : {&s.variants, &s.pending})
-      for (auto& v : *list) fold(v);
+      for (auto& v : *list) {
+        if (std::find(v.stacks.begin(), v.stacks.end(), gone.name) != v.stacks.end())
+          fail("{}: {}: null removes a variant that '{}' ({}) stacks; remove '{}' too, or give its stacks without "
+               "'{}'",
+               removed[i].where, gone.name, v.name, v.where, v.name, gone.name);
+        fold(v);
+      }
     for (size_t j = i + 1; j < removed.size(); ++j) fold(removed[j].v);
   }
   if (auto rep = root["report"]) {
